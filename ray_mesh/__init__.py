@@ -1,0 +1,26 @@
+"""ray_mesh: named DeviceMesh training (pp, dp_replicate, dp_shard, cp, tp) on a Ray cluster."""
+
+from ray_mesh.bootstrap import get_mesh, get_state, init_mesh, is_initialized, shutdown_mesh
+from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec, MeshSpecError
+
+__all__ = [
+    "DIM_NAMES",
+    "FLATTENED_DIMS",
+    "MeshConfig",
+    "MeshSpec",
+    "MeshSpecError",
+    "get_mesh",
+    "get_state",
+    "init_mesh",
+    "is_initialized",
+    "shutdown_mesh",
+]
+
+
+def __getattr__(name: str):
+    # MeshConfig imports Ray; keep `import ray_mesh` Ray-free for torchrun users.
+    if name == "MeshConfig":
+        from ray_mesh.backend import MeshConfig
+
+        return MeshConfig
+    raise AttributeError(f"module 'ray_mesh' has no attribute {name!r}")

@@ -1,0 +1,244 @@
+"""Ray-free worker bootstrap: environment -> process group -> DeviceMesh -> get_mesh().
+
+This module imports torch, never Ray, so the same bring-up runs under ``torchrun``
+(:func:`init_mesh` reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and inside Ray
+Train workers (the backend calls :func:`setup_worker`).
+
+The mesh lives in a module global because Ray Train V2 runs the train function in another
+thread of the worker process than the one that built the mesh; the CUDA device, which is
+per thread, is set again for the training thread by :func:`use_device`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PG_TIMEOUT_S = 600.0
+
+
+class BootstrapError(RuntimeError):
+    """The process group or mesh could not be built; the message says why and what to do."""
+
+
+@dataclass
+class MeshState:
+    """What this process knows about its place in the mesh."""
+
+    mesh: DeviceMesh
+    spec: MeshSpec
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def coordinate(self) -> dict[str, int]:
+        return self.spec.coordinate(self.rank)
+
+
+_state: MeshState | None = None
+_lock = threading.Lock()
+
+
+def get_mesh() -> DeviceMesh:
+    """The DeviceMesh of this worker, with every named dim and the flattened dp dims."""
+    return get_state().mesh
+
+
+def get_state() -> MeshState:
+    if _state is None:
+        raise BootstrapError(
+            "ray_mesh.get_mesh() was called before a mesh exists in this process. Under Ray "
+            "Train pass torch_config=ray_mesh.MeshConfig(mesh=...) to TorchTrainer; under "
+            "torchrun call ray_mesh.init_mesh(spec) first."
+        )
+    return _state
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+# --------------------------------------------------------------------------- devices
+def pick_device(backend: str | None, local_rank: int, device: str | None = None) -> torch.device:
+    """The device this rank computes on: the one given, else cuda:LOCAL_RANK, else cpu."""
+    if device is not None:
+        dev = torch.device(device)
+    elif backend != "gloo" and torch.cuda.is_available():
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+    else:
+        dev = torch.device("cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BootstrapError(
+            f"Device {dev} was asked for but CUDA is not available in this process "
+            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Ask for GPUs in the scaling config, "
+            f"or run on CPU with backend='gloo'."
+        )
+    return dev
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` current for the calling thread (CUDA's current device is per thread)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+# --------------------------------------------------------------------------- mesh
+def build_device_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh:
+    """A DeviceMesh with all five named dims (size 1 included) and the flattened dims."""
+    if not spec.is_resolved:
+        raise BootstrapError(f"{spec} must be resolved before the mesh is built.")
+    mesh = init_device_mesh(device_type, tuple(spec.shape), mesh_dim_names=DIM_NAMES)
+    for flat, parts in FLATTENED_DIMS.items():
+        mesh[parts]._flatten(mesh_dim_name=flat)
+    return mesh
+
+
+def init_process_group(
+    backend: str,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    timeout_s: float = DEFAULT_PG_TIMEOUT_S,
+) -> None:
+    """``init_process_group`` from MASTER_ADDR/MASTER_PORT, bound to ``device`` on GPUs."""
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(key):
+            raise BootstrapError(
+                f"{key} is not set: under torchrun it is set for you; otherwise export "
+                f"MASTER_ADDR=<rank 0's address> MASTER_PORT=<free port> on every rank."
+            )
+    kwargs = {}
+    if device.type == "cuda" and "nccl" in backend:
+        # Binding the device lets NCCL create its communicator eagerly and makes
+        # barrier()/split_group use the right GPU.
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def setup_worker(
+    spec: MeshSpec,
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    backend: str | None = None,
+    device: str | None = None,
+    timeout_s: float = DEFAULT_PG_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+) -> MeshState:
+    """Everything a worker does to join the mesh; the Ray backend and torchrun both call it.
+
+    ``env`` is the environment already in force (interface names etc.), kept for the
+    layout table. Idempotent for the same spec: a second call returns the existing state.
+    """
+    global _state
+    with _lock:
+        if _state is not None:
+            if _state.spec == spec and _state.rank == rank:
+                return _state
+            raise BootstrapError(
+                f"This process already holds a mesh {_state.spec} as rank {_state.rank}; call "
+                f"ray_mesh.shutdown_mesh() before building another."
+            )
+        resolved = spec if spec.is_resolved else spec.resolve(world_size)
+        if resolved.world_size != world_size:
+            raise BootstrapError(
+                f"{resolved} has {resolved.world_size} ranks but the world size is {world_size}."
+            )
+        dev = pick_device(backend, local_rank, device)
+        backend = backend or default_backend(dev)
+        use_device(dev)
+        if not dist.is_initialized():
+            init_process_group(backend, dev, rank, world_size, timeout_s)
+        elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise BootstrapError(
+                f"A process group already exists with rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the mesh wants rank {rank} of {world_size}."
+            )
+        mesh = build_device_mesh(resolved, dev.type)
+        _state = MeshState(mesh, resolved, rank, world_size, local_rank, dev, backend,
+                           dict(env or {}))
+        return _state
+
+
+def _env_int(name: str, default: int | None = None, *alternatives: str) -> int:
+    for key in (name, *alternatives):
+        if os.environ.get(key):
+            try:
+                return int(os.environ[key])
+            except ValueError as exc:
+                raise BootstrapError(f"{key}={os.environ[key]!r} is not an integer.") from exc
+    if default is None:
+        raise BootstrapError(
+            f"{name} is not set. Start this script with torchrun (which sets RANK, WORLD_SIZE, "
+            f"LOCAL_RANK), or through Ray Train with ray_mesh.MeshConfig."
+        )
+    return default
+
+
+def init_mesh(
+    spec: MeshSpec | Mapping | str | None = None,
+    *,
+    backend: str | None = None,
+    device: str | None = None,
+    timeout_s: float = DEFAULT_PG_TIMEOUT_S,
+) -> DeviceMesh:
+    """Build the mesh from torchrun's environment and return it (Ray-free entry point).
+
+    ``'nodes'`` dims resolve to WORLD_SIZE / LOCAL_WORLD_SIZE, the node count under torchrun.
+    """
+    spec = MeshSpec.from_dict(spec)
+    world_size = _env_int("WORLD_SIZE")
+    rank = _env_int("RANK")
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if world_size % local_world:
+        raise BootstrapError(
+            f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world}: "
+            f"every node must run the same number of ranks (torchrun --nproc-per-node)."
+        )
+    resolved = spec.resolve(world_size, num_nodes=world_size // local_world)
+    if local_world % resolved.inner_size:
+        raise BootstrapError(
+            f"tp*cp = {resolved.inner_size} does not divide the {local_world} ranks per node: "
+            f"tp and cp groups would cross nodes. Use tp*cp that divides --nproc-per-node."
+        )
+    return setup_worker(resolved, rank=rank, world_size=world_size, local_rank=local_rank,
+                        backend=backend, device=device, timeout_s=timeout_s).mesh
+
+
+def shutdown_mesh() -> None:
+    """Forget the mesh and destroy the process group (safe to call when none exists)."""
+    global _state
+    with _lock:
+        _state = None
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
