@@ -1,0 +1,242 @@
+"""MeshConfig and its Backend: the thin Ray Train glue around the Ray-free core.
+
+``on_start`` (run by Ray Train's controller once the worker actors exist):
+probe every worker -> plan the mesh on the real topology -> choose each node's interface
+and rank 0's address -> set the environment and bootstrap every worker, all bounded in
+time. Any failure shuts the worker group down before re-raising, because Ray 2.60 leaks
+the placement group and actors of a group whose backend hook raised, and the next
+``fit()`` from the same driver then waits forever for resources.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.train.backend import Backend
+from ray.train.torch import TorchConfig
+
+from ray_mesh import bootstrap
+from ray_mesh.network import Choice, apply_env, choose_interface, collective_env, free_port
+from ray_mesh.spec import MeshSpec
+from ray_mesh.topology import MeshPlan, WorkerReport, plan_mesh
+
+logger = logging.getLogger(__name__)
+
+
+class BringUpError(RuntimeError):
+    """The mesh could not be brought up on the workers; the message names ranks and nodes."""
+
+
+@dataclass
+class MeshConfig(TorchConfig):
+    """``TorchConfig`` that builds a named DeviceMesh on every worker.
+
+    Args:
+        mesh: a :class:`MeshSpec`, a dict of dim sizes, or ``'hsdp'``/``'fsdp'``/``'ddp'``.
+        interface: ``'auto'`` (the interface carrying each node's Ray IP, else a Tailscale
+            one) or an interface name present on every node.
+        allow_cross_node_inner: accept tp*cp groups that cross nodes (slow; off by default).
+        bringup_timeout_s: bound on the whole bring-up (process group and mesh); past it the
+            run fails with the ranks that did not finish, instead of hanging.
+        backend: ``None`` picks nccl on GPU workers and gloo on CPU workers.
+        timeout_s: torch.distributed collective timeout.
+    """
+
+    mesh: Any = None
+    interface: str = "auto"
+    allow_cross_node_inner: bool = False
+    bringup_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        # Parse here so bad input fails on the driver, before any worker starts.
+        self.mesh = MeshSpec.from_dict(self.mesh)
+        if not isinstance(self.interface, str) or not self.interface:
+            raise ValueError(f"interface must be 'auto' or an interface name, got "
+                             f"{self.interface!r}.")
+        if not self.bringup_timeout_s or self.bringup_timeout_s <= 0:
+            raise ValueError(f"bringup_timeout_s must be > 0, got {self.bringup_timeout_s}.")
+        if self.init_method != "env":
+            raise ValueError("MeshConfig sets MASTER_ADDR/MASTER_PORT itself: use "
+                             f"init_method='env' (got {self.init_method!r}).")
+
+    @property
+    def backend_cls(self):
+        return _MeshBackend
+
+    @property
+    def train_func_context(self):
+        return _TrainThreadContext
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.update(mesh=self.mesh.to_dict(), interface=self.interface,
+                   allow_cross_node_inner=self.allow_cross_node_inner,
+                   bringup_timeout_s=self.bringup_timeout_s)
+        return out
+
+
+class _TrainThreadContext:
+    """Entered by Ray Train in the training thread: make the mesh's device current there."""
+
+    def __enter__(self) -> None:
+        if bootstrap.is_initialized():
+            bootstrap.use_device(bootstrap.get_state().device)
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+# ----------------------------------------------------------------------------- on workers
+def _probe_worker() -> WorkerReport:
+    from ray_mesh.network import local_interfaces
+
+    ctx = ray.train.get_context()
+    return WorkerReport(
+        rank=ctx.get_world_rank(),
+        node_id=ray.get_runtime_context().get_node_id(),
+        node_ip=ray.util.get_node_ip_address(),
+        hostname=socket.gethostname(),
+        local_rank=ctx.get_local_rank(),
+        device=str(ray.train.torch.get_device()),
+        interfaces=local_interfaces(),
+        versions={"torch": torch.__version__, "ray": ray.__version__,
+                  "nccl": ".".join(map(str, torch.cuda.nccl.version()))
+                  if torch.cuda.is_available() else ""},
+    )
+
+
+def _free_port_on(address: str) -> int:
+    return free_port(address)
+
+
+def _setup_on_worker(
+    spec: MeshSpec,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    node_rank: int,
+    fixed_env: dict[str, str],
+    collective: dict[str, str],
+    backend: str | None,
+    device: str,
+    timeout_s: float,
+    layout_table: str,
+) -> dict[str, str]:
+    os.environ.update(fixed_env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(local_world_size), NODE_RANK=str(node_rank))
+    in_force = {**fixed_env, **apply_env(collective)}
+    logger.info("ray_mesh rank %d: %s", rank,
+                " ".join(f"{k}={v}" for k, v in sorted(in_force.items())))
+    bootstrap.setup_worker(spec, rank=rank, world_size=world_size, local_rank=local_rank,
+                           backend=backend, device=device, timeout_s=timeout_s, env=in_force)
+    if rank == 0:
+        print(layout_table, flush=True)
+    return in_force
+
+
+def _shutdown_on_worker() -> None:
+    bootstrap.shutdown_mesh()
+
+
+# ----------------------------------------------------------------------------- controller
+def _release_worker_group(worker_group) -> None:
+    """Shut down a V2 worker group whose start failed (see the module docstring)."""
+    try:
+        from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+    except ImportError:  # Ray Train V1: its own cleanup handles a failed start
+        return
+    if isinstance(worker_group, WorkerGroup):
+        try:
+            worker_group.shutdown()
+        except Exception:  # noqa: BLE001 - best effort; the original error is what matters
+            logger.warning("ray_mesh: could not shut down the failed worker group",
+                           exc_info=True)
+
+
+def _wait_bounded(refs: list, timeout_s: float, what: str, labels: list[str]) -> list:
+    """ray.get with a deadline that fails on the first error instead of waiting for all."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            late = [labels[refs.index(r)] for r in pending]
+            raise BringUpError(
+                f"{what} did not finish within {timeout_s:.0f} s on {len(late)} of {len(refs)} "
+                f"workers: {', '.join(late)}. A process group that never forms usually means "
+                f"the nodes cannot reach each other on the chosen interface or port: run "
+                f"`ray-mesh doctor`, check firewalls, or pass MeshConfig(interface=...). Raise "
+                f"MeshConfig(bringup_timeout_s=...) if the nodes are just slow."
+            )
+        done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        for ref in done:
+            ray.get(ref)  # re-raises the worker's error at once
+    return ray.get(refs)
+
+
+def plan_for(worker_group, config: MeshConfig) -> tuple[MeshPlan, list[Choice]]:
+    """Probe the workers and plan the mesh and interfaces; raises before any process group."""
+    reports = worker_group.execute(_probe_worker)
+    plan = plan_mesh(config.mesh, reports, allow_cross_node_inner=config.allow_cross_node_inner)
+    gpus = worker_group.get_resources_per_worker().get("GPU", 0)
+    if gpus and any(not r.device.startswith("cuda") for r in reports):
+        cpu_ranks = [r.rank for r in reports if not r.device.startswith("cuda")]
+        raise BringUpError(
+            f"GPUs were asked for, but ranks {cpu_ranks} see no CUDA device (torch "
+            f"{reports[0].versions.get('torch')}). Install a CUDA build of torch on those nodes, "
+            f"or run with ScalingConfig(use_gpu=False)."
+        )
+    choices = [choose_interface(r.node_ip, config.interface, r.interfaces) for r in reports]
+    return plan, choices
+
+
+class _MeshBackend(Backend):
+    share_cuda_visible_devices: bool = True
+
+    def on_start(self, worker_group, backend_config: MeshConfig) -> None:
+        try:
+            self._start(worker_group, backend_config)
+        except BaseException:
+            _release_worker_group(worker_group)
+            raise
+
+    def _start(self, worker_group, config: MeshConfig) -> None:
+        plan, choices = plan_for(worker_group, config)
+        master = choices[0]
+        port = worker_group.execute_single(0, _free_port_on, master.address)
+        fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
+        table = plan.layout_table({i: c.interface for i, c in enumerate(choices)})
+        logger.info("%s", table)
+        refs = [
+            worker_group.execute_single_async(
+                w.rank, _setup_on_worker, plan.spec, w.rank, len(plan.workers), w.local_rank,
+                plan.workers_per_node, plan.node_rank(w.rank), fixed,
+                collective_env(choices[w.rank]), config.backend,
+                w.device, float(config.timeout_s), table,
+            )
+            for w in plan.workers
+        ]
+        labels = [f"rank {w.rank} ({w.node_ip}, {choices[w.rank].interface})"
+                  for w in plan.workers]
+        _wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
+
+    def on_shutdown(self, worker_group, backend_config: MeshConfig) -> None:
+        # Also runs after a half-finished on_start: shutdown_mesh tolerates "nothing built".
+        try:
+            _wait_bounded(worker_group.execute_async(_shutdown_on_worker), 30.0,
+                          "Process group shutdown", [str(i) for i in range(len(worker_group))])
+        except Exception as exc:  # noqa: BLE001 - a dead worker must not block the shutdown
+            logger.warning("ray_mesh: process group shutdown incomplete: %s", exc)
+
+
+__all__ = ["BringUpError", "MeshConfig", "plan_for"]
+

@@ -1,0 +1,122 @@
+"""Run a :class:`~ray_mesh.job.Job` on Ray: embedded local Ray, or a cluster by address."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import ray
+from ray.train import FailureConfig, Result, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from ray_mesh.backend import MeshConfig
+from ray_mesh.job import Job, JobError
+from ray_mesh.spec import NODES
+
+logger = logging.getLogger(__name__)
+
+
+def connect(address: str | None, num_cpus_needed: float) -> bool:
+    """Join ``address`` (or RAY_ADDRESS); with neither, start an embedded local Ray.
+
+    Returns True when this call started Ray (the caller shuts it down).
+    """
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except Exception as exc:  # ConnectionError, TimeoutError, ...
+            raise JobError(
+                f"Cannot reach the Ray cluster at {address!r}: {type(exc).__name__}: {exc}. "
+                f"Check `ray status` on the head node, the address and port (default 6379), "
+                f"and that this machine can reach it (Tailscale up?). Leave --address and "
+                f"RAY_ADDRESS unset to run on an embedded local Ray."
+            ) from exc
+        return False
+    # CPU workers on a small machine: let Ray count enough CPUs for all of them.
+    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)))
+    return True
+
+
+def scaling_for(job: Job, cluster: dict[str, float]) -> ScalingConfig:
+    """ScalingConfig from the job, with use_gpu 'auto' meaning "if the cluster has enough"."""
+    s = job.scaling
+    workers = s.get("num_workers", 4)
+    use_gpu = s.get("use_gpu", "auto")
+    if use_gpu == "auto":
+        use_gpu = cluster.get("GPU", 0) >= workers
+    resources = dict(s.get("resources_per_worker") or {})
+    if not use_gpu:
+        resources.setdefault("CPU", 1)
+    kwargs: dict[str, Any] = {}
+    if "placement_strategy" in s:
+        kwargs["placement_strategy"] = s["placement_strategy"]
+    return ScalingConfig(num_workers=workers, use_gpu=bool(use_gpu),
+                         resources_per_worker=resources or None, **kwargs)
+
+
+def check_resources(scaling: ScalingConfig, cluster: dict[str, float]) -> None:
+    """Fail now, not after a silent wait for resources that will never come."""
+    per_worker = dict(scaling.resources_per_worker or {})
+    if scaling.use_gpu:
+        per_worker.setdefault("GPU", 1)
+    for name, amount in per_worker.items():
+        need = amount * scaling.num_workers
+        have = cluster.get(name, 0)
+        if need > have:
+            fix = ("set scaling.use_gpu: false (or auto) to train on CPU"
+                   if name == "GPU" else f"lower scaling.num_workers or resources_per_worker."
+                   f"{name}, or add nodes that have {name!r}")
+            raise JobError(
+                f"The job asks for {name}: {need:g} ({scaling.num_workers} workers x {amount:g}) "
+                f"but the cluster has {name}: {have:g}. {fix[0].upper() + fix[1:]}."
+            )
+
+
+def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
+    net = job.network
+    mesh_config = MeshConfig(
+        mesh=job.mesh,
+        interface=net.get("interface", "auto"),
+        allow_cross_node_inner=bool(net.get("allow_cross_node_inner", False)),
+        bringup_timeout_s=float(net.get("bringup_timeout_s", 120.0)),
+        backend=net.get("backend"),
+        timeout_s=int(net.get("timeout_s", 1800)),
+    )
+    run = job.run
+    run_config = RunConfig(
+        name=job.name,
+        storage_path=run.get("storage_path"),
+        failure_config=FailureConfig(max_failures=int(run.get("max_failures", 0))),
+    )
+    return TorchTrainer(
+        job.load_train_fn(),
+        train_loop_config=job.config,
+        scaling_config=scaling,
+        torch_config=mesh_config,
+        run_config=run_config,
+    )
+
+
+def run_job(job: Job, address: str | None = None) -> Result:
+    """Check the job, connect to Ray and run it to the end."""
+    job.load_train_fn()  # a train function that cannot be imported fails before Ray starts
+    cpus = job.scaling.get("num_workers", 4) * float(
+        (job.scaling.get("resources_per_worker") or {}).get("CPU", 1))
+    started = connect(address, cpus)
+    try:
+        cluster = ray.cluster_resources()
+        scaling = scaling_for(job, cluster)
+        check_resources(scaling, cluster)
+        # Resolve the mesh against the worker count now: a product that cannot match fails
+        # here, not after the workers started.
+        if NODES not in job.mesh.shape:
+            job.mesh.resolve(scaling.num_workers)
+        return build_trainer(job, scaling).fit()
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,34 @@
+"""Shared fixtures: one local Ray instance for the whole test session.
+
+Starting Ray costs ~10 s on a 2-core machine, so every test that only needs "a Ray" shares
+this one. Tests that need their own cluster (several raylets, network namespaces, a fixed
+metrics port) start it in a subprocess or their own fixture and never call ray.init here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+LOCAL_RAY_CPUS = 8
+
+
+@pytest.fixture(scope="session")
+def ray_local(tmp_path_factory):
+    """A local Ray with 8 logical CPUs (enough for 8 workers of CPU=1 on a 2-core box)."""
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=LOCAL_RAY_CPUS, include_dashboard=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def storage(tmp_path):
+    """A storage_path for RunConfig, private to the test."""
+    return str(tmp_path / "results")
