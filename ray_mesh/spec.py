@@ -15,7 +15,7 @@ import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
 
@@ -36,7 +36,7 @@ NODES = "nodes"
 
 SHORTHANDS = ("hsdp", "fsdp", "ddp")
 
-DimValue = Union[int, str]
+DimValue = int | str
 
 
 class MeshSpecError(ValueError):
