@@ -1,0 +1,70 @@
+# shellcheck shell=bash
+# Shared by ray-head.sh and ray-worker.sh: find this node's tailnet address and load the
+# NCCL settings. Sourced, not run.
+
+die() {
+    printf 'ray-mesh deploy: error: %s\n' "$*" >&2
+    exit 2
+}
+
+# The node's Tailscale IPv4 address: Ray, NCCL and gloo all use it, so they agree on one
+# interface (tailscale0) instead of picking eth0/docker0 on their own.
+tailnet_ip() {
+    local ip
+    if [[ -n "${RAY_MESH_NODE_IP:-}" ]]; then
+        printf '%s\n' "$RAY_MESH_NODE_IP"
+        return 0
+    fi
+    command -v tailscale >/dev/null 2>&1 \
+        || die "the 'tailscale' command is not on PATH. Install Tailscale and run 'tailscale up', or set RAY_MESH_NODE_IP to this node's address."
+    ip="$(tailscale ip -4 2>/dev/null | head -n 1)"
+    [[ -n "$ip" ]] \
+        || die "'tailscale ip -4' printed no address. Run 'tailscale up' (and check 'tailscale status'), then start again."
+    printf '%s\n' "$ip"
+}
+
+# NCCL/gloo settings shared by every Ray worker on this node (see nccl.env). A value set in
+# the environment before this script runs wins over the file; RAY_MESH_ENV_FILE=none
+# skips the file.
+load_env_file() {
+    local file="${RAY_MESH_ENV_FILE:-}"
+    [[ "$file" == "none" ]] && return 0
+    if [[ -z "$file" ]]; then
+        for candidate in /etc/ray-mesh/nccl.env "$(dirname "${BASH_SOURCE[0]}")/nccl.env"; do
+            if [[ -r "$candidate" ]]; then
+                file="$candidate"
+                break
+            fi
+        done
+    fi
+    [[ -z "$file" ]] && return 0
+    [[ -r "$file" ]] || die "RAY_MESH_ENV_FILE=$file cannot be read."
+    local line key
+    while IFS= read -r line || [[ -n "$line" ]]; do
+        [[ "$line" =~ ^[[:space:]]*(#|$) ]] && continue
+        key="${line%%=*}"
+        [[ "$key" =~ ^[A-Z_][A-Z0-9_]*$ ]] || die "$file: not a KEY=value line: $line"
+        if [[ -z "${!key+x}" ]]; then
+            export "$key=${line#*=}"
+        fi
+    done <"$file"
+}
+
+# Ray 2.60 turns token authentication on by default; keep it on. The token lives in
+# ~/.ray/auth_token (or RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH) and must be the same on
+# every node.
+# Turn token mode on explicitly: `ray start --address` on a worker does not switch it on by
+# itself when a token file exists (the head does), and then fails with InvalidAuthToken.
+use_token_auth() {
+    if [[ "${RAY_AUTH_MODE:-}" == "disabled" ]]; then
+        echo "ray-mesh deploy: warning: RAY_AUTH_MODE=disabled: anyone on the tailnet can run code on this cluster." >&2
+        return 0
+    fi
+    export RAY_AUTH_MODE=token
+}
+
+have_token() {
+    [[ -n "${RAY_AUTH_TOKEN:-}" ]] && return 0
+    [[ -n "${RAY_AUTH_TOKEN_PATH:-}" && -r "${RAY_AUTH_TOKEN_PATH}" ]] && return 0
+    [[ -r "${HOME:-/root}/.ray/auth_token" ]]
+}

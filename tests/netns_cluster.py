@@ -1,0 +1,361 @@
+"""A virtual Tailscale cluster on one Linux machine, for tests (a reusable fixture library).
+
+Each "node" is a network namespace with:
+
+* ``tailscale0``: one end of a veth pair (the other end sits on a private bridge in the
+  host namespace), holding an address in Tailscale's 100.64.0.0/10 range; all nodes reach
+  each other over it, and Ray runs on it (``--node-ip-address``).
+* ``eth0``: a decoy on a different network (a veth whose other end is on no bridge, so
+  the other nodes' decoy addresses never answer). A library that picks the wrong interface hangs or fails here
+  for real, as it does on a box with eth0, docker0 and tailscale0.
+* ``lo`` up.
+
+Ray is started in every namespace with the project's own ``deploy/tailscale/ray-head.sh``
+and ``ray-worker.sh`` (a stand-in ``tailscale`` command on PATH prints the namespace's
+address), each node with its own ``--temp-dir`` and custom resources that stand in for GPUs
+(Ray packs CPU-only workers onto one node otherwise). Drivers run inside the head
+namespace (:meth:`NetnsCluster.run_python`).
+
+Names (namespaces, bridge, veths) and subnets derive from the test process's pid, so
+concurrent sessions do not collide. :meth:`NetnsCluster.stop` kills exactly the processes
+that live in this cluster's namespaces (``ip netns pids``), never ``ray stop``, then deletes
+the namespaces, the bridge and the temp dirs; it runs even when a test fails.
+
+Usage::
+
+    from tests.netns_cluster import NetnsCluster, netns_unavailable_reason
+
+    with NetnsCluster(resources=[{"slot": 2}, {"slot": 2}]) as cluster:
+        out = cluster.run_python("import ray; ray.init(); print(ray.nodes())")
+        cluster.cut_link(1)                         # node 1 drops off the bridge
+        cluster.interface_counters(0)               # {"rx_bytes": ..., "tx_bytes": ...}
+
+Ray token authentication (on by default in Ray 2.60) is left on: every namespace shares
+this machine's ``~/.ray/auth_token``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy" / "tailscale"
+TAILNET_IFACE = "tailscale0"
+DECOY_IFACE = "eth0"
+
+
+def netns_unavailable_reason() -> str | None:
+    """Why a namespace cluster cannot run here (None when it can)."""
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root (run the tests as root)"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    name = f"rmchk{os.getpid()}"
+    try:
+        subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True,
+                       timeout=10)
+        subprocess.run(["ip", "netns", "del", name], check=True, capture_output=True,
+                       timeout=10)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        return f"`ip netns add` does not work here: {err.decode(errors='replace') or exc}"
+    return None
+
+
+def _run(cmd: list[str], *, check: bool = True, timeout: float = 30,
+         **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}): {proc.stderr}")
+    return proc
+
+
+@dataclass
+class Node:
+    """One namespace node."""
+
+    index: int
+    ns: str
+    ip: str  # on tailscale0
+    decoy_ip: str  # on eth0 (the decoy)
+    host_veth: str  # the bridge end, in the host namespace
+    decoy_host: str  # the decoy's other end, in the host namespace, on no bridge
+    temp_dir: Path
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def exec_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.ns]
+
+
+class NetnsCluster:
+    """Namespaces on a bridge with a real Ray node in each (see the module docstring).
+
+    Args:
+        resources: custom resources per node; its length is the node count.
+        num_cpus: logical CPUs each node advertises.
+        start_ray: False builds only the network (for pre-flight tests without Ray).
+        env: extra environment for every ``ray start`` (and so every Ray worker).
+        ray_start_timeout_s: bound on each node's start.
+    """
+
+    def __init__(
+        self,
+        resources: list[dict[str, float]] | None = None,
+        *,
+        num_cpus: int = 2,
+        start_ray: bool = True,
+        env: dict[str, str] | None = None,
+        ray_start_timeout_s: float = 120.0,
+    ) -> None:
+        self.resources = resources or [{"slot": 2}, {"slot": 2}]
+        if not 1 <= len(self.resources) <= 200:
+            raise ValueError("a NetnsCluster has 1..200 nodes")
+        self.num_cpus = num_cpus
+        self.start_ray = start_ray
+        self.env = dict(env or {})
+        self.ray_start_timeout_s = ray_start_timeout_s
+        pid = os.getpid()
+        self.tag = f"{pid % 10_000_000}"
+        # 100.(64+a).b.0/24 inside Tailscale's 100.64.0.0/10; 10.a.b.0/24 for the decoys.
+        a, b = pid % 64, (pid // 64) % 256
+        self.subnet = f"100.{64 + a}.{b}"
+        self.decoy_subnet = f"10.{200 + a % 50}.{b}"
+        self.bridge = f"rmb{self.tag}"
+        self.root = Path(tempfile.mkdtemp(prefix=f"rmn{self.tag}_", dir="/tmp"))
+        self.nodes: list[Node] = [
+            Node(i, f"rmn{self.tag}n{i}", f"{self.subnet}.{i + 1}",
+                 f"{self.decoy_subnet}.{i + 1}", f"rmv{self.tag}n{i}", f"rmd{self.tag}n{i}",
+                 self.root / f"n{i}",
+                 dict(r))
+            for i, r in enumerate(self.resources)
+        ]
+        self.bin_dir = self.root / "bin"
+        self.started = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> NetnsCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def address(self) -> str:
+        """The Ray address drivers connect to (head's tailnet address and GCS port)."""
+        return f"{self.head.ip}:6379"
+
+    def start(self) -> None:
+        self.started = True
+        self._build_network()
+        if self.start_ray:
+            for node in self.nodes:
+                self.start_ray_node(node.index)
+            self.wait_for_nodes(len(self.nodes))
+
+    def _build_network(self) -> None:
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        _run(["ip", "link", "set", self.bridge, "up"])
+        for node in self.nodes:
+            _run(["ip", "netns", "add", node.ns])
+            peer = f"rmp{self.tag}n{node.index}"
+            _run(["ip", "link", "add", node.host_veth, "type", "veth", "peer", "name", peer])
+            _run(["ip", "link", "set", node.host_veth, "master", self.bridge])
+            _run(["ip", "link", "set", node.host_veth, "up"])
+            _run(["ip", "link", "set", peer, "netns", node.ns])
+            ns = node.exec_prefix()
+            _run([*ns, "ip", "link", "set", peer, "name", TAILNET_IFACE])
+            _run([*ns, "ip", "addr", "add", f"{node.ip}/24", "dev", TAILNET_IFACE])
+            _run([*ns, "ip", "link", "set", TAILNET_IFACE, "up"])
+            _run([*ns, "ip", "link", "set", "lo", "up"])
+            # The decoy: a veth whose other end is up in the host namespace but on no
+            # bridge, so the other nodes' decoy addresses never answer.
+            decoy_peer = f"rmq{self.tag}n{node.index}"
+            _run(["ip", "link", "add", node.decoy_host, "type", "veth", "peer", "name",
+                  decoy_peer])
+            _run(["ip", "link", "set", node.decoy_host, "up"])
+            _run(["ip", "link", "set", decoy_peer, "netns", node.ns])
+            _run([*ns, "ip", "link", "set", decoy_peer, "name", DECOY_IFACE])
+            _run([*ns, "ip", "addr", "add", f"{node.decoy_ip}/24", "dev", DECOY_IFACE])
+            _run([*ns, "ip", "link", "set", DECOY_IFACE, "up"])
+            node.temp_dir.mkdir(parents=True, exist_ok=True)
+        self._write_fake_tailscale()
+
+    def _write_fake_tailscale(self) -> None:
+        """A `tailscale` stand-in: `tailscale ip -4` prints this namespace's tailnet address."""
+        self.bin_dir.mkdir(exist_ok=True)
+        script = self.bin_dir / "tailscale"
+        script.write_text(textwrap.dedent(f"""\
+            #!/usr/bin/env bash
+            # Stand-in for the Tailscale CLI inside a ray_mesh test namespace.
+            if [[ "$1" == "ip" ]]; then
+                ip -4 -o addr show dev {TAILNET_IFACE} | awk '{{split($4, a, "/"); print a[1]}}'
+                exit 0
+            fi
+            echo "fake tailscale: only 'ip' is supported" >&2
+            exit 1
+        """))
+        script.chmod(0o755)
+
+    def node_env(self, node: Node) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            PATH=f"{self.bin_dir}:{env.get('PATH', '')}",
+            RAY_BLOCK="0",
+            RAY_MESH_ENV_FILE="none",  # ray_mesh sets NCCL/gloo env itself in the tests
+            RAY_DEDUP_LOGS="0",
+            # Token auth stays on; drivers and `ray start --address` need the mode set
+            # explicitly to send the shared ~/.ray/auth_token.
+            RAY_AUTH_MODE="token",
+        )
+        # Never inherit an address that points at someone else's cluster.
+        env.pop("RAY_ADDRESS", None)
+        env.update(self.env)
+        return env
+
+    def start_ray_node(self, index: int) -> subprocess.CompletedProcess:
+        """``ray start`` in node ``index`` through the deploy scripts (head for index 0)."""
+        node = self.nodes[index]
+        extra = [
+            f"--temp-dir={node.temp_dir}",
+            f"--num-cpus={self.num_cpus}",
+            "--num-gpus=0",
+            f"--resources={json.dumps(node.resources)}",
+            "--object-store-memory=100000000",
+        ]
+        if index == 0:
+            cmd = [str(DEPLOY / "ray-head.sh"), *extra, "--include-dashboard=false"]
+        else:
+            cmd = [str(DEPLOY / "ray-worker.sh"), self.address, *extra]
+        proc = subprocess.run([*node.exec_prefix(), *cmd], capture_output=True, text=True,
+                              timeout=self.ray_start_timeout_s, env=self.node_env(node))
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start on node {index} ({node.ns}) failed "
+                               f"(rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def wait_for_nodes(self, count: int, timeout_s: float = 90.0) -> None:
+        """Block until ``count`` nodes are alive in the cluster (bounded)."""
+        code = textwrap.dedent(f"""\
+            import time, ray
+            ray.init(address={self.address!r}, log_to_driver=False)
+            deadline = time.monotonic() + {timeout_s}
+            while time.monotonic() < deadline:
+                alive = [n for n in ray.nodes() if n["Alive"]]
+                if len(alive) >= {count}:
+                    print("ALIVE", len(alive)); break
+                time.sleep(0.5)
+            else:
+                raise SystemExit(f"only {{len(alive)}} of {count} nodes alive")
+        """)
+        self.run_python(code, timeout=timeout_s + 30)
+
+    def stop(self) -> None:
+        """Kill every process in the namespaces, delete them and the bridge (idempotent)."""
+        for node in self.nodes:
+            self._kill_namespace_processes(node.ns)
+        for node in self.nodes:
+            _run(["ip", "netns", "del", node.ns], check=False)
+            _run(["ip", "link", "del", node.host_veth], check=False)
+            _run(["ip", "link", "del", node.decoy_host], check=False)
+        _run(["ip", "link", "del", self.bridge], check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @staticmethod
+    def namespace_pids(ns: str) -> list[int]:
+        proc = _run(["ip", "netns", "pids", ns], check=False)
+        return [int(p) for p in proc.stdout.split() if p.strip().isdigit()]
+
+    def _kill_namespace_processes(self, ns: str, timeout_s: float = 10.0) -> None:
+        # Only processes inside this cluster's own namespaces: nothing else lives there.
+        sig = signal.SIGTERM
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pids = self.namespace_pids(ns)
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+            if time.monotonic() > deadline - timeout_s / 2:
+                sig = signal.SIGKILL
+            if time.monotonic() > deadline:
+                return
+
+    # ------------------------------------------------------------------ use
+    def run_in(self, index: int, cmd: list[str], *, timeout: float = 60, check: bool = False,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run ``cmd`` inside node ``index``'s namespace."""
+        node = self.nodes[index]
+        full_env = self.node_env(node)
+        full_env.update(env or {})
+        return subprocess.run([*node.exec_prefix(), *cmd], capture_output=True, text=True,
+                              timeout=timeout, check=check, env=full_env)
+
+    def run_python(self, code: str, *, node: int = 0, timeout: float = 300,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run a Python driver inside a node's namespace (the head by default).
+
+        Raises with the driver's output if it exits non-zero or runs past ``timeout``.
+        """
+        script = self.root / f"driver_{time.monotonic_ns()}.py"
+        script.write_text(code)
+        full_env = {"RAY_ADDRESS": self.address, "PYTHONPATH": str(REPO),
+                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        try:
+            proc = self.run_in(node, [sys.executable, str(script)], timeout=timeout,
+                               env=full_env)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"driver ran past {timeout} s:\n{_text(exc.stdout)}\n"
+                               f"{_text(exc.stderr)}") from exc
+        if proc.returncode != 0:
+            raise RuntimeError(f"driver failed (rc {proc.returncode}):\n{proc.stdout}\n"
+                               f"{proc.stderr}")
+        return proc
+
+    def cut_link(self, index: int) -> None:
+        """Take node ``index`` off the bridge: its tailscale0 stays up but reaches no one."""
+        _run(["ip", "link", "set", self.nodes[index].host_veth, "down"])
+
+    def restore_link(self, index: int) -> None:
+        _run(["ip", "link", "set", self.nodes[index].host_veth, "up"])
+
+    def interface_counters(self, index: int, iface: str = TAILNET_IFACE) -> dict[str, int]:
+        """Byte/packet counters of ``iface`` in node ``index`` (e.g. bytes across nodes)."""
+        proc = _run([*self.nodes[index].exec_prefix(), "ip", "-s", "-j", "link", "show",
+                     "dev", iface])
+        stats = json.loads(proc.stdout)[0]["stats64"]
+        return {"rx_bytes": stats["rx"]["bytes"], "tx_bytes": stats["tx"]["bytes"],
+                "rx_packets": stats["rx"]["packets"], "tx_packets": stats["tx"]["packets"]}
+
+
+def _text(data: str | bytes | None) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+__all__ = ["DECOY_IFACE", "TAILNET_IFACE", "NetnsCluster", "Node", "netns_unavailable_reason"]
