@@ -23,7 +23,16 @@ from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 
 from ray_mesh import bootstrap
-from ray_mesh.network import Choice, apply_env, choose_interface, collective_env, free_port
+from ray_mesh.layout import save_layout
+from ray_mesh.network import (
+    Choice,
+    apply_env,
+    collective_env,
+    free_port,
+    rank_env_line,
+    user_kept,
+)
+from ray_mesh.preflight import check_worker_group, choose_all
 from ray_mesh.spec import MeshSpec
 from ray_mesh.topology import MeshPlan, WorkerReport, plan_mesh
 
@@ -47,12 +56,21 @@ class MeshConfig(TorchConfig):
             run fails with the ranks that did not finish, instead of hanging.
         backend: ``None`` picks nccl on GPU workers and gloo on CPU workers.
         timeout_s: torch.distributed collective timeout.
+        preflight: run the bounded network pre-flight (``ray_mesh.preflight``) before the
+            first process group.
+        preflight_timeout_s: bound on the whole pre-flight.
+        nccl_vpn_defaults: ``'auto'`` adds ``network.NCCL_VPN_DEFAULTS`` (sockets only) when
+            the chosen interface is a VPN tunnel; True/False force it. A value the user set
+            (runtime_env or the node's environment) always wins.
     """
 
     mesh: Any = None
     interface: str = "auto"
     allow_cross_node_inner: bool = False
     bringup_timeout_s: float = 120.0
+    preflight: bool = True
+    preflight_timeout_s: float = 20.0
+    nccl_vpn_defaults: bool | str = "auto"
 
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
@@ -62,6 +80,11 @@ class MeshConfig(TorchConfig):
                              f"{self.interface!r}.")
         if not self.bringup_timeout_s or self.bringup_timeout_s <= 0:
             raise ValueError(f"bringup_timeout_s must be > 0, got {self.bringup_timeout_s}.")
+        if not self.preflight_timeout_s or self.preflight_timeout_s <= 0:
+            raise ValueError(f"preflight_timeout_s must be > 0, got {self.preflight_timeout_s}.")
+        if self.nccl_vpn_defaults not in (True, False, "auto"):
+            raise ValueError(f"nccl_vpn_defaults must be True, False or 'auto', got "
+                             f"{self.nccl_vpn_defaults!r}.")
         if self.init_method != "env":
             raise ValueError("MeshConfig sets MASTER_ADDR/MASTER_PORT itself: use "
                              f"init_method='env' (got {self.init_method!r}).")
@@ -78,7 +101,9 @@ class MeshConfig(TorchConfig):
         out = super().to_dict()
         out.update(mesh=self.mesh.to_dict(), interface=self.interface,
                    allow_cross_node_inner=self.allow_cross_node_inner,
-                   bringup_timeout_s=self.bringup_timeout_s)
+                   bringup_timeout_s=self.bringup_timeout_s, preflight=self.preflight,
+                   preflight_timeout_s=self.preflight_timeout_s,
+                   nccl_vpn_defaults=self.nccl_vpn_defaults)
         return out
 
 
@@ -129,13 +154,16 @@ def _setup_on_worker(
     device: str,
     timeout_s: float,
     layout_table: str,
+    choice: Choice,
 ) -> dict[str, str]:
     os.environ.update(fixed_env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(local_world_size), NODE_RANK=str(node_rank))
-    in_force = {**fixed_env, **apply_env(collective)}
-    logger.info("ray_mesh rank %d: %s", rank,
-                " ".join(f"{k}={v}" for k, v in sorted(in_force.items())))
+    applied = apply_env(collective)
+    in_force = {**fixed_env, **applied}
+    line = rank_env_line(rank, node_rank, choice, in_force, user_kept(collective, applied))
+    logger.info("%s", line)
+    print(line, flush=True)  # worker stdout reaches the driver; logging.INFO may not
     bootstrap.setup_worker(spec, rank=rank, world_size=world_size, local_rank=local_rank,
                            backend=backend, device=device, timeout_s=timeout_s, env=in_force)
     if rank == 0:
@@ -195,7 +223,7 @@ def plan_for(worker_group, config: MeshConfig) -> tuple[MeshPlan, list[Choice]]:
             f"{reports[0].versions.get('torch')}). Install a CUDA build of torch on those nodes, "
             f"or run with ScalingConfig(use_gpu=False)."
         )
-    choices = [choose_interface(r.node_ip, config.interface, r.interfaces) for r in reports]
+    choices = choose_all(plan.workers, config.interface)
     return plan, choices
 
 
@@ -213,6 +241,8 @@ class _MeshBackend(Backend):
         plan, choices = plan_for(worker_group, config)
         master = choices[0]
         port = worker_group.execute_single(0, _free_port_on, master.address)
+        if config.preflight:
+            check_worker_group(worker_group, plan, choices, port, config.preflight_timeout_s)
         fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
         table = plan.layout_table({i: c.interface for i, c in enumerate(choices)})
         logger.info("%s", table)
@@ -220,14 +250,15 @@ class _MeshBackend(Backend):
             worker_group.execute_single_async(
                 w.rank, _setup_on_worker, plan.spec, w.rank, len(plan.workers), w.local_rank,
                 plan.workers_per_node, plan.node_rank(w.rank), fixed,
-                collective_env(choices[w.rank]), config.backend,
-                w.device, float(config.timeout_s), table,
+                collective_env(choices[w.rank], config.nccl_vpn_defaults), config.backend,
+                w.device, float(config.timeout_s), table, choices[w.rank],
             )
             for w in plan.workers
         ]
         labels = [f"rank {w.rank} ({w.node_ip}, {choices[w.rank].interface})"
                   for w in plan.workers]
         _wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
+        save_layout(worker_group, plan, {i: c.interface for i, c in enumerate(choices)})
 
     def on_shutdown(self, worker_group, backend_config: MeshConfig) -> None:
         # Also runs after a half-finished on_start: shutdown_mesh tolerates "nothing built".

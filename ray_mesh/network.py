@@ -26,10 +26,19 @@ TAILSCALE_NETWORKS = (
 )
 
 NCCL_VPN_DEFAULTS: dict[str, str] = {
-    # Over a VPN there is no InfiniBand or RoCE: go straight to sockets instead of probing.
+    # Over a VPN there is no InfiniBand or RoCE: go straight to TCP sockets instead of
+    # probing IB devices and network plugins (which can pick a non-VPN NIC or stall).
     "NCCL_IB_DISABLE": "1",
+    "NCCL_NET": "Socket",
+    # Several TCP streams per peer fill a high-latency WireGuard link better than one.
+    # NCCL caps the product at 64.
+    "NCCL_SOCKET_NTHREADS": "4",
+    "NCCL_NSOCKS_PERTHREAD": "4",
 }
-"""NCCL settings ray_mesh adds unless the user set them (documented in the README)."""
+"""NCCL settings ray_mesh adds on a VPN interface unless the user set them (see README)."""
+
+VPN_INTERFACE_PREFIXES = ("tailscale", "wg", "tun", "zt", "nebula")
+"""Interface names that are VPN tunnels (Tailscale, WireGuard, OpenVPN, ZeroTier, Nebula)."""
 
 
 class NetworkError(RuntimeError):
@@ -59,6 +68,21 @@ def local_interfaces() -> dict[str, list[str]]:
                 continue
             table.setdefault(name, []).append(addr)
     return table
+
+
+def in_tailscale_range(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return any(ip in net for net in TAILSCALE_NETWORKS if net.version == ip.version)
+
+
+def _prefer_family(addrs: list[str], like: str) -> str:
+    """The first of ``addrs`` in the same family as ``like`` (IPv4 when ``like`` is not an IP)."""
+    try:
+        version = ipaddress.ip_address(like).version
+    except ValueError:
+        version = 4
+    same = [a for a in addrs if ipaddress.ip_address(a).version == version]
+    return (same or addrs)[0]
 
 
 def _family(address: str) -> str:
@@ -92,17 +116,17 @@ def choose_interface(
                 f"Interface {requested!r} on node {node_ip} has no IP address; bring it up "
                 f"(for Tailscale: `tailscale up`) or choose another: {_describe(table)}."
             )
-        address = node_ip if node_ip in addrs else addrs[0]
+        address = node_ip if node_ip in addrs else _prefer_family(addrs, node_ip)
         return Choice(requested, address, _family(address), "named by the user")
 
     for name, addrs in table.items():
         if node_ip in addrs:
             return Choice(name, node_ip, _family(node_ip), "carries the node's Ray IP")
-    for name, addrs in table.items():
-        for addr in addrs:
-            if any(ipaddress.ip_address(addr) in net for net in TAILSCALE_NETWORKS
-                   if net.version == ipaddress.ip_address(addr).version):
-                return Choice(name, addr, _family(addr), "address in Tailscale's range")
+    # IPv4 first: NCCL and gloo have the fewest surprises with it.
+    for addr, name in sorted(((a, n) for n, addrs in table.items() for a in addrs),
+                             key=lambda t: ipaddress.ip_address(t[0]).version):
+        if in_tailscale_range(addr):
+            return Choice(name, addr, _family(addr), "address in Tailscale's range")
     raise NetworkError(
         f"No interface on node {node_ip} holds its Ray node IP {node_ip}, and none has a "
         f"Tailscale address. Interfaces here: {_describe(table)}. Start Ray on this node with "
@@ -116,6 +140,41 @@ def url_host(address: str) -> str:
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
+def host_port(address: str, port: int) -> str:
+    """``host:port`` with IPv6 bracketed (``[fd7a:115c:a1e0::1]:29500``)."""
+    return f"{url_host(address)}:{port}"
+
+
+def rendezvous_url(address: str, port: int) -> str:
+    """torch's ``tcp://`` init URL for rank 0's address; MASTER_ADDR itself stays bare."""
+    return f"tcp://{host_port(address, port)}"
+
+
+def split_host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
+    """Parse ``host:port``, ``[v6]:port``, a bare v6 address or host (then ``default_port``)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:  # a hostname, an IPv4 address, or a bare IPv6 address
+        host, port_text = text, ""
+    if not port_text:
+        if default_port is None:
+            raise ValueError(f"{text!r} has no port: write host:port ([v6]:port for IPv6).")
+        return host, default_port
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"{text!r} has no valid port: write host:port ([v6]:port for IPv6).")
+    return host, int(port_text)
+
+
+def is_vpn(choice: Choice) -> bool:
+    """Whether the chosen interface is a VPN tunnel (Tailscale range or a tunnel name)."""
+    return in_tailscale_range(choice.address) or choice.interface.startswith(
+        VPN_INTERFACE_PREFIXES)
+
+
 def free_port(address: str) -> int:
     """A TCP port free on ``address`` right now (the OS picks it)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -124,16 +183,35 @@ def free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
-def collective_env(choice: Choice) -> dict[str, str]:
-    """Environment that pins NCCL and gloo to the chosen interface and address family."""
+def collective_env(choice: Choice, vpn_defaults: bool | str = "auto") -> dict[str, str]:
+    """Environment that pins NCCL and gloo to the chosen interface and address family.
+
+    ``vpn_defaults``: ``"auto"`` adds :data:`NCCL_VPN_DEFAULTS` when the interface is a VPN
+    tunnel (on an InfiniBand cluster, disabling IB would be a disaster); True/False force it.
+    """
     env = {
         # "=" asks NCCL for an exact match: plain "eth0" would also match "eth01".
         "NCCL_SOCKET_IFNAME": f"={choice.interface}",
         "GLOO_SOCKET_IFNAME": choice.interface,
         "NCCL_SOCKET_FAMILY": choice.family,
     }
-    env.update(NCCL_VPN_DEFAULTS)
+    if vpn_defaults is True or (vpn_defaults == "auto" and is_vpn(choice)):
+        env.update(NCCL_VPN_DEFAULTS)
     return env
+
+
+def user_kept(wanted: Mapping[str, str], in_force: Mapping[str, str]) -> dict[str, str]:
+    """The keys where a value the user set won over ray_mesh's (key -> the user's value)."""
+    return {k: in_force[k] for k in wanted if in_force.get(k) != wanted[k]}
+
+
+def rank_env_line(rank: int, node_rank: int, choice: Choice, in_force: Mapping[str, str],
+                  kept: Mapping[str, str]) -> str:
+    """The one line every rank logs: interface, address, and each value with its source."""
+    values = " ".join(f"{k}={v}{' (set by the user)' if k in kept else ''}"
+                      for k, v in sorted(in_force.items()))
+    return (f"ray_mesh rank {rank} (node {node_rank}): interface {choice.interface} "
+            f"[{choice.reason}], address {choice.address}, {values}")
 
 
 def apply_env(wanted: Mapping[str, str], *, keep_user: bool = True) -> dict[str, str]:
