@@ -1,0 +1,81 @@
+"""The Ray-free core under torchrun: process group -> DeviceMesh with every named dim."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ray_mesh
+from ray_mesh.bootstrap import BootstrapError
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import ray_mesh
+    mesh = ray_mesh.init_mesh(json.loads(sys.argv[1]))
+    rank = dist.get_rank()
+    out = {"rank": rank, "names": list(mesh.mesh_dim_names), "groups": {}, "sums": {}}
+    for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"):
+        out["groups"][d] = dist.get_process_group_ranks(mesh.get_group(d))
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=mesh.get_group(d))
+        out["sums"][d] = t.item()
+    out["device"] = str(ray_mesh.get_state().device)
+    with open(os.path.join(sys.argv[2], f"{rank}.json"), "w") as f:
+        json.dump(out, f)
+    ray_mesh.shutdown_mesh()
+""")
+
+
+def run_torchrun(tmp_path, spec: dict, nproc: int = 4, nnodes_env: dict | None = None):
+    script = tmp_path / "script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, **(nnodes_env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+         "--standalone", str(script), json.dumps(spec), str(tmp_path)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(nproc)}
+
+
+def test_torchrun_mesh_groups_and_collectives(tmp_path):
+    out = run_torchrun(tmp_path, {"dp_replicate": 2, "dp_shard": -1})
+    for rank, o in out.items():
+        assert o["names"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+        assert o["device"] == "cpu"
+        g = o["groups"]
+        assert g["dp_shard"] == ([0, 1] if rank < 2 else [2, 3])
+        assert g["dp_replicate"] == ([0, 2] if rank % 2 == 0 else [1, 3])
+        assert g["dp"] == g["dp_cp"] == [0, 1, 2, 3]
+        assert g["dp_shard_cp"] == g["dp_shard"]
+        assert g["tp"] == g["cp"] == g["pp"] == [rank]
+        assert o["sums"]["dp_shard"] == sum(g["dp_shard"])
+        assert o["sums"]["dp_replicate"] == sum(g["dp_replicate"])
+        assert o["sums"]["dp"] == 6.0 and o["sums"]["tp"] == rank
+
+
+def test_get_mesh_before_init_says_what_to_do():
+    assert not ray_mesh.is_initialized()
+    with pytest.raises(BootstrapError, match="MeshConfig.*init_mesh"):
+        ray_mesh.get_mesh()
+
+
+def test_init_mesh_outside_torchrun_says_what_to_do(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(BootstrapError, match="WORLD_SIZE is not set.*torchrun"):
+        ray_mesh.init_mesh()
+
+
+def test_init_mesh_refuses_tp_across_nodes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(BootstrapError, match=r"tp\*cp = 4 does not divide the 2 ranks per node"):
+        ray_mesh.init_mesh({"tp": 4, "dp_shard": 1})
