@@ -1,0 +1,265 @@
+"""Sharded checkpoints inside a Ray Train function: save, report, resume.
+
+:class:`Checkpointer` ties :mod:`ray_mesh.checkpointing.sharded` (DCP, Ray-free) to Ray
+Train's checkpoint tracking. Ray Train 2.60 (V2) accepts a multi-worker checkpoint in two
+ways, and both are used:
+
+* **direct** (storage_path is a local or shared filesystem): every rank writes its shards
+  straight into ``<run dir>/checkpoint_<step>``; after a barrier rank 0 writes the marker and
+  reports the directory with ``CheckpointUploadMode.NO_UPLOAD`` (Ray accepts a checkpoint
+  already inside the run directory as "managed": it is listed, kept or deleted by
+  ``CheckpointConfig(num_to_keep)``, and handed back by ``ray.train.get_checkpoint()``).
+  Nothing is copied.
+* **upload** (a cloud URI such as ``s3://``): every rank writes its shards into a local
+  staging directory and every rank reports its own directory under the same
+  ``checkpoint_dir_name``; Ray uploads each and merges them into one checkpoint directory
+  (its documented distributed-checkpoint path). Rank 0's marker goes up with its shard.
+
+In both, Ray registers the checkpoint only after every rank's ``report`` returned, and the
+marker is written only after every rank finished writing, so what ``get_checkpoint()`` hands
+back after a failure is a whole checkpoint -- and is checked again before it is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch
+from pyarrow.fs import LocalFileSystem
+from ray.train import Checkpoint, CheckpointUploadMode
+
+from ray_mesh.checkpointing import sharded
+from ray_mesh.checkpointing.sharded import CheckpointError, Progress
+
+logger = logging.getLogger(__name__)
+
+
+def _warn(message: str) -> None:
+    # Workers' stderr reaches the driver's console; a logger might be filtered there.
+    logger.warning(message)
+    print(message, file=sys.stderr, flush=True)
+
+
+def _mesh_dict() -> dict[str, Any] | None:
+    from ray_mesh import bootstrap
+
+    return bootstrap.get_state().spec.to_dict() if bootstrap.is_initialized() else None
+
+
+class Checkpointer:
+    """Save and resume model, optimizer, step and data position from a Ray Train function.
+
+    Args:
+        model: the (FSDP2 / tensor-parallel / plain) model on the current mesh.
+        optimizers: an optimizer or a list of them (or None for the model alone).
+        every: save at every ``every``-th step passed to :meth:`report` (0: only when
+            ``report(save=True)``).
+        async_save: write with ``dcp.async_save``: the state is copied to CPU memory, the
+            write runs in the background, and the checkpoint is marked complete and reported
+            at the next :meth:`report` (or :meth:`close`).
+        resume_from: a checkpoint directory to start from when Ray has none for this run
+            (e.g. to continue another run on another mesh).
+        upload: force the upload mode (True) or the direct mode (False); default: direct
+            for a local/shared filesystem, upload for anything else.
+        timeout_s: bound on every checkpoint collective (a dead peer fails the save within it).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+        *,
+        every: int = 1,
+        async_save: bool = False,
+        resume_from: str | os.PathLike | None = None,
+        upload: bool | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if every < 0:
+            raise ValueError(f"every must be >= 0 (0 saves only on report(save=True)), got "
+                             f"{every}.")
+        self.model = model
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        self.optimizers = list(optimizers or [])
+        self.every = every
+        self.async_save = async_save
+        self.resume_from = str(resume_from) if resume_from else None
+        self.group = sharded.checkpoint_group(timeout_s)
+        ctx = ray.train.get_context()
+        self._rank = ctx.get_world_rank()
+        self._storage = ctx.get_storage()
+        self.upload = (not isinstance(self._storage.storage_filesystem, LocalFileSystem)
+                       if upload is None else bool(upload))
+        self._staging = Path(tempfile.gettempdir()) / "ray_mesh_staging" / \
+            ctx.get_experiment_name() / f"rank{self._rank}"
+        self._pending: tuple[Path, Progress, Future | None] | None = None
+        self._downloaded: dict[str, Path] = {}
+        self.last_saved_step: int | None = None
+
+    # ------------------------------------------------------------------ resume
+    def _candidates(self) -> list[Checkpoint]:
+        """Checkpoints to try, newest first: Ray's latest, the others Ray kept, resume_from."""
+        found: list[Checkpoint] = []
+        latest = ray.train.get_checkpoint()
+        if latest is not None:
+            found.append(latest)
+            try:
+                reported = ray.train.get_all_reported_checkpoints(
+                    consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED,
+                    timeout_s=60)
+            except Exception as exc:  # noqa: BLE001 - only an extra source of fallbacks
+                logger.info("ray_mesh: cannot list reported checkpoints: %s", exc)
+                reported = []
+            others = [r.checkpoint for r in reported if r.checkpoint.path != latest.path]
+            others.sort(key=lambda c: sharded.step_of(c.path) or -1, reverse=True)
+            found += others
+        elif self.resume_from:
+            found.append(Checkpoint(self.resume_from))
+        return found
+
+    def _local_dir(self, checkpoint: Checkpoint) -> Path:
+        """A local directory holding ``checkpoint`` (downloaded once when it is remote)."""
+        if isinstance(checkpoint.filesystem, LocalFileSystem):
+            return Path(checkpoint.path)
+        if checkpoint.path not in self._downloaded:
+            target = self._staging.parent / f"download_rank{self._rank}" / \
+                Path(checkpoint.path).name
+            if target.exists():
+                shutil.rmtree(target)
+            checkpoint.to_directory(str(target))
+            self._downloaded[checkpoint.path] = target
+        return self._downloaded[checkpoint.path]
+
+    def _choose(self, candidates: list[Checkpoint]) -> tuple[str | None, list[str]]:
+        """The newest complete candidate (rank 0 only) and a warning for each one skipped."""
+        warnings: list[str] = []
+        for cand in candidates:
+            why = sharded.problem(self._local_dir(cand))
+            if why is None:
+                return cand.path, warnings
+            warnings.append(f"ray_mesh: skipping checkpoint {cand.path}: {why}.")
+        if isinstance(candidates[0].filesystem, LocalFileSystem):
+            # Older complete checkpoints Ray no longer lists may still sit next door.
+            found, more = sharded.newest_complete(sharded.older_siblings(candidates[0].path))
+            return found, warnings + more
+        return None, warnings
+
+    def restore(self) -> Progress:
+        """Load the newest complete checkpoint, if any; returns where to continue.
+
+        Rank 0 checks the candidates and picks one; every rank loads that one. A partial or
+        corrupt candidate is skipped with a warning naming it. If Ray has checkpoints for this
+        run but none is complete, this raises rather than silently starting from scratch.
+        """
+        candidates = self._candidates()
+        if not candidates:
+            return Progress()
+        decision = self._choose(candidates) if self._rank == 0 else None
+        chosen_path, warnings = sharded.broadcast_from_rank0(decision, self.group)
+        if self._rank == 0:
+            for w in warnings:
+                _warn(w)
+        if chosen_path is None:
+            raise CheckpointError(
+                f"This run has checkpoints, but none is complete: {' '.join(warnings)} "
+                f"Refusing to start from scratch silently: restore a complete checkpoint "
+                f"directory, or start a new run (another RunConfig(name=...) or storage_path)."
+            )
+        chosen = Checkpoint(chosen_path, filesystem=candidates[0].filesystem)
+        progress = sharded.load(self._local_dir(chosen), self.model, self.optimizers,
+                                group=self.group)
+        progress.path = chosen_path
+        if warnings and self._rank == 0:
+            _warn(f"ray_mesh: resumed from {chosen_path} (step {progress.step}).")
+        for d in self._downloaded.values():
+            shutil.rmtree(d, ignore_errors=True)
+        self._downloaded.clear()
+        return progress
+
+    # ------------------------------------------------------------------ save
+    def _target(self, step: int) -> Path:
+        name = sharded.dir_name(step)
+        if self.upload:
+            return self._staging / name
+        return Path(self._storage.build_checkpoint_path_from_name(name))
+
+    def _start_save(self, progress: Progress) -> None:
+        path = sharded.prepare_dir(self._target(progress.step), self.group,
+                                   shared=not self.upload)
+        future = sharded.save(path, self.model, self.optimizers, group=self.group,
+                              async_save=self.async_save)
+        self._pending = (path, progress, future)
+
+    def _finish_save(self) -> tuple[Checkpoint, Progress]:
+        assert self._pending is not None
+        path, progress, future = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()
+        # Barrier, then rank 0 writes the marker (in upload mode into its own staging dir,
+        # next to the .metadata it wrote; Ray merges the ranks' dirs on upload).
+        sharded.mark_complete(path, progress, group=self.group, mesh=_mesh_dict())
+        self.last_saved_step = progress.step
+        return Checkpoint.from_directory(str(path)), progress
+
+    def report(
+        self,
+        step: int,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        data_position: Mapping[str, Any] | None = None,
+        save: bool | None = None,
+    ) -> None:
+        """``ray.train.report`` for ``step`` (steps done so far), with a checkpoint when due.
+
+        Call it on every rank, once per step you report. ``data_position`` is what your data
+        loader needs to continue after ``step`` (e.g. epoch and offset); it must be the same on
+        every rank. ``save`` overrides ``every`` for this step.
+        """
+        due = save if save is not None else bool(self.every and step % self.every == 0)
+        attach: tuple[Checkpoint, Progress] | None = None
+        if self._pending is not None:  # an async save from an earlier step
+            attach = self._finish_save()
+        if due:
+            self._start_save(Progress(step=step, data_position=dict(data_position or {})))
+            if not self.async_save:
+                attach = self._finish_save()
+        self._report(dict(metrics or {}), step, attach)
+
+    def _report(self, metrics: dict[str, Any], step: int,
+                attach: tuple[Checkpoint, Progress] | None) -> None:
+        metrics.setdefault("step", step)
+        if attach is None:
+            ray.train.report(metrics)
+            return
+        checkpoint, progress = attach
+        metrics["checkpoint_step"] = progress.step
+        name = sharded.dir_name(progress.step)
+        if self.upload:
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
+                             checkpoint_upload_mode=CheckpointUploadMode.SYNC,
+                             delete_local_checkpoint_after_upload=True)
+        else:
+            ray.train.report(metrics, checkpoint=checkpoint if self._rank == 0 else None,
+                             checkpoint_dir_name=name,
+                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+    def close(self, metrics: Mapping[str, Any] | None = None) -> None:
+        """Finish a pending async save and report it (one more ``report`` call, every rank)."""
+        if self._pending is not None:
+            step = self._pending[1].step
+            attach = self._finish_save()
+            self._report(dict(metrics or {}), step, attach)
+
+
+__all__ = ["Checkpointer"]
