@@ -31,6 +31,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from ray_mesh.status import StatusError, collect, format_status
+
+    try:
+        status = collect(args.address, timeout_s=args.timeout, all_runs=args.all)
+    except StatusError as exc:
+        print(f"ray-mesh: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_status(status))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-mesh", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -42,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-workers", type=int, default=None,
                      help="override scaling.num_workers")
     run.set_defaults(func=_cmd_run)
+    status = sub.add_parser("status", help="nodes, running ray_mesh runs, layout, metrics")
+    status.add_argument("--address", default=None,
+                        help="GCS address (<head>:6379) or dashboard URL (http://<head>:8265);"
+                             " else RAY_ADDRESS, else the local dashboard")
+    status.add_argument("--all", action="store_true", help="include finished runs")
+    status.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to wait for each answer (default 5)")
+    status.set_defaults(func=_cmd_status)
     return parser
 
 
