@@ -8,10 +8,11 @@ import os
 from typing import Any
 
 import ray
-from ray.train import FailureConfig, Result, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_mesh.backend import MeshConfig
+from ray_mesh.checkpointing.storage import check_storage
 from ray_mesh.job import Job, JobError
 from ray_mesh.spec import NODES
 
@@ -92,6 +93,7 @@ def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
         name=job.name,
         storage_path=run.get("storage_path"),
         failure_config=FailureConfig(max_failures=int(run.get("max_failures", 0))),
+        checkpoint_config=CheckpointConfig(num_to_keep=run.get("num_to_keep")),
     )
     return TorchTrainer(
         job.load_train_fn(),
@@ -112,6 +114,9 @@ def run_job(job: Job, address: str | None = None) -> Result:
         cluster = ray.cluster_resources()
         scaling = scaling_for(job, cluster)
         check_resources(scaling, cluster)
+        # A storage_path that is not writable, or node-local on a multi-node cluster, fails
+        # here rather than at the first checkpoint.
+        job.run["storage_path"] = check_storage(job.run.get("storage_path"))
         # Resolve the mesh against the worker count now: a product that cannot match fails
         # here, not after the workers started.
         if NODES not in job.mesh.shape:

@@ -1,0 +1,136 @@
+"""Driver-side storage checks: a storage_path that cannot hold checkpoints fails at start.
+
+Two ways a run loses its checkpoints late: a path nobody can write (found at the first save,
+after the first N steps of work), and a path that is local to each node on a multi-node
+cluster (every node writes its own shards into its own disk; the directory Ray records holds
+a fraction of a checkpoint, and a restart on another node finds nothing). Both are checked
+here before ``fit()``: a probe file is written from the driver and every alive Ray node is
+asked whether it sees it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import ray
+
+PROBE_PREFIX = ".ray_mesh_storage_probe_"
+
+
+class StorageError(ValueError):
+    """A storage_path that cannot hold this run's checkpoints; the message says what to use."""
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def default_storage_path() -> str:
+    """Where Ray Train stores runs when RunConfig(storage_path=None): ``~/ray_results``."""
+    from ray.train import RunConfig
+
+    return str(RunConfig().storage_path)
+
+
+def _sees_probe(path: str, token: str) -> tuple[str, bool]:
+    ip = ray.util.get_node_ip_address()
+    try:
+        return ip, Path(path).read_text() == token
+    except OSError:
+        return ip, False
+
+
+def _check_nodes(probe: Path, token: str, timeout_s: float) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return
+    task = ray.remote(num_cpus=0, max_retries=0)(_sees_probe)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote(str(probe), token) for n in nodes]
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [nodes[refs.index(r)]["NodeManagerAddress"] for r in pending]
+        raise StorageError(
+            f"Could not check within {timeout_s:.0f} s whether nodes {late} see storage_path "
+            f"{probe.parent}: a task on them did not run. Check `ray status` (are those nodes "
+            f"alive?), then retry."
+        )
+    blind = sorted(ip for ip, ok in ray.get(refs) if not ok)
+    if blind:
+        raise StorageError(
+            f"storage_path {str(probe.parent)!r} is local to each node: a file written there "
+            f"on the driver's node is not visible on nodes {blind}. Checkpoint shards written "
+            f"by those nodes would be lost, and a restart could not find them. Use a shared "
+            f"filesystem mounted at the same path on every node (NFS, a cluster filesystem), "
+            f"or a cloud URI (s3://bucket/path, gs://bucket/path)."
+        )
+
+
+def _check_uri(path: str, timeout_s: float) -> str:
+    import concurrent.futures
+
+    import pyarrow.fs
+
+    def probe() -> None:
+        fs, root = pyarrow.fs.FileSystem.from_uri(path)
+        fs.create_dir(root, recursive=True)
+        name = f"{root.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex}"
+        with fs.open_output_stream(name) as f:
+            f.write(b"ok")
+        fs.delete_file(name)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        pool.submit(probe).result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError as exc:
+        raise StorageError(f"Writing a probe to storage_path {path!r} did not finish in "
+                           f"{timeout_s:.0f} s: check the network and the credentials.") from exc
+    except Exception as exc:  # noqa: BLE001 - any failure means "cannot store checkpoints"
+        raise StorageError(
+            f"storage_path {path!r} is not writable: {type(exc).__name__}: {exc}. Check the "
+            f"URI, the bucket and the credentials on the driver and every node."
+        ) from exc
+    finally:
+        pool.shutdown(wait=False)
+    return path
+
+
+def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 60.0) -> str:
+    """The storage_path to give RunConfig, checked; raises :class:`StorageError`.
+
+    * ``None``: Ray Train's default (``~/ray_results``), checked like any local path.
+    * a local path: made absolute, created, written to; on a Ray cluster of several nodes
+      (``ray.init`` already called), every alive node must see the probe file, else the
+      path is node-local and refused.
+    * a URI (``s3://``, ``gs://``, ...): a probe object is written and deleted.
+    """
+    path = str(storage_path) if storage_path is not None else default_storage_path()
+    if _is_uri(path):
+        return _check_uri(path, timeout_s)
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    local = Path(path).expanduser().absolute()
+    token = uuid.uuid4().hex
+    probe = local / f"{PROBE_PREFIX}{token}"
+    try:
+        local.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token)
+    except OSError as exc:
+        raise StorageError(
+            f"storage_path {str(local)!r} is not writable: {type(exc).__name__}: {exc}. "
+            f"Checkpoints would fail at the first save. Pick a directory this user can write "
+            f"(on a cluster: a shared filesystem mounted on every node, or a cloud URI)."
+        ) from exc
+    try:
+        if ray.is_initialized():
+            _check_nodes(probe, token, timeout_s)
+    finally:
+        probe.unlink(missing_ok=True)
+    return str(local)
+
+
+__all__ = ["StorageError", "check_storage", "default_storage_path"]
