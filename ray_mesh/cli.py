@@ -1,4 +1,9 @@
-"""The ``ray-mesh`` command: ``ray-mesh run JOB.yaml [--address ADDR]``."""
+"""The ``ray-mesh`` command: ``ray-mesh run JOB.yaml [--address ADDR]``.
+
+Also ``ray-mesh plan [--address ADDR] [--strategy S]`` (the mesh and rank -> node table
+proposed for the live cluster) and ``ray-mesh doctor [--address ADDR]`` (the network
+pre-flight on every live node).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,11 @@ import logging
 import sys
 
 from ray_mesh.job import Job, JobError
+from ray_mesh.network import NetworkError
 from ray_mesh.spec import MeshSpecError
 from ray_mesh.topology import TopologyError
 
-USER_ERRORS = (JobError, MeshSpecError, TopologyError)
+USER_ERRORS = (JobError, MeshSpecError, TopologyError, NetworkError)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -43,6 +49,69 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _connect_existing(address: str | None) -> None:
+    """Join a running cluster (never start one: plan and doctor describe a real cluster)."""
+    import os
+
+    from ray_mesh.runner import connect
+
+    connect(address or os.environ.get("RAY_ADDRESS") or "auto", 0)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ray_mesh.discovery import describe_nodes, live_nodes, plan_cluster
+
+    _connect_existing(args.address)
+    nodes = live_nodes()
+    resource = args.resource or ("GPU" if any(n.gpus for n in nodes) else "CPU")
+    print(describe_nodes(nodes, resource))
+    print()
+    print(plan_cluster(nodes, args.strategy, resource=resource, tp=args.tp,
+                       pp=args.pp).format())
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ray_mesh.discovery import describe_nodes, doctor, live_nodes
+
+    _connect_existing(args.address)
+    nodes = live_nodes()
+    print(describe_nodes(nodes, "GPU"))
+    print()
+    report = doctor(nodes, interface=args.interface, timeout_s=args.timeout,
+                    rendezvous_port=args.port)
+    print(report.format())
+    return 0 if report.ok else 1
+
+
+def _add_plan_doctor(sub) -> None:
+    from ray_mesh.discovery import STRATEGIES
+    from ray_mesh.preflight import DEFAULT_TIMEOUT_S
+
+    address_help = "Ray cluster address (else RAY_ADDRESS, else the cluster on this machine)"
+    plan = sub.add_parser("plan", help="propose a mesh and rank -> node table for the cluster")
+    plan.add_argument("--address", default=None, help=address_help)
+    plan.add_argument("--strategy", choices=STRATEGIES, default="hsdp",
+                      help="hsdp (default), tp-dp, tp-pp or pp-hsdp-tp")
+    plan.add_argument("--resource", default=None,
+                      help="what one worker takes (default GPU if the cluster has GPUs, else "
+                           "CPU; or a custom resource name)")
+    plan.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    plan.add_argument("--pp", type=int, default=None, help="pipeline-parallel size")
+    plan.set_defaults(func=_cmd_plan)
+
+    doc = sub.add_parser("doctor", help="check interfaces, versions and connectivity of "
+                                        "every live node (bounded)")
+    doc.add_argument("--address", default=None, help=address_help)
+    doc.add_argument("--interface", default="auto",
+                     help="'auto' (default) or an interface name to check on every node")
+    doc.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                     help=f"bound on the whole check in seconds (default {DEFAULT_TIMEOUT_S:g})")
+    doc.add_argument("--port", type=int, default=None,
+                     help="also check this fixed rendezvous port (MASTER_PORT) on the head")
+    doc.set_defaults(func=_cmd_doctor)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-mesh", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -62,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for each answer (default 5)")
     status.set_defaults(func=_cmd_status)
+    _add_plan_doctor(sub)
     return parser
 
 

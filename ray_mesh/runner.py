@@ -14,6 +14,7 @@ from ray.train.torch import TorchTrainer
 from ray_mesh.backend import MeshConfig
 from ray_mesh.checkpointing.storage import check_storage
 from ray_mesh.job import Job, JobError
+from ray_mesh.network import host_port, split_host_port
 from ray_mesh.spec import NODES
 
 logger = logging.getLogger(__name__)
@@ -28,12 +29,17 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        check_reachable(address)
         try:
             ray.init(address=address, log_to_driver=True)
         except Exception as exc:  # ConnectionError, TimeoutError, ...
+            auth = ""
+            if "auth" in f"{type(exc).__name__} {exc} {exc.__cause__}".lower():
+                auth = (" The cluster uses token authentication: copy the head's "
+                        "~/.ray/auth_token to this machine and set RAY_AUTH_MODE=token.")
             raise JobError(
-                f"Cannot reach the Ray cluster at {address!r}: {type(exc).__name__}: {exc}. "
-                f"Check `ray status` on the head node, the address and port (default 6379), "
+                f"Cannot reach the Ray cluster at {address!r}: {type(exc).__name__}: {exc}.{auth}"
+                f" Check `ray status` on the head node, the address and port (default 6379), "
                 f"and that this machine can reach it (Tailscale up?). Leave --address and "
                 f"RAY_ADDRESS unset to run on an embedded local Ray."
             ) from exc
@@ -41,6 +47,50 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
     # CPU workers on a small machine: let Ray count enough CPUs for all of them.
     ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)))
     return True
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail within ``timeout_s`` unless a Ray GCS answers at ``address``.
+
+    ``ray.init`` on an address that does not answer can block for minutes. A bare TCP
+    connect is not proof either (proxies and port forwards accept anything), so this makes
+    one gRPC call to the GCS: an answer, even "unauthenticated", means Ray is there.
+    """
+    if address in ("auto", "local") or os.environ.get("RAY_USE_TLS", "0") not in ("0", ""):
+        return
+    import grpc  # a Ray dependency
+
+    target, default_port, gcs = address, 6379, True
+    if target.startswith("ray://"):
+        target, default_port, gcs = target[len("ray://"):], 10001, False
+    try:
+        host, port = split_host_port(target.rstrip("/"), default_port)
+    except ValueError as exc:
+        raise JobError(f"--address {address!r} is not an address: {exc}") from exc
+    where = host_port(host, port)
+    ok = {grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED}
+    if not gcs:  # Ray Client's server: any gRPC answer will do
+        ok |= {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT,
+               grpc.StatusCode.INTERNAL}
+    with grpc.insecure_channel(where) as channel:
+        try:
+            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(
+                b"", timeout=timeout_s)
+            return
+        except grpc.RpcError as exc:
+            code, details = exc.code(), (exc.details() or "")[:200]
+    if code in ok:
+        return
+    why = (f"no answer within {timeout_s:g} s" if code == grpc.StatusCode.DEADLINE_EXCEEDED
+           else f"{code.name}: {details}")
+    not_ray = (" Something answers there, but it is not a Ray GCS." if code in (
+        grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL) else "")
+    raise JobError(
+        f"Cannot reach the Ray cluster at {address!r}: {where} gave {why}.{not_ray} Is Ray "
+        f"running there (`ray status` on the head)? Use the head's tailnet address "
+        f"(`tailscale ip -4` on the head) and its GCS port (default 6379), and check this "
+        f"machine reaches it (`tailscale ping {host}`)."
+    )
 
 
 def scaling_for(job: Job, cluster: dict[str, float]) -> ScalingConfig:

@@ -1,0 +1,325 @@
+"""What the live cluster has, and the mesh ``ray-mesh plan`` proposes for it.
+
+A mesh needs the same number of workers on every node (see ``topology.plan_mesh``), but
+real clusters mix boxes: an 8-GPU server, two 4-GPU ones, a laptop with one. This module
+lists the live nodes, groups them into homogeneous sets, picks the set (and per-node
+worker count) that gives the most workers, and says which nodes it leaves out and why. The
+planning itself is plain Python over :class:`NodeInfo` records; only :func:`live_nodes`
+and the doctor's node agents talk to Ray.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_mesh.preflight import (
+    DEFAULT_TIMEOUT_S,
+    NodeTarget,
+    PreflightReport,
+    RayRefExecutor,
+    run_preflight,
+)
+from ray_mesh.spec import MeshSpec, MeshSpecError
+from ray_mesh.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
+
+STRATEGIES = ("hsdp", "tp-dp", "tp-pp", "pp-hsdp-tp")
+_BUILTIN = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node of the cluster as Ray reports it."""
+
+    node_id: str
+    ip: str
+    hostname: str = ""
+    gpus: float = 0
+    cpus: float = 0
+    resources: Mapping[str, float] = field(default_factory=dict)  # custom ones only
+    accelerator: str = ""  # Ray's accelerator_type, e.g. "A100"
+    alive: bool = True
+    is_head: bool = False
+
+    def amount(self, resource: str) -> float:
+        if resource == "GPU":
+            return self.gpus
+        if resource == "CPU":
+            return self.cpus
+        return float(self.resources.get(resource, 0))
+
+    @property
+    def label(self) -> str:
+        host = f", {self.hostname}" if self.hostname and self.hostname != self.ip else ""
+        return f"{self.ip}{host}"
+
+
+def nodes_from_ray(raw: Sequence[Mapping[str, Any]]) -> list[NodeInfo]:
+    """Turn ``ray.nodes()`` records into :class:`NodeInfo` (dead nodes kept, marked)."""
+    out = []
+    for n in raw:
+        res = dict(n.get("Resources") or {})
+        accel = next((k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")), "")
+        custom = {k: v for k, v in res.items()
+                  if k not in _BUILTIN and not k.startswith(("node:", "accelerator_type:"))}
+        out.append(NodeInfo(
+            node_id=n["NodeID"], ip=n.get("NodeManagerAddress", ""),
+            hostname=n.get("NodeManagerHostname", ""), gpus=res.get("GPU", 0),
+            cpus=res.get("CPU", 0), resources=custom, accelerator=accel,
+            alive=bool(n.get("Alive", False)), is_head="node:__internal_head__" in res,
+        ))
+    # Head first, then by address: a stable order for rank -> node tables.
+    return sorted(out, key=lambda x: (not x.is_head, x.ip))
+
+
+def live_nodes() -> list[NodeInfo]:
+    """The cluster's nodes (connect with ``ray.init`` first); dead ones marked not alive."""
+    import ray
+
+    return nodes_from_ray(ray.nodes())
+
+
+def group_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> dict[tuple, list[NodeInfo]]:
+    """Alive nodes grouped into homogeneous sets: same accelerator and same ``resource``."""
+    groups: dict[tuple, list[NodeInfo]] = defaultdict(list)
+    for n in nodes:
+        if n.alive:
+            groups[(n.accelerator, n.amount(resource))].append(n)
+    return dict(groups)
+
+
+@dataclass
+class ClusterPlan:
+    """The mesh ``ray-mesh plan`` proposes: nodes used, nodes left out (with why), layout."""
+
+    strategy: str
+    resource: str
+    per_node: int
+    used: list[NodeInfo]
+    left_out: list[tuple[NodeInfo, str]]
+    mesh: MeshPlan
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_workers(self) -> int:
+        return self.per_node * len(self.used)
+
+    def scaling_hint(self) -> str:
+        if self.resource == "GPU":
+            return f"ScalingConfig(num_workers={self.num_workers}, use_gpu=True)"
+        return (f"ScalingConfig(num_workers={self.num_workers}, "
+                f"resources_per_worker={{'{self.resource}': 1}})")
+
+    def format(self) -> str:
+        s = self.mesh.spec
+        dims = ", ".join(f"{d}={getattr(s, d)}" for d in ("pp", "dp_replicate", "dp_shard",
+                                                           "cp", "tp"))
+        lines = [
+            f"strategy {self.strategy}: {len(self.used)} node(s) x {self.per_node} worker(s) "
+            f"per node ({self.resource}) = {self.num_workers} workers",
+            f"mesh: {dims}",
+            f"run with: {self.scaling_hint()} and MeshConfig(mesh={s.to_dict()})",
+            "",
+            "nodes used:",
+        ]
+        for i, n in enumerate(self.used):
+            extra = f", {n.accelerator}" if n.accelerator else ""
+            lines.append(f"  node {i}: {n.label} ({n.amount(self.resource):g} {self.resource}, "
+                         f"{n.cpus:g} CPU{extra}) -> ranks {i * self.per_node}.."
+                         f"{(i + 1) * self.per_node - 1}")
+        if self.left_out:
+            lines.append("nodes left out:")
+            lines += [f"  {n.label}: {why}" for n, why in self.left_out]
+        lines += ["", self.mesh.layout_table()]
+        if self.mesh.warnings or self.notes:
+            lines.append("")
+            lines += [f"note: {w}" for w in (*self.notes, *self.mesh.warnings)]
+        return "\n".join(lines)
+
+
+def strategy_spec(strategy: str, num_nodes: int, per_node: int, *, tp: int | None = None,
+                  pp: int | None = None) -> MeshSpec:
+    """The mesh a strategy gives on ``num_nodes`` x ``per_node`` workers.
+
+    * ``hsdp``: shard inside a node, replicate across nodes (``tp`` optional, inside).
+    * ``tp-dp``: tensor parallel across a node's workers, data parallel across nodes.
+    * ``tp-pp``: tensor parallel inside a node, one pipeline stage per node.
+    * ``pp-hsdp-tp``: ``pp`` stages (2 when the node count is even) over nodes, ``tp`` (2
+      when a node's workers are even) inside a node, HSDP over the rest.
+    """
+    if strategy == "hsdp":
+        t = _divisor(tp or 1, per_node)
+        return MeshSpec(pp=pp or 1, dp_replicate=-1, dp_shard=per_node // t, tp=t)
+    if strategy == "tp-dp":
+        return MeshSpec(pp=pp or 1, dp_replicate=-1, dp_shard=1, tp=tp or per_node)
+    if strategy == "tp-pp":
+        return MeshSpec(pp=-1, dp_replicate=1, dp_shard=1, tp=tp or per_node)
+    if strategy == "pp-hsdp-tp":
+        p = pp or (2 if num_nodes % 2 == 0 else 1)
+        t = _divisor(tp or (2 if per_node % 2 == 0 else 1), per_node)
+        return MeshSpec(pp=p, dp_replicate=-1, dp_shard=per_node // t, tp=t)
+    raise MeshSpecError(f"Unknown strategy {strategy!r}: use one of {STRATEGIES}.")
+
+
+def _divisor(tp: int, per_node: int) -> int:
+    if per_node % tp:
+        raise MeshSpecError(f"tp={tp} does not divide the {per_node} workers per node: "
+                            f"pass --tp with a divisor of {per_node}.")
+    return tp
+
+
+def _candidates(nodes: Sequence[NodeInfo], resource: str) -> list[tuple[str, int, list]]:
+    """(accelerator, workers per node, nodes that can host that many), most workers first."""
+    alive = [n for n in nodes if n.alive and n.amount(resource) >= 1]
+    out = []
+    for accel in sorted({n.accelerator for n in alive}):
+        same = [n for n in alive if n.accelerator == accel]
+        for k in sorted({int(n.amount(resource)) for n in same}, reverse=True):
+            hosts = [n for n in same if n.amount(resource) >= k]
+            out.append((accel, k, hosts))
+    # Most workers; then more per node (fewer, fuller nodes: less cross-node traffic).
+    return sorted(out, key=lambda c: (-c[1] * len(c[2]), -c[1]))
+
+
+def plan_cluster(
+    nodes: Sequence[NodeInfo],
+    strategy: str = "hsdp",
+    *,
+    resource: str = "GPU",
+    tp: int | None = None,
+    pp: int | None = None,
+    allow_cross_node_inner: bool = False,
+) -> ClusterPlan:
+    """Propose a mesh for ``nodes``; raises :class:`TopologyError` when none fits."""
+    if strategy not in STRATEGIES:
+        raise TopologyError(f"Unknown strategy {strategy!r}: use one of {STRATEGIES}.")
+    alive = [n for n in nodes if n.alive]
+    if not alive:
+        raise TopologyError("The cluster has no live nodes: start Ray on the nodes "
+                            "(deploy/tailscale/ray-head.sh and ray-worker.sh).")
+    candidates = _candidates(alive, resource)
+    if not candidates:
+        have = sorted({k for n in alive for k in (*n.resources, "CPU", "GPU")
+                       if n.amount(k) >= 1})
+        raise TopologyError(
+            f"No live node has {resource!r} (resources with at least 1 on some node: "
+            f"{', '.join(have)}). Use --resource with one of them (CPU for CPU workers)."
+        )
+    errors = []
+    for accel, k, hosts in candidates:
+        try:
+            spec = strategy_spec(strategy, len(hosts), k, tp=tp, pp=pp)
+            reports = [WorkerReport(rank=r, node_id=hosts[r // k].node_id,
+                                    node_ip=hosts[r // k].ip, hostname=hosts[r // k].hostname,
+                                    local_rank=r % k,
+                                    device=f"cuda:{r % k}" if resource == "GPU" else "cpu")
+                       for r in range(k * len(hosts))]
+            mesh = plan_mesh(spec, reports, allow_cross_node_inner=allow_cross_node_inner)
+        except (MeshSpecError, TopologyError) as exc:
+            errors.append(f"{len(hosts)} node(s) x {k}: {exc}")
+            continue
+        used_ids = {n.node_id for n in hosts}
+        left_out = [(n, _why_left_out(n, resource, k, accel)) for n in nodes
+                    if n.node_id not in used_ids]
+        notes = [f"{n.label} has {n.amount(resource):g} {resource}; the plan uses {k} of them "
+                 f"so that every node runs the same number of workers." for n in hosts
+                 if n.amount(resource) > k]
+        if notes:
+            notes.append("Ray places workers itself: on unequal nodes it may not put exactly "
+                         f"{k} on each, and ray_mesh then stops with a TopologyError. A custom "
+                         f"resource of {k} per node (resources_per_worker={{'slot': 1}}) pins it.")
+        return ClusterPlan(strategy, resource, k, list(hosts), left_out, mesh, notes)
+    raise TopologyError(f"No {strategy} mesh fits this cluster:\n  - " + "\n  - ".join(errors)
+                        + "\nChange --strategy, --tp or --pp, or add matching nodes.")
+
+
+def _why_left_out(node: NodeInfo, resource: str, k: int, accel: str) -> str:
+    if not node.alive:
+        return "not alive (Ray lost it); restart Ray there or remove it"
+    have = node.amount(resource)
+    if have < 1:
+        return f"has no {resource}"
+    if node.accelerator != accel:
+        return (f"its accelerator ({node.accelerator or 'none'}) differs from the chosen "
+                f"set's ({accel or 'none'}); a mesh mixes no GPU types")
+    return (f"has {have:g} {resource}, fewer than the {k} per node of the chosen set; "
+            f"adding it would put unequal numbers of workers on the nodes")
+
+
+# ============================================================================ doctor
+def _node_agent_cls():
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class NodeAgent:
+        """A tiny actor pinned to one node that runs the pre-flight's worker-side steps."""
+
+        def call(self, fn, *args):
+            return fn(*args)
+
+    return NodeAgent
+
+
+def doctor(
+    nodes: Sequence[NodeInfo] | None = None,
+    *,
+    interface: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    rendezvous_port: int | None = None,
+) -> PreflightReport:
+    """Run the pre-flight on every live node (head = node 0, as rank 0 usually is).
+
+    A run's rendezvous port is a random free one, which the matrix's random listener
+    ports already stand for; pass ``rendezvous_port`` to check a fixed MASTER_PORT too.
+
+    Starting the agents counts against the bound too: a node whose agent cannot start
+    (its link is down, say) shows up as "did not answer" instead of hanging the doctor.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in (nodes if nodes is not None else live_nodes()) if n.alive]
+    agent_cls = _node_agent_cls()
+    agents = [agent_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n.node_id, soft=False), name=None).remote() for n in nodes]
+    executor = RayRefExecutor(lambda i, fn, *args: agents[i].call.remote(fn, *args))
+    try:
+        # Startup of a worker process per node: give it most of the bound, not all.
+        return run_preflight(executor, [NodeTarget(n.ip, interface, n.hostname)
+                                        for n in nodes],
+                             rendezvous_port=rendezvous_port, timeout_s=timeout_s)
+    finally:
+        for a in agents:
+            ray.kill(a, no_restart=True)
+
+
+def describe_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> str:
+    """The discovery table: id, IP, GPUs, CPUs, custom resources, and the homogeneous sets."""
+    lines = ["nodes:"]
+    for n in nodes:
+        custom = ", ".join(f"{k}={v:g}" for k, v in sorted(n.resources.items()))
+        lines.append(f"  {n.node_id[:12]}  {n.label:<24} GPU={n.gpus:g} CPU={n.cpus:g}"
+                     f"{' ' + custom if custom else ''}{' (head)' if n.is_head else ''}"
+                     f"{'' if n.alive else ' DEAD'}")
+    groups = group_nodes(nodes, resource)
+    lines.append(f"homogeneous sets (by accelerator and {resource}):")
+    for (accel, amount), members in sorted(groups.items(), key=lambda g: -len(g[1])):
+        lines.append(f"  {len(members)} node(s) with {amount:g} {resource}"
+                     f"{' ' + accel if accel else ''}: {', '.join(m.ip for m in members)}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "STRATEGIES",
+    "ClusterPlan",
+    "NodeInfo",
+    "describe_nodes",
+    "doctor",
+    "group_nodes",
+    "live_nodes",
+    "nodes_from_ray",
+    "plan_cluster",
+    "strategy_spec",
+]
