@@ -13,6 +13,7 @@ results is done by the backend.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -43,6 +44,7 @@ def train_loop(config: dict) -> None:
     steps, batch = int(config.get("steps", 60)), int(config.get("batch_size", 16))
     report_every = int(config.get("report_every", 10))
     step_sleep_s = float(config.get("step_sleep_s", 0.0))  # stretch a toy step for demos
+    stop_file = config.get("stop_file")  # end early once this file exists (demos, tests)
 
     torch.manual_seed(0)
     model = _model().to(device)
@@ -66,7 +68,14 @@ def train_loop(config: dict) -> None:
             s.loss = avg / mesh["dp"].size()
             if step_sleep_s:
                 time.sleep(step_sleep_s)
-        if (step + 1) % report_every == 0 or step + 1 == steps:
+        last = step + 1 == steps
+        if (step + 1) % report_every == 0 or last:
+            # Same decision on every rank (a collective), so all ranks stop together.
+            flag = float(bool(stop_file) and os.path.exists(stop_file))
+            stop = torch.tensor(flag, device=device)
+            dist.all_reduce(stop)
             meter.flush()
             ray.train.report({"step": step + 1, **meter.summary()})
+            if stop.item():
+                break
     meter.close()

@@ -1,0 +1,373 @@
+"""Live monitoring: a Ray cluster of our own, a monitored run, and everything that shows it.
+
+One module fixture starts (as subprocesses this module owns and kills by process group):
+
+* a head node with a fixed ``--metrics-export-port`` (outside 10002-19999) and the dashboard;
+* a second node that looks like a ``ray`` install without ``ray[default]`` (a shadow
+  ``aiohttp_cors`` that fails to import makes Ray start its agent in minimal mode, so that
+  node has no metrics endpoint: the "dashboard/metrics absent" case, for real);
+* ``ray-mesh run`` of ``examples/hsdp_metrics.py`` on the head (4 workers, 2x2 HSDP mesh),
+  running until the test drops its stop file; and a short run on the minimal node.
+
+The checks then read what a user would read: Prometheus text from the metrics port, the
+Train run state from the dashboard's HTTP API, ``ray-mesh status``, a Chromium screenshot,
+and the layout files in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ray_mesh.metrics import METRICS
+from ray_mesh.spec import DIM_NAMES, MeshSpec
+from ray_mesh.status import parse_series
+
+pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).resolve().parents[1]
+RUN, MIN_RUN = "meshmon", "meshmin"
+BATCH, SLEEP = 16, 0.05
+SPEC = MeshSpec(dp_replicate=2, dp_shard=2)
+PROBED = ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp")
+START_TIMEOUT_S = 120
+METRICS_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ports(*flags: str) -> list[str]:
+    out = []
+    for flag in flags:
+        out += [flag, str(_free_port())]
+    return out
+
+
+def _wait(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
+            last = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"{what} not within {timeout_s:.0f} s (last: {last!r})")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop a process we started with start_new_session=True, and its whole group."""
+    for sig, grace_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, or the group never looks empty
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+
+
+def _job_yaml(path: Path, name: str, config: dict, mesh: dict | str, scaling: dict,
+              storage: Path) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "name": name, "train": str(REPO / "examples" / "hsdp_metrics.py") + ":train_loop",
+        "config": config, "mesh": mesh, "scaling": scaling,
+        "run": {"storage_path": str(storage)},
+    }))
+    return path
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="rm6_", dir="/tmp"))  # short: socket paths
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token",
+                    "RAY_TRAIN_ENABLE_STATE_TRACKING": "1", "PYTHONUNBUFFERED": "1"}
+        self.gcs, self.dash, self.metrics = _free_port(), _free_port(), _free_port()
+        self.storage = self.tmp / "results"
+        self.stop_file = self.tmp / "stop"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self.node_ip = ""
+
+    def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = self.logs[name] = self.tmp / f"{name}.log"
+        with open(log, "wb") as out:
+            self.procs[name] = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env or self.env,
+                cwd=self.tmp, start_new_session=True)
+        return self.procs[name]
+
+    def output(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace")
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dash}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.node_ip}:{self.gcs}"
+
+    def metrics_text(self) -> str:
+        url = f"http://{self.node_ip}:{self.metrics}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read().decode()
+
+    def dashboard_json(self, path: str):
+        from ray_mesh.status import _auth_headers, _enable_token_auth
+
+        _enable_token_auth()
+        req = urllib.request.Request(self.dashboard + path, headers=_auth_headers())
+        with urllib.request.urlopen(req, timeout=15) as r:
+            return json.loads(r.read())
+
+    def close(self) -> None:
+        for name in reversed(list(self.procs)):
+            _kill_group(self.procs[name])
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    try:
+        ray_bin = str(Path(sys.executable).with_name("ray"))
+        common = ["--block", "--disable-usage-stats",
+                  *_ports("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                          "--runtime-env-agent-port", "--node-manager-port",
+                          "--object-manager-port")]
+        c.spawn("head", [ray_bin, "start", "--head", f"--port={c.gcs}",
+                         "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                         f"--dashboard-port={c.dash}", f"--metrics-export-port={c.metrics}",
+                         *_ports("--ray-client-server-port"), f"--temp-dir={c.tmp}/h",
+                         "--num-cpus=4", '--resources={"head_slot": 4}', *common])
+        info = _wait(lambda: c.dashboard_json("/nodes?view=summary")["data"]["summary"],
+                     START_TIMEOUT_S, "the head's dashboard answering")
+        c.node_ip = info[0]["ip"]
+
+        # A node without ray[default]'s packages: Ray runs its agent in minimal mode there.
+        shadow = c.tmp / "shadow" / "aiohttp_cors"
+        shadow.mkdir(parents=True)
+        (shadow / "__init__.py").write_text(
+            "raise ImportError('aiohttp_cors hidden: this node plays a plain `ray` install')\n")
+        minimal_env = {**c.env, "PYTHONPATH": os.pathsep.join(
+            [str(shadow.parent), c.env.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        c.spawn("minimal_node", [ray_bin, "start", f"--address={c.address}",
+                                 f"--metrics-export-port={_free_port()}",
+                                 f"--temp-dir={c.tmp}/m", "--num-cpus=0",
+                                 '--resources={"minimal_slot": 2}', *common], env=minimal_env)
+
+        main_job = _job_yaml(
+            c.tmp / f"{RUN}.yaml", RUN,
+            {"steps": 5000, "batch_size": BATCH, "report_every": 10, "step_sleep_s": SLEEP,
+             "flush_s": 1.0, "stop_file": str(c.stop_file)},
+            {"dp_replicate": 2, "dp_shard": -1},
+            {"num_workers": 4, "use_gpu": False,
+             "resources_per_worker": {"CPU": 1, "head_slot": 1}}, c.storage)
+        ray_mesh_bin = str(Path(sys.executable).with_name("ray-mesh"))
+        c.spawn("run", [ray_mesh_bin, "run", str(main_job), "--address", c.address])
+        yield c
+    finally:
+        if c.tmp.exists():
+            c.stop_file.touch()
+        c.close()
+
+
+def _samples(c: Cluster, run: str = RUN) -> list[tuple[str, dict, float]]:
+    return [s for s in parse_series(c.metrics_text()) if s[1].get("run") == run]
+
+
+def _by(samples, name: str, **labels) -> dict[int, float]:
+    return {int(lab["rank"]): v for n, lab, v in samples
+            if n == name and all(lab.get(k) == str(x) for k, x in labels.items())}
+
+
+def _all_ranks_reported(c: Cluster):
+    s = _samples(c)
+    ranks = _by(s, "ray_mesh_step")
+    probes = [_by(s, "ray_mesh_dim_allreduce_seconds", dim=d) for d in PROBED]
+    coll = _by(s, "ray_mesh_collective_fraction", dim="dp")
+    if len(ranks) == 4 and all(len(p) == 4 for p in probes) and len(coll) == 4:
+        return s
+    if c.procs["run"].poll() is not None:
+        raise AssertionError("the run ended early:\n" + c.output("run")[-3000:])
+    return None
+
+
+def test_prometheus_series_carry_mesh_tags_and_plausible_values(cluster):
+    samples = _wait(lambda: _all_ranks_reported(cluster), METRICS_TIMEOUT_S,
+                    "ray_mesh series of 4 ranks on the metrics endpoint", interval_s=3)
+    steps = _by(samples, "ray_mesh_step")
+    for name, labels, _ in samples:
+        rank = int(labels["rank"])
+        coord = SPEC.coordinate(rank)
+        assert {d: labels[d] for d in DIM_NAMES} == {d: str(coord[d]) for d in DIM_NAMES}, \
+            (name, labels)
+        assert labels["node_ip"] == cluster.node_ip == labels["NodeAddress"]
+        assert labels["node_rank"] == "0"
+    step_s = _by(samples, "ray_mesh_step_seconds")
+    rate = _by(samples, "ray_mesh_samples_per_second")
+    loss = _by(samples, "ray_mesh_loss")
+    rss = _by(samples, "ray_mesh_process_rss_bytes")
+    frac = _by(samples, "ray_mesh_collective_fraction", dim="dp")
+    for r in range(4):
+        assert steps[r] >= 1
+        assert SLEEP <= step_s[r] < 10, step_s
+        # samples/s is measured over the window's wall time, which holds all its steps.
+        assert 0.2 * BATCH / step_s[r] < rate[r] <= 1.01 * BATCH / step_s[r], (rate, step_s)
+        assert 0 < loss[r] < 5, loss
+        assert 50 * 2**20 < rss[r] < 32 * 2**30, rss
+        assert 0 < frac[r] < 1, frac
+        for d in PROBED:
+            secs = _by(samples, "ray_mesh_dim_allreduce_seconds", dim=d)[r]
+            bw = _by(samples, "ray_mesh_dim_busbw_bytes_per_second", dim=d)[r]
+            assert 0 < secs < 10 and bw > 0, (d, secs, bw)
+    # Counters move while the run goes on, and agree with the gauges.
+    total0 = _by(samples, "ray_mesh_steps_total")
+    later = _wait(lambda: (lambda s: s if min(_by(s, "ray_mesh_steps_total").values())
+                           > max(total0.values()) else None)(_samples(cluster)),
+                  60, "ray_mesh_steps_total to grow", interval_s=2)
+    steps_total = _by(later, "ray_mesh_steps_total")
+    time_total = _by(later, "ray_mesh_step_time_seconds_total")
+    coll_total = _by(later, "ray_mesh_collective_seconds_total", dim="dp")
+    for r in range(4):
+        assert SLEEP <= time_total[r] / steps_total[r] < 10
+        assert 0 < coll_total[r] < time_total[r]
+
+
+def test_grafana_dashboard_queries_live_series(cluster):
+    """Every ray_mesh series the Grafana dashboard plots exists on a CPU run's endpoint."""
+    from test_metrics_unit import dashboard_metric_names
+
+    _wait(lambda: _all_ranks_reported(cluster), METRICS_TIMEOUT_S, "ray_mesh series")
+    live = {n for n, _, _ in _samples(cluster)}
+    cuda_or_tokens = {m.prometheus_name for m in METRICS
+                      if "device_memory" in m.name or "token" in m.name}
+    missing = dashboard_metric_names() - cuda_or_tokens - live
+    assert not missing, f"dashboard queries series the run does not export: {missing}"
+
+
+def test_dashboard_train_api_shows_the_run(cluster):
+    def running():
+        runs = cluster.dashboard_json("/api/train/v2/runs/v1")["train_runs"]
+        run = next((r for r in runs if r["name"] == RUN and r["status"] == "RUNNING"), None)
+        return run if run and len(run["attempts"][-1]["workers"]) == 4 else None
+
+    run = _wait(running, START_TIMEOUT_S, f"run {RUN} RUNNING in the Train state API", 2)
+    backend = run["run_settings"]["backend_config"]["config"]
+    assert backend["mesh"]["dp_replicate"] == 2 and backend["mesh"]["dp_shard"] == -1
+    workers = run["attempts"][-1]["workers"]
+    assert sorted(w["world_rank"] for w in workers) == [0, 1, 2, 3]
+    assert {w["node_ip"] for w in workers} == {cluster.node_ip}
+    assert run["run_settings"]["run_config"]["storage_path"] == str(cluster.storage)
+
+
+def _status_rows(out: str, run: str) -> list[dict[str, str]]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"Run {run} "))
+    header = lines[start + 1].split()
+    rows = []
+    for line in lines[start + 3:]:
+        if not line.strip() or not line.split()[0].isdigit():
+            break
+        rows.append(dict(zip(header, line.split(), strict=True)))
+    return rows
+
+
+def test_status_shows_nodes_run_layout_and_latest_metrics(cluster):
+    _wait(lambda: _all_ranks_reported(cluster), METRICS_TIMEOUT_S, "ray_mesh series")
+    cli = str(Path(sys.executable).with_name("ray-mesh"))
+    res = subprocess.run([cli, "status", "--address", cluster.address], env=cluster.env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert f"Run {RUN}  [RUNNING]" in out and "(layout from run dir)" in out, out
+    assert "Nodes (2):" in out and cluster.node_ip in out, out
+    rows = _status_rows(out, RUN)
+    assert [int(r["rank"]) for r in rows] == [0, 1, 2, 3], out
+    for r in rows:
+        coord = SPEC.coordinate(int(r["rank"]))
+        assert {d: int(r[d]) for d in DIM_NAMES} == {d: coord[d] for d in DIM_NAMES}, out
+        assert r["interface"] not in ("", "?") and r["node_ip"] == cluster.node_ip
+        assert float(r["step"]) >= 1 and SLEEP <= float(r["step_s"]) < 10, out
+        assert 0 < float(r["loss"]) < 5 and 0 < float(r["coll%(dp)"]) < 100, out
+
+
+def test_dashboard_screenshot_shows_the_run(cluster):
+    if shutil.which("chromium") is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from dashboard_screenshot import screenshot
+    finally:
+        sys.path.pop(0)
+    out = REPO / "tests" / ".artifacts" / "dashboard_jobs.png"
+    out.parent.mkdir(exist_ok=True)
+    text = screenshot(cluster.dashboard, str(out), page="#/jobs", wait_for=f"{RUN}.yaml",
+                      timeout_s=90)
+    assert "RUNNING" in text, text[:500]
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1600, 1000)
+
+
+def test_node_without_metrics_agent_trains_with_one_warning(cluster):
+    job = _job_yaml(cluster.tmp / f"{MIN_RUN}.yaml", MIN_RUN,
+                    {"steps": 6, "batch_size": 8, "report_every": 3, "flush_s": 0.5,
+                     "step_sleep_s": 0.5},
+                    "fsdp", {"num_workers": 2, "use_gpu": False,
+                             "resources_per_worker": {"CPU": 0, "minimal_slot": 1}},
+                    cluster.storage)
+    cli = str(Path(sys.executable).with_name("ray-mesh"))
+    res = subprocess.run([cli, "run", str(job), "--address", cluster.address],
+                         env=cluster.env, capture_output=True, text=True, timeout=240,
+                         cwd=cluster.tmp)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert f"run {MIN_RUN!r} finished" in out
+    warnings = [line for line in out.splitlines() if "ray_mesh metrics:" in line]
+    assert len(warnings) == 1, warnings
+    assert "does not answer" in warnings[0] and "training goes on" in warnings[0], warnings
+
+
+def test_run_stops_cleanly_and_saved_its_layout(cluster):
+    cluster.stop_file.touch()
+    proc = cluster.procs["run"]
+    proc.wait(180)
+    out = cluster.output("run")
+    assert proc.returncode == 0, out[-4000:]
+    assert f"run {RUN!r} finished" in out and "last metrics: step=" in out, out[-2000:]
+    assert "ray_mesh metrics:" not in out  # the head's endpoint answered: no warning
+    doc = json.loads((cluster.storage / RUN / "ray_mesh_layout.json").read_text())
+    assert doc["run"] == RUN and doc["num_nodes"] == 1 and doc["workers_per_node"] == 4
+    for row in doc["ranks"]:
+        coord = SPEC.coordinate(row["rank"])
+        assert {d: row[d] for d in DIM_NAMES} == {d: coord[d] for d in DIM_NAMES}
+        assert row["node_ip"] == cluster.node_ip and row["interface"]
+    md = (cluster.storage / RUN / "ray_mesh_layout.md").read_text()
+    assert md.count("\n| ") == 5 and "dp_replicate" in md  # header + 4 ranks

@@ -1,0 +1,202 @@
+"""Monitoring without a cluster: the meter's arithmetic and cost, layout files, the
+deploy/monitoring configs, and ``ray-mesh status`` against addresses that do not answer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ray_mesh.layout import LAYOUT_JSON, layout_document, read_layout, to_markdown
+from ray_mesh.metrics import METRICS, StepMeter
+from ray_mesh.spec import DIM_NAMES, MeshSpec
+from ray_mesh.status import StatusError, collect
+from ray_mesh.topology import WorkerReport, plan_mesh
+
+REPO = Path(__file__).resolve().parents[1]
+MONITORING = REPO / "deploy" / "monitoring"
+EXPORTED = {m.prometheus_name for m in METRICS}
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every ray_* series name the Grafana dashboard's queries and variables use."""
+    dash = json.loads((MONITORING / "grafana_ray_mesh.json").read_text())
+    text = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    text += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    return {n for t in text for n in re.findall(r"\bray_[a-zA-Z0-9_]+", t)}
+
+
+# ----------------------------------------------------------------------------- deploy
+def test_grafana_dashboard_is_valid_and_plots_only_exported_metrics():
+    dash = json.loads((MONITORING / "grafana_ray_mesh.json").read_text())
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    for p in panels:
+        assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), p["title"]
+        assert p["datasource"]["uid"] == "${datasource}" and "gridPos" in p
+        for t in p["targets"]:
+            assert t["expr"].count("(") == t["expr"].count(")"), t["expr"]
+            assert t["expr"].count("{") == t["expr"].count("}"), t["expr"]
+    names = dashboard_metric_names()
+    assert names and names <= EXPORTED, names - EXPORTED
+    # Every exported series is on some panel.
+    assert names == EXPORTED, EXPORTED - names
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert {"datasource", "run", "dim"} <= set(variables)
+    per_dim = [p for p in panels if any("dim" in t["expr"] for t in p["targets"])]
+    assert len(per_dim) >= 3 and any(p.get("repeat") == "dim" for p in per_dim)
+    for p in per_dim:
+        assert all('dim=~"$dim"' in t["expr"] for t in p["targets"]), p["title"]
+
+
+def test_prometheus_config_follows_rays_service_discovery_file():
+    conf = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    assert conf["global"]["scrape_interval"].endswith("s")
+    jobs = {j["job_name"]: j for j in conf["scrape_configs"]}
+    files = jobs["ray"]["file_sd_configs"][0]["files"]
+    assert "/tmp/ray/prom_metrics_service_discovery.json" in files
+
+
+# ----------------------------------------------------------------------------- meter
+def test_step_meter_window_numbers_follow_real_time():
+    meter = StepMeter(samples_per_step=8, flush_every_s=1000, export=False)
+    for i in range(5):
+        with meter.step() as s:
+            time.sleep(0.02)
+            with meter.collective("dp"):
+                time.sleep(0.01)
+            s.loss = torch.tensor(0.5 + i)
+    with pytest.raises(RuntimeError), meter.step():
+        raise RuntimeError("a failed step is not counted")
+    out = meter.flush()
+    assert out["step"] == 5
+    assert 0.03 <= out["step_time_s"] < 0.5 and out["step_time_max_s"] >= out["step_time_s"]
+    assert 0.05 <= out["collective_s/dp"] < out["step_time_s"] * 5
+    assert 0.2 < out["collective_fraction/dp"] < 0.67  # 10 of >=30 ms, sleeps overshoot
+    assert out["samples_per_s"] <= 1.01 * 8 / out["step_time_s"]
+    assert out["loss"] == pytest.approx(4.5)  # the last step's loss, read at flush
+    assert out["rss_bytes"] > 10 * 2**20
+    assert meter.summary() == out
+    assert "step" not in meter.flush()  # a new, empty window
+
+
+def test_step_meter_flushes_on_its_interval_and_rejects_bad_input():
+    meter = StepMeter(flush_every_s=0.05, export=False)
+    with meter.step():
+        pass
+    assert meter.summary() == {}
+    time.sleep(0.06)
+    with meter.step():
+        pass
+    assert meter.summary()["step"] == 2
+    with pytest.raises(ValueError, match="dp_shard"):
+        meter.collective("data")
+    with pytest.raises(ValueError, match="flush_every_s"):
+        StepMeter(flush_every_s=0)
+
+
+def test_step_meter_per_step_cost_is_microseconds():
+    """The hot path is bookkeeping only (the benchmark suite measures it against hsdp)."""
+    meter = StepMeter(samples_per_step=8, flush_every_s=3600, export=False)
+    n = 20_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with meter.step() as s:
+            s.loss = 1.0
+    per_step = (time.perf_counter() - t0) / n
+    assert per_step < 20e-6, f"{per_step * 1e6:.1f} us per step"
+
+
+# ----------------------------------------------------------------------------- layout
+def _plan():
+    workers = [WorkerReport(rank=r, node_id=f"node{r // 2}", node_ip=f"10.0.0.{r // 2 + 1}",
+                            hostname=f"host{r // 2}", local_rank=r % 2) for r in range(4)]
+    return plan_mesh(MeshSpec(dp_replicate="nodes", dp_shard=-1), workers)
+
+
+def test_layout_document_and_markdown_place_every_rank(tmp_path):
+    plan = _plan()
+    doc = layout_document(plan, {r: "tailscale0" for r in range(4)}, run="demo")
+    assert doc["num_nodes"] == 2 and doc["workers_per_node"] == 2
+    assert doc["shape"] == dict(zip(DIM_NAMES, plan.spec.shape, strict=True))
+    for row in doc["ranks"]:
+        coord = plan.spec.coordinate(row["rank"])
+        assert {d: row[d] for d in DIM_NAMES} == {d: coord[d] for d in DIM_NAMES}
+        assert row["node"] == row["rank"] // 2 and row["hostname"] == f"host{row['node']}"
+        assert row["interface"] == "tailscale0"
+    md = to_markdown(doc)
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 4 and "| 3 | 1 | 10.0.0.2 | host1 |" in md
+    assert read_layout(str(tmp_path), "demo") is None
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / LAYOUT_JSON).write_text(json.dumps(doc))
+    assert read_layout(str(tmp_path), "demo") == doc
+
+
+# ----------------------------------------------------------------------------- status
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_status_against_addresses_that_do_not_answer_fails_fast():
+    port = _closed_port()
+    for address, what in ((f"127.0.0.1:{port}", "Ray cluster (GCS)"),
+                          (f"http://127.0.0.1:{port}", "Ray dashboard")):
+        t0 = time.monotonic()
+        with pytest.raises(StatusError) as err:
+            collect(address, timeout_s=3)
+        assert time.monotonic() - t0 < 5
+        msg = str(err.value)
+        assert what in msg and f"127.0.0.1:{port}" in msg and "ray status" in msg
+    with pytest.raises(StatusError, match="Ray Client address"):
+        collect("ray://127.0.0.1:10001")
+
+
+def test_status_against_a_silent_listener_is_bounded():
+    """A port that accepts but never answers (a wedged head) times out, not hangs."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(srv.accept()[0])
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StatusError):
+            collect(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=2)
+        assert time.monotonic() - t0 < 15
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        srv.close()
+
+
+def test_status_cli_reports_an_unreachable_cluster():
+    port = _closed_port()
+    res = subprocess.run([str(Path(sys.executable).with_name("ray-mesh")), "status",
+                          "--address", f"127.0.0.1:{port}", "--timeout", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "does not answer" in res.stderr and f"127.0.0.1:{port}" in res.stderr
