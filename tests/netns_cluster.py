@@ -6,8 +6,8 @@ Each "node" is a network namespace with:
   host namespace), holding an address in Tailscale's 100.64.0.0/10 range; all nodes reach
   each other over it, and Ray runs on it (``--node-ip-address``).
 * ``eth0``: a decoy on a different network (a veth whose other end is on no bridge, so
-  the other nodes' decoy addresses never answer). A library that picks the wrong interface hangs or fails here
-  for real, as it does on a box with eth0, docker0 and tailscale0.
+  the other nodes' decoy addresses never answer). A library that picks the wrong
+  interface hangs or fails here for real, as on a box with eth0, docker0 and tailscale0.
 * ``lo`` up.
 
 Ray is started in every namespace with the project's own ``deploy/tailscale/ray-head.sh``
@@ -36,6 +36,7 @@ this machine's ``~/.ray/auth_token``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -108,6 +109,7 @@ class NetnsCluster:
         start_ray: False builds only the network (for pre-flight tests without Ray).
         env: extra environment for every ``ray start`` (and so every Ray worker).
         ray_start_timeout_s: bound on each node's start.
+        dashboard: start the head's dashboard (bound to its tailnet address by the script).
     """
 
     def __init__(
@@ -118,7 +120,9 @@ class NetnsCluster:
         start_ray: bool = True,
         env: dict[str, str] | None = None,
         ray_start_timeout_s: float = 120.0,
+        dashboard: bool = False,
     ) -> None:
+        self.dashboard = dashboard
         self.resources = resources or [{"slot": 2}, {"slot": 2}]
         if not 1 <= len(self.resources) <= 200:
             raise ValueError("a NetnsCluster has 1..200 nodes")
@@ -244,7 +248,8 @@ class NetnsCluster:
             "--object-store-memory=100000000",
         ]
         if index == 0:
-            cmd = [str(DEPLOY / "ray-head.sh"), *extra, "--include-dashboard=false"]
+            cmd = [str(DEPLOY / "ray-head.sh"), *extra,
+                   f"--include-dashboard={str(self.dashboard).lower()}"]
         else:
             cmd = [str(DEPLOY / "ray-worker.sh"), self.address, *extra]
         proc = subprocess.run([*node.exec_prefix(), *cmd], capture_output=True, text=True,
@@ -295,10 +300,8 @@ class NetnsCluster:
             if not pids:
                 return
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.5)
             if time.monotonic() > deadline - timeout_s / 2:
                 sig = signal.SIGKILL

@@ -1,0 +1,170 @@
+"""Drivers that tests/test_multinode.py runs inside the head namespace of a NetnsCluster.
+
+Each prints one line ``RESULT <json>`` that the test parses; everything else on stdout
+(worker prints forwarded by Ray included) is kept for assertions on logs.
+
+    python tests/_multinode_driver.py fits  STORAGE_DIR
+    python tests/_multinode_driver.py cli   UNREACHABLE_ADDRESS
+    python tests/_multinode_driver.py linkcut GO_FILE
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _result(obj) -> None:
+    print("RESULT " + json.dumps(obj), flush=True)
+
+
+# ----------------------------------------------------------------------------- fits
+def train_fn(config: dict) -> None:
+    import ray
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    import ray_mesh
+
+    mesh = ray_mesh.get_mesh()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # The rank print of the Ray-Train-over-Tailscale blog post.
+    print(f"LOCAL_RANK={os.environ['LOCAL_RANK']} RANK={os.environ['RANK']} "
+          f"WORLD_SIZE={os.environ['WORLD_SIZE']} NODE_RANK={os.environ['NODE_RANK']}",
+          flush=True)
+    ctx = ray.train.get_context()
+    # Collectives across nodes: dp_replicate groups span the nodes.
+    rep = torch.tensor([float(rank + 1)])
+    dist.all_reduce(rep, group=mesh.get_group("dp_replicate"))
+    world_sum = torch.tensor([float(rank + 1)])
+    dist.all_reduce(world_sum)
+    shard = torch.tensor([float(rank + 1)])
+    dist.all_reduce(shard, group=mesh.get_group("dp_shard"))
+    me = {
+        "rank": rank,
+        "world": world,
+        "ip": ray.util.get_node_ip_address(),
+        "ctx_local_rank": ctx.get_local_rank(),
+        "ctx_node_rank": ctx.get_node_rank(),
+        "env": {k: os.environ.get(k) for k in (
+            "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY",
+            "NCCL_IB_DISABLE", "NCCL_NET", "NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD")},
+        "shard_group": dist.get_process_group_ranks(mesh.get_group("dp_shard")),
+        "replicate_group": dist.get_process_group_ranks(mesh.get_group("dp_replicate")),
+        "rep_sum": rep.item(),
+        "shard_sum": shard.item(),
+        "world_sum": world_sum.item(),
+    }
+    everyone = [None] * world
+    dist.all_gather_object(everyone, me)
+    ray.train.report({"everyone": json.dumps(everyone)})
+
+
+def _fit(name: str, storage: str, mesh, interface: str = "auto",
+         resources: dict | None = None, workers: int = 4) -> dict:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_mesh import MeshConfig
+
+    start = time.monotonic()
+    try:
+        result = TorchTrainer(
+            train_fn,
+            scaling_config=ScalingConfig(num_workers=workers, resources_per_worker=resources
+                                         or {"CPU": 0.5, "slot": 1}),
+            torch_config=MeshConfig(mesh=mesh, interface=interface, bringup_timeout_s=120),
+            run_config=RunConfig(name=name, storage_path=storage),
+        ).fit()
+        out = {"ok": True, "everyone": json.loads(result.metrics["everyone"])}
+    except Exception as exc:  # noqa: BLE001 - the error text is what the test checks
+        out = {"ok": False, "error": "".join(traceback.format_exception(exc))}
+    out["seconds"] = round(time.monotonic() - start, 1)
+    return out
+
+
+def fits(storage: str) -> None:
+    import ray
+
+    from ray_mesh import MeshSpec
+
+    # A value the user sets (runtime_env) must win over ray_mesh's default, and be logged.
+    ray.init(runtime_env={"env_vars": {"NCCL_SOCKET_NTHREADS": "2"}})
+    out = {}
+    # Bad runs first, then a good one from the same driver: a failed bring-up must not
+    # wedge the next fit (DESIGN.md).
+    out["missing_iface"] = _fit("missing", storage, MeshSpec.hsdp(), interface="wlan0")
+    out["decoy_iface"] = _fit("decoy", storage, MeshSpec.hsdp(), interface="eth0")
+    out["unequal"] = _fit("unequal", storage, MeshSpec.hsdp(),
+                          resources={"CPU": 0.25, "uneq": 1})
+    out["good"] = _fit("good", storage, MeshSpec.hsdp())
+    _result(out)
+
+
+# ----------------------------------------------------------------------------- cli
+def _cli(argv: list[str]) -> dict:
+    from ray_mesh.cli import main
+
+    buf_out, buf_err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    with contextlib.redirect_stdout(buf_out), contextlib.redirect_stderr(buf_err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+        except Exception:  # noqa: BLE001
+            rc = "crash"
+            buf_err.write(traceback.format_exc())
+    return {"rc": rc, "out": buf_out.getvalue(), "err": buf_err.getvalue(),
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+def cli(unreachable: str) -> None:
+    address = os.environ["RAY_ADDRESS"]
+    out = {}
+    # Before any ray.init in this process: an address nobody answers on.
+    out["bad_address"] = _cli(["plan", "--address", unreachable])
+    out["plan"] = _cli(["plan", "--address", address, "--resource", "slot"])
+    out["plan_uneq"] = _cli(["plan", "--address", address, "--resource", "uneq"])
+    out["plan_tp"] = _cli(["plan", "--address", address, "--resource", "slot",
+                           "--strategy", "tp-pp"])
+    out["doctor"] = _cli(["doctor", "--address", address])
+    out["doctor_decoy"] = _cli(["doctor", "--address", address, "--interface", "eth0"])
+    _result(out)
+
+
+# ----------------------------------------------------------------------------- link cut
+def linkcut(go_file: str) -> None:
+    import ray
+
+    from ray_mesh.discovery import doctor, live_nodes
+
+    ray.init()
+    nodes = [n for n in live_nodes() if n.alive]
+    # Warm the node agents' worker processes while every link is up ...
+    report_before = doctor(nodes, timeout_s=20)
+    print("READY", flush=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go_file) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # ... then the test cuts node 1's link and the pre-flight must fail within its bound.
+    start = time.monotonic()
+    report = doctor(nodes, timeout_s=20)
+    elapsed = time.monotonic() - start
+    _result({"before_ok": report_before.ok, "ok": report.ok, "elapsed": elapsed,
+             "problems": report.problems, "text": report.format(),
+             "message": report.error_message() if not report.ok else "",
+             "nodes": [n.ip for n in nodes]})
+    sys.stdout.flush()
+    os._exit(0)  # ray.shutdown() could wait on the unreachable node
+
+
+if __name__ == "__main__":
+    {"fits": fits, "cli": cli, "linkcut": linkcut}[sys.argv[1]](*sys.argv[2:])
