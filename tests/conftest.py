@@ -8,10 +8,18 @@ metrics port) start it in a subprocess or their own fixture and never call ray.i
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 LOCAL_RAY_CPUS = 8
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def worker_runtime_env() -> dict:
+    """Lets Ray workers import train functions defined in test modules (by module name)."""
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH")) if p)
+    return {"env_vars": {"PYTHONPATH": path}}
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +31,7 @@ def ray_local(tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=LOCAL_RAY_CPUS, include_dashboard=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+             runtime_env=worker_runtime_env(), _temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray
     ray.shutdown()
 
