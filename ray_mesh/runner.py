@@ -45,7 +45,8 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
             ) from exc
         return False
     # CPU workers on a small machine: let Ray count enough CPUs for all of them.
-    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)))
+    # address='local': a new instance even when `ray start` left one running on this host.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)))
     return True
 
 

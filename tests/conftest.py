@@ -30,7 +30,7 @@ def ray_local(tmp_path_factory):
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=LOCAL_RAY_CPUS, include_dashboard=False,
+    ray.init(address="local", num_cpus=LOCAL_RAY_CPUS, include_dashboard=False,
              runtime_env=worker_runtime_env(), _temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray
     ray.shutdown()
