@@ -1,0 +1,54 @@
+"""Put parallelism on the ray_mesh mesh: TP, FSDP2/HSDP/DDP, PP, CP, and data sharding.
+
+Ray-free (plain torch), so the same code runs in Ray Train workers and under torchrun. The
+calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themselves:
+
+- :func:`apply_tp` - tensor / sequence parallel from a plan on ``mesh["tp"]``
+- :func:`apply_fsdp` - ``fully_shard`` per block then root: FSDP over ``dp_shard_cp``, HSDP over
+  (``dp_replicate``, ``dp_shard_cp``), or replicate-only (DDP), as the mesh says
+- :func:`parallelize` - TP, then data parallel (torchtitan's order)
+- :class:`Pipeline` - cut a sequential model into stages along ``mesh["pp"]`` and run a
+  ``torch.distributed.pipelining`` schedule (GPipe, 1F1B, interleaved, ...)
+- :func:`context_parallel_region` - CP where torch supports it (CUDA + NCCL), else an error
+- :func:`dp_rank`, :func:`dp_size`, :func:`shard_batch`, :func:`distributed_sampler` - data
+- :func:`full_parameters` - the whole parameters back from DTensors (checks, export)
+"""
+
+from ray_mesh.parallel.compose import full_parameters, gather_over, parallelize
+from ray_mesh.parallel.cp import context_parallel_region, cp_unsupported_reason
+from ray_mesh.parallel.data import (
+    distributed_sampler,
+    dp_rank,
+    dp_size,
+    local_batch_size,
+    shard_batch,
+)
+from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
+from ray_mesh.parallel.pp import Pipeline, PipelinePlan, known_hang, schedule_info
+from ray_mesh.parallel.tp import apply_tp, make_style, validate_tp_plan
+
+__all__ = [
+    "ParallelError",
+    "Pipeline",
+    "PipelinePlan",
+    "apply_fsdp",
+    "apply_tp",
+    "context_parallel_region",
+    "cp_unsupported_reason",
+    "distributed_sampler",
+    "dp_rank",
+    "dp_size",
+    "find_blocks",
+    "full_parameters",
+    "gather_over",
+    "known_hang",
+    "local_batch_size",
+    "make_style",
+    "mixed_precision_policy",
+    "parallelize",
+    "resolve_mode",
+    "schedule_info",
+    "shard_batch",
+    "validate_tp_plan",
+]

@@ -1,0 +1,82 @@
+"""Compose TP and data parallel on one module in torchtitan's order, and read it back whole.
+
+TP first, because FSDP2 shards whatever parameters it finds, and after TP those are DTensors
+on ``mesh["tp"]``: FSDP then adds a dp dim to them (2-D FSDP + TP). The other order would
+try to tensor-parallelise FSDP's flat shards. With pipeline parallel, this runs once per
+stage (:class:`~ray_mesh.parallel.pp.Pipeline` does it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ray_mesh.parallel.fsdp import Blocks, Mode, apply_fsdp
+from ray_mesh.parallel.pp import mesh_device
+from ray_mesh.parallel.tp import TPPlan, apply_tp
+
+
+def parallelize(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    tp_plan: TPPlan | None = None,
+    dp: Mode = "auto",
+    blocks: Blocks = None,
+    mixed_precision: Any = None,
+    reshard_after_forward: bool | None = None,
+    strict_plan: bool = True,
+) -> nn.Module:
+    """Move ``module`` to this rank's device, apply TP from ``tp_plan``, then data parallel.
+
+    ``dp`` is ``auto`` (FSDP, HSDP or DDP as the mesh's dp dims say; see
+    :mod:`ray_mesh.parallel.fsdp`), a mode to insist on, or ``none``. Use the return value: the
+    DDP path wraps the module.
+    """
+    module = module.to(mesh_device(mesh))
+    if tp_plan:
+        module = apply_tp(module, mesh, tp_plan, strict=strict_plan)
+    return apply_fsdp(module, mesh, blocks=blocks, mode=dp, mixed_precision=mixed_precision,
+                      reshard_after_forward=reshard_after_forward)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def full_parameters(modules: nn.Module | Iterable[nn.Module]) -> dict[str, torch.Tensor]:
+    """Every parameter as a whole, plain tensor on the CPU, keyed by its name in the model.
+
+    A collective when parameters are DTensors (TP, FSDP): call it on every rank of the mesh,
+    in the same order. With pipeline stages, pass this rank's stage modules; the names are the
+    full model's (stages keep them), so the parts from every pp rank merge into one dict.
+    """
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    out: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for name, param in _unwrap(module).named_parameters():
+            value = param.full_tensor() if isinstance(param, DTensor) else param
+            out[name] = value.detach().to("cpu", copy=True)
+    return out
+
+
+def gather_over(group_mesh: DeviceMesh, part: Mapping[str, torch.Tensor],
+                ) -> dict[str, torch.Tensor]:
+    """Merge every rank's ``part`` over a 1-D mesh (e.g. ``mesh["pp"]``): one dict on all."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * group_mesh.size()
+    dist.all_gather_object(parts, dict(part), group=group_mesh.get_group())
+    merged: dict[str, torch.Tensor] = {}
+    for p in parts:
+        merged.update(p)
+    return merged
+
+
+__all__ = ["full_parameters", "gather_over", "parallelize"]

@@ -1,0 +1,73 @@
+"""Which data this rank reads: by data-parallel rank, never by world rank.
+
+TP, CP and PP peers must see the same samples (TP ranks hold pieces of one model and
+compute one batch together; PP stages pass one batch along), so sharding data by
+``dist.get_rank()`` feeds tp peers different samples and silently trains on garbage. The
+data-parallel coordinates live on the flattened ``dp`` dim (dp_replicate x dp_shard) that
+ray_mesh builds on every mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DistributedSampler
+
+from ray_mesh.parallel.errors import ParallelError
+
+
+def _dp(mesh: DeviceMesh) -> DeviceMesh:
+    try:
+        return mesh["dp"]
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise ParallelError(
+            f"The mesh has no flattened 'dp' dim (dims: {mesh.mesh_dim_names}); use the mesh "
+            f"from ray_mesh.get_mesh() or ray_mesh.init_mesh(), which builds it."
+        ) from exc
+
+
+def dp_rank(mesh: DeviceMesh) -> int:
+    """This rank's index among the data-parallel replicas (same for its tp/cp/pp peers)."""
+    return _dp(mesh).get_local_rank()
+
+
+def dp_size(mesh: DeviceMesh) -> int:
+    """How many different batches one step reads (dp_replicate x dp_shard)."""
+    return _dp(mesh).size()
+
+
+def local_batch_size(global_batch: int, mesh: DeviceMesh) -> int:
+    """The per-replica batch for a global batch, which dp must divide."""
+    size = dp_size(mesh)
+    if global_batch % size:
+        raise ParallelError(
+            f"A global batch of {global_batch} does not split over dp={size} replicas. Use a "
+            f"global batch that is a multiple of {size}, e.g. "
+            f"{size * max(1, global_batch // size)}."
+        )
+    return global_batch // size
+
+
+def shard_batch(batch: Any, mesh: DeviceMesh) -> Any:
+    """This replica's rows (dim 0) of a global batch: a tensor, or a tuple/list/dict of them."""
+    if isinstance(batch, torch.Tensor):
+        per = local_batch_size(batch.shape[0], mesh)
+        start = dp_rank(mesh) * per
+        return batch[start:start + per]
+    if isinstance(batch, tuple | list):
+        return type(batch)(shard_batch(b, mesh) for b in batch)
+    if isinstance(batch, dict):
+        return {k: shard_batch(v, mesh) for k, v in batch.items()}
+    raise ParallelError(f"shard_batch: cannot shard a {type(batch).__name__}; pass tensors "
+                        f"with the batch on dim 0.")
+
+
+def distributed_sampler(dataset: Sized, mesh: DeviceMesh, **kwargs: Any) -> DistributedSampler:
+    """A ``DistributedSampler`` over the dp replicas (kwargs: shuffle, seed, drop_last)."""
+    return DistributedSampler(dataset, num_replicas=dp_size(mesh), rank=dp_rank(mesh), **kwargs)
+
+
+__all__ = ["distributed_sampler", "dp_rank", "dp_size", "local_batch_size", "shard_batch"]
