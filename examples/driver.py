@@ -35,10 +35,13 @@ def main() -> None:
                  runtime_env=runtime_env)
     from hsdp import train_loop  # noqa: E402  (importable once working_dir is on the path)
 
+    scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.gpu)
+    # Ray would wait forever for GPUs a CPU-only cluster does not have: fail now instead.
+    ray_mesh.check_cluster(scaling)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"steps": args.steps},
-        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.gpu),
+        scaling_config=scaling,
         # Replicate across nodes, shard inside a node: resolved on the real topology.
         torch_config=ray_mesh.MeshConfig(mesh=ray_mesh.MeshSpec(dp_replicate=2, dp_shard=-1)),
         run_config=RunConfig(name="hsdp-driver"),

@@ -9,6 +9,7 @@ __all__ = [
     "MeshConfig",
     "MeshSpec",
     "MeshSpecError",
+    "check_cluster",
     "get_mesh",
     "get_state",
     "init_mesh",
@@ -23,4 +24,8 @@ def __getattr__(name: str):
         from ray_mesh.backend import MeshConfig
 
         return MeshConfig
+    if name == "check_cluster":
+        from ray_mesh.runner import check_cluster
+
+        return check_cluster
     raise AttributeError(f"module 'ray_mesh' has no attribute {name!r}")

@@ -129,6 +129,16 @@ def check_resources(scaling: ScalingConfig, cluster: dict[str, float]) -> None:
             )
 
 
+def check_cluster(scaling: ScalingConfig) -> None:
+    """Driver-side check of ``scaling`` against the connected cluster's total resources.
+
+    Ray Train 2.60 waits forever ("worker group startup timed out", retried) when a
+    ScalingConfig asks for resources the cluster does not have, e.g. GPUs on a CPU-only
+    cluster, and no backend hook runs before that wait. Call this before ``fit()``.
+    """
+    check_resources(scaling, ray.cluster_resources())
+
+
 def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
     net = job.network
     mesh_config = MeshConfig(
