@@ -114,6 +114,7 @@ METRICS: tuple[MetricDef, ...] = (
               "torch.cuda.max_memory_allocated (CUDA only)."),
 )
 METRICS_BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
+_STEP_KEYS = ("step", "step_time_s", "step_time_max_s", "samples_per_s", "tokens_per_s")
 
 
 # ----------------------------------------------------------------------------- tags
@@ -343,6 +344,7 @@ class StepMeter:
         self._tokens: float | None = None
         self._coll: dict[str, _Collective] = {}
         self._pending_events: list[tuple[str, Any, Any]] = []
+        self._probe: dict[str, tuple[float, float]] = {}
         self._reset_window(time.perf_counter())
         self._last: dict[str, float] = {}
         self._rss = None
@@ -425,7 +427,10 @@ class StepMeter:
             self._coll_s[dim] = self._coll_s.get(dim, 0.0) + ev0.elapsed_time(ev1) / 1e3
         self._pending_events.clear()
         wall = max(now - self._w_start, 1e-9)
-        out: dict[str, float] = {}
+        # A window without steps keeps the last step numbers (summary() stays useful); only
+        # windows with steps are exported for them, so rates are not diluted by idle gaps.
+        out: dict[str, float] = {} if self._w_steps else {
+            k: v for k, v in self._last.items() if k in _STEP_KEYS}
         tags = self.tags
         rec: list[tuple[str, float, dict[str, str]]] = []
         if self._w_steps:
@@ -460,6 +465,7 @@ class StepMeter:
                 out[f"collective_fraction/{dim}"] = secs / self._w_time
                 rec.append(("mesh_collective_fraction", secs / self._w_time, dt))
         rec += self._memory(out)
+        rec += self._probe_records()  # gauges expire on Ray's side unless set again
         self._last = out
         if self._export:
             _EXPORTER.record(rec, self._loud)
@@ -497,13 +503,21 @@ class StepMeter:
         return self.flush()
 
     def record_probe(self, results: dict[str, tuple[float, float]]) -> None:
-        """Export :func:`probe_dims` results (dim -> (seconds, bus bytes/s))."""
+        """Export :func:`probe_dims` results (dim -> (seconds, bus bytes/s)).
+
+        They are written again at every flush: Ray drops a gauge that is not refreshed
+        within two export intervals (~20 s), and a probe runs once.
+        """
+        self._probe.update(results)
+        if self._export:
+            _EXPORTER.record(self._probe_records(), self._loud)
+
+    def _probe_records(self) -> list[tuple[str, float, dict[str, str]]]:
         rec = []
-        for dim, (secs, busbw) in results.items():
+        for dim, (secs, busbw) in self._probe.items():
             rec += [("mesh_dim_allreduce_seconds", secs, self._tags_for(dim)),
                     ("mesh_dim_busbw_bytes_per_second", busbw, self._tags_for(dim))]
-        if self._export:
-            _EXPORTER.record(rec, self._loud)
+        return rec
 
 
 # ----------------------------------------------------------------------------- probe

@@ -156,15 +156,18 @@ def cluster():
     c = Cluster()
     try:
         ray_bin = str(Path(sys.executable).with_name("ray"))
-        common = ["--block", "--disable-usage-stats",
-                  *_ports("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
-                          "--runtime-env-agent-port", "--node-manager-port",
-                          "--object-manager-port")]
+
+        def common() -> list[str]:  # fixed ports, each node its own: others run Ray here too
+            return ["--block", "--disable-usage-stats",
+                    *_ports("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                            "--runtime-env-agent-port", "--node-manager-port",
+                            "--object-manager-port")]
+
         c.spawn("head", [ray_bin, "start", "--head", f"--port={c.gcs}",
                          "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                          f"--dashboard-port={c.dash}", f"--metrics-export-port={c.metrics}",
                          *_ports("--ray-client-server-port"), f"--temp-dir={c.tmp}/h",
-                         "--num-cpus=4", '--resources={"head_slot": 4}', *common])
+                         "--num-cpus=4", '--resources={"head_slot": 4}', *common()])
         info = _wait(lambda: c.dashboard_json("/nodes?view=summary")["data"]["summary"],
                      START_TIMEOUT_S, "the head's dashboard answering")
         c.node_ip = info[0]["ip"]
@@ -179,7 +182,7 @@ def cluster():
         c.spawn("minimal_node", [ray_bin, "start", f"--address={c.address}",
                                  f"--metrics-export-port={_free_port()}",
                                  f"--temp-dir={c.tmp}/m", "--num-cpus=0",
-                                 '--resources={"minimal_slot": 2}', *common], env=minimal_env)
+                                 '--resources={"minimal_slot": 2}', *common()], env=minimal_env)
 
         main_job = _job_yaml(
             c.tmp / f"{RUN}.yaml", RUN,
