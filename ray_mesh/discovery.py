@@ -256,10 +256,55 @@ def _node_agent_cls():
     class NodeAgent:
         """A tiny actor pinned to one node that runs the pre-flight's worker-side steps."""
 
+        def ready(self) -> bool:
+            return True
+
         def call(self, fn, *args):
             return fn(*args)
 
     return NodeAgent
+
+
+class NodeAgents:
+    """One agent actor per node, started once and reused for several pre-flights.
+
+    Starting a Python worker per node (imports included) can take longer than the network
+    check itself on a busy machine, so it has its own bound (``startup_timeout_s``); a node
+    whose agent does not start in time stays in the list and shows up in the report as
+    "did not answer", like a node whose link is down.
+    """
+
+    def __init__(self, nodes: Sequence[NodeInfo], startup_timeout_s: float = 60.0) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.nodes = [n for n in nodes if n.alive]
+        cls = _node_agent_cls()
+        self.agents = [cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            n.node_id, soft=False)).remote() for n in self.nodes]
+        refs = [a.ready.remote() for a in self.agents]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=startup_timeout_s)
+        self.started = [r in ready for r in refs]
+
+    def preflight(self, *, interface: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+                  rendezvous_port: int | None = None) -> PreflightReport:
+        """The pre-flight on every node (head = node 0, as rank 0 usually is)."""
+        executor = RayRefExecutor(lambda i, fn, *args: self.agents[i].call.remote(fn, *args))
+        return run_preflight(executor, [NodeTarget(n.ip, interface, n.hostname)
+                                        for n in self.nodes],
+                             rendezvous_port=rendezvous_port, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.agents:
+            ray.kill(a, no_restart=True)
+
+    def __enter__(self) -> NodeAgents:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def doctor(
@@ -268,31 +313,17 @@ def doctor(
     interface: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     rendezvous_port: int | None = None,
+    startup_timeout_s: float = 60.0,
 ) -> PreflightReport:
-    """Run the pre-flight on every live node (head = node 0, as rank 0 usually is).
+    """Run the pre-flight on every live node through short-lived node agents.
 
     A run's rendezvous port is a random free one, which the matrix's random listener
     ports already stand for; pass ``rendezvous_port`` to check a fixed MASTER_PORT too.
-
-    Starting the agents counts against the bound too: a node whose agent cannot start
-    (its link is down, say) shows up as "did not answer" instead of hanging the doctor.
     """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    nodes = [n for n in (nodes if nodes is not None else live_nodes()) if n.alive]
-    agent_cls = _node_agent_cls()
-    agents = [agent_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        n.node_id, soft=False), name=None).remote() for n in nodes]
-    executor = RayRefExecutor(lambda i, fn, *args: agents[i].call.remote(fn, *args))
-    try:
-        # Startup of a worker process per node: give it most of the bound, not all.
-        return run_preflight(executor, [NodeTarget(n.ip, interface, n.hostname)
-                                        for n in nodes],
-                             rendezvous_port=rendezvous_port, timeout_s=timeout_s)
-    finally:
-        for a in agents:
-            ray.kill(a, no_restart=True)
+    with NodeAgents(nodes if nodes is not None else live_nodes(),
+                    startup_timeout_s) as agents:
+        return agents.preflight(interface=interface, timeout_s=timeout_s,
+                                rendezvous_port=rendezvous_port)
 
 
 def describe_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> str:
@@ -314,6 +345,7 @@ def describe_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> str:
 __all__ = [
     "STRATEGIES",
     "ClusterPlan",
+    "NodeAgents",
     "NodeInfo",
     "describe_nodes",
     "doctor",

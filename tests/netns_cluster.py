@@ -21,14 +21,23 @@ concurrent sessions do not collide. :meth:`NetnsCluster.stop` kills exactly the 
 that live in this cluster's namespaces (``ip netns pids``), never ``ray stop``, then deletes
 the namespaces, the bridge and the temp dirs; it runs even when a test fails.
 
-Usage::
+Usage (pytest puts tests/ on sys.path; elsewhere add it)::
 
-    from tests.netns_cluster import NetnsCluster, netns_unavailable_reason
+    from netns_cluster import NetnsCluster, netns_unavailable_reason
 
+    if reason := netns_unavailable_reason():        # not root, no `ip netns`, ...
+        pytest.skip(reason)
     with NetnsCluster(resources=[{"slot": 2}, {"slot": 2}]) as cluster:
-        out = cluster.run_python("import ray; ray.init(); print(ray.nodes())")
+        out = cluster.run_python("import ray; ray.init(); print(ray.nodes())")  # in head ns
+        cluster.run_in(1, ["ip", "-br", "addr"])    # any command inside node 1
+        before = cluster.interface_counters(1)      # tailscale0 rx/tx bytes and packets
         cluster.cut_link(1)                         # node 1 drops off the bridge
-        cluster.interface_counters(0)               # {"rx_bytes": ..., "tx_bytes": ...}
+        cluster.restore_link(1)
+        cluster.kill_node(1)                        # its Ray processes die (a crash)
+        cluster.add_node({"slot": 2})               # a new node joins (elastic tests)
+
+Drivers get ``RAY_ADDRESS`` (``cluster.address``) and ``RAY_AUTH_MODE=token``; workers run
+with one ``--temp-dir`` per node under ``cluster.root``.
 
 Ray token authentication (on by default in Ray 2.60) is left on: every namespace shares
 this machine's ``~/.ray/auth_token``.
@@ -138,13 +147,7 @@ class NetnsCluster:
         self.decoy_subnet = f"10.{200 + a % 50}.{b}"
         self.bridge = f"rmb{self.tag}"
         self.root = Path(tempfile.mkdtemp(prefix=f"rmn{self.tag}_", dir="/tmp"))
-        self.nodes: list[Node] = [
-            Node(i, f"rmn{self.tag}n{i}", f"{self.subnet}.{i + 1}",
-                 f"{self.decoy_subnet}.{i + 1}", f"rmv{self.tag}n{i}", f"rmd{self.tag}n{i}",
-                 self.root / f"n{i}",
-                 dict(r))
-            for i, r in enumerate(self.resources)
-        ]
+        self.nodes: list[Node] = [self._make_node(i, r) for i, r in enumerate(self.resources)]
         self.bin_dir = self.root / "bin"
         self.started = False
 
@@ -181,29 +184,37 @@ class NetnsCluster:
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         _run(["ip", "link", "set", self.bridge, "up"])
         for node in self.nodes:
-            _run(["ip", "netns", "add", node.ns])
-            peer = f"rmp{self.tag}n{node.index}"
-            _run(["ip", "link", "add", node.host_veth, "type", "veth", "peer", "name", peer])
-            _run(["ip", "link", "set", node.host_veth, "master", self.bridge])
-            _run(["ip", "link", "set", node.host_veth, "up"])
-            _run(["ip", "link", "set", peer, "netns", node.ns])
-            ns = node.exec_prefix()
-            _run([*ns, "ip", "link", "set", peer, "name", TAILNET_IFACE])
-            _run([*ns, "ip", "addr", "add", f"{node.ip}/24", "dev", TAILNET_IFACE])
-            _run([*ns, "ip", "link", "set", TAILNET_IFACE, "up"])
-            _run([*ns, "ip", "link", "set", "lo", "up"])
-            # The decoy: a veth whose other end is up in the host namespace but on no
-            # bridge, so the other nodes' decoy addresses never answer.
-            decoy_peer = f"rmq{self.tag}n{node.index}"
-            _run(["ip", "link", "add", node.decoy_host, "type", "veth", "peer", "name",
-                  decoy_peer])
-            _run(["ip", "link", "set", node.decoy_host, "up"])
-            _run(["ip", "link", "set", decoy_peer, "netns", node.ns])
-            _run([*ns, "ip", "link", "set", decoy_peer, "name", DECOY_IFACE])
-            _run([*ns, "ip", "addr", "add", f"{node.decoy_ip}/24", "dev", DECOY_IFACE])
-            _run([*ns, "ip", "link", "set", DECOY_IFACE, "up"])
-            node.temp_dir.mkdir(parents=True, exist_ok=True)
+            self._build_node(node)
         self._write_fake_tailscale()
+
+    def _make_node(self, i: int, resources: dict[str, float]) -> Node:
+        return Node(i, f"rmn{self.tag}n{i}", f"{self.subnet}.{i + 1}",
+                    f"{self.decoy_subnet}.{i + 1}", f"rmv{self.tag}n{i}", f"rmd{self.tag}n{i}",
+                    self.root / f"n{i}", dict(resources))
+
+    def _build_node(self, node: Node) -> None:
+        _run(["ip", "netns", "add", node.ns])
+        peer = f"rmp{self.tag}n{node.index}"
+        _run(["ip", "link", "add", node.host_veth, "type", "veth", "peer", "name", peer])
+        _run(["ip", "link", "set", node.host_veth, "master", self.bridge])
+        _run(["ip", "link", "set", node.host_veth, "up"])
+        _run(["ip", "link", "set", peer, "netns", node.ns])
+        ns = node.exec_prefix()
+        _run([*ns, "ip", "link", "set", peer, "name", TAILNET_IFACE])
+        _run([*ns, "ip", "addr", "add", f"{node.ip}/24", "dev", TAILNET_IFACE])
+        _run([*ns, "ip", "link", "set", TAILNET_IFACE, "up"])
+        _run([*ns, "ip", "link", "set", "lo", "up"])
+        # The decoy: a veth whose other end is up in the host namespace but on no
+        # bridge, so the other nodes' decoy addresses never answer.
+        decoy_peer = f"rmq{self.tag}n{node.index}"
+        _run(["ip", "link", "add", node.decoy_host, "type", "veth", "peer", "name",
+              decoy_peer])
+        _run(["ip", "link", "set", node.decoy_host, "up"])
+        _run(["ip", "link", "set", decoy_peer, "netns", node.ns])
+        _run([*ns, "ip", "link", "set", decoy_peer, "name", DECOY_IFACE])
+        _run([*ns, "ip", "addr", "add", f"{node.decoy_ip}/24", "dev", DECOY_IFACE])
+        _run([*ns, "ip", "link", "set", DECOY_IFACE, "up"])
+        node.temp_dir.mkdir(parents=True, exist_ok=True)
 
     def _write_fake_tailscale(self) -> None:
         """A `tailscale` stand-in: `tailscale ip -4` prints this namespace's tailnet address."""
@@ -307,6 +318,23 @@ class NetnsCluster:
                 sig = signal.SIGKILL
             if time.monotonic() > deadline:
                 return
+
+    def add_node(self, resources: dict[str, float] | None = None,
+                 start_ray: bool = True) -> Node:
+        """A new namespace node on the bridge, joined to the cluster (elastic tests)."""
+        if len(self.nodes) >= 200:
+            raise ValueError("a NetnsCluster has at most 200 nodes")
+        node = self._make_node(len(self.nodes), resources or dict(self.resources[-1]))
+        self.nodes.append(node)
+        self._build_node(node)
+        if start_ray:
+            self.start_ray_node(node.index)
+            self.wait_for_nodes(sum(1 for n in self.nodes if self.namespace_pids(n.ns)))
+        return node
+
+    def kill_node(self, index: int) -> None:
+        """Kill every process of node ``index`` (a crashed machine); its network stays."""
+        self._kill_namespace_processes(self.nodes[index].ns)
 
     # ------------------------------------------------------------------ use
     def run_in(self, index: int, cmd: list[str], *, timeout: float = 60, check: bool = False,

