@@ -240,8 +240,9 @@ def test_prometheus_series_carry_mesh_tags_and_plausible_values(cluster):
     for r in range(4):
         assert steps[r] >= 1
         assert SLEEP <= step_s[r] < 10, step_s
-        # samples/s is measured over the window's wall time, which holds all its steps.
-        assert 0.2 * BATCH / step_s[r] < rate[r] <= 1.01 * BATCH / step_s[r], (rate, step_s)
+        # samples/s is over the window's wall time, which holds all of the window's steps
+        # (and whatever the loop does between them: reporting, waiting).
+        assert 0 < rate[r] <= 1.01 * BATCH / step_s[r], (rate, step_s)
         assert 0 < loss[r] < 5, loss
         assert 50 * 2**20 < rss[r] < 32 * 2**30, rss
         assert 0 < frac[r] < 1, frac
@@ -257,7 +258,13 @@ def test_prometheus_series_carry_mesh_tags_and_plausible_values(cluster):
     steps_total = _by(later, "ray_mesh_steps_total")
     time_total = _by(later, "ray_mesh_step_time_seconds_total")
     coll_total = _by(later, "ray_mesh_collective_seconds_total", dim="dp")
+    samples_total = _by(later, "ray_mesh_samples_total")
+    calls_total = _by(later, "ray_mesh_collective_calls_total", dim="dp")
     for r in range(4):
+        # One window's counters are written together; a scrape may fall between two of
+        # them, so allow one window (flush_s=1 s, steps >= SLEEP) of difference.
+        assert abs(samples_total[r] - BATCH * steps_total[r]) <= BATCH / SLEEP, later
+        assert abs(calls_total[r] - steps_total[r]) <= 1 / SLEEP
         assert SLEEP <= time_total[r] / steps_total[r] < 10
         assert 0 < coll_total[r] < time_total[r]
 
