@@ -45,7 +45,7 @@ MARKER = "ray_mesh_checkpoint.json"
 """Written by rank 0 after every rank finished writing; its presence means "complete"."""
 METADATA = ".metadata"
 FORMAT_VERSION = 1
-DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")
+DIR_PATTERN = re.compile(r"^checkpoint_(\d+)(?:_[0-9a-z]+)?$")
 
 
 class CheckpointError(RuntimeError):
@@ -56,9 +56,11 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint holds another model: the message lists the keys that do not match."""
 
 
-def dir_name(step: int) -> str:
-    """``checkpoint_00000042``: sorts by step, and :func:`step_of` reads the step back."""
-    return f"checkpoint_{step:08d}"
+def dir_name(step: int, tag: str = "") -> str:
+    """``checkpoint_00000042`` (or ``checkpoint_00000042_<tag>``): sorts by step, and
+    :func:`step_of` reads the step back. The tag keeps a step saved again after a restart
+    out of the directory of the first save, which Ray may delete when it rotates it out."""
+    return f"checkpoint_{step:08d}" + (f"_{tag}" if tag else "")
 
 
 def step_of(path: str | os.PathLike) -> int | None:

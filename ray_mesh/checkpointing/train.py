@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -71,6 +72,8 @@ class Checkpointer:
         upload: force the upload mode (True) or the direct mode (False); default: direct
             for a local/shared filesystem, upload for anything else.
         timeout_s: bound on every checkpoint collective (a dead peer fails the save within it).
+        wait_committed: after reporting a checkpoint, rank 0 waits until Ray has registered
+            it, so that a failure right after it still resumes from it.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class Checkpointer:
         resume_from: str | os.PathLike | None = None,
         upload: bool | None = None,
         timeout_s: float = 600.0,
+        wait_committed: bool = True,
     ) -> None:
         if every < 0:
             raise ValueError(f"every must be >= 0 (0 saves only on report(save=True)), got "
@@ -94,6 +98,8 @@ class Checkpointer:
         self.every = every
         self.async_save = async_save
         self.resume_from = str(resume_from) if resume_from else None
+        self.timeout_s = timeout_s
+        self.wait_committed = wait_committed
         self.group = sharded.checkpoint_group(timeout_s)
         ctx = ray.train.get_context()
         self._rank = ctx.get_world_rank()
@@ -104,7 +110,10 @@ class Checkpointer:
             ctx.get_experiment_name() / f"rank{self._rank}"
         self._pending: tuple[Path, Progress, Future | None] | None = None
         self._downloaded: dict[str, Path] = {}
-        self.last_saved_step: int | None = None
+        # One tag per attempt (rank 0's, broadcast): see sharded.dir_name.
+        self._tag = sharded.broadcast_from_rank0(uuid.uuid4().hex[:6], self.group)
+        self.last_reported_checkpoint: int | None = None
+        """Step of the newest checkpoint handed to ray.train.report by this process."""
 
     # ------------------------------------------------------------------ resume
     def _candidates(self) -> list[Checkpoint]:
@@ -154,6 +163,22 @@ class Checkpointer:
             return found, warnings + more
         return None, warnings
 
+    def _remove_partial(self) -> None:
+        """Delete checkpoint directories of this run that have no marker.
+
+        They are saves a failure interrupted: never reported (the report comes after the
+        marker), so Ray does not track them and would never delete them.
+        """
+        run_dir = Path(self._storage.experiment_fs_path)
+        if not run_dir.is_dir():
+            return
+        for d in sorted(run_dir.iterdir()):
+            if (sharded.step_of(d) is not None and d.is_dir()
+                    and not (d / sharded.MARKER).exists()):
+                _warn(f"ray_mesh: removing partial checkpoint {d} (no {sharded.MARKER}: a "
+                      f"save that a failure interrupted; it was never reported).")
+                shutil.rmtree(d, ignore_errors=True)
+
     def restore(self) -> Progress:
         """Load the newest complete checkpoint, if any; returns where to continue.
 
@@ -161,6 +186,8 @@ class Checkpointer:
         corrupt candidate is skipped with a warning naming it. If Ray has checkpoints for this
         run but none is complete, this raises rather than silently starting from scratch.
         """
+        if self._rank == 0 and not self.upload:
+            self._remove_partial()
         candidates = self._candidates()
         if not candidates:
             return Progress()
@@ -188,7 +215,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def _target(self, step: int) -> Path:
-        name = sharded.dir_name(step)
+        name = sharded.dir_name(step, self._tag)
         if self.upload:
             return self._staging / name
         return Path(self._storage.build_checkpoint_path_from_name(name))
@@ -209,7 +236,6 @@ class Checkpointer:
         # Barrier, then rank 0 writes the marker (in upload mode into its own staging dir,
         # next to the .metadata it wrote; Ray merges the ranks' dirs on upload).
         sharded.mark_complete(path, progress, group=self.group, mesh=_mesh_dict())
-        self.last_saved_step = progress.step
         return Checkpoint.from_directory(str(path)), progress
 
     def report(
@@ -244,7 +270,7 @@ class Checkpointer:
             return
         checkpoint, progress = attach
         metrics["checkpoint_step"] = progress.step
-        name = sharded.dir_name(progress.step)
+        name = sharded.dir_name(progress.step, self._tag)
         if self.upload:
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
                              checkpoint_upload_mode=CheckpointUploadMode.SYNC,
@@ -253,6 +279,25 @@ class Checkpointer:
             ray.train.report(metrics, checkpoint=checkpoint if self._rank == 0 else None,
                              checkpoint_dir_name=name,
                              checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        self.last_reported_checkpoint = progress.step
+        if self._rank == 0 and self.wait_committed:
+            self._wait_committed()
+
+    def _wait_committed(self) -> None:
+        """Block until Ray's controller has registered the checkpoint just reported.
+
+        ``ray.train.report`` returns once the report is queued, before the controller has
+        registered the checkpoint; a worker dying in between makes the restart use the
+        checkpoint before this one. Rank 0 waiting here (the others wait for rank 0 at the
+        next collective) closes that gap for one controller round trip per checkpoint.
+        """
+        try:
+            ray.train.get_all_reported_checkpoints(
+                consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED,
+                timeout_s=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the checkpoint is reported either way
+            _warn(f"ray_mesh: could not confirm that Ray registered checkpoint step "
+                  f"{self.last_reported_checkpoint}: {type(exc).__name__}: {exc}")
 
     def close(self, metrics: Mapping[str, Any] | None = None) -> None:
         """Finish a pending async save and report it (one more ``report`` call, every rank)."""

@@ -1,0 +1,73 @@
+"""Train function for the Ray checkpoint tests (loaded by path and shipped by value).
+
+HSDP toy model, deterministic data (a batch depends only on the step and the dp rank), a
+Checkpointer, and two test hooks driven by the config: rank 1 SIGKILLs itself at a chosen
+step on the first attempt only (a marker file says the kill happened), and rank 0 appends
+what it did to a log file, so the test can read the step history across attempts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+import ray_mesh
+from ray_mesh.checkpointing import Checkpointer, full_model_state
+
+
+def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    x = torch.randn(8, 12, generator=g)
+    return x, x.sin()[:, :6]
+
+
+def _log(config: dict, line: str) -> None:
+    with open(config["log"], "a") as f:
+        f.write(f"{line} @{time.time():.2f}\n")
+
+
+def train_loop(config: dict) -> None:
+    mesh = ray_mesh.get_mesh()
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 6))
+    fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
+    optim = torch.optim.AdamW(model.parameters(), lr=0.02)
+    ckpt = Checkpointer(model, optim, every=config["every"],
+                        async_save=config.get("async_save", False),
+                        upload=config.get("upload"))
+    start = ckpt.restore()
+    assert start.data_position.get("next_step", 0) == start.step
+    if rank == 0:
+        _log(config, f"start {start.step} {Path(start.path).name if start.path else '-'}")
+    dp_rank = mesh["dp"].get_local_rank()
+    for step in range(start.step, config["steps"]):
+        x, y = _batch(step, dp_rank)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        done = step + 1
+        kill = config.get("kill_at")
+        if kill and done == kill and rank == 1 and not os.path.exists(config["kill_marker"]):
+            Path(config["kill_marker"]).write_text("killed")
+            if config.get("corrupt"):  # truncate a shard of a checkpoint Ray has registered
+                (target,) = Path("/").glob(config["corrupt"].lstrip("/"))
+                shard = sorted(target.glob("*.distcp"))[0]
+                shard.write_bytes(shard.read_bytes()[:16])
+            os.kill(os.getpid(), signal.SIGKILL)
+        before = ckpt.last_reported_checkpoint
+        ckpt.report(done, {"loss": loss.item()}, data_position={"next_step": done})
+        if rank == 0:
+            after = ckpt.last_reported_checkpoint
+            _log(config, f"step {done}" + (f" ckpt {after}" if after != before else ""))
+    ckpt.close()
+    full = full_model_state(model)
+    if rank == 0:
+        torch.save(full, config["final"])
