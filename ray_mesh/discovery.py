@@ -256,8 +256,12 @@ def _node_agent_cls():
     class NodeAgent:
         """A tiny actor pinned to one node that runs the pre-flight's worker-side steps."""
 
-        def ready(self) -> bool:
-            return True
+        def ready(self) -> dict:
+            # Import what the pre-flight calls need (torch included, for its version) now,
+            # under the start-up bound, not under the pre-flight's.
+            from ray_mesh.preflight import node_versions
+
+            return node_versions()
 
         def call(self, fn, *args):
             return fn(*args)

@@ -467,7 +467,8 @@ def _problems(report: PreflightReport, silent: list[int]) -> list[str]:
     for i in silent:
         out.append(
             f"{report.label(i)} did not answer within the {report.timeout_s:.0f} s pre-flight "
-            f"bound: its link is probably down (Tailscale disconnected, machine asleep, cable). "
+            f"bound: its link is probably down (Tailscale disconnected, machine asleep, cable), "
+            f"or it is too overloaded to answer. "
             f"Check `tailscale status` and `ray status`; remove the node "
             f"(`ray stop` on it) or bring its link back, then retry."
         )

@@ -100,8 +100,10 @@ def test_env_vpn_defaults_only_on_a_vpn_and_user_values_win(monkeypatch):
     assert collective_env(lan, True)["NCCL_IB_DISABLE"] == "1"
     assert "NCCL_NET" not in collective_env(vpn, False)
 
-    monkeypatch.setenv("NCCL_SOCKET_NTHREADS", "8")
-    monkeypatch.delenv("NCCL_NET", raising=False)
+    # apply_env writes os.environ: give it a copy so nothing leaks into later tests.
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in env})
+    os.environ["NCCL_SOCKET_NTHREADS"] = "8"
     applied = network.apply_env(env)
     assert applied["NCCL_SOCKET_NTHREADS"] == "8" == os.environ["NCCL_SOCKET_NTHREADS"]
     assert os.environ["NCCL_NET"] == "Socket"
@@ -111,6 +113,11 @@ def test_env_vpn_defaults_only_on_a_vpn_and_user_values_win(monkeypatch):
     assert "rank 3 (node 1): interface tailscale0" in line
     assert "NCCL_SOCKET_NTHREADS=8 (set by the user)" in line
     assert "NCCL_NET=Socket " in line or line.endswith("NCCL_NET=Socket")
+
+
+def test_env_is_restored_after_the_previous_test():
+    assert "GLOO_SOCKET_IFNAME" not in os.environ or os.environ["GLOO_SOCKET_IFNAME"] != \
+        "tailscale0"
 
 
 # ----------------------------------------------------------------------------- planner
