@@ -1,21 +1,28 @@
 """HSDP with FSDP2 on a ray_mesh 2-D (dp_replicate, dp_shard) mesh.
 
 The PyTorch DeviceMesh tutorial's HSDP toy model (FSDP HYBRID_SHARD on a (replicate, shard)
-mesh), written with FSDP2's ``fully_shard``: parameters are sharded inside each dp_shard
-group (a node) and replicated across dp_replicate groups (nodes). Trained on synthetic data
-from a fixed "teacher" so the loss goes down.
+mesh), written with ``ray_mesh.parallel.parallelize``: the mesh's dp dims pick the layout, so
+with dp_replicate=2 x dp_shard=2 the parameters are sharded inside each dp_shard group (a
+node) and replicated across dp_replicate groups (nodes). Trained on synthetic data from a
+fixed "teacher" so the loss goes down.
 
     ray-mesh run examples/hsdp.yaml
+    torchrun --nproc-per-node 4 examples/hsdp.py
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
 
 import ray_mesh
+from ray_mesh.parallel import dp_rank, dp_size, parallelize
+
+DEFAULTS = {"steps": 40, "batch_size": 16, "lr": 0.05, "report_every": 10, "seed": 0,
+            "mixed_precision": None}
 
 
 class ToyModel(nn.Module):
@@ -29,6 +36,12 @@ class ToyModel(nn.Module):
         return self.net2(self.relu(self.net1(x)))
 
 
+def make_model(config: dict | None = None) -> nn.Module:
+    """The model, the same on every rank (one seed); also the single-process reference."""
+    torch.manual_seed({**DEFAULTS, **(config or {})}["seed"])
+    return ToyModel()
+
+
 def synthetic_batch(step: int, dp_rank: int, batch: int, device: torch.device):
     """A batch for (step, dp rank): the same on every tp/pp peer, different across dp."""
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
@@ -38,40 +51,59 @@ def synthetic_batch(step: int, dp_rank: int, batch: int, device: torch.device):
     return x.to(device), (x @ w).tanh().to(device)
 
 
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def batch(step: int, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of ``step`` on the CPU, for callers that shard it themselves."""
+    cfg = {**DEFAULTS, **(config or {})}
+    return synthetic_batch(step, 0, cfg["batch_size"], torch.device("cpu"))
+
+
+def build(mesh, config: dict | None = None) -> nn.Module:
+    """The model with data parallel as the mesh's dp dims say (HSDP on a 2 x 2 mesh)."""
+    cfg = {**DEFAULTS, **(config or {})}
+    # net1 and net2 each get their own fully_shard group, then the root.
+    return parallelize(make_model(cfg), mesh, blocks=lambda name, _: name in ("net1", "net2"),
+                       mixed_precision=cfg["mixed_precision"])
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor, mesh) -> torch.Tensor:
+    """One step on this replica's batch; returns the loss averaged over the dp replicas."""
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    avg = loss.detach().clone()
+    dist.all_reduce(avg, group=mesh.get_group("dp"))
+    return avg / dp_size(mesh)
+
+
 def train_loop(config: dict) -> None:
+    cfg = {**DEFAULTS, **(config or {})}
     mesh = ray_mesh.get_mesh()
     device = ray_mesh.get_state().device
-    steps, batch, lr = config.get("steps", 40), config.get("batch_size", 16), config.get("lr", 0.05)
-    report_every = config.get("report_every", 10)
-
-    torch.manual_seed(0)  # every rank starts from the same weights
-    model = ToyModel().to(device)
-    # HSDP: a 2-D mesh (replicate, shard) makes fully_shard shard on the inner dim and
-    # replicate (all-reduce gradients) on the outer one.
-    fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
-    optim = torch.optim.AdamW(model.parameters(), lr=lr)
-
-    dp_rank = mesh["dp"].get_local_rank()
+    steps = cfg["steps"]
+    model = build(mesh, cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    rank = dp_rank(mesh)  # shard data by dp rank, never by world rank
     for step in range(steps):
-        x, y = synthetic_batch(step, dp_rank, batch, device)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        if (step + 1) % report_every == 0 or step == 0 or step + 1 == steps:
-            avg = loss.detach().clone()
-            dist.all_reduce(avg, group=mesh.get_group("dp"))
-            avg = avg.item() / mesh["dp"].size()
+        x, y = synthetic_batch(step, rank, cfg["batch_size"], device)
+        avg = train_step(model, optim, x, y, mesh).item()
+        if (step + 1) % cfg["report_every"] == 0 or step == 0 or step + 1 == steps:
             if dist.get_rank() == 0:
                 print(f"hsdp: step {step + 1}/{steps} loss {avg:.4f}", flush=True)
             _report({"step": step + 1, "loss": avg})
 
 
 def _report(metrics: dict) -> None:
-    try:
-        import ray.train
-    except ImportError:  # under torchrun without Ray
+    """``ray.train.report`` inside Ray Train; nothing under torchrun (which sets the run id)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
         return
+    import ray.train
+
     ray.train.report(metrics)
 
 

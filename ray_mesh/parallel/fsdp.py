@@ -84,7 +84,7 @@ def resolve_mode(mesh: DeviceMesh, mode: Mode = "auto") -> Mode:
         raise ParallelError(f"Unknown data-parallel mode {mode!r}: use auto, fsdp, hsdp, ddp "
                             f"or none.")
     fits = {
-        "none": rep == 1 and shard == 1,
+        "none": True,  # opting out (e.g. replicas that run apart, or DP done elsewhere)
         "fsdp": rep == 1,
         "hsdp": rep > 1 or shard > 1,
         "ddp": shard == 1,

@@ -329,7 +329,9 @@ class Pipeline:
             stages.append(PipelineStage(module, sid, num_stages, self.device, group=self.group))
         cls = get_schedule_class(self.plan.torch_schedule)
         target = stages[0] if self.plan.style == "single" else stages
-        self.schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn)
+        self._no_target = False
+        self.schedule = cls(target, n_microbatches=n_microbatches,
+                            loss_fn=self._loss if loss_fn is not None else None)
         self.has_first = 0 in self.stage_ids
         self.has_last = num_stages - 1 in self.stage_ids
         self.last_owner = self.plan.owner(num_stages - 1)
@@ -344,7 +346,12 @@ class Pipeline:
             yield from module.named_parameters()
 
     # ------------------------------------------------------------------ running
-    def _agree_on_batch(self, inputs: tuple, target: Any) -> None:
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        if self._no_target:  # eval() without a target: torch still wants a loss per microbatch
+            return torch.zeros((), device=self.device)
+        return self.loss_fn(output, target)  # type: ignore[misc]
+
+    def _agree_on_batch(self, inputs: tuple, target: Any) -> int:
         """Check the batch on every pp rank at once (the first stage alone sees the input)."""
         sizes = torch.zeros(2, dtype=torch.int64, device=self.device)
         if self.has_first and inputs:
@@ -361,6 +368,7 @@ class Pipeline:
         if self.loss_fn is not None and target_size not in (0, given):
             raise ParallelError(f"pipeline: the input has {given} samples but the target has "
                                 f"{target_size}.")
+        return given
 
     def step(self, *inputs: Any, target: Any = None) -> torch.Tensor:
         """One training step (forward + backward on every microbatch); no optimizer step.
@@ -387,12 +395,17 @@ class Pipeline:
     @torch.no_grad()
     def eval(self, *inputs: Any, target: Any = None) -> Any:
         """Forward only; returns the last stage's output there and None on the other ranks."""
-        if self.check:
-            self._agree_on_batch(inputs, None)
+        given = self._agree_on_batch(inputs, None)
         kwargs: dict[str, Any] = {}
-        if self.has_last and target is not None and self.loss_fn is not None:
+        if self.has_last and self.loss_fn is not None:
+            self._no_target = target is None
+            if target is None:  # a stand-in that torch can split into microbatches
+                target = torch.zeros(given, device=self.device)
             kwargs = {"target": target, "losses": []}
-        out = self.schedule.eval(*(inputs if self.has_first else ()), **kwargs)
+        try:
+            out = self.schedule.eval(*(inputs if self.has_first else ()), **kwargs)
+        finally:
+            self._no_target = False
         return out if self.has_last else None
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
