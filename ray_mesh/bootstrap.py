@@ -104,13 +104,56 @@ def use_device(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- mesh
-def build_device_mesh(spec: MeshSpec, device_type: str) -> DeviceMesh:
-    """A DeviceMesh with all five named dims (size 1 included) and the flattened dims."""
+REAL_SIZE1_GROUPS_ENV = "RAY_MESH_REAL_SIZE1_GROUPS"
+"""Set to 1 to give size-1 dims real communicators again (the pre-0.1 behaviour)."""
+
+
+def _fake_backend_available() -> bool:
+    """Register torch's "fake" process-group backend, the one DeviceMesh uses for disabled dims.
+
+    torch registers it on import of its fake_pg module, which ``torch.distributed.fsdp`` and
+    ``init_process_group(backend="fake")`` import themselves; importing it here makes the
+    registration independent of what the user imported first. False if this torch lacks it.
+    """
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _size1_backends(spec: MeshSpec, real_size1_groups: bool | None) -> dict[str, str]:
+    """``{dim: "fake"}`` for every named or flattened dim of size 1 (empty: all real)."""
+    if real_size1_groups is None:
+        real_size1_groups = os.environ.get(REAL_SIZE1_GROUPS_ENV, "") not in ("", "0")
+    if real_size1_groups or not _fake_backend_available():
+        return {}
+    return {d: "fake" for d in (*DIM_NAMES, *FLATTENED_DIMS) if spec.size(d) == 1}
+
+
+def build_device_mesh(spec: MeshSpec, device_type: str, *,
+                      real_size1_groups: bool | None = None) -> DeviceMesh:
+    """A DeviceMesh with all five named dims (size 1 included) and the flattened dims.
+
+    Every dim answers by name (``mesh["tp"]``, ``mesh.get_group("cp")``) whatever its size,
+    so training code need not branch on the layout. A dim of size 1 gets torch's "fake"
+    process group instead of a real communicator: on CPU/gloo a real one costs a gloo
+    context and worker threads per rank, and on GPUs a one-rank NCCL communicator split off
+    the world. On a one-rank group every collective is the identity or a copy, which the
+    fake group does (checked in tests/test_mesh_size1.py: all_reduce, all_gather,
+    reduce_scatter, broadcast, object collectives, FSDP2 HSDP with dp_replicate=1). What
+    differs: ``dist.get_backend(group)`` says "fake", and NCCL's ``ReduceOp.PREMUL_SUM``
+    scale is not applied on a size-1 dim. ``real_size1_groups=True`` (or
+    ``RAY_MESH_REAL_SIZE1_GROUPS=1``) gives size-1 dims real groups again.
+    """
     if not spec.is_resolved:
         raise BootstrapError(f"{spec} must be resolved before the mesh is built.")
-    mesh = init_device_mesh(device_type, tuple(spec.shape), mesh_dim_names=DIM_NAMES)
+    fake = _size1_backends(spec, real_size1_groups)
+    named = {d: b for d, b in fake.items() if d in DIM_NAMES}
+    mesh = init_device_mesh(device_type, tuple(spec.shape), mesh_dim_names=DIM_NAMES,
+                            backend_override=named or None)
     for flat, parts in FLATTENED_DIMS.items():
-        mesh[parts]._flatten(mesh_dim_name=flat)
+        mesh[parts]._flatten(mesh_dim_name=flat, backend_override=fake.get(flat))
     return mesh
 
 

@@ -1,0 +1,1 @@
+"""ray_mesh benchmarks: run with ``python benchmarks/run.py [--quick]``."""

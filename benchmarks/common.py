@@ -1,0 +1,113 @@
+"""Shared pieces of the benchmarks: medians, process-group counts, the torchrun launcher.
+
+Ray-free on purpose: the same helpers run inside Ray Train workers, under torchrun, and on
+the driver. Figures are plain dicts of numbers so that ``run.py`` can dump them to JSON
+unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "_torchrun_worker.py"
+
+
+def write_result(path: str, obj: dict) -> None:
+    """Rank 0 of a Ray Train run hands its figures back through a file.
+
+    Ray Train V2's ``Result.metrics`` only keeps metrics reported with a checkpoint, and the
+    benchmarks run on one machine (the netns cluster shares the filesystem too).
+    """
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def result_path(tag: str) -> str:
+    return os.path.join(tempfile.mkdtemp(prefix=f"rmbench_{tag}_"), "result.json")
+
+
+def read_result(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pg_stats() -> dict[str, int]:
+    """What this rank's process groups cost: calls made, groups held, real vs fake.
+
+    ``group_count`` is torch's own counter of ``new_group`` calls on this rank (members and
+    non-members alike: DeviceMesh calls it once per subgroup on every rank on CPU/gloo);
+    ``pg_map`` holds the groups this rank is a member of, by backend. Threads are the OS
+    threads of the process (gloo starts worker threads per real group).
+    """
+    from torch.distributed.distributed_c10d import _world
+
+    by_backend: dict[str, int] = {}
+    for backend, _store in _world.pg_map.values():
+        by_backend[str(backend)] = by_backend.get(str(backend), 0) + 1
+    return {
+        "new_group_calls": int(_world.group_count),
+        "groups_held": len(_world.pg_map),
+        "real_groups_held": sum(v for k, v in by_backend.items() if k != "fake"),
+        "fake_groups_held": by_backend.get("fake", 0),
+        "threads": _thread_count(),
+    }
+
+
+def _thread_count() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def run_torchrun(nproc: int, mode: str, args: dict, timeout_s: float = 300.0) -> dict:
+    """Launch ``_torchrun_worker.py MODE`` on ``nproc`` local ranks; rank 0's JSON result.
+
+    ``launch_wall`` is the driver's clock from just before the launch (``time.time()``), so
+    workers can report their own ``time.time()`` against it (same machine, same clock).
+    """
+    with tempfile.TemporaryDirectory(prefix="rmbench_") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+               str(WORKER), mode, str(out), json.dumps(args)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 per rank, as Ray does per worker
+        launch = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
+                              cwd=str(REPO))
+        done = time.time()
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"torchrun {mode} x{nproc} failed (rc {proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        result = json.loads(out.read_text())
+    result["launch_wall"] = launch
+    result["process_wall_s"] = done - launch
+    return result

@@ -1,0 +1,304 @@
+"""ray_mesh benchmarks, side by side in one run: ``python benchmarks/run.py [--quick]``.
+
+Sections (``--only`` picks some):
+  bringup    (a) fit()/launch -> mesh ready: plain TorchTrainer, MeshConfig, torchrun;
+             4 and 8 CPU workers, median of --runs; target ray_mesh <= 1.10x plain.
+  steps      (b) seconds per step of examples/hsdp.py under ray_mesh vs torchrun;
+             target <= 1.03x.
+  metrics    (e) the same Ray run, windows inside ray_mesh.metrics.StepMeter vs not.
+  crossnode  (c) bytes across node links per step on the netns virtual cluster, HSDP vs
+             the all-reduce minimum vs flat FSDP; target HSDP <= 1.10x the minimum.
+  scaling    (d) MeshConfig bring-up with 4, 8, 16 workers: time and process groups.
+  meshbuild  (d) torchrun only: cost of building the mesh on an existing process group,
+             needed dims only vs ray_mesh vs every dim a real group; 4, 8, 16 ranks.
+
+Prints a table and writes every figure to --out (JSON). Timings are only meaningful on an
+otherwise idle machine; the JSON records the load average at start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import REPO, median, ratio, run_torchrun  # noqa: E402
+
+SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild")
+RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling"}
+
+
+def machine() -> dict:
+    import ray
+    import torch
+
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"nproc": os.cpu_count(), "mem_gib": round(mem_gib, 1),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "ray": ray.__version__,
+            "loadavg_start": os.getloadavg()}
+
+
+# ----------------------------------------------------------------------------- sections
+def section_bringup(cfg: dict, storage: str) -> dict:
+    from benchmarks import bringup
+
+    runs: dict[str, list[dict]] = {}
+    for _ in range(cfg["runs"]):
+        for n in cfg["sizes"]:  # interleaved, so drift hits every mode alike
+            for mode in bringup.MODES:
+                runs.setdefault(f"{mode}_{n}", []).append(bringup.measure(mode, n, storage))
+    out: dict = {"runs": runs}
+    for n in cfg["sizes"]:
+        med = {m: median([r["ready_s"] for r in runs[f"{m}_{n}"]]) for m in bringup.MODES}
+        out[f"workers_{n}"] = {
+            **{f"{m}_ready_s": v for m, v in med.items()},
+            "ray_mesh_vs_plain": ratio(med["ray_mesh"], med["plain"]),
+            "ray_mesh_vs_torchrun": ratio(med["ray_mesh"], med["torchrun"]),
+        }
+    return out
+
+
+def _steps_one(name: str, cfg: dict, storage: str, with_torchrun: bool,
+               with_metrics: bool) -> dict:
+    from benchmarks import steps
+    from benchmarks.workloads import WORKLOADS
+
+    args = {**cfg["steps_args"], "workload": name,
+            "batch": cfg["steps_args"]["batch"] if name == "hsdp" else 32,
+            "metrics": with_metrics}
+    ray_runs, tr_runs = [], []
+    for _ in range(cfg["step_runs"]):  # alternate launchers so drift hits both alike
+        ray_runs.append(steps.measure_ray(args, cfg["step_workers"], storage))
+        if with_torchrun:
+            tr_runs.append(steps.measure_torchrun(args, cfg["step_workers"]))
+    ray_w = [w for r in ray_runs for w in r["step_s_windows"]]
+    out: dict = {"workload": f"examples/{name}.py", "mesh": WORKLOADS[name][0],
+                 "workers": cfg["step_workers"], "args": args,
+                 "ray_mesh_step_s": median(ray_w), "ray_runs": ray_runs}
+    if with_torchrun:
+        tr_w = [w for r in tr_runs for w in r["step_s_windows"]]
+        out.update(torchrun_step_s=median(tr_w), torchrun_runs=tr_runs,
+                   ray_mesh_vs_torchrun=ratio(median(ray_w), median(tr_w)))
+    if with_metrics:
+        met_w = [w for r in ray_runs for w in r["metered_step_s_windows"]]
+        out["metrics"] = {"plain_step_s": median(ray_w), "metered_step_s": median(met_w),
+                          "overhead_us_per_step": (median(met_w) - median(ray_w)) * 1e6,
+                          "metered_vs_plain": ratio(median(met_w), median(ray_w))}
+    return out
+
+
+def section_steps(cfg: dict, storage: str, with_torchrun: bool, with_metrics: bool) -> dict:
+    from benchmarks import steps
+    from benchmarks.workloads import workload_available
+
+    metrics = with_metrics and steps.metrics_available()
+    out: dict = {}
+    for name in cfg["step_workloads"]:
+        why_not = workload_available(name)
+        if why_not:
+            out[name] = {"status": f"not run: {why_not}"}
+            continue
+        # Metrics windows ride along in the hsdp runs only (one figure is enough).
+        out[name] = _steps_one(name, cfg, storage, with_torchrun, metrics and name == "hsdp")
+    if with_metrics and not metrics:
+        out["metrics_status"] = "not run: ray_mesh.metrics is not importable"
+    return out
+
+
+def section_scaling(cfg: dict, storage: str, bringup_runs: dict | None) -> dict:
+    from benchmarks import bringup
+
+    out: dict = {}
+    for n in cfg["scaling_sizes"]:
+        runs = list((bringup_runs or {}).get(f"ray_mesh_{n}", []))
+        while len(runs) < cfg["scaling_runs"]:
+            runs.append(bringup.measure("ray_mesh", n, storage))
+        out[f"workers_{n}"] = {
+            "ready_s": median([r["ready_s"] for r in runs]),
+            "runs": len(runs),
+            **{k: v for k, v in runs[0].items() if k.startswith("rank0_")},
+        }
+    return out
+
+
+def section_meshbuild(cfg: dict) -> dict:
+    out: dict = {}
+    for n in cfg["meshbuild_sizes"]:
+        r = run_torchrun(n, "meshbuild", {"repeats": cfg["meshbuild_repeats"]})
+        row = {}
+        for variant in ("needed_dims_only", "ray_mesh", "all_dims_real"):
+            v = r[variant]
+            row[variant] = {**{k: x for k, x in v.items() if k != "seconds"},
+                            "seconds": median(v["seconds"]), "seconds_all": v["seconds"]}
+        out[f"ranks_{n}"] = row
+    return out
+
+
+def section_crossnode(cfg: dict) -> dict:
+    from benchmarks import crossnode
+
+    try:
+        return crossnode.measure(cfg["crossnode_model"])
+    except Exception as exc:  # noqa: BLE001 - reported in the table, not fatal to others
+        return {"status": f"failed: {exc}"[:4000]}
+
+
+# ----------------------------------------------------------------------------- table
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def table(results: dict) -> list[tuple[str, str, str, str]]:
+    rows: list[tuple[str, str, str, str]] = []
+
+    def add(section, what, value, target=""):
+        rows.append((section, what, _fmt(value), target))
+
+    b = results.get("bringup")
+    if b:
+        for key, row in b.items():
+            if key.startswith("workers_"):
+                n = key.split("_")[1]
+                for m in ("plain", "ray_mesh", "torchrun"):
+                    add("a bring-up", f"{n} workers {m} ready s (median)", row[f"{m}_ready_s"])
+                add("a bring-up", f"{n} workers ray_mesh / plain", row["ray_mesh_vs_plain"],
+                    "<= 1.10")
+    s = results.get("steps")
+    for name, w in (s or {}).items():
+        if not isinstance(w, dict):
+            add("e metrics", "status", w)
+            continue
+        if "status" in w:
+            add("b steps", f"{name} status", w["status"])
+            continue
+        add("b steps", f"{name}: ray_mesh s/step", w.get("ray_mesh_step_s"))
+        if "torchrun_step_s" in w:
+            add("b steps", f"{name}: torchrun s/step", w["torchrun_step_s"])
+            add("b steps", f"{name}: ray_mesh / torchrun", w["ray_mesh_vs_torchrun"], "<= 1.03")
+        m = w.get("metrics")
+        if m:
+            add("e metrics", f"{name}: StepMeter overhead us/step", m["overhead_us_per_step"])
+            add("e metrics", f"{name}: metered / plain", m["metered_vs_plain"])
+    c = results.get("crossnode")
+    if c:
+        if c.get("status") == "ok":
+            add("c cross-node", "params", c["params"])
+            add("c cross-node", "minimum B/step (8 x params)", c["minimum_bytes_per_step"])
+            add("c cross-node", "HSDP wire B/step", c["hsdp"]["wire_bytes_per_step"])
+            add("c cross-node", "HSDP / minimum (wire)", c["hsdp_vs_min_wire"], "<= 1.10")
+            add("c cross-node", "HSDP / minimum (headers off)", c["hsdp_vs_min_payload"])
+            add("c cross-node", "flat FSDP wire B/step", c["fsdp"]["wire_bytes_per_step"])
+            add("c cross-node", "flat FSDP / HSDP (wire)", c["fsdp_vs_hsdp_wire"])
+        else:
+            add("c cross-node", "status", c.get("status"))
+    sc = results.get("scaling")
+    if sc:
+        for key, row in sc.items():
+            n = key.split("_")[1]
+            add("d scaling", f"{n} workers MeshConfig ready s", row["ready_s"])
+            add("d scaling", f"{n} workers new_group calls / groups held (rank 0)",
+                f"{row.get('rank0_new_group_calls')} / {row.get('rank0_real_groups_held')}"
+                f" real + {row.get('rank0_fake_groups_held')} fake")
+    mb = results.get("meshbuild")
+    if mb:
+        for key, row in mb.items():
+            n = key.split("_")[1]
+            for variant, v in row.items():
+                add("d mesh build", f"{n} ranks {variant}: s / new_group / real groups",
+                    f"{v['seconds']:.3f} / {v['new_group_calls']} / {v['real_groups_held']}")
+    return rows
+
+
+def print_table(rows) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(4)] if rows else [0] * 4
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+# ----------------------------------------------------------------------------- main
+def config(quick: bool) -> dict:
+    if quick:
+        return {"runs": 1, "sizes": [4], "step_runs": 1, "step_workers": 4,
+                "step_workloads": ["hsdp"],
+                "steps_args": {"batch": 16, "warmup": 3, "windows": 2, "steps_per_window": 5},
+                "scaling_sizes": [4], "scaling_runs": 1,
+                "meshbuild_sizes": [4], "meshbuild_repeats": 1,
+                "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1}}
+    return {"runs": 3, "sizes": [4, 8], "step_runs": 2, "step_workers": 4,
+            "step_workloads": ["hsdp", "tp_pp_mlp"],
+            "steps_args": {"batch": 16, "warmup": 10, "windows": 5, "steps_per_window": 20},
+            "scaling_sizes": [4, 8, 16], "scaling_runs": 1,
+            "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
+            "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smallest settings (smoke runs)")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
+    args = p.parse_args(argv)
+    selected = args.only or list(SECTIONS)
+    cfg = config(args.quick)
+    results: dict = {"command": " ".join(["python benchmarks/run.py", *(argv or sys.argv[1:])]),
+                     "quick": args.quick, "config": cfg, "machine": machine(),
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    tmp = tempfile.mkdtemp(prefix="rmbench_")
+    storage = os.path.join(tmp, "results")
+    ray_started = False
+    try:
+        if RAY_SECTIONS & set(selected):
+            import ray
+
+            os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+            ray.init(num_cpus=max(16, *cfg["scaling_sizes"]), include_dashboard=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+                     _temp_dir=os.path.join(tmp, "ray"), log_to_driver=False)
+            ray_started = True
+        if "bringup" in selected:
+            results["bringup"] = section_bringup(cfg, storage)
+        if "steps" in selected or "metrics" in selected:
+            results["steps"] = section_steps(cfg, storage, "steps" in selected,
+                                             "metrics" in selected)
+        if "scaling" in selected:
+            runs = results.get("bringup", {}).get("runs")
+            results["scaling"] = section_scaling(cfg, storage, runs)
+        if ray_started:
+            import ray
+
+            ray.shutdown()
+            ray_started = False
+        if "meshbuild" in selected:
+            results["meshbuild"] = section_meshbuild(cfg)
+        if "crossnode" in selected:
+            results["crossnode"] = section_crossnode(cfg)
+    finally:
+        if ray_started:
+            import ray
+
+            ray.shutdown()
+        results["machine"]["loadavg_end"] = os.getloadavg()
+        results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    rows = table(results)
+    print_table(rows)
+    results["table"] = rows
+    Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Step overhead: an example's training step under ray_mesh (Ray Train) and under torchrun.
+
+Same model, same HSDP mesh (dp_replicate=2, dp_shard=N/2), same timing windows
+(``workloads.time_windows``); the Ray side alternates its windows with and without
+``ray_mesh.metrics.StepMeter`` when that module exists (metrics overhead, section e).
+"""
+
+from __future__ import annotations
+
+import time
+
+from benchmarks.common import read_result, result_path, run_torchrun, write_result
+
+
+def _train_steps(config: dict) -> None:
+    import ray.train
+    import torch.distributed as dist
+
+    import ray_mesh
+    from benchmarks import workloads
+
+    state = ray_mesh.get_state()
+    _spec, factory = workloads.WORKLOADS[config["workload"]]
+    step = factory(state.mesh, state.device, config["batch"])
+    meter_factory = None
+    if config.get("metrics"):
+        from ray_mesh.metrics import StepMeter
+
+        def meter_factory():
+            return StepMeter(samples_per_step=config["batch"])
+    out = workloads.time_windows(step, warmup=config["warmup"], windows=config["windows"],
+                                 steps_per_window=config["steps_per_window"],
+                                 meter_factory=meter_factory)
+    if dist.get_rank() == 0:
+        write_result(config["out"], out)
+    ray.train.report({"done": 1})
+
+
+def metrics_available() -> bool:
+    try:
+        from ray_mesh.metrics import StepMeter  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def measure_ray(args: dict, workers: int, storage: str) -> dict:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from benchmarks.workloads import WORKLOADS
+    from ray_mesh import MeshConfig, MeshSpec
+
+    out = result_path("steps")
+    TorchTrainer(
+        _train_steps,
+        train_loop_config={**args, "out": out},
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+        torch_config=MeshConfig(mesh=MeshSpec(**WORKLOADS[args["workload"]][0])),
+        run_config=RunConfig(name=f"steps_{args['workload']}_{time.time_ns()}",
+                             storage_path=storage),
+    ).fit()
+    return read_result(out)
+
+
+def measure_torchrun(args: dict, workers: int) -> dict:
+    return run_torchrun(workers, "steps", args)

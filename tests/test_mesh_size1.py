@@ -1,0 +1,138 @@
+"""Size-1 mesh dims get torch's "fake" process group: still answer by name, compute right.
+
+Under torchrun (4 ranks, gloo, no Ray): every collective on a size-1 dim must act as on a
+one-rank group (identity or copy), FSDP2 HSDP on ``mesh["dp_replicate", "dp_shard"]`` with
+dp_replicate=1 and tensor parallel with tp=1 must train exactly as with real groups, and
+the mesh must hold fewer real communicators than one with a real group per dim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.distributed_c10d import _world
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module)
+    import ray_mesh
+    from ray_mesh.bootstrap import build_device_mesh
+    from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS
+
+    def real_groups():
+        return sum(1 for b, _ in _world.pg_map.values() if str(b) != "fake")
+
+    mesh = ray_mesh.init_mesh({"dp_replicate": 1, "dp_shard": -1})
+    spec, rank = ray_mesh.get_state().spec, dist.get_rank()
+    after_fake = real_groups()
+    ref = build_device_mesh(spec, "cpu", real_size1_groups=True)
+    after_real = real_groups()
+    out = {"rank": rank, "backends": {}, "ranks": {}, "local": {}, "coll": {},
+           "real_groups_fake_mesh": after_fake - 1,  # minus the default group
+           "real_groups_real_mesh": after_real - after_fake}
+    for d in (*DIM_NAMES, *FLATTENED_DIMS):
+        g = mesh.get_group(d)
+        out["backends"][d] = str(dist.get_backend(g))
+        out["ranks"][d] = dist.get_process_group_ranks(g)
+        out["local"][d] = [mesh[d].size(), mesh[d].get_local_rank()]
+    for d in ("pp", "cp", "tp", "dp_replicate"):
+        g, r = mesh.get_group(d), float(rank + 1)
+        c = {}
+        for op in ("SUM", "AVG", "MAX", "PRODUCT"):
+            t = torch.tensor([r, 2.0]); dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
+            c["all_reduce_" + op] = t.tolist()
+        o = [torch.full((2,), -7.0)]; dist.all_gather(o, torch.tensor([r, 3.0]), group=g)
+        c["all_gather"] = o[0].tolist()
+        o = torch.full((2,), -7.0); dist.all_gather_into_tensor(o, torch.tensor([r, 3.0]), group=g)
+        c["all_gather_into_tensor"] = o.tolist()
+        o = torch.full((2,), -7.0); dist.reduce_scatter_tensor(o, torch.tensor([r, 4.0]), group=g)
+        c["reduce_scatter_tensor"] = o.tolist()
+        o = torch.full((2,), -7.0); dist.reduce_scatter(o, [torch.tensor([r, 5.0])], group=g)
+        c["reduce_scatter"] = o.tolist()
+        t = torch.tensor([r]); dist.broadcast(t, src=rank, group=g); c["broadcast"] = t.tolist()
+        t = torch.tensor([r]); dist.reduce(t, dst=rank, group=g); c["reduce"] = t.tolist()
+        o = torch.full((2,), -7.0); dist.all_to_all_single(o, torch.tensor([r, 6.0]), group=g)
+        c["all_to_all_single"] = o.tolist()
+        objs = [None]; dist.all_gather_object(objs, {"r": rank}, group=g)
+        c["all_gather_object"] = objs
+        objs = [{"r": rank}]; dist.broadcast_object_list(objs, src=rank, group=g)
+        c["broadcast_object_list"] = objs
+        dist.barrier(group=g)
+        out["coll"][d] = c
+
+    def train(sub, tp_mesh):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=sub)
+        fully_shard(model, mesh=sub)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        losses = []
+        for step in range(5):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(6, 8, generator=g)
+            loss = model(x).square().mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+            losses.append(loss.item())
+        params = [p.full_tensor().flatten().tolist() for p in model.parameters()]
+        return losses, params
+
+    # FSDP2 HSDP (dp_replicate=1 is the fake dim) composed with TP on the fake tp dim.
+    hsdp_dims = ("dp_replicate", "dp_shard")
+    out["fake_train"] = train(mesh[hsdp_dims], mesh["tp"])
+    out["real_train"] = train(ref[hsdp_dims], ref["tp"])
+    with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
+        json.dump(out, f)
+    ray_mesh.shutdown_mesh()
+""")
+
+
+def test_size1_dims_are_fake_groups_with_one_rank_semantics(tmp_path):
+    script = tmp_path / "size1.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ}
+    env.pop("RAY_MESH_REAL_SIZE1_GROUPS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
+         str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(4):
+        o = json.loads((tmp_path / f"{rank}.json").read_text())
+        size1 = ("pp", "dp_replicate", "cp", "tp")
+        for d in size1:
+            assert o["backends"][d] == "fake", (d, o["backends"])
+            assert o["ranks"][d] == [rank]
+            assert o["local"][d] == [1, 0]
+        for d in ("dp_shard", "dp", "dp_shard_cp", "dp_cp"):
+            assert o["backends"][d] == "gloo", (d, o["backends"])
+            assert o["ranks"][d] == [0, 1, 2, 3]
+            assert o["local"][d] == [4, rank]
+        r = float(rank + 1)
+        for d in size1:
+            c = o["coll"][d]
+            for op in ("SUM", "AVG", "MAX", "PRODUCT"):
+                assert c["all_reduce_" + op] == [r, 2.0], (d, op, c)
+            assert c["all_gather"] == c["all_gather_into_tensor"] == [r, 3.0], (d, c)
+            assert c["reduce_scatter_tensor"] == [r, 4.0], (d, c)
+            assert c["reduce_scatter"] == [r, 5.0], (d, c)
+            assert c["broadcast"] == c["reduce"] == [r], (d, c)
+            assert c["all_to_all_single"] == [r, 6.0], (d, c)
+            assert c["all_gather_object"] == c["broadcast_object_list"] == [{"r": rank}]
+        # dp_shard and every flattened dim span the world (torch reuses the default
+        # group), so no real group beyond it; a real group per dim adds pp, dp_replicate,
+        # cp and tp.
+        assert o["real_groups_fake_mesh"] == 0, o["real_groups_fake_mesh"]
+        assert o["real_groups_real_mesh"] == 4, o["real_groups_real_mesh"]
+        fake_losses, fake_params = o["fake_train"]
+        real_losses, real_params = o["real_train"]
+        assert fake_losses == real_losses
+        assert fake_params == real_params
+        assert fake_losses[-1] < fake_losses[0]
