@@ -8,7 +8,9 @@ A job file::
     mesh: {dp_replicate: 2, dp_shard: -1}   # or: hsdp | fsdp | ddp
     scaling: {num_workers: 4, use_gpu: auto, resources_per_worker: {CPU: 1}}
     network: {interface: auto, bringup_timeout_s: 120}
-    run: {storage_path: ./ray_results, max_failures: 0}
+    run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
+    # run.min_workers: N makes the run elastic (num_workers is then the maximum);
+    # run.startup_retries bounds the restarts of a group that cannot start (default 3).
 
 Relative paths in ``train`` resolve against the job file's folder, then the working dir.
 """
@@ -38,7 +40,7 @@ TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run")
 SCALING_KEYS = ("num_workers", "use_gpu", "resources_per_worker", "placement_strategy")
 NETWORK_KEYS = ("interface", "bringup_timeout_s", "allow_cross_node_inner", "backend",
                 "timeout_s")
-RUN_KEYS = ("storage_path", "max_failures", "num_to_keep")
+RUN_KEYS = ("storage_path", "max_failures", "num_to_keep", "min_workers", "startup_retries")
 
 
 def _check_keys(section: str, data: Any, allowed: tuple[str, ...]) -> dict:
@@ -52,6 +54,24 @@ def _check_keys(section: str, data: Any, allowed: tuple[str, ...]) -> dict:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise JobError(f"Unknown key {key!r} in '{section}'.{hint} Allowed: {allowed}.")
     return dict(data)
+
+
+def _check_run(run: dict, num_workers: int) -> dict:
+    """run: values with the fix in the message (checkpointing and elasticity keys)."""
+    for key, low in (("max_failures", -1), ("num_to_keep", 1), ("min_workers", 1),
+                     ("startup_retries", -1)):
+        value = run.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise JobError(f"run.{key} must be an int >= {low}, got {value!r}.")
+    if run.get("min_workers", 1) > num_workers:
+        raise JobError(f"run.min_workers={run['min_workers']} is above scaling.num_workers="
+                       f"{num_workers} (the maximum of an elastic run). Lower it.")
+    path = run.get("storage_path")
+    if path is not None and not isinstance(path, str):
+        raise JobError(f"run.storage_path must be a path or URI string, got {path!r}.")
+    return run
 
 
 @dataclass
@@ -92,7 +112,7 @@ class Job:
             mesh=mesh,
             scaling=scaling,
             network=_check_keys("network", top.get("network"), NETWORK_KEYS),
-            run=_check_keys("run", top.get("run"), RUN_KEYS),
+            run=_check_run(_check_keys("run", top.get("run"), RUN_KEYS), workers),
             base_dir=base_dir or Path.cwd(),
         )
 

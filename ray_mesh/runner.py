@@ -8,11 +8,12 @@ import os
 from typing import Any
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_mesh.backend import MeshConfig
 from ray_mesh.checkpointing.storage import check_storage
+from ray_mesh.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 from ray_mesh.job import Job, JobError
 from ray_mesh.network import host_port, split_host_port
 from ray_mesh.spec import NODES
@@ -107,8 +108,10 @@ def scaling_for(job: Job, cluster: dict[str, float]) -> ScalingConfig:
     kwargs: dict[str, Any] = {}
     if "placement_strategy" in s:
         kwargs["placement_strategy"] = s["placement_strategy"]
-    return ScalingConfig(num_workers=workers, use_gpu=bool(use_gpu),
-                         resources_per_worker=resources or None, **kwargs)
+    # run.min_workers makes the run elastic: Ray Train restarts it on (min..max) workers.
+    min_workers = job.run.get("min_workers")
+    return ScalingConfig(num_workers=(min_workers, workers) if min_workers else workers,
+                         use_gpu=bool(use_gpu), resources_per_worker=resources or None, **kwargs)
 
 
 def check_resources(scaling: ScalingConfig, cluster: dict[str, float]) -> None:
@@ -117,14 +120,14 @@ def check_resources(scaling: ScalingConfig, cluster: dict[str, float]) -> None:
     if scaling.use_gpu:
         per_worker.setdefault("GPU", 1)
     for name, amount in per_worker.items():
-        need = amount * scaling.num_workers
+        need = amount * scaling.min_workers
         have = cluster.get(name, 0)
         if need > have:
             fix = ("set scaling.use_gpu: false (or auto) to train on CPU"
                    if name == "GPU" else f"lower scaling.num_workers or resources_per_worker."
                    f"{name}, or add nodes that have {name!r}")
             raise JobError(
-                f"The job asks for {name}: {need:g} ({scaling.num_workers} workers x {amount:g}) "
+                f"The job asks for {name}: {need:g} ({scaling.min_workers} workers x {amount:g}) "
                 f"but the cluster has {name}: {have:g}. {fix[0].upper() + fix[1:]}."
             )
 
@@ -153,7 +156,8 @@ def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
     run_config = RunConfig(
         name=job.name,
         storage_path=run.get("storage_path"),
-        failure_config=FailureConfig(max_failures=int(run.get("max_failures", 0))),
+        failure_config=failure_config(int(run.get("max_failures", 0)),
+                                      int(run.get("startup_retries", 3))),
         checkpoint_config=CheckpointConfig(num_to_keep=run.get("num_to_keep")),
     )
     return TorchTrainer(
@@ -180,9 +184,19 @@ def run_job(job: Job, address: str | None = None) -> Result:
         job.run["storage_path"] = check_storage(job.run.get("storage_path"))
         # Resolve the mesh against the worker count now: a product that cannot match fails
         # here, not after the workers started.
-        if NODES not in job.mesh.shape:
+        if scaling.elasticity_enabled:
+            check_elastic_mesh(job.mesh, scaling.min_workers, scaling.max_workers)
+        elif NODES not in job.mesh.shape:
             job.mesh.resolve(scaling.num_workers)
-        return build_trainer(job, scaling).fit()
+        trainer = build_trainer(job, scaling)
+        try:
+            return trainer.fit()
+        except Exception as exc:
+            # A group that cannot start again (a node lost, a fixed-size run) -> say so.
+            why = explain_startup_failure(exc, scaling.num_workers)
+            if why:
+                raise JobError(why) from exc
+            raise
     finally:
         if started:
             ray.shutdown()
