@@ -119,6 +119,7 @@ class NetnsCluster:
         env: extra environment for every ``ray start`` (and so every Ray worker).
         ray_start_timeout_s: bound on each node's start.
         dashboard: start the head's dashboard (bound to its tailnet address by the script).
+        start_attempts: tries per node's ``ray start`` (a busy machine can time one out).
     """
 
     def __init__(
@@ -130,8 +131,10 @@ class NetnsCluster:
         env: dict[str, str] | None = None,
         ray_start_timeout_s: float = 120.0,
         dashboard: bool = False,
+        start_attempts: int = 2,
     ) -> None:
         self.dashboard = dashboard
+        self.start_attempts = max(1, start_attempts)
         self.resources = resources or [{"slot": 2}, {"slot": 2}]
         if not 1 <= len(self.resources) <= 200:
             raise ValueError("a NetnsCluster has 1..200 nodes")
@@ -263,12 +266,20 @@ class NetnsCluster:
                    f"--include-dashboard={str(self.dashboard).lower()}"]
         else:
             cmd = [str(DEPLOY / "ray-worker.sh"), self.address, *extra]
-        proc = subprocess.run([*node.exec_prefix(), *cmd], capture_output=True, text=True,
-                              timeout=self.ray_start_timeout_s, env=self.node_env(node))
-        if proc.returncode != 0:
-            raise RuntimeError(f"ray start on node {index} ({node.ns}) failed "
-                               f"(rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-        return proc
+        # `ray start` gives a raylet a fixed 30 s to register; on a machine shared with
+        # other test runs that can pass, so a failed start is cleaned up and tried again.
+        for attempt in range(self.start_attempts):
+            proc = subprocess.run([*node.exec_prefix(), *cmd], capture_output=True, text=True,
+                                  timeout=self.ray_start_timeout_s, env=self.node_env(node))
+            if proc.returncode == 0:
+                return proc
+            self._kill_namespace_processes(node.ns)
+            if attempt + 1 < self.start_attempts:
+                shutil.rmtree(node.temp_dir, ignore_errors=True)
+                node.temp_dir.mkdir(parents=True)
+        raise RuntimeError(f"ray start on node {index} ({node.ns}) failed "
+                           f"{self.start_attempts} times; last (rc {proc.returncode}):\n"
+                           f"{proc.stdout}\n{proc.stderr}")
 
     def wait_for_nodes(self, count: int, timeout_s: float = 90.0) -> None:
         """Block until ``count`` nodes are alive in the cluster (bounded)."""
