@@ -228,12 +228,16 @@ def metrics_endpoint() -> tuple[str, int] | None:
     return None
 
 
-def check_endpoint(timeout_s: float = 5.0) -> str | None:
-    """None when this node's Prometheus endpoint answers with Ray metrics, else why not."""
-    try:
-        where = metrics_endpoint()
-    except Exception as exc:  # noqa: BLE001
-        return f"cannot look up this node's metrics port ({type(exc).__name__}: {exc})"
+def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None) -> str | None:
+    """None when the Prometheus endpoint answers with Ray metrics, else why not.
+
+    ``where`` is (ip, port); by default this process's node, as Ray reports it.
+    """
+    if where is None:
+        try:
+            where = metrics_endpoint()
+        except Exception as exc:  # noqa: BLE001
+            return f"cannot look up this node's metrics port ({type(exc).__name__}: {exc})"
     if where is None:
         return "Ray is not initialized in this process"
     ip, port = where

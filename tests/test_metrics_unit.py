@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from ray_mesh.layout import LAYOUT_JSON, layout_document, read_layout, to_markdown
-from ray_mesh.metrics import METRICS, StepMeter
+from ray_mesh.metrics import METRICS, StepMeter, _Exporter, check_endpoint, mesh_tags
 from ray_mesh.spec import DIM_NAMES, MeshSpec
 from ray_mesh.status import StatusError, collect
 from ray_mesh.topology import WorkerReport, plan_mesh
@@ -116,6 +116,58 @@ def test_step_meter_per_step_cost_is_microseconds():
             s.loss = 1.0
     per_step = (time.perf_counter() - t0) / n
     assert per_step < 20e-6, f"{per_step * 1e6:.1f} us per step"
+
+
+# ----------------------------------------------------------------------------- failures
+def _http_server(body: bytes):
+    """A real HTTP server on a free port answering every GET with ``body``."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_check_endpoint_names_what_is_wrong_with_the_metrics_port():
+    port = _closed_port()
+    msg = check_endpoint(2, ("127.0.0.1", port))
+    assert f"http://127.0.0.1:{port}/metrics does not answer" in msg
+    assert "ray[default]" in msg and "--metrics-export-port" in msg
+    other = _http_server(b"<html>someone else's server</html>")
+    ray_like = _http_server(b"# TYPE ray_node_cpu gauge\nray_node_cpu 1.0\n")
+    try:
+        msg = check_endpoint(2, ("127.0.0.1", other.server_address[1]))
+        assert "another process holds the port" in msg
+        assert check_endpoint(2, ("127.0.0.1", ray_like.server_address[1])) is None
+    finally:
+        other.shutdown()
+        ray_like.shutdown()
+
+
+def test_a_failing_metric_record_warns_once_and_disables_export(caplog):
+    """Ray itself rejects the record (a tag is missing): training must not see it."""
+    exporter = _Exporter()
+    bad = [("mesh_loss", 1.0, {"run": "x"})]  # the other TAG_KEYS are missing
+    with caplog.at_level("DEBUG", logger="ray_mesh.metrics"):
+        exporter.record(bad, loud=True)
+        exporter.record(bad, loud=True)
+        exporter.warn_once("a second problem", loud=True)
+    warned = [r for r in caplog.records if r.name == "ray_mesh.metrics"]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING", warned
+    assert "training goes on" in warned[0].getMessage() and not exporter.enabled
+    good = [("mesh_loss", 1.0, mesh_tags("x"))]
+    quiet = _Exporter()
+    quiet.record(good, loud=False)  # a valid record passes
+    assert quiet.enabled and not quiet.warned
 
 
 # ----------------------------------------------------------------------------- layout
