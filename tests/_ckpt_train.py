@@ -45,7 +45,9 @@ def train_loop(config: dict) -> None:
     start = ckpt.restore()
     assert start.data_position.get("next_step", 0) == start.step
     if rank == 0:
-        _log(config, f"start {start.step} {Path(start.path).name if start.path else '-'}")
+        spec = ray_mesh.get_state().spec
+        _log(config, f"start {start.step} {Path(start.path).name if start.path else '-'} "
+                     f"mesh={spec.dp_replicate}x{spec.dp_shard}")
     dp_rank = mesh["dp"].get_local_rank()
     for step in range(start.step, config["steps"]):
         x, y = _batch(step, dp_rank)
@@ -54,6 +56,7 @@ def train_loop(config: dict) -> None:
         optim.step()
         optim.zero_grad()
         done = step + 1
+        time.sleep(config.get("step_sleep", 0))  # elastic test: time to lose a node mid-run
         kill = config.get("kill_at")
         if kill and done == kill and rank == 1 and not os.path.exists(config["kill_marker"]):
             Path(config["kill_marker"]).write_text("killed")

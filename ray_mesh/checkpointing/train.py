@@ -116,10 +116,9 @@ class Checkpointer:
         """Step of the newest checkpoint handed to ray.train.report by this process."""
 
     # ------------------------------------------------------------------ resume
-    def _candidates(self) -> list[Checkpoint]:
+    def _candidates(self, latest: Checkpoint | None) -> list[Checkpoint]:
         """Checkpoints to try, newest first: Ray's latest, the others Ray kept, resume_from."""
         found: list[Checkpoint] = []
-        latest = ray.train.get_checkpoint()
         if latest is not None:
             found.append(latest)
             try:
@@ -188,9 +187,11 @@ class Checkpointer:
         """
         if self._rank == 0 and not self.upload:
             self._remove_partial()
-        candidates = self._candidates()
-        if not candidates:
+        latest = ray.train.get_checkpoint()
+        if latest is None and not self.resume_from:
             return Progress()
+        candidates = self._candidates(latest) if self._rank == 0 else [
+            latest or Checkpoint(self.resume_from)]
         decision = self._choose(candidates) if self._rank == 0 else None
         chosen_path, warnings = sharded.broadcast_from_rank0(decision, self.group)
         if self._rank == 0:

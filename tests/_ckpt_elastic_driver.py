@@ -1,0 +1,65 @@
+"""Driver for the elastic checkpoint test; runs inside the namespace cluster's head node.
+
+    python _ckpt_elastic_driver.py fixed|elastic <workdir>
+
+Runs the checkpoint test's train function on 2 workers per node (custom resource ``slot``)
+with an HSDP mesh whose dp_replicate follows the nodes. The test kills a node while it runs.
+``fixed``: 4 workers, not elastic -> the restart cannot place them: an explained error.
+``elastic``: (2, 4) workers -> the restart runs on what is left, from the last checkpoint.
+Prints one ``RESULT {json}`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import ray
+from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+import ray_mesh
+from ray_mesh.checkpointing import check_storage
+from ray_mesh.elastic import check_elastic_mesh, explain_startup_failure, failure_config
+from ray_mesh.job import load_function
+
+HERE = Path(__file__).resolve().parent
+
+
+def main(mode: str, work: Path) -> dict:
+    ray.init(address="auto", log_to_driver=True)
+    spec = ray_mesh.MeshSpec.hsdp()
+    workers: int | tuple[int, int] = (2, 4) if mode == "elastic" else 4
+    if isinstance(workers, tuple):
+        check_elastic_mesh(spec, *workers)
+    # Two nodes see the same /tmp here: the shared-storage check must accept it.
+    storage = check_storage(str(work / "results"))
+    trainer = TorchTrainer(
+        load_function(str(HERE / "_ckpt_train.py") + ":train_loop"),
+        train_loop_config={"steps": 14, "every": 2, "step_sleep": 2.0,
+                           "log": str(work / f"{mode}.log"), "final": str(work / f"{mode}.pt"),
+                           "upload": False},
+        scaling_config=ScalingConfig(num_workers=workers,
+                                     resources_per_worker={"CPU": 0.5, "slot": 1},
+                                     elastic_resize_monitor_interval_s=3600),
+        torch_config=ray_mesh.MeshConfig(mesh=spec),
+        run_config=RunConfig(name=mode, storage_path=storage,
+                             # elastic: the first restart may still count the dead node
+                             failure_config=failure_config(
+                                 2, startup_retries=3 if mode == "elastic" else 1),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+    try:
+        result = trainer.fit()
+        return {"ok": result.error is None, "error": repr(result.error)}
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                "explained": explain_startup_failure(exc, workers),
+                "trace": traceback.format_exc()[-3000:]}
+
+
+if __name__ == "__main__":
+    out = main(sys.argv[1], Path(sys.argv[2]))
+    print("RESULT " + json.dumps(out), flush=True)

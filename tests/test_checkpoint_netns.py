@@ -1,0 +1,118 @@
+"""Elastic restart and its refusal on a virtual multi-node cluster (network namespaces).
+
+Two namespace nodes with 2 worker slots each, HSDP mesh ``MeshSpec.hsdp()`` (dp_replicate
+follows the nodes), checkpoints every 2 steps. A node is killed (every process in its
+namespace: a crashed machine) while the run trains:
+
+* elastic run, ``num_workers=(2, 4)``: Ray Train restarts on the 2 workers left; the mesh is
+  rebuilt with dp_replicate 2 -> 1 and dp_shard kept at 2, and training resumes from the
+  last checkpoint, resharded, with no gap in the steps.
+* fixed run, ``num_workers=4`` (after a replacement node joined): the restart cannot place 4
+  workers; with bounded start-up retries it stops with an error saying the run is not
+  elastic and what to change, instead of retrying forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.netns]
+
+DRIVER = Path(__file__).resolve().parent / "_ckpt_elastic_driver.py"
+
+
+def _attempts(log: Path) -> list[list[str]]:
+    attempts: list[list[str]] = []
+    for line in log.read_text().splitlines():
+        if line.startswith("start"):
+            attempts.append([])
+        attempts[-1].append(line)
+    return attempts
+
+
+def _steps(lines: list[str]) -> list[int]:
+    return [int(x.split()[1]) for x in lines if x.startswith("step")]
+
+
+def _launch(cluster: NetnsCluster, mode: str, work: Path) -> subprocess.Popen:
+    env = cluster.node_env(cluster.head)
+    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
+               RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="20",
+               RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5")
+    out = open(work / f"{mode}.out", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([*cluster.head.exec_prefix(), sys.executable, str(DRIVER), mode,
+                             str(work)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _kill_after_checkpoint(cluster: NetnsCluster, proc: subprocess.Popen, log: Path,
+                           node: int, timeout_s: float = 400) -> None:
+    """Kill ``node`` once the run has reported a checkpoint past step 2."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"driver exited early: {log.with_suffix('.out').read_text()[-3000:]}")
+        if log.exists() and any(" ckpt " in x and int(x.split()[3]) >= 4
+                                for x in log.read_text().splitlines()):
+            cluster.kill_node(node)
+            return
+        time.sleep(0.5)
+    proc.kill()
+    tail = log.with_suffix(".out").read_text()[-3000:]
+    pytest.fail(f"no checkpoint within {timeout_s} s: {tail}")
+
+
+def _result(proc: subprocess.Popen, work: Path, mode: str, timeout_s: float = 500) -> dict:
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"{mode} driver ran past {timeout_s} s: "
+                    f"{(work / f'{mode}.out').read_text()[-3000:]}")
+    text = (work / f"{mode}.out").read_text()
+    lines = [x for x in text.splitlines() if x.startswith("RESULT ")]
+    assert lines, text[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_elastic_shrink_then_fixed_run_refused(tmp_path):
+    if reason := netns_unavailable_reason():
+        pytest.skip(f"virtual cluster unavailable: {reason}")
+    os.chmod(tmp_path, 0o777)
+    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
+        t0 = time.monotonic()
+        # --- elastic: lose node 1 mid-run, continue on node 0 with dp_replicate=1
+        proc = _launch(cluster, "elastic", tmp_path)
+        _kill_after_checkpoint(cluster, proc, tmp_path / "elastic.log", node=1)
+        res = _result(proc, tmp_path, "elastic")
+        print(f"elastic phase: {time.monotonic() - t0:.0f} s")
+        assert res["ok"], res
+        attempts = _attempts(tmp_path / "elastic.log")
+        print(attempts)
+        assert attempts[0][0].startswith("start 0 - mesh=2x2"), attempts[0]
+        last = max(int(x.split()[3]) for x in attempts[0] if " ckpt " in x)
+        resumed = attempts[-1]
+        assert resumed[0].startswith(f"start {last} checkpoint_{last:08d}_"), resumed
+        assert " mesh=1x2 " in resumed[0], resumed  # dp_replicate shrank, dp_shard kept
+        assert _steps(resumed) == list(range(last + 1, 15)), resumed
+
+        # --- fixed: a replacement node joins, a 4-worker run loses it mid-run -> refused
+        t1 = time.monotonic()
+        cluster.add_node({"slot": 2})
+        proc = _launch(cluster, "fixed", tmp_path)
+        _kill_after_checkpoint(cluster, proc, tmp_path / "fixed.log", node=2)
+        res = _result(proc, tmp_path, "fixed")
+        print(f"fixed phase: {time.monotonic() - t1:.0f} s")
+        assert not res["ok"], res
+        assert res["explained"], res
+        assert "not elastic" in res["explained"] and "fixed 4 workers" in res["explained"]
