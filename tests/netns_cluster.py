@@ -46,6 +46,7 @@ this machine's ``~/.ray/auth_token``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -59,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+_instances = itertools.count()
 DEPLOY = REPO / "deploy" / "tailscale"
 TAILNET_IFACE = "tailscale0"
 DECOY_IFACE = "eth0"
@@ -143,9 +145,13 @@ class NetnsCluster:
         self.env = dict(env or {})
         self.ray_start_timeout_s = ray_start_timeout_s
         pid = os.getpid()
-        self.tag = f"{pid % 10_000_000}"
-        # 100.(64+a).b.0/24 inside Tailscale's 100.64.0.0/10; 10.a.b.0/24 for the decoys.
-        a, b = pid % 64, (pid // 64) % 256
+        # pid + a per-process counter: two clusters of one process never share names. Linux
+        # interface names are at most 15 characters: "rmv" + 8 + "n" + 3.
+        seq = next(_instances) % 10
+        self.tag = f"{pid % 10_000_000}{seq}"
+        # 100.(64+a).b.0/24 inside Tailscale's 100.64.0.0/10; 10.x.b.0/24 for the decoys.
+        key = pid * 10 + seq
+        a, b = key % 64, (key // 64) % 256
         self.subnet = f"100.{64 + a}.{b}"
         self.decoy_subnet = f"10.{200 + a % 50}.{b}"
         self.bridge = f"rmb{self.tag}"
