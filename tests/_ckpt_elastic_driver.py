@@ -1,17 +1,19 @@
 """Driver for the elastic checkpoint test; runs inside the namespace cluster's head node.
 
-    python _ckpt_elastic_driver.py fixed|elastic <workdir>
+    python _ckpt_elastic_driver.py fixed|elastic|storage <workdir>
 
 Runs the checkpoint test's train function on 2 workers per node (custom resource ``slot``)
 with an HSDP mesh whose dp_replicate follows the nodes. The test kills a node while it runs.
 ``fixed``: 4 workers, not elastic -> the restart cannot place them: an explained error.
 ``elastic``: (2, 4) workers -> the restart runs on what is left, from the last checkpoint.
+``storage``: a storage_path only the driver sees -> refused at start as node-local.
 Prints one ``RESULT {json}`` line.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -21,15 +23,32 @@ from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import ray_mesh
-from ray_mesh.checkpointing import check_storage
+from ray_mesh.checkpointing import StorageError, check_storage
 from ray_mesh.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 from ray_mesh.job import load_function
 
 HERE = Path(__file__).resolve().parent
 
 
+def storage_refused(work: Path) -> dict:
+    """A path only this driver sees (a tmpfs in its own mount namespace) must be refused."""
+    private = work / "driver_only"
+    private.mkdir(exist_ok=True)
+    # `ip netns exec` gave this driver its own mount namespace: the mount stays in it.
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(private)], check=True)
+    try:
+        check_storage(str(private / "results"))
+        return {"ok": True, "error": None}
+    except StorageError as exc:
+        return {"ok": False, "error": str(exc)}
+    finally:
+        subprocess.run(["umount", str(private)], check=False)
+
+
 def main(mode: str, work: Path) -> dict:
     ray.init(address="auto", log_to_driver=True)
+    if mode == "storage":
+        return storage_refused(work)
     spec = ray_mesh.MeshSpec.hsdp()
     workers: int | tuple[int, int] = (2, 4) if mode == "elastic" else 4
     if isinstance(workers, tuple):

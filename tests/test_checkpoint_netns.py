@@ -10,6 +10,9 @@ namespace: a crashed machine) while the run trains:
 * fixed run, ``num_workers=4`` (after a replacement node joined): the restart cannot place 4
   workers; with bounded start-up retries it stops with an error saying the run is not
   elastic and what to change, instead of retrying forever.
+
+Before that, a storage_path that only the driver sees (a tmpfs mounted in the driver's own
+mount namespace) is refused at start as node-local, naming the nodes that cannot see it.
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ def test_elastic_shrink_then_fixed_run_refused(tmp_path):
         pytest.skip(f"virtual cluster unavailable: {reason}")
     os.chmod(tmp_path, 0o777)
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
+        # --- storage: a path the Ray nodes do not see is refused before any training
+        res = _result(_launch(cluster, "storage", tmp_path), tmp_path, "storage", 200)
+        assert not res["ok"], res
+        assert "is local to each node" in res["error"], res
+        assert cluster.head.ip in res["error"] and cluster.nodes[1].ip in res["error"], res
         t0 = time.monotonic()
         # --- elastic: lose node 1 mid-run, continue on node 0 with dp_replicate=1
         proc = _launch(cluster, "elastic", tmp_path)

@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 def _warn(message: str) -> None:
-    # Workers' stderr reaches the driver's console; a logger might be filtered there.
-    logger.warning(message)
+    # Workers' stderr reaches the driver's console (a logger there may be filtered, or
+    # print the line twice through Ray's own handlers).
     print(message, file=sys.stderr, flush=True)
 
 
