@@ -327,10 +327,13 @@ def test_dashboard_screenshot_shows_the_run(cluster, tmp_path):
         from dashboard_screenshot import screenshot
     finally:
         sys.path.pop(0)
-    out = tmp_path / "dashboard_jobs.png"  # pytest keeps the last runs' tmp dirs: look at it
-    text = screenshot(cluster.dashboard, str(out), page="#/jobs", wait_for=f"{RUN}.yaml",
+    jobs = cluster.dashboard_json("/api/jobs/")
+    job_id = next(j["job_id"] for j in jobs if f"{RUN}.yaml" in (j.get("entrypoint") or ""))
+    out = tmp_path / "dashboard_actors.png"  # pytest keeps the last runs' tmp dirs: look at it
+    # The Actors page lists the run's Train workers (its driver's job id) while it runs.
+    text = screenshot(cluster.dashboard, str(out), page="#/actors", wait_for="RayTrainWorker",
                       timeout_s=90)
-    assert "RUNNING" in text, text[:500]
+    assert job_id in text and "ALIVE" in text, text[:1000]
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
