@@ -170,3 +170,22 @@ def eight_rank_checks(config: dict | None = None) -> dict[str, float]:
     """The 3-D layout: pp 2 x dp_shard 2 x tp 2, interleaved 1F1B, the pp_hsdp_tp example."""
     return check("pp2_fsdp2_tp2", mesh_for(pp=2, dp_replicate=1, dp_shard=2, tp=2),
                  "pp_hsdp_tp")
+
+
+def _save(config: dict, results: dict[str, float]) -> None:
+    """Write this rank's differences to <out>/<rank>.json for the driver to read."""
+    import json
+
+    out = Path(config["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+def train_four(config: dict) -> None:
+    """Ray Train entry point: the 4-rank checks, their differences saved for the driver."""
+    _save(config, four_rank_checks(config))
+
+
+def train_eight(config: dict) -> None:
+    """Ray Train entry point: the 8-rank (3-D) check."""
+    _save(config, eight_rank_checks(config))

@@ -1,0 +1,47 @@
+"""The parallel helpers' bad inputs on a real gloo group (torchrun, 4 ranks, no Ray).
+
+``tests/_parallel_torchrun.py`` raises each bad input of the issue on every rank (a hidden
+size not divisible by tp, more stages than layers, microbatches that do not divide the batch,
+too few microbatches for 1F1B, CP on gloo, a dp mode the mesh cannot give), checks that data
+is sharded by dp rank, and runs the hsdp example under torchrun. A hang would hit the timeout
+here instead of passing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().with_name("_parallel_torchrun.py")
+CHECKS = ["hsdp_example_under_torchrun", "tp_indivisible_hidden", "tp_plan_typo",
+          "pp_more_stages_than_layers", "pp_interleaved_more_stages_than_layers",
+          "pp_microbatches_vs_batch_size", "pp_microbatches_at_step",
+          "pp_good_batch_after_bad_one", "pp_1f1b_too_few_microbatches", "cp_on_gloo",
+          "fsdp_mode_vs_mesh", "data_by_dp_rank"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(400)
+def test_bad_inputs_raise_on_every_rank_without_hanging(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
+    env["MASTER_ADDR"] = "127.0.0.1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for name in CHECKS:
+        assert f"PASS {name}" in proc.stdout, (name, out[-6000:])
+    assert "ALL_DONE" in proc.stdout
+    assert "hsdp: step 3/3 loss" in proc.stdout
