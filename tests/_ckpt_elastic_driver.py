@@ -57,7 +57,7 @@ def main(mode: str, work: Path) -> dict:
     storage = check_storage(str(work / "results"))
     trainer = TorchTrainer(
         load_function(str(HERE / "_ckpt_train.py") + ":train_loop"),
-        train_loop_config={"steps": 14, "every": 2, "step_sleep": 2.0,
+        train_loop_config={"steps": 10, "every": 2, "step_sleep": 1.5,
                            "log": str(work / f"{mode}.log"), "final": str(work / f"{mode}.pt"),
                            "upload": False},
         scaling_config=ScalingConfig(num_workers=workers,

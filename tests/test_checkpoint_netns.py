@@ -32,6 +32,7 @@ from netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
 DRIVER = Path(__file__).resolve().parent / "_ckpt_elastic_driver.py"
+STEPS = 10  # as in the driver
 
 
 def _attempts(log: Path) -> list[list[str]]:
@@ -88,39 +89,50 @@ def _result(proc: subprocess.Popen, work: Path, mode: str, timeout_s: float = 50
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_elastic_shrink_then_fixed_run_refused(tmp_path):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
     if reason := netns_unavailable_reason():
         pytest.skip(f"virtual cluster unavailable: {reason}")
-    os.chmod(tmp_path, 0o777)
-    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
-        # --- storage: a path the Ray nodes do not see is refused before any training
-        res = _result(_launch(cluster, "storage", tmp_path), tmp_path, "storage", 200)
-        assert not res["ok"], res
-        assert "is local to each node" in res["error"], res
-        assert cluster.head.ip in res["error"] and cluster.nodes[1].ip in res["error"], res
-        t0 = time.monotonic()
-        # --- elastic: lose node 1 mid-run, continue on node 0 with dp_replicate=1
-        proc = _launch(cluster, "elastic", tmp_path)
-        _kill_after_checkpoint(cluster, proc, tmp_path / "elastic.log", node=1)
-        res = _result(proc, tmp_path, "elastic")
-        print(f"elastic phase: {time.monotonic() - t0:.0f} s")
-        assert res["ok"], res
-        attempts = _attempts(tmp_path / "elastic.log")
-        print(attempts)
-        assert attempts[0][0].startswith("start 0 - mesh=2x2"), attempts[0]
-        last = max(int(x.split()[3]) for x in attempts[0] if " ckpt " in x)
-        resumed = attempts[-1]
-        assert resumed[0].startswith(f"start {last} checkpoint_{last:08d}_"), resumed
-        assert " mesh=1x2 " in resumed[0], resumed  # dp_replicate shrank, dp_shard kept
-        assert _steps(resumed) == list(range(last + 1, 15)), resumed
+    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as c:
+        yield c
 
-        # --- fixed: a replacement node joins, a 4-worker run loses it mid-run -> refused
-        t1 = time.monotonic()
-        cluster.add_node({"slot": 2})
-        proc = _launch(cluster, "fixed", tmp_path)
-        _kill_after_checkpoint(cluster, proc, tmp_path / "fixed.log", node=2)
-        res = _result(proc, tmp_path, "fixed")
-        print(f"fixed phase: {time.monotonic() - t1:.0f} s")
-        assert not res["ok"], res
-        assert res["explained"], res
-        assert "not elastic" in res["explained"] and "fixed 4 workers" in res["explained"]
+
+@pytest.mark.timeout(900)
+def test_storage_refused_and_elastic_shrink(cluster, tmp_path):
+    os.chmod(tmp_path, 0o777)
+    # --- storage: a path the Ray nodes do not see is refused before any training
+    res = _result(_launch(cluster, "storage", tmp_path), tmp_path, "storage", 200)
+    assert not res["ok"], res
+    assert "is local to each node" in res["error"], res
+    assert cluster.head.ip in res["error"] and cluster.nodes[1].ip in res["error"], res
+
+    # --- elastic: lose node 1 mid-run, continue on node 0 with dp_replicate=1
+    t0 = time.monotonic()
+    proc = _launch(cluster, "elastic", tmp_path)
+    _kill_after_checkpoint(cluster, proc, tmp_path / "elastic.log", node=1)
+    res = _result(proc, tmp_path, "elastic")
+    print(f"elastic phase: {time.monotonic() - t0:.0f} s")
+    assert res["ok"], res
+    attempts = _attempts(tmp_path / "elastic.log")
+    print(attempts)
+    assert attempts[0][0].startswith("start 0 - mesh=2x2"), attempts[0]
+    last = max(int(x.split()[3]) for x in attempts[0] if " ckpt " in x)
+    resumed = attempts[-1]
+    assert resumed[0].startswith(f"start {last} checkpoint_{last:08d}_"), resumed
+    assert " mesh=1x2 " in resumed[0], resumed  # dp_replicate shrank, dp_shard kept
+    assert _steps(resumed) == list(range(last + 1, STEPS + 1)), resumed
+
+
+@pytest.mark.timeout(900)
+def test_fixed_run_losing_a_node_is_refused(cluster, tmp_path):
+    """Runs after the elastic test: node 1 is dead, a replacement joins first."""
+    os.chmod(tmp_path, 0o777)
+    t1 = time.monotonic()
+    node = cluster.add_node({"slot": 2}).index
+    proc = _launch(cluster, "fixed", tmp_path)
+    _kill_after_checkpoint(cluster, proc, tmp_path / "fixed.log", node=node)
+    res = _result(proc, tmp_path, "fixed")
+    print(f"fixed phase: {time.monotonic() - t1:.0f} s")
+    assert not res["ok"], res
+    assert res["explained"], res
+    assert "not elastic" in res["explained"] and "fixed 4 workers" in res["explained"], res
