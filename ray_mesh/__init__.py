@@ -4,12 +4,14 @@ from ray_mesh.bootstrap import get_mesh, get_state, init_mesh, is_initialized, s
 from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec, MeshSpecError
 
 __all__ = [
+    "Checkpointer",
     "DIM_NAMES",
     "FLATTENED_DIMS",
     "MeshConfig",
     "MeshSpec",
     "MeshSpecError",
     "check_cluster",
+    "check_storage",
     "get_mesh",
     "get_state",
     "init_mesh",
@@ -28,4 +30,8 @@ def __getattr__(name: str):
         from ray_mesh.runner import check_cluster
 
         return check_cluster
+    if name in ("Checkpointer", "check_storage"):  # Ray imports: lazy as well
+        from ray_mesh import checkpointing
+
+        return getattr(checkpointing, name)
     raise AttributeError(f"module 'ray_mesh' has no attribute {name!r}")
