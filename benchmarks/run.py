@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +36,14 @@ SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling"}
 
 
+def _free_g() -> str:
+    try:
+        return subprocess.run(["free", "-g"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def machine() -> dict:
     import ray
     import torch
@@ -43,7 +52,7 @@ def machine() -> dict:
     return {"nproc": os.cpu_count(), "mem_gib": round(mem_gib, 1),
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "ray": ray.__version__,
-            "loadavg_start": os.getloadavg()}
+            "free_g": _free_g(), "loadavg_start": os.getloadavg()}
 
 
 # ----------------------------------------------------------------------------- sections
@@ -91,6 +100,7 @@ def _steps_one(name: str, cfg: dict, storage: str, with_torchrun: bool,
         met_w = [w for r in ray_runs for w in r["metered_step_s_windows"]]
         out["metrics"] = {"plain_step_s": median(ray_w), "metered_step_s": median(met_w),
                           "overhead_us_per_step": (median(met_w) - median(ray_w)) * 1e6,
+                          "empty_step_us": median([r["empty_step_us"] for r in ray_runs]),
                           "metered_vs_plain": ratio(median(met_w), median(ray_w))}
     return out
 
@@ -191,6 +201,7 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
         if m:
             add("e metrics", f"{name}: StepMeter overhead us/step", m["overhead_us_per_step"])
             add("e metrics", f"{name}: metered / plain", m["metered_vs_plain"])
+            add("e metrics", "StepMeter cost around an empty step, us", m["empty_step_us"])
     c = results.get("crossnode")
     if c:
         if c.get("status") == "ok":
@@ -221,6 +232,26 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def markdown(results: dict, rows) -> str:
+    """RESULTS.md: the table, the machine, the command that reproduces it."""
+    m = results["machine"]
+    load0 = tuple(round(x, 2) for x in m["loadavg_start"])
+    load1 = tuple(round(x, 2) for x in m["loadavg_end"])
+    lines = ["# ray_mesh benchmark results", "",
+             f"Run {results['started']} .. {results['finished']} (UTC); quick={results['quick']}.",
+             "", "Reproduce (from the repository root, on an otherwise idle machine):", "",
+             "```", results["command"], "```", "",
+             "| section | figure | value | target |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    lines += ["", "## Machine", "",
+              f"- nproc: {m['nproc']}, memory: {m['mem_gib']} GiB, {m['platform']}",
+              f"- Python {m['python']}, torch {m['torch']}, ray {m['ray']}",
+              f"- load average (1, 5, 15 min) at start {load0}, at end {load1}",
+              "", "```", "$ free -g", m.get("free_g", ""), "```", "",
+              "Every figure, per run, is in `benchmarks/results.json`.", ""]
+    return "\n".join(lines)
+
+
 def print_table(rows) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)] if rows else [0] * 4
     for r in rows:
@@ -249,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smallest settings (smoke runs)")
     p.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
+    p.add_argument("--results-md", help="also write the table as markdown (RESULTS.md)")
     args = p.parse_args(argv)
     selected = args.only or list(SECTIONS)
     cfg = config(args.quick)
@@ -297,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     results["table"] = rows
     Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     print(f"\nwrote {args.out}")
+    if args.results_md:
+        Path(args.results_md).write_text(markdown(results, rows))
+        print(f"wrote {args.results_md}")
     return 0
 
 

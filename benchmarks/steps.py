@@ -31,9 +31,23 @@ def _train_steps(config: dict) -> None:
     out = workloads.time_windows(step, warmup=config["warmup"], windows=config["windows"],
                                  steps_per_window=config["steps_per_window"],
                                  meter_factory=meter_factory)
+    if meter_factory is not None:
+        out["empty_step_us"] = _empty_meter_steps(meter_factory)
     if dist.get_rank() == 0:
         write_result(config["out"], out)
     ray.train.report({"done": 1})
+
+
+def _empty_meter_steps(meter_factory, n: int = 20000) -> float:
+    """Microseconds one ``with meter.step()`` costs around an empty step (flushes included)."""
+    meter = meter_factory()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with meter.step():
+            pass
+    per = (time.perf_counter() - t0) / n * 1e6
+    meter.close()
+    return per
 
 
 def metrics_available() -> bool:

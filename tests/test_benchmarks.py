@@ -1,0 +1,42 @@
+"""Smoke test of the benchmark harness: the cheapest section in quick mode.
+
+Checks that ``benchmarks/run.py`` runs end to end and writes every field the table and
+RESULTS.md read; never the timings themselves (performance claims live in benchmarks/).
+Group counts are not timings: a size-1 dim must not hold a real communicator.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_quick_meshbuild_writes_every_field(tmp_path):
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--only", "meshbuild",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "d mesh build" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["quick"] is True
+    for key in ("nproc", "mem_gib", "torch", "ray", "python", "loadavg_start", "loadavg_end"):
+        assert key in res["machine"], key
+    assert set(res) >= {"command", "config", "started", "finished", "table", "meshbuild"}
+    row = res["meshbuild"]["ranks_4"]
+    assert set(row) == {"needed_dims_only", "ray_mesh", "all_dims_real"}
+    for variant in row.values():
+        for field in ("seconds", "seconds_all", "new_group_calls", "groups_held",
+                      "real_groups_held", "fake_groups_held", "threads"):
+            assert field in variant, field
+        assert variant["seconds"] > 0
+    # HSDP 2 x 2 on 4 ranks: pp, cp and tp have size 1. ray_mesh keeps them as fake groups;
+    # one real group per dim (the old build) holds three more real communicators per rank.
+    assert row["ray_mesh"]["fake_groups_held"] == 3
+    assert row["all_dims_real"]["real_groups_held"] - row["ray_mesh"]["real_groups_held"] == 3
+    assert any(r[0] == "d mesh build" for r in res["table"])
