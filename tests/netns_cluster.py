@@ -49,12 +49,15 @@ import contextlib
 import itertools
 import json
 import os
+import pickle
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +109,7 @@ class Node:
     decoy_host: str  # the decoy's other end, in the host namespace, on no bridge
     temp_dir: Path
     resources: dict[str, float] = field(default_factory=dict)
+    ip6: str = ""  # on tailscale0 too, in fd7a:115c:a1e0::/48, when the cluster has IPv6
 
     def exec_prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.ns]
@@ -122,6 +126,7 @@ class NetnsCluster:
         ray_start_timeout_s: bound on each node's start.
         dashboard: start the head's dashboard (bound to its tailnet address by the script).
         start_attempts: tries per node's ``ray start`` (a busy machine can time one out).
+        ipv6: also give each tailscale0 an address in Tailscale's IPv6 range.
     """
 
     def __init__(
@@ -134,7 +139,9 @@ class NetnsCluster:
         ray_start_timeout_s: float = 120.0,
         dashboard: bool = False,
         start_attempts: int = 2,
+        ipv6: bool = False,
     ) -> None:
+        self.ipv6 = ipv6
         self.dashboard = dashboard
         self.start_attempts = max(1, start_attempts)
         self.resources = resources or [{"slot": 2}, {"slot": 2}]
@@ -154,6 +161,7 @@ class NetnsCluster:
         a, b = key % 64, (key // 64) % 256
         self.subnet = f"100.{64 + a}.{b}"
         self.decoy_subnet = f"10.{200 + a % 50}.{b}"
+        self.subnet6 = f"fd7a:115c:a1e0:{key % 0xFFFF:x}"
         self.bridge = f"rmb{self.tag}"
         self.root = Path(tempfile.mkdtemp(prefix=f"rmn{self.tag}_", dir="/tmp"))
         self.nodes: list[Node] = [self._make_node(i, r) for i, r in enumerate(self.resources)]
@@ -199,7 +207,8 @@ class NetnsCluster:
     def _make_node(self, i: int, resources: dict[str, float]) -> Node:
         return Node(i, f"rmn{self.tag}n{i}", f"{self.subnet}.{i + 1}",
                     f"{self.decoy_subnet}.{i + 1}", f"rmv{self.tag}n{i}", f"rmd{self.tag}n{i}",
-                    self.root / f"n{i}", dict(resources))
+                    self.root / f"n{i}", dict(resources),
+                    f"{self.subnet6}::{i + 1}" if self.ipv6 else "")
 
     def _build_node(self, node: Node) -> None:
         _run(["ip", "netns", "add", node.ns])
@@ -211,6 +220,9 @@ class NetnsCluster:
         ns = node.exec_prefix()
         _run([*ns, "ip", "link", "set", peer, "name", TAILNET_IFACE])
         _run([*ns, "ip", "addr", "add", f"{node.ip}/24", "dev", TAILNET_IFACE])
+        if node.ip6:  # nodad: usable at once, no duplicate-address wait
+            _run([*ns, "ip", "-6", "addr", "add", f"{node.ip6}/64", "dev", TAILNET_IFACE,
+                  "nodad"])
         _run([*ns, "ip", "link", "set", TAILNET_IFACE, "up"])
         _run([*ns, "ip", "link", "set", "lo", "up"])
         # The decoy: a veth whose other end is up in the host namespace but on no
@@ -353,6 +365,10 @@ class NetnsCluster:
         """Kill every process of node ``index`` (a crashed machine); its network stays."""
         self._kill_namespace_processes(self.nodes[index].ns)
 
+    def agent(self, index: int) -> NamespaceAgent:
+        """A Ray-free helper process in node ``index`` that runs Python functions there."""
+        return NamespaceAgent(self.nodes[index], self.node_env(self.nodes[index]))
+
     # ------------------------------------------------------------------ use
     def run_in(self, index: int, cmd: list[str], *, timeout: float = 60, check: bool = False,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -400,10 +416,64 @@ class NetnsCluster:
                 "rx_packets": stats["rx"]["packets"], "tx_packets": stats["tx"]["packets"]}
 
 
+class NamespaceAgent:
+    """A Python process inside one namespace that runs module-level functions on request.
+
+    For Ray-free checks across nodes (e.g. the pre-flight's worker-side steps): state such
+    as open listeners lives on in the process between calls. Requests and answers are
+    pickles, one length-prefixed frame each, over the process's stdin/stdout.
+    """
+
+    _SERVER = textwrap.dedent("""\
+        import pickle, struct, sys
+        inp, out = sys.stdin.buffer, sys.stdout.buffer
+        sys.stdout = sys.stderr
+        while True:
+            head = inp.read(4)
+            if len(head) < 4:
+                break
+            fn, args = pickle.loads(inp.read(struct.unpack(">I", head)[0]))
+            try:
+                reply = ("ok", fn(*args))
+            except Exception as exc:
+                reply = ("error", f"{type(exc).__name__}: {exc}")
+            data = pickle.dumps(reply)
+            out.write(struct.pack(">I", len(data)) + data)
+            out.flush()
+    """)
+
+    def __init__(self, node: Node, env: dict[str, str]) -> None:
+        env = {**env, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([*node.exec_prefix(), sys.executable, "-c", self._SERVER],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.lock = threading.Lock()
+
+    def call(self, fn, *args):
+        """Run ``fn(*args)`` in the namespace; returns its value or raises RuntimeError."""
+        data = pickle.dumps((fn, args))
+        with self.lock:
+            assert self.proc.stdin and self.proc.stdout
+            self.proc.stdin.write(struct.pack(">I", len(data)) + data)
+            self.proc.stdin.flush()
+            head = self.proc.stdout.read(4)
+            if len(head) < 4:
+                raise RuntimeError("the namespace agent exited")
+            status, value = pickle.loads(self.proc.stdout.read(struct.unpack(">I", head)[0]))
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
 def _text(data: str | bytes | None) -> str:
     if data is None:
         return ""
     return data.decode(errors="replace") if isinstance(data, bytes) else data
 
 
-__all__ = ["DECOY_IFACE", "TAILNET_IFACE", "NetnsCluster", "Node", "netns_unavailable_reason"]
+__all__ = ["DECOY_IFACE", "TAILNET_IFACE", "NamespaceAgent", "NetnsCluster", "Node",
+           "netns_unavailable_reason"]
