@@ -39,7 +39,7 @@ class JobError(ValueError):
 TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run")
 SCALING_KEYS = ("num_workers", "use_gpu", "resources_per_worker", "placement_strategy")
 NETWORK_KEYS = ("interface", "bringup_timeout_s", "allow_cross_node_inner", "backend",
-                "timeout_s")
+                "timeout_s", "preflight", "preflight_timeout_s", "nccl_vpn_defaults")
 RUN_KEYS = ("storage_path", "max_failures", "num_to_keep", "min_workers", "startup_retries")
 
 

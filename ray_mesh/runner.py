@@ -151,6 +151,9 @@ def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
         bringup_timeout_s=float(net.get("bringup_timeout_s", 120.0)),
         backend=net.get("backend"),
         timeout_s=int(net.get("timeout_s", 1800)),
+        preflight=bool(net.get("preflight", True)),
+        preflight_timeout_s=float(net.get("preflight_timeout_s", 20.0)),
+        nccl_vpn_defaults=net.get("nccl_vpn_defaults", "auto"),
     )
     run = job.run
     run_config = RunConfig(
@@ -174,6 +177,9 @@ def run_job(job: Job, address: str | None = None) -> Result:
     job.load_train_fn()  # a train function that cannot be imported fails before Ray starts
     cpus = job.scaling.get("num_workers", 4) * float(
         (job.scaling.get("resources_per_worker") or {}).get("CPU", 1))
+    # Ray Train's run state API (what `ray-mesh status` reads) is off unless this is set
+    # before the driver connects; an embedded Ray's processes inherit it too.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     started = connect(address, cpus)
     try:
         cluster = ray.cluster_resources()
