@@ -16,6 +16,7 @@ __all__ = [
     "get_state",
     "init_mesh",
     "is_initialized",
+    "parallel",
     "shutdown_mesh",
 ]
 
@@ -34,4 +35,8 @@ def __getattr__(name: str):
         from ray_mesh import checkpointing
 
         return getattr(checkpointing, name)
+    if name == "parallel":  # TP/FSDP/PP helpers: torch-only, loaded on first use
+        import importlib
+
+        return importlib.import_module("ray_mesh.parallel")
     raise AttributeError(f"module 'ray_mesh' has no attribute {name!r}")
