@@ -1,11 +1,13 @@
 """Driver for the elastic checkpoint test; runs inside the namespace cluster's head node.
 
-    python _ckpt_elastic_driver.py fixed|elastic|storage <workdir>
+    python _ckpt_elastic_driver.py fixed|elastic|grow|storage <workdir>
 
 Runs the checkpoint test's train function on 2 workers per node (custom resource ``slot``)
 with an HSDP mesh whose dp_replicate follows the nodes. The test kills a node while it runs.
 ``fixed``: 4 workers, not elastic -> the restart cannot place them: an explained error.
 ``elastic``: (2, 4) workers -> the restart runs on what is left, from the last checkpoint.
+``grow``: (2, 4) workers started on one node; the test adds a node and Ray's elastic
+policy restarts the group at 4 workers, from the last checkpoint.
 ``storage``: a storage_path only the driver sees -> refused at start as node-local.
 Prints one ``RESULT {json}`` line.
 """
@@ -50,24 +52,29 @@ def main(mode: str, work: Path) -> dict:
     if mode == "storage":
         return storage_refused(work)
     spec = ray_mesh.MeshSpec.hsdp()
-    workers: int | tuple[int, int] = (2, 4) if mode == "elastic" else 4
+    elastic = mode in ("elastic", "grow")
+    workers: int | tuple[int, int] = (2, 4) if elastic else 4
     if isinstance(workers, tuple):
         check_elastic_mesh(spec, *workers)
     # Two nodes see the same /tmp here: the shared-storage check must accept it.
     storage = check_storage(str(work / "results"))
     trainer = TorchTrainer(
         load_function(str(HERE / "_ckpt_train.py") + ":train_loop"),
-        train_loop_config={"steps": 10, "every": 2, "step_sleep": 1.5,
+        # grow: a long enough run for a node to join and the policy to notice it
+        train_loop_config={"steps": 40 if mode == "grow" else 10, "every": 2,
+                           "step_sleep": 2.5 if mode == "grow" else 1.5,
                            "log": str(work / f"{mode}.log"), "final": str(work / f"{mode}.pt"),
                            "upload": False},
         scaling_config=ScalingConfig(num_workers=workers,
                                      resources_per_worker={"CPU": 0.5, "slot": 1},
-                                     elastic_resize_monitor_interval_s=3600),
+                                     # grow: look for new nodes every 5 s
+                                     elastic_resize_monitor_interval_s=5 if mode == "grow"
+                                     else 3600),
         torch_config=ray_mesh.MeshConfig(mesh=spec),
         run_config=RunConfig(name=mode, storage_path=storage,
                              # elastic: the first restart may still count the dead node
                              failure_config=failure_config(
-                                 2, startup_retries=3 if mode == "elastic" else 1),
+                                 2, startup_retries=3 if elastic else 1),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),
     )
     try:

@@ -11,6 +11,9 @@ namespace: a crashed machine) while the run trains:
   workers; with bounded start-up retries it stops with an error saying the run is not
   elastic and what to change, instead of retrying forever.
 
+Last, an elastic run started on the one node left grows to two nodes (dp_replicate 1 -> 2)
+when a node joins, through Ray's elastic resize, from its last checkpoint.
+
 Before that, a storage_path that only the driver sees (a tmpfs mounted in the driver's own
 mount namespace) is refused at start as node-local, naming the nodes that cannot see it.
 """
@@ -136,3 +139,35 @@ def test_fixed_run_losing_a_node_is_refused(cluster, tmp_path):
     assert not res["ok"], res
     assert res["explained"], res
     assert "not elastic" in res["explained"] and "fixed 4 workers" in res["explained"], res
+
+
+@pytest.mark.timeout(900)
+def test_elastic_run_grows_when_a_node_joins(cluster, tmp_path):
+    """Runs last: one node (0) is alive. An elastic run starts on it, a node joins, Ray's
+    elastic policy restarts the group on both nodes, the mesh grows to dp_replicate=2."""
+    os.chmod(tmp_path, 0o777)
+    t0 = time.monotonic()
+    proc = _launch(cluster, "grow", tmp_path)
+    log = tmp_path / "grow.log"
+    deadline = time.monotonic() + 400
+    while not (log.exists() and " ckpt " in log.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail((tmp_path / "grow.out").read_text()[-3000:])
+        time.sleep(0.5)
+    cluster.add_node({"slot": 2})
+    res = _result(proc, tmp_path, "grow")
+    print(f"grow phase: {time.monotonic() - t0:.0f} s")
+    assert res["ok"], res
+    attempts = _attempts(log)
+    print(attempts)
+    assert attempts[0][0].startswith("start 0 - mesh=1x2"), attempts[0]
+    grown = attempts[-1]
+    assert " mesh=2x2 " in grown[0], attempts  # dp_replicate followed the new node
+    # Resumed from the newest checkpoint of the attempt before (its log line may be lost
+    # if the resize stopped the worker right after Ray registered it).
+    start = int(grown[0].split()[1])
+    before = attempts[-2]
+    last_logged = max([0] + [int(x.split()[3]) for x in before if " ckpt " in x])
+    assert start % 2 == 0 and last_logged <= start <= _steps(before)[-1], attempts
+    assert _steps(grown) == list(range(start + 1, 41)), grown
