@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.parallel import dp_rank, dp_size, parallelize
+from ray_mesh.parallel import dp_size, parallelize, shard_batch
 
+# batch_size is per dp replica (the global batch is batch_size x dp).
 DEFAULTS = {"steps": 40, "batch_size": 16, "lr": 0.05, "report_every": 10, "seed": 0,
             "mixed_precision": None}
 
@@ -55,10 +56,14 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def batch(step: int, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A global batch of ``step`` on the CPU, for callers that shard it themselves."""
+def batch(step: int, config: dict | None = None, replicas: int = 1,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` for ``replicas`` dp ranks: replica r's rows are
+    ``synthetic_batch(step, r)``, so ``shard_batch`` hands each replica its own batch."""
     cfg = {**DEFAULTS, **(config or {})}
-    return synthetic_batch(step, 0, cfg["batch_size"], torch.device("cpu"))
+    parts = [synthetic_batch(step, r, cfg["batch_size"], torch.device("cpu"))
+             for r in range(replicas)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def build(mesh, config: dict | None = None) -> nn.Module:
@@ -71,8 +76,11 @@ def build(mesh, config: dict | None = None) -> nn.Module:
 
 def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor,
                y: torch.Tensor, mesh) -> torch.Tensor:
-    """One step on this replica's batch; returns the loss averaged over the dp replicas."""
-    loss = loss_fn(model(x), y)
+    """One step on this replica's share of the global batch (by dp rank, never world rank);
+    returns the loss averaged over the dp replicas."""
+    device = next(model.parameters()).device
+    x, y = shard_batch((x, y), mesh)
+    loss = loss_fn(model(x.to(device)), y.to(device))
     loss.backward()
     optim.step()
     optim.zero_grad()
@@ -84,14 +92,11 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor,
 def train_loop(config: dict) -> None:
     cfg = {**DEFAULTS, **(config or {})}
     mesh = ray_mesh.get_mesh()
-    device = ray_mesh.get_state().device
     steps = cfg["steps"]
     model = build(mesh, cfg)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
-    rank = dp_rank(mesh)  # shard data by dp rank, never by world rank
     for step in range(steps):
-        x, y = synthetic_batch(step, rank, cfg["batch_size"], device)
-        avg = train_step(model, optim, x, y, mesh).item()
+        avg = train_step(model, optim, *batch(step, cfg, dp_size(mesh)), mesh).item()
         if (step + 1) % cfg["report_every"] == 0 or step == 0 or step + 1 == steps:
             if dist.get_rank() == 0:
                 print(f"hsdp: step {step + 1}/{steps} loss {avg:.4f}", flush=True)

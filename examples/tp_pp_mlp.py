@@ -102,8 +102,8 @@ def train_loop(config: dict) -> None:
     x, _ = batch(cfg["steps"], cfg)
     out = pipe.eval(x[:local_batch_size(cfg["batch_size"], mesh)].to(pipe.device))
     if out is not None:
-        print(f"tp_pp_mlp: {coord} (last stage): final output shape {tuple(out.shape)}",
-              flush=True)
+        print(f"tp_pp_mlp: {coord} (last stage): final output shape {tuple(out.shape)}, "
+              f"mean {out.float().mean().item():+.4f}", flush=True)
 
 
 def _report(metrics: dict) -> None:

@@ -118,6 +118,24 @@ def main() -> None:
     expect("fsdp_mode_vs_mesh", r"'fsdp' does not fit the mesh \(dp_replicate=2",
            lambda: apply_fsdp(mlp(2), mesh, mode="fsdp"))
 
+    # --- mixed precision: bf16 compute, fp32 parameters and gradients (FSDP2 policy)
+    seen: list[torch.dtype] = []
+    model = mlp(2)
+    reference = mse(model(torch.ones(4, 8)), torch.zeros(4, 8)).item()
+    model.fc0.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    model = apply_fsdp(model, mesh, mixed_precision="bf16")
+    loss = mse(model(torch.ones(4, 8)).float(), torch.zeros(4, 8))
+    loss.backward()
+    assert seen == [torch.bfloat16], seen
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+               for p in model.parameters())
+    assert abs(loss.item() - reference) <= 2e-2 * abs(reference), (loss.item(), reference)
+    if rank == 0:
+        print("PASS fsdp_bf16_mixed_precision", flush=True)
+    expect("ddp_mixed_precision", r"mixed_precision is an FSDP2 option",
+           lambda: apply_fsdp(mlp(2), checks.mesh_for(dp_replicate=4, dp_shard=1),
+                              mixed_precision="bf16"))
+
     # --- data by dp rank, never by world rank: tp peers read the same rows
     coord = ray_mesh.MeshSpec(dp_shard=2, tp=2).resolve(4).coordinate(rank)
     assert (dp_rank(tp_mesh), dp_size(tp_mesh)) == (coord["dp"], 2), (rank, coord)

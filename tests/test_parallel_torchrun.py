@@ -22,7 +22,8 @@ CHECKS = ["hsdp_example_under_torchrun", "tp_indivisible_hidden", "tp_plan_typo"
           "pp_more_stages_than_layers", "pp_interleaved_more_stages_than_layers",
           "pp_microbatches_vs_batch_size", "pp_microbatches_at_step",
           "pp_good_batch_after_bad_one", "pp_1f1b_too_few_microbatches", "cp_on_gloo",
-          "fsdp_mode_vs_mesh", "data_by_dp_rank"]
+          "fsdp_mode_vs_mesh", "fsdp_bf16_mixed_precision", "ddp_mixed_precision",
+          "data_by_dp_rank"]
 
 
 def _free_port() -> int:
