@@ -137,37 +137,41 @@ def _probe_worker() -> WorkerReport:
     )
 
 
-def _free_port_on(address: str) -> int:
-    return free_port(address)
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Everything one worker needs to join the mesh, decided on the controller."""
+
+    spec: MeshSpec
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    fixed_env: dict[str, str]  # MASTER_ADDR/PORT: always ours
+    collective_env: dict[str, str]  # NCCL_/GLOO_*: a value the user set wins
+    backend: str | None
+    device: str
+    timeout_s: float
+    choice: Choice
+    layout_table: str
 
 
-def _setup_on_worker(
-    spec: MeshSpec,
-    rank: int,
-    world_size: int,
-    local_rank: int,
-    local_world_size: int,
-    node_rank: int,
-    fixed_env: dict[str, str],
-    collective: dict[str, str],
-    backend: str | None,
-    device: str,
-    timeout_s: float,
-    layout_table: str,
-    choice: Choice,
-) -> dict[str, str]:
-    os.environ.update(fixed_env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                      LOCAL_WORLD_SIZE=str(local_world_size), NODE_RANK=str(node_rank))
-    applied = apply_env(collective)
-    in_force = {**fixed_env, **applied}
-    line = rank_env_line(rank, node_rank, choice, in_force, user_kept(collective, applied))
+def _setup_on_worker(w: WorkerSetup) -> dict[str, str]:
+    os.environ.update(w.fixed_env)
+    os.environ.update(RANK=str(w.rank), WORLD_SIZE=str(w.world_size),
+                      LOCAL_RANK=str(w.local_rank), LOCAL_WORLD_SIZE=str(w.local_world_size),
+                      NODE_RANK=str(w.node_rank))
+    applied = apply_env(w.collective_env)
+    in_force = {**w.fixed_env, **applied}
+    line = rank_env_line(w.rank, w.node_rank, w.choice, in_force,
+                         user_kept(w.collective_env, applied))
     logger.info("%s", line)
     print(line, flush=True)  # worker stdout reaches the driver; logging.INFO may not
-    bootstrap.setup_worker(spec, rank=rank, world_size=world_size, local_rank=local_rank,
-                           backend=backend, device=device, timeout_s=timeout_s, env=in_force)
-    if rank == 0:
-        print(layout_table, flush=True)
+    bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
+                           local_rank=w.local_rank, backend=w.backend, device=w.device,
+                           timeout_s=w.timeout_s, env=in_force)
+    if w.rank == 0:
+        print(w.layout_table, flush=True)
     return in_force
 
 
@@ -240,25 +244,27 @@ class _MeshBackend(Backend):
     def _start(self, worker_group, config: MeshConfig) -> None:
         plan, choices = plan_for(worker_group, config)
         master = choices[0]
-        port = worker_group.execute_single(0, _free_port_on, master.address)
+        port = worker_group.execute_single(0, free_port, master.address)
         if config.preflight:
             check_worker_group(worker_group, plan, choices, port, config.preflight_timeout_s)
         fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
-        table = plan.layout_table({i: c.interface for i, c in enumerate(choices)})
+        interfaces = {i: c.interface for i, c in enumerate(choices)}
+        table = plan.layout_table(interfaces)
         logger.info("%s", table)
         refs = [
-            worker_group.execute_single_async(
-                w.rank, _setup_on_worker, plan.spec, w.rank, len(plan.workers), w.local_rank,
-                plan.workers_per_node, plan.node_rank(w.rank), fixed,
-                collective_env(choices[w.rank], config.nccl_vpn_defaults), config.backend,
-                w.device, float(config.timeout_s), table, choices[w.rank],
-            )
+            worker_group.execute_single_async(w.rank, _setup_on_worker, WorkerSetup(
+                spec=plan.spec, rank=w.rank, world_size=len(plan.workers),
+                local_rank=w.local_rank, local_world_size=plan.workers_per_node,
+                node_rank=plan.node_rank(w.rank), fixed_env=fixed,
+                collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
+                backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
+                choice=choices[w.rank], layout_table=table,
+            ))
             for w in plan.workers
         ]
-        labels = [f"rank {w.rank} ({w.node_ip}, {choices[w.rank].interface})"
-                  for w in plan.workers]
+        labels = [f"rank {w.rank} ({w.node_ip}, {interfaces[w.rank]})" for w in plan.workers]
         _wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
-        save_layout(worker_group, plan, {i: c.interface for i, c in enumerate(choices)})
+        save_layout(worker_group, plan, interfaces)
 
     def on_shutdown(self, worker_group, backend_config: MeshConfig) -> None:
         # Also runs after a half-finished on_start: shutdown_mesh tolerates "nothing built".
