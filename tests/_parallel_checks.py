@@ -53,6 +53,21 @@ def mesh_for(**dims: int):
     return build_device_mesh(MeshSpec(**dims).resolve(dist.get_world_size()), "cpu")
 
 
+def side_by_side(**dims: int):
+    """A 4-rank layout on 4 ranks, or twice side by side on 8 (one Ray fit runs them all):
+    an extra pp=2 for layouts that do not pipeline (nothing they do touches pp), an extra
+    dp_replicate x2 for pipelined ones (run with data parallel off, so the copies are apart)."""
+    world = dist.get_world_size()
+    if world == 8:
+        if dims.get("pp", 1) == 1:
+            dims = {**dims, "pp": 2}
+        else:
+            dims = {**dims, "dp_replicate": dims.get("dp_replicate", 1) * 2}
+    elif world != 4:
+        raise AssertionError(f"the 4-rank layouts run on 4 or 8 ranks, not {world}")
+    return mesh_for(**dims)
+
+
 def reference(make_model, loss_fn, batches) -> tuple[list[float], dict[str, torch.Tensor],
                                                      dict[str, torch.Tensor]]:
     """Losses, final and initial parameters of one process on the whole global batches."""
@@ -140,29 +155,32 @@ def _pipeline(example: str, **kw: Any):
 
 
 def four_rank_checks(config: dict | None = None) -> dict[str, float]:
-    """Every 4-rank layout of the issue, each on its own mesh over the same 4 ranks."""
+    """Every 4-rank layout of the issue, each on its own mesh over the same ranks."""
     tf = load_example("fsdp_tp_transformer")
     mlp = load_example("tp_pp_mlp")
     r: dict[str, float] = {}
     # tp=2 alone: two independent TP pairs (dp off), sequence parallel transformer.
-    r |= check("tp2", mesh_for(dp_replicate=2, dp_shard=1, tp=2), "fsdp_tp_transformer",
+    r |= check("tp2", side_by_side(dp_replicate=2, dp_shard=1, tp=2), "fsdp_tp_transformer",
                lambda m, c: parallelize(tf.make_model(c), m, tp_plan=tf.tp_plan(), dp="none"),
                shard=False)
     # HSDP 2x2: the hsdp example's build (shard inside, replicate across).
-    r |= check("hsdp2x2", mesh_for(dp_replicate=2, dp_shard=2), "hsdp")
+    r |= check("hsdp2x2", side_by_side(dp_replicate=2, dp_shard=2), "hsdp")
     # Replicate-only: torch DDP over 4 ranks; FSDP2-as-replicate under TP (dp 2 x tp 2).
-    r |= check("ddp4", mesh_for(dp_replicate=4, dp_shard=1), "hsdp")
-    r |= check("ddp2_tp2", mesh_for(dp_replicate=2, dp_shard=1, tp=2), "tp_pp_mlp",
+    r |= check("ddp4", side_by_side(dp_replicate=4, dp_shard=1), "hsdp")
+    r |= check("ddp2_tp2", side_by_side(dp_replicate=2, dp_shard=1, tp=2), "tp_pp_mlp",
                lambda m, c: parallelize(mlp.make_model(c), m, tp_plan=mlp.TP_PLAN))
     # fsdp x tp 2x2: the transformer example's build (TP + SP, then FSDP2 per layer).
-    r |= check("fsdp2_tp2", mesh_for(dp_replicate=1, dp_shard=2, tp=2), "fsdp_tp_transformer")
+    r |= check("fsdp2_tp2", side_by_side(dp_replicate=1, dp_shard=2, tp=2),
+               "fsdp_tp_transformer")
     # pp=2 alone (dp off: two independent pipelines), one schedule of each family.
-    pp2 = mesh_for(pp=2, dp_replicate=2, dp_shard=1)
+    pp2 = side_by_side(pp=2, dp_replicate=2, dp_shard=1)
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbv"):
         r |= check(f"pp2_{schedule}", pp2, "tp_pp_mlp",
                    _pipeline("tp_pp_mlp", schedule=schedule, dp="none"), shard=False)
-    # pp x tp 2x2: the blog layout, through the tp_pp_mlp example's own build().
-    r |= check("pp2_tp2", mesh_for(pp=2, dp_replicate=1, dp_shard=1, tp=2), "tp_pp_mlp")
+    # pp x tp 2x2: the blog layout (the tp_pp_mlp example's plan, 1F1B, 4 microbatches).
+    r |= check("pp2_tp2", side_by_side(pp=2, dp_replicate=1, dp_shard=1, tp=2), "tp_pp_mlp",
+               _pipeline("tp_pp_mlp", schedule="1f1b", tp_plan=mlp.TP_PLAN, dp="none"),
+               shard=False)
     return r
 
 
@@ -181,11 +199,9 @@ def _save(config: dict, results: dict[str, float]) -> None:
     (out / f"{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
-def train_four(config: dict) -> None:
-    """Ray Train entry point: the 4-rank checks, their differences saved for the driver."""
-    _save(config, four_rank_checks(config))
-
-
-def train_eight(config: dict) -> None:
-    """Ray Train entry point: the 8-rank (3-D) check."""
-    _save(config, eight_rank_checks(config))
+def train_all(config: dict) -> None:
+    """Ray Train entry point on 8 workers: the 4-rank layouts side by side, then the 3-D one;
+    every rank's differences saved for the driver."""
+    results = four_rank_checks(config)
+    results |= eight_rank_checks(config)
+    _save(config, results)
