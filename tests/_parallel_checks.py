@@ -185,9 +185,14 @@ def four_rank_checks(config: dict | None = None) -> dict[str, float]:
 
 
 def eight_rank_checks(config: dict | None = None) -> dict[str, float]:
-    """The 3-D layout: pp 2 x dp_shard 2 x tp 2, interleaved 1F1B, the pp_hsdp_tp example."""
-    return check("pp2_fsdp2_tp2", mesh_for(pp=2, dp_replicate=1, dp_shard=2, tp=2),
-                 "pp_hsdp_tp")
+    """On 8 ranks: the 3-D layout pp 2 x dp_shard 2 x tp 2 (the pp_hsdp_tp example's build,
+    interleaved 1F1B), and pipelines with data parallel per stage: HSDP 2x2 and DDP 4."""
+    r = check("pp2_fsdp2_tp2", mesh_for(pp=2, dp_replicate=1, dp_shard=2, tp=2), "pp_hsdp_tp")
+    r |= check("pp2_hsdp2x2", mesh_for(pp=2, dp_replicate=2, dp_shard=2), "tp_pp_mlp",
+               _pipeline("tp_pp_mlp", schedule="gpipe"))
+    r |= check("pp2_ddp4", mesh_for(pp=2, dp_replicate=4, dp_shard=1), "tp_pp_mlp",
+               _pipeline("tp_pp_mlp", schedule="1f1b"))
+    return r
 
 
 def _save(config: dict, results: dict[str, float]) -> None:

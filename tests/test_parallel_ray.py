@@ -11,8 +11,9 @@ The 4-rank layouts run twice side by side on the 8 workers (an extra pp=2 that n
 layouts never touch, or an extra dp_replicate for pipelines run with data parallel off):
 tp=2 (transformer, sequence parallel), HSDP 2x2 (hsdp example), DDP 4, DDP 2 x tp 2,
 FSDP 2 x tp 2 (transformer example), pp=2 with GPipe / 1F1B / Interleaved1F1B / ZBV,
-pp 2 x tp 2 (the blog layout, tp_pp_mlp's plan). Then the 3-D layout on all 8: pp 2 x
-dp_shard 2 x tp 2 (pp_hsdp_tp example's build, interleaved 1F1B).
+pp 2 x tp 2 (the blog layout, tp_pp_mlp's plan). Then on all 8: the 3-D layout pp 2 x
+dp_shard 2 x tp 2 (pp_hsdp_tp example's build, interleaved 1F1B), and pipelines with HSDP 2x2
+and with DDP 4 per stage.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.ray
 
 FOUR = ["tp2", "hsdp2x2", "ddp4", "ddp2_tp2", "fsdp2_tp2", "pp2_gpipe", "pp2_1f1b",
         "pp2_interleaved_1f1b", "pp2_zbv", "pp2_tp2"]
-EIGHT = ["pp2_fsdp2_tp2"]
+EIGHT = ["pp2_fsdp2_tp2", "pp2_hsdp2x2", "pp2_ddp4"]
 
 
 def _fit(fn, workers: int, storage: str, out: Path):
