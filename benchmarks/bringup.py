@@ -8,6 +8,7 @@ Three ways to the same HSDP mesh (dp_replicate=2, dp_shard=N/2) on N CPU workers
   (probe, plan, pre-flight, every named dim); the mesh is ready when the train function
   starts.
 * ``torchrun``: ``torchrun`` + ``init_process_group`` + ``init_device_mesh``.
+* ``ray_mesh_nopf``: ``MeshConfig(preflight=False)``, to show what the pre-flight costs.
 
 The ready time is the latest rank's ``time.time()`` minus the driver's clock just before
 ``fit()`` / the launch (one machine, one clock).
@@ -58,8 +59,9 @@ def _fit(mode: str, workers: int, storage: str) -> dict:
     if mode == "plain":
         fn, torch_config = _train_plain, TorchConfig(backend="gloo")
     else:
-        fn, torch_config = _train_ray_mesh, MeshConfig(mesh=MeshSpec(dp_replicate=2,
-                                                                     dp_shard=-1))
+        fn = _train_ray_mesh
+        torch_config = MeshConfig(mesh=MeshSpec(dp_replicate=2, dp_shard=-1),
+                                  preflight=mode != "ray_mesh_nopf")
     out = result_path("bringup")
     trainer = TorchTrainer(
         fn,
@@ -87,4 +89,4 @@ def measure(mode: str, workers: int, storage: str) -> dict:
     return _fit(mode, workers, storage)
 
 
-MODES = ("plain", "ray_mesh", "torchrun")
+MODES = ("plain", "ray_mesh", "torchrun", "ray_mesh_nopf")

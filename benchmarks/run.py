@@ -39,7 +39,7 @@ RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling"}
 def _free_g() -> str:
     try:
         return subprocess.run(["free", "-g"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+                              timeout=10).stdout.strip("\n")
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -56,17 +56,25 @@ def machine() -> dict:
 
 
 # ----------------------------------------------------------------------------- sections
+def log(msg: str) -> None:
+    """Progress on stderr (the table goes to stdout at the end)."""
+    print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {msg}",
+          file=sys.stderr, flush=True)
+
+
 def section_bringup(cfg: dict, storage: str) -> dict:
     from benchmarks import bringup
 
     runs: dict[str, list[dict]] = {}
     for _ in range(cfg["runs"]):
         for n in cfg["sizes"]:  # interleaved, so drift hits every mode alike
-            for mode in bringup.MODES:
-                runs.setdefault(f"{mode}_{n}", []).append(bringup.measure(mode, n, storage))
+            for mode in cfg["bringup_modes"]:
+                r = bringup.measure(mode, n, storage)
+                runs.setdefault(f"{mode}_{n}", []).append(r)
+                log(f"bringup {mode} x{n}: ready {r['ready_s']:.1f} s")
     out: dict = {"runs": runs}
     for n in cfg["sizes"]:
-        med = {m: median([r["ready_s"] for r in runs[f"{m}_{n}"]]) for m in bringup.MODES}
+        med = {m: median([r["ready_s"] for r in runs[f"{m}_{n}"]]) for m in cfg["bringup_modes"]}
         out[f"workers_{n}"] = {
             **{f"{m}_ready_s": v for m, v in med.items()},
             "ray_mesh_vs_plain": ratio(med["ray_mesh"], med["plain"]),
@@ -86,8 +94,10 @@ def _steps_one(name: str, cfg: dict, storage: str, with_torchrun: bool,
     ray_runs, tr_runs = [], []
     for _ in range(cfg["step_runs"]):  # alternate launchers so drift hits both alike
         ray_runs.append(steps.measure_ray(args, cfg["step_workers"], storage))
+        log(f"steps {name} ray_mesh: {median(ray_runs[-1]['step_s_windows'])}")
         if with_torchrun:
             tr_runs.append(steps.measure_torchrun(args, cfg["step_workers"]))
+            log(f"steps {name} torchrun: {median(tr_runs[-1]['step_s_windows'])}")
     ray_w = [w for r in ray_runs for w in r["step_s_windows"]]
     out: dict = {"workload": f"examples/{name}.py", "mesh": WORKLOADS[name][0],
                  "workers": cfg["step_workers"], "args": args,
@@ -131,6 +141,7 @@ def section_scaling(cfg: dict, storage: str, bringup_runs: dict | None) -> dict:
         runs = list((bringup_runs or {}).get(f"ray_mesh_{n}", []))
         while len(runs) < cfg["scaling_runs"]:
             runs.append(bringup.measure("ray_mesh", n, storage))
+            log(f"scaling ray_mesh x{n}: ready {runs[-1]['ready_s']:.1f} s")
         out[f"workers_{n}"] = {
             "ready_s": median([r["ready_s"] for r in runs]),
             "runs": len(runs),
@@ -143,6 +154,7 @@ def section_meshbuild(cfg: dict) -> dict:
     out: dict = {}
     for n in cfg["meshbuild_sizes"]:
         r = run_torchrun(n, "meshbuild", {"repeats": cfg["meshbuild_repeats"]})
+        log(f"meshbuild x{n} done")
         row = {}
         for variant in ("needed_dims_only", "ray_mesh", "all_dims_real"):
             v = r[variant]
@@ -155,6 +167,7 @@ def section_meshbuild(cfg: dict) -> dict:
 def section_crossnode(cfg: dict) -> dict:
     from benchmarks import crossnode
 
+    log("crossnode: starting the namespace cluster")
     try:
         return crossnode.measure(cfg["crossnode_model"])
     except Exception as exc:  # noqa: BLE001 - reported in the table, not fatal to others
@@ -166,7 +179,7 @@ def _fmt(v) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:.3g}"
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
     return str(v)
 
 
@@ -181,8 +194,10 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
         for key, row in b.items():
             if key.startswith("workers_"):
                 n = key.split("_")[1]
-                for m in ("plain", "ray_mesh", "torchrun"):
-                    add("a bring-up", f"{n} workers {m} ready s (median)", row[f"{m}_ready_s"])
+                for m in ("plain", "ray_mesh", "torchrun", "ray_mesh_nopf"):
+                    if f"{m}_ready_s" in row:
+                        add("a bring-up", f"{n} workers {m} ready s (median)",
+                            row[f"{m}_ready_s"])
                 add("a bring-up", f"{n} workers ray_mesh / plain", row["ray_mesh_vs_plain"],
                     "<= 1.10")
     s = results.get("steps")
@@ -232,6 +247,39 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+NOTES = """\
+## How each figure is measured
+
+- **a bring-up**: driver clock just before `TorchTrainer.fit()` (or the `torchrun` launch) to
+  the latest rank's clock once its mesh exists; HSDP mesh dp_replicate=2 x dp_shard=N/2 on N
+  CPU workers (gloo), one Ray logical CPU each; median over the runs, modes interleaved.
+  `plain` = Ray's `TorchConfig` + `init_device_mesh` of the two needed dims in the train
+  function; `ray_mesh` = `MeshConfig` defaults (probe, plan, pre-flight, all named dims);
+  `ray_mesh_nopf` = `MeshConfig(preflight=False)`.
+- **b steps**: seconds per training step of the example's own `build`/`train_step` (same
+  model, mesh and data) in the Ray Train worker vs under `torchrun`, 4 ranks; windows of
+  steps between barriers after a warm-up, median over windows of all runs; launchers
+  alternate.
+- **e metrics**: in the same Ray runs, windows alternate plain / inside
+  `ray_mesh.metrics.StepMeter.step()`; plus the cost of `with meter.step()` around an empty
+  step (20 000 iterations, flushes included).
+- **c cross-node**: namespace cluster (2 nodes x 2 workers, veth + bridge, `tailscale0`);
+  each node's local rank 0 reads its own `/sys/class/net/tailscale0/statistics` around the
+  steps; cross-node bytes = sum of the nodes' tx deltas, minus an idle window of the same
+  length. Model: an MLP of `layers` x Linear(width, width), FSDP2 per layer + root.
+  Minimum for HSDP = 2 (R-1) x params x 4 B with R = 2 nodes: an all-reduce of G bytes
+  among R nodes must send at least 2 (R-1)/R x G bytes out of each node (reduce-scatter +
+  all-gather bound; a ring meets it, so no extra ring factor), and each node's shards
+  together hold the whole fp32 gradient G. Wire bytes include Ethernet/IP/TCP headers and
+  ACKs; "headers off" subtracts 66 B per packet.
+- **d scaling / mesh build**: `new_group calls` is torch's own counter
+  (`_world.group_count`, default group included); groups held come from
+  `_world.pg_map` on rank 0, real vs "fake" (size-1 dims). Mesh build times are on an
+  existing process group under torchrun; `all_dims_real` is the build before size-1 dims
+  became fake groups, `needed_dims_only` what a plain user builds.
+"""
+
+
 def markdown(results: dict, rows) -> str:
     """RESULTS.md: the table, the machine, the command that reproduces it."""
     m = results["machine"]
@@ -248,7 +296,7 @@ def markdown(results: dict, rows) -> str:
               f"- Python {m['python']}, torch {m['torch']}, ray {m['ray']}",
               f"- load average (1, 5, 15 min) at start {load0}, at end {load1}",
               "", "```", "$ free -g", m.get("free_g", ""), "```", "",
-              "Every figure, per run, is in `benchmarks/results.json`.", ""]
+              "Every figure, per run, is in `benchmarks/results.json`.", "", NOTES]
     return "\n".join(lines)
 
 
@@ -262,12 +310,14 @@ def print_table(rows) -> None:
 def config(quick: bool) -> dict:
     if quick:
         return {"runs": 1, "sizes": [4], "step_runs": 1, "step_workers": 4,
+                "bringup_modes": ["plain", "ray_mesh", "torchrun"],
                 "step_workloads": ["hsdp"],
                 "steps_args": {"batch": 16, "warmup": 3, "windows": 2, "steps_per_window": 5},
                 "scaling_sizes": [4], "scaling_runs": 1,
                 "meshbuild_sizes": [4], "meshbuild_repeats": 1,
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1}}
     return {"runs": 3, "sizes": [4, 8], "step_runs": 2, "step_workers": 4,
+            "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
             "steps_args": {"batch": 16, "warmup": 10, "windows": 5, "steps_per_window": 20},
             "scaling_sizes": [4, 8, 16], "scaling_runs": 1,
@@ -295,10 +345,19 @@ def main(argv: list[str] | None = None) -> int:
             import ray
 
             os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-            ray.init(num_cpus=max(16, *cfg["scaling_sizes"]), include_dashboard=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-                     _temp_dir=os.path.join(tmp, "ray"), log_to_driver=False)
+            for attempt in (1, 2):  # a loaded box can miss Ray's node start-up deadline
+                try:
+                    ray.init(num_cpus=max(16, *cfg["scaling_sizes"]), include_dashboard=False,
+                             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+                             _temp_dir=os.path.join(tmp, f"ray{attempt}"), log_to_driver=False)
+                    break
+                except Exception as exc:  # noqa: BLE001
+                    if attempt == 2:
+                        raise
+                    log(f"ray.init failed ({exc}); retrying once")
+                    ray.shutdown()
             ray_started = True
+            log("ray started")
         if "bringup" in selected:
             results["bringup"] = section_bringup(cfg, storage)
         if "steps" in selected or "metrics" in selected:
