@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,12 +29,16 @@ pytestmark = [
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["tp_pp_mlp", "fsdp_tp_transformer", "pp_hsdp_tp", "hsdp"])
-def test_example_job_trains(name, tmp_path):
+def test_example_job_trains(name):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_TMPDIR"] = str(tmp_path)
+    # Its own embedded Ray, in a short dir: Ray's socket paths must stay under 107 bytes,
+    # which pytest's tmp_path (pytest-of-root/pytest-NN/test_..._name_0/...) can exceed.
+    tmp = tempfile.mkdtemp(prefix="rmex", dir="/tmp")
+    env["RAY_TMPDIR"] = tmp
     proc = subprocess.run(
         [sys.executable, "-m", "ray_mesh.cli", "run", f"examples/{name}.yaml"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=570)
+    shutil.rmtree(tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert f"ray-mesh: run '{name}' finished" in out
