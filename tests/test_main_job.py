@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,10 +20,16 @@ pytestmark = pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_ray_mesh_run_hsdp_example(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_TMPDIR"] = str(tmp_path)  # its own embedded Ray, apart from the test session's
-    proc = subprocess.run(
-        [sys.executable, "-m", "ray_mesh.cli", "run", "examples/hsdp.yaml"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    # Its own embedded Ray, apart from the test session's. A short path: Ray's unix socket
+    # paths under it must stay below 107 bytes, which pytest's tmp_path can exceed.
+    ray_tmp = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
+    env["RAY_TMPDIR"] = ray_tmp
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ray_mesh.cli", "run", "examples/hsdp.yaml"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "ray-mesh: run 'hsdp' finished" in out
