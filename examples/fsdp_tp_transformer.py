@@ -14,7 +14,6 @@ the embedding and the head over ``dp_shard_cp``. The token data is sharded by dp
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import OrderedDict
 
@@ -32,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 
 import ray_mesh
 from ray_mesh.parallel import ParallelError, dp_size, parallelize, shard_batch
+from ray_mesh.progress import log_step
 
 # TP hands FSDP2 the local view of its DTensor outputs (embedding, head); FSDP2 warns that an
 # in-place op on such a view would skip its hook. This model adds out of place only.
@@ -178,20 +178,7 @@ def train_loop(config: dict) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     for step in range(cfg["steps"]):
         loss = train_step(model, optim, *batch(step, cfg), mesh).item()
-        if (step + 1) % cfg["report_every"] == 0 or step == 0 or step + 1 == cfg["steps"]:
-            if dist.get_rank() == 0:
-                print(f"fsdp_tp_transformer: step {step + 1}/{cfg['steps']} loss {loss:.4f}",
-                      flush=True)
-            _report({"step": step + 1, "loss": loss})
-
-
-def _report(metrics: dict) -> None:
-    """``ray.train.report`` inside Ray Train; nothing under torchrun (which sets the run id)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return
-    import ray.train
-
-    ray.train.report(metrics)
+        log_step("fsdp_tp_transformer", step, cfg["steps"], loss, cfg["report_every"])
 
 
 if __name__ == "__main__":

@@ -12,14 +12,13 @@ fixed "teacher" so the loss goes down.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import ray_mesh
 from ray_mesh.parallel import dp_size, parallelize, shard_batch
+from ray_mesh.progress import log_step
 
 # batch_size is per dp replica (the global batch is batch_size x dp).
 DEFAULTS = {"steps": 40, "batch_size": 16, "lr": 0.05, "report_every": 10, "seed": 0,
@@ -97,19 +96,7 @@ def train_loop(config: dict) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     for step in range(steps):
         avg = train_step(model, optim, *batch(step, cfg, dp_size(mesh)), mesh).item()
-        if (step + 1) % cfg["report_every"] == 0 or step == 0 or step + 1 == steps:
-            if dist.get_rank() == 0:
-                print(f"hsdp: step {step + 1}/{steps} loss {avg:.4f}", flush=True)
-            _report({"step": step + 1, "loss": avg})
-
-
-def _report(metrics: dict) -> None:
-    """``ray.train.report`` inside Ray Train; nothing under torchrun (which sets the run id)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return
-    import ray.train
-
-    ray.train.report(metrics)
+        log_step("hsdp", step, steps, avg, cfg["report_every"])
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node 4 examples/hsdp.py

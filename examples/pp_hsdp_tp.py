@@ -15,7 +15,6 @@ takes the rest, so on one machine (8 CPU workers) it is pp 2 x dp_shard 2 x tp 2
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn as nn
 
 import ray_mesh
 from ray_mesh.parallel import Pipeline, dp_size, local_batch_size, shard_batch
+from ray_mesh.progress import log_step
 
 WIDTH, IN, OUT, LAYERS = 64, 32, 8, 8
 DEFAULTS = {"steps": 30, "batch_size": 32, "microbatches": 4, "schedule": "interleaved_1f1b",
@@ -95,19 +95,7 @@ def train_loop(config: dict) -> None:
     optim = torch.optim.AdamW(pipe.parameters(), lr=cfg["lr"])
     for step in range(cfg["steps"]):
         loss = train_step(pipe, optim, *batch(step, cfg), mesh).item()
-        if (step + 1) % cfg["report_every"] == 0 or step == 0 or step + 1 == cfg["steps"]:
-            if dist.get_rank() == 0:
-                print(f"pp_hsdp_tp: step {step + 1}/{cfg['steps']} loss {loss:.4f}", flush=True)
-            _report({"step": step + 1, "loss": loss})
-
-
-def _report(metrics: dict) -> None:
-    """``ray.train.report`` inside Ray Train; nothing under torchrun (which sets the run id)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return
-    import ray.train
-
-    ray.train.report(metrics)
+        log_step("pp_hsdp_tp", step, cfg["steps"], loss, cfg["report_every"])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ benchmarks and tests.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
@@ -25,6 +24,7 @@ import torch.nn as nn
 
 import ray_mesh
 from ray_mesh.parallel import Pipeline, dp_rank, dp_size, local_batch_size
+from ray_mesh.progress import log_step
 
 IN, HIDDEN, OUT = 50, 50, 4
 TP_PLAN = {"fc1.linear": "colwise", "fc2.linear": "rowwise",
@@ -95,24 +95,12 @@ def train_loop(config: dict) -> None:
     coord = f"pp {mesh['pp'].get_local_rank()} tp {mesh['tp'].get_local_rank()}"
     for step in range(cfg["steps"]):
         loss = train_step(pipe, optim, *batch(step, cfg), mesh).item()
-        if (step + 1) % cfg["report_every"] == 0 or step == 0 or step + 1 == cfg["steps"]:
-            if dist.get_rank() == 0:
-                print(f"tp_pp_mlp: step {step + 1}/{cfg['steps']} loss {loss:.4f}", flush=True)
-            _report({"step": step + 1, "loss": loss})
+        log_step("tp_pp_mlp", step, cfg["steps"], loss, cfg["report_every"])
     x, _ = batch(cfg["steps"], cfg)
     out = pipe.eval(x[:local_batch_size(cfg["batch_size"], mesh)].to(pipe.device))
     if out is not None:
         print(f"tp_pp_mlp: {coord} (last stage): final output shape {tuple(out.shape)}, "
               f"mean {out.float().mean().item():+.4f}", flush=True)
-
-
-def _report(metrics: dict) -> None:
-    """``ray.train.report`` inside Ray Train; nothing under torchrun (which sets the run id)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return
-    import ray.train
-
-    ray.train.report(metrics)
 
 
 if __name__ == "__main__":
