@@ -22,6 +22,19 @@ def worker_runtime_env() -> dict:
     return {"env_vars": {"PYTHONPATH": path}}
 
 
+SLOW_ENV = "RAY_MESH_SLOW_TESTS"
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.slow`` tests (multi-minute scenarios) run only with RAY_MESH_SLOW_TESTS=1."""
+    if os.environ.get(SLOW_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"slow scenario: set {SLOW_ENV}=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def ray_local(tmp_path_factory):
     """A local Ray with 8 logical CPUs (enough for 8 workers of CPU=1 on a 2-core box)."""

@@ -126,6 +126,7 @@ def test_storage_refused_and_elastic_shrink(cluster, tmp_path):
     assert _steps(resumed) == list(range(last + 1, STEPS + 1)), resumed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fixed_run_losing_a_node_is_refused(cluster, tmp_path):
     """Runs after the elastic test: node 1 is dead, a replacement joins first."""
@@ -141,6 +142,7 @@ def test_fixed_run_losing_a_node_is_refused(cluster, tmp_path):
     assert "not elastic" in res["explained"] and "fixed 4 workers" in res["explained"], res
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_elastic_run_grows_when_a_node_joins(cluster, tmp_path):
     """Runs last: one node (0) is alive. An elastic run starts on it, a node joins, Ray's

@@ -20,11 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = [
-    pytest.mark.ray,
-    pytest.mark.skipif(os.environ.get("RAY_MESH_SLOW_TESTS") != "1",
-                       reason="slow: set RAY_MESH_SLOW_TESTS=1 to run the examples end to end"),
-]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.mark.timeout(600)
