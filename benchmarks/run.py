@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -331,10 +332,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
     p.add_argument("--results-md", help="also write the table as markdown (RESULTS.md)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help='override a config entry, e.g. --set runs=5 or '
+                        '--set \'bringup_modes=["plain","ray_mesh"]\'')
     args = p.parse_args(argv)
     selected = args.only or list(SECTIONS)
     cfg = config(args.quick)
-    results: dict = {"command": " ".join(["python benchmarks/run.py", *(argv or sys.argv[1:])]),
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in cfg:
+            p.error(f"--set {key}: unknown config key; known: {', '.join(sorted(cfg))}")
+        cfg[key] = json.loads(value)
+    results: dict = {"command": shlex.join(["python", "benchmarks/run.py",
+                                             *(argv or sys.argv[1:])]),
                      "quick": args.quick, "config": cfg, "machine": machine(),
                      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     tmp = tempfile.mkdtemp(prefix="rmbench_")
