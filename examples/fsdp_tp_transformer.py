@@ -18,7 +18,6 @@ import warnings
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
@@ -30,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import ray_mesh
-from ray_mesh.parallel import ParallelError, dp_size, parallelize, shard_batch
+from ray_mesh.parallel import ParallelError, dp_mean, parallelize, shard_batch
 from ray_mesh.progress import log_step
 
 # TP hands FSDP2 the local view of its DTensor outputs (embedding, head); FSDP2 warns that an
@@ -166,9 +165,7 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor,
     loss.backward()
     optim.step()
     optim.zero_grad()
-    avg = loss.detach().clone()
-    dist.all_reduce(avg, group=mesh.get_group("dp"))
-    return avg / dp_size(mesh)
+    return dp_mean(loss, mesh)
 
 
 def train_loop(config: dict) -> None:

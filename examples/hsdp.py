@@ -13,11 +13,10 @@ fixed "teacher" so the loss goes down.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.parallel import dp_size, parallelize, shard_batch
+from ray_mesh.parallel import dp_mean, dp_size, parallelize, shard_batch
 from ray_mesh.progress import log_step
 
 # batch_size is per dp replica (the global batch is batch_size x dp).
@@ -83,9 +82,7 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor,
     loss.backward()
     optim.step()
     optim.zero_grad()
-    avg = loss.detach().clone()
-    dist.all_reduce(avg, group=mesh.get_group("dp"))
-    return avg / dp_size(mesh)
+    return dp_mean(loss, mesh)
 
 
 def train_loop(config: dict) -> None:

@@ -18,11 +18,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.parallel import Pipeline, dp_size, local_batch_size, shard_batch
+from ray_mesh.parallel import Pipeline, dp_mean, local_batch_size, shard_batch
 from ray_mesh.progress import log_step
 
 WIDTH, IN, OUT, LAYERS = 64, 32, 8, 8
@@ -84,8 +83,7 @@ def train_step(pipe: Pipeline, optim: torch.optim.Optimizer, x: torch.Tensor,
     loss = pipe.step(x.to(pipe.device), target=y.to(pipe.device))
     optim.step()
     optim.zero_grad()
-    dist.all_reduce(loss, group=mesh.get_group("dp"))
-    return loss / dp_size(mesh)
+    return dp_mean(loss, mesh)
 
 
 def train_loop(config: dict) -> None:

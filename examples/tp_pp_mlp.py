@@ -19,11 +19,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.parallel import Pipeline, dp_rank, dp_size, local_batch_size
+from ray_mesh.parallel import Pipeline, dp_mean, dp_rank, dp_size, local_batch_size
 from ray_mesh.progress import log_step
 
 IN, HIDDEN, OUT = 50, 50, 4
@@ -83,8 +82,7 @@ def train_step(pipe: Pipeline, optim: torch.optim.Optimizer, x: torch.Tensor,
     loss = pipe.step(x[lo:lo + per].to(pipe.device), target=y[lo:lo + per].to(pipe.device))
     optim.step()
     optim.zero_grad()
-    dist.all_reduce(loss, group=mesh.get_group("dp"))
-    return loss / dp_size(mesh)
+    return dp_mean(loss, mesh)
 
 
 def train_loop(config: dict) -> None:

@@ -74,3 +74,18 @@ def train_loop(config: dict) -> None:
     full = full_model_state(model)
     if rank == 0:
         torch.save(full, config["final"])
+
+
+# The log above, read back by the tests: one list of lines per attempt ('start' begins one).
+def attempts(log: Path) -> list[list[str]]:
+    out: list[list[str]] = []
+    for line in log.read_text().splitlines():
+        if line.startswith("start"):
+            out.append([])
+        out[-1].append(line)
+    return out
+
+
+def steps(lines: list[str]) -> list[int]:
+    """Steps reported, in order (lines look like 'step 7 ckpt 6 @<time>')."""
+    return [int(x.split()[1]) for x in lines if x.startswith("step")]

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ckpt_train import attempts, steps  # noqa: E402
 from netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
@@ -37,18 +38,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.netns]
 DRIVER = Path(__file__).resolve().parent / "_ckpt_elastic_driver.py"
 STEPS = 10  # as in the driver
 
-
-def _attempts(log: Path) -> list[list[str]]:
-    attempts: list[list[str]] = []
-    for line in log.read_text().splitlines():
-        if line.startswith("start"):
-            attempts.append([])
-        attempts[-1].append(line)
-    return attempts
-
-
-def _steps(lines: list[str]) -> list[int]:
-    return [int(x.split()[1]) for x in lines if x.startswith("step")]
 
 
 def _launch(cluster: NetnsCluster, mode: str, work: Path) -> subprocess.Popen:
@@ -116,14 +105,14 @@ def test_storage_refused_and_elastic_shrink(cluster, tmp_path):
     res = _result(proc, tmp_path, "elastic")
     print(f"elastic phase: {time.monotonic() - t0:.0f} s")
     assert res["ok"], res
-    attempts = _attempts(tmp_path / "elastic.log")
-    print(attempts)
-    assert attempts[0][0].startswith("start 0 - mesh=2x2"), attempts[0]
-    last = max(int(x.split()[3]) for x in attempts[0] if " ckpt " in x)
-    resumed = attempts[-1]
+    runs = attempts(tmp_path / "elastic.log")
+    print(runs)
+    assert runs[0][0].startswith("start 0 - mesh=2x2"), runs[0]
+    last = max(int(x.split()[3]) for x in runs[0] if " ckpt " in x)
+    resumed = runs[-1]
     assert resumed[0].startswith(f"start {last} checkpoint_{last:08d}_"), resumed
     assert " mesh=1x2 " in resumed[0], resumed  # dp_replicate shrank, dp_shard kept
-    assert _steps(resumed) == list(range(last + 1, STEPS + 1)), resumed
+    assert steps(resumed) == list(range(last + 1, STEPS + 1)), resumed
 
 
 @pytest.mark.slow
@@ -161,15 +150,15 @@ def test_elastic_run_grows_when_a_node_joins(cluster, tmp_path):
     res = _result(proc, tmp_path, "grow")
     print(f"grow phase: {time.monotonic() - t0:.0f} s")
     assert res["ok"], res
-    attempts = _attempts(log)
-    print(attempts)
-    assert attempts[0][0].startswith("start 0 - mesh=1x2"), attempts[0]
-    grown = attempts[-1]
-    assert " mesh=2x2 " in grown[0], attempts  # dp_replicate followed the new node
+    runs = attempts(log)
+    print(runs)
+    assert runs[0][0].startswith("start 0 - mesh=1x2"), runs[0]
+    grown = runs[-1]
+    assert " mesh=2x2 " in grown[0], runs  # dp_replicate followed the new node
     # Resumed from the newest checkpoint of the attempt before (its log line may be lost
     # if the resize stopped the worker right after Ray registered it).
     start = int(grown[0].split()[1])
-    before = attempts[-2]
+    before = runs[-2]
     last_logged = max([0] + [int(x.split()[3]) for x in before if " ckpt " in x])
-    assert start % 2 == 0 and last_logged <= start <= _steps(before)[-1], attempts
-    assert _steps(grown) == list(range(start + 1, 41)), grown
+    assert start % 2 == 0 and last_logged <= start <= steps(before)[-1], runs
+    assert steps(grown) == list(range(start + 1, 41)), grown

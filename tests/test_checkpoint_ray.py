@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_train import attempts, steps
 
 from ray_mesh.checkpointing import StorageError, check_storage, sharded
 from ray_mesh.job import Job, load_function
@@ -49,20 +50,6 @@ def _fit(name: str, storage: str, config: dict, max_failures: int = 0):
     return result
 
 
-def _attempts(log: Path) -> list[list[str]]:
-    """The log split per attempt: each attempt starts with a 'start' line."""
-    attempts: list[list[str]] = []
-    for line in log.read_text().splitlines():
-        if line.startswith("start"):
-            attempts.append([])
-        attempts[-1].append(line)
-    return attempts
-
-
-def _steps(lines: list[str]) -> list[int]:
-    """Steps reported, in order (lines look like 'step 7 ckpt 6 @<time>')."""
-    return [int(x.split()[1]) for x in lines if x.startswith("step")]
-
 
 def _assert_bitwise(a: Path, b: Path) -> None:
     sa, sb = torch.load(a), torch.load(b)
@@ -82,9 +69,9 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
     ref = _fit("reference", storage, {"upload": True, "log": str(tmp_path / "ref.log"),
                                       "final": str(tmp_path / "ref.pt")})
     assert ref.error is None
-    (ref_run,) = _attempts(tmp_path / "ref.log")
+    (ref_run,) = attempts(tmp_path / "ref.log")
     assert ref_run[0].startswith("start 0 - ")
-    assert _steps(ref_run) == list(range(1, STEPS + 1))
+    assert steps(ref_run) == list(range(1, STEPS + 1))
     assert ref.checkpoint is not None and sharded.step_of(ref.checkpoint.path) == 12
     assert sharded.problem(ref.checkpoint.path) is None
     assert len(list(Path(ref.checkpoint.path).glob("*.distcp"))) == 4
@@ -100,14 +87,14 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
     res = _fit("killed", storage, cfg, max_failures=1)
     assert res.error is None
     assert (tmp_path / "killed").exists()
-    first, second = _attempts(log)
+    first, second = attempts(log)
     print("attempt 1:", first, "\nattempt 2:", second)
     # async: the checkpoint of step 3k is completed and reported at step 3k+1
     assert [int(x.split()[3]) for x in first if " ckpt " in x] == [3, 6], first
-    assert _steps(first) == list(range(1, 10)), first
+    assert steps(first) == list(range(1, 10)), first
     assert second[0].startswith("start 3 checkpoint_00000003_"), second
     # no gap, and nothing at or before the checkpoint resumed from is repeated
-    assert _steps(second) == list(range(4, STEPS + 1)), second
+    assert steps(second) == list(range(4, STEPS + 1)), second
     _assert_bitwise(tmp_path / "ref.pt", tmp_path / "kill.pt")
     # num_to_keep=3 kept the newest three (6, 9, 12 of the second attempt); the partial
     # step-9 directory of the first attempt was removed at the restart.

@@ -10,7 +10,8 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
 - :class:`Pipeline` - cut a sequential model into stages along ``mesh["pp"]`` and run a
   ``torch.distributed.pipelining`` schedule (GPipe, 1F1B, interleaved, ...)
 - :func:`context_parallel_region` - CP where torch supports it (CUDA + NCCL), else an error
-- :func:`dp_rank`, :func:`dp_size`, :func:`shard_batch`, :func:`distributed_sampler` - data
+- :func:`dp_rank`, :func:`dp_size`, :func:`dp_mean`, :func:`shard_batch`,
+  :func:`distributed_sampler` - data
 - :func:`full_parameters` - the whole parameters back from DTensors (checks, export)
 """
 
@@ -18,6 +19,7 @@ from ray_mesh.parallel.compose import full_parameters, gather_over, parallelize
 from ray_mesh.parallel.cp import context_parallel_region, cp_unsupported_reason
 from ray_mesh.parallel.data import (
     distributed_sampler,
+    dp_mean,
     dp_rank,
     dp_size,
     local_batch_size,
@@ -37,6 +39,7 @@ __all__ = [
     "context_parallel_region",
     "cp_unsupported_reason",
     "distributed_sampler",
+    "dp_mean",
     "dp_rank",
     "dp_size",
     "find_blocks",

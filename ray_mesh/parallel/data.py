@@ -13,6 +13,7 @@ from collections.abc import Sized
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DistributedSampler
 
@@ -65,9 +66,21 @@ def shard_batch(batch: Any, mesh: DeviceMesh) -> Any:
                         f"with the batch on dim 0.")
 
 
+def dp_mean(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The mean of a per-replica value (e.g. the loss) over the dp replicas, for logging.
+
+    tp/cp/pp peers hold the same value, so only the flattened ``dp`` group is reduced.
+    ``value`` is left as it is.
+    """
+    out = value.detach().clone()
+    dist.all_reduce(out, group=mesh.get_group("dp"))
+    return out / dp_size(mesh)
+
+
 def distributed_sampler(dataset: Sized, mesh: DeviceMesh, **kwargs: Any) -> DistributedSampler:
     """A ``DistributedSampler`` over the dp replicas (kwargs: shuffle, seed, drop_last)."""
     return DistributedSampler(dataset, num_replicas=dp_size(mesh), rank=dp_rank(mesh), **kwargs)
 
 
-__all__ = ["distributed_sampler", "dp_rank", "dp_size", "local_batch_size", "shard_batch"]
+__all__ = ["distributed_sampler", "dp_mean", "dp_rank", "dp_size", "local_batch_size",
+           "shard_batch"]
