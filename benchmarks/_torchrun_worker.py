@@ -7,6 +7,8 @@ Modes:
              ray_mesh's ``build_device_mesh``, and every dim as a real group (the old
              ray_mesh behaviour), with process-group counts for each.
   steps      ray_mesh.init_mesh + the step-timing windows of a workload.
+  paired     ray_mesh.init_mesh + a workload's windows, taking turns with other launchers
+             (``paired.py``).
 Rank 0 writes one JSON object to OUT.
 """
 
@@ -86,9 +88,16 @@ def _steps(args: dict) -> dict:
                                   steps_per_window=args["steps_per_window"])
 
 
+def _paired(args: dict) -> dict:
+    from benchmarks import paired
+
+    return paired.run_contender(args)
+
+
 def main() -> None:
     mode, out, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    result = {"ready": _ready, "meshbuild": _meshbuild, "steps": _steps}[mode](args)
+    result = {"ready": _ready, "meshbuild": _meshbuild, "steps": _steps,
+              "paired": _paired}[mode](args)
     if dist.get_rank() == 0:
         result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
         Path(out).write_text(json.dumps(result))

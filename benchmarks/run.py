@@ -84,54 +84,55 @@ def section_bringup(cfg: dict, storage: str) -> dict:
     return out
 
 
-def _steps_one(name: str, cfg: dict, storage: str, with_torchrun: bool,
-               with_metrics: bool) -> dict:
-    from benchmarks import steps
-    from benchmarks.workloads import WORKLOADS
-
-    args = {**cfg["steps_args"], "workload": name,
-            "batch": cfg["steps_args"]["batch"] if name == "hsdp" else 32,
-            "metrics": with_metrics}
-    ray_runs, tr_runs = [], []
-    for _ in range(cfg["step_runs"]):  # alternate launchers so drift hits both alike
-        ray_runs.append(steps.measure_ray(args, cfg["step_workers"], storage))
-        log(f"steps {name} ray_mesh: {median(ray_runs[-1]['step_s_windows'])}")
-        if with_torchrun:
-            tr_runs.append(steps.measure_torchrun(args, cfg["step_workers"]))
-            log(f"steps {name} torchrun: {median(tr_runs[-1]['step_s_windows'])}")
-    ray_w = [w for r in ray_runs for w in r["step_s_windows"]]
-    out: dict = {"workload": f"examples/{name}.py", "mesh": WORKLOADS[name][0],
-                 "workers": cfg["step_workers"], "args": args,
-                 "ray_mesh_step_s": median(ray_w), "ray_runs": ray_runs}
-    if with_torchrun:
-        tr_w = [w for r in tr_runs for w in r["step_s_windows"]]
-        out.update(torchrun_step_s=median(tr_w), torchrun_runs=tr_runs,
-                   ray_mesh_vs_torchrun=ratio(median(ray_w), median(tr_w)))
-    if with_metrics:
-        met_w = [w for r in ray_runs for w in r["metered_step_s_windows"]]
-        out["metrics"] = {"plain_step_s": median(ray_w), "metered_step_s": median(met_w),
-                          "overhead_us_per_step": (median(met_w) - median(ray_w)) * 1e6,
-                          "empty_step_us": median([r["empty_step_us"] for r in ray_runs]),
-                          "metered_vs_plain": ratio(median(met_w), median(ray_w))}
-    return out
+def _step_args(name: str, cfg: dict) -> dict:
+    return {**cfg["steps_args"], "workload": name, "workers": cfg["step_workers"],
+            "batch": cfg["steps_args"]["batch"] if name == "hsdp" else 32}
 
 
-def section_steps(cfg: dict, storage: str, with_torchrun: bool, with_metrics: bool) -> dict:
-    from benchmarks import steps
+def section_steps(cfg: dict, storage: str) -> dict:
+    """(b): every workload with the three launchers alive at once, taking turns."""
+    import ray
+
+    from benchmarks import paired
     from benchmarks.workloads import workload_available
 
-    metrics = with_metrics and steps.metrics_available()
+    address = ray.get_runtime_context().gcs_address
     out: dict = {}
     for name in cfg["step_workloads"]:
         why_not = workload_available(name)
         if why_not:
             out[name] = {"status": f"not run: {why_not}"}
             continue
-        # Metrics windows ride along in the hsdp runs only (one figure is enough).
-        out[name] = _steps_one(name, cfg, storage, with_torchrun, metrics and name == "hsdp")
-    if with_metrics and not metrics:
-        out["metrics_status"] = "not run: ray_mesh.metrics is not importable"
+        try:
+            out[name] = paired.measure(name, _step_args(name, cfg), storage, address)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, not fatal to others
+            out[name] = {"status": f"failed: {exc}"[:4000]}
+            continue
+        w = out[name]
+        log(f"steps {name}: " + ", ".join(
+            f"{c} {w[f'{c}_step_s']:.4f}" for c in paired.CONTENDERS) +
+            f"; ray_mesh/torchrun {w['ray_mesh_vs_torchrun']['median_paired']:.3f}")
     return out
+
+
+def section_metrics(cfg: dict, storage: str) -> dict:
+    """(e): one ray_mesh run of hsdp, windows alternating plain / inside StepMeter."""
+    from benchmarks import steps
+
+    if not steps.metrics_available():
+        return {"status": "not run: ray_mesh.metrics is not importable"}
+    args = {**_step_args("hsdp", cfg), "windows": cfg["metrics_windows"], "metrics": True}
+    runs = [steps.measure_ray(args, cfg["step_workers"], storage)
+            for _ in range(cfg["metrics_runs"])]
+    plain = [w for r in runs for w in r["step_s_windows"]]
+    metered = [w for r in runs for w in r["metered_step_s_windows"]]
+    paired_ratios = [m / p for r in runs for p, m in
+                     zip(r["step_s_windows"], r["metered_step_s_windows"], strict=True)]
+    return {"workload": "examples/hsdp.py", "args": args, "runs": runs,
+            "plain_step_s": median(plain), "metered_step_s": median(metered),
+            "overhead_us_per_step": (median(metered) - median(plain)) * 1e6,
+            "metered_vs_plain": median(paired_ratios),
+            "empty_step_us": median([r["empty_step_us"] for r in runs])}
 
 
 def section_scaling(cfg: dict, storage: str, bringup_runs: dict | None) -> dict:
@@ -201,22 +202,29 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
                             row[f"{m}_ready_s"])
                 add("a bring-up", f"{n} workers ray_mesh / plain", row["ray_mesh_vs_plain"],
                     "<= 1.10")
-    s = results.get("steps")
-    for name, w in (s or {}).items():
-        if not isinstance(w, dict):
-            add("e metrics", "status", w)
-            continue
+    for name, w in (results.get("steps") or {}).items():
         if "status" in w:
             add("b steps", f"{name} status", w["status"])
             continue
-        add("b steps", f"{name}: ray_mesh s/step", w.get("ray_mesh_step_s"))
-        if "torchrun_step_s" in w:
-            add("b steps", f"{name}: torchrun s/step", w["torchrun_step_s"])
-            add("b steps", f"{name}: ray_mesh / torchrun", w["ray_mesh_vs_torchrun"], "<= 1.03")
-        m = w.get("metrics")
-        if m:
-            add("e metrics", f"{name}: StepMeter overhead us/step", m["overhead_us_per_step"])
-            add("e metrics", f"{name}: metered / plain", m["metered_vs_plain"])
+        for c in ("torchrun", "ray_plain", "ray_mesh"):
+            add("b steps", f"{name}: {c} s/step (median)", w.get(f"{c}_step_s"))
+        for a, b, target in (("ray_mesh", "torchrun", "<= 1.03"),
+                             ("ray_mesh", "ray_plain", ""), ("ray_plain", "torchrun", "")):
+            r = w.get(f"{a}_vs_{b}")
+            if r:
+                add("b steps", f"{name}: {a} / {b} wall, paired median [q1, q3]",
+                    f"{r['median_paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]", target)
+        r = w.get("ray_mesh_vs_torchrun_cpu")
+        if r:
+            add("b steps", f"{name}: ray_mesh / torchrun CPU s, paired median [q1, q3]",
+                f"{r['median_paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]")
+    m = results.get("metrics")
+    if m:
+        if "status" in m:
+            add("e metrics", "status", m["status"])
+        else:
+            add("e metrics", "hsdp: StepMeter overhead us/step", m["overhead_us_per_step"])
+            add("e metrics", "hsdp: metered / plain (paired median)", m["metered_vs_plain"])
             add("e metrics", "StepMeter cost around an empty step, us", m["empty_step_us"])
     c = results.get("crossnode")
     if c:
@@ -310,17 +318,21 @@ def print_table(rows) -> None:
 # ----------------------------------------------------------------------------- main
 def config(quick: bool) -> dict:
     if quick:
-        return {"runs": 1, "sizes": [4], "step_runs": 1, "step_workers": 4,
+        return {"runs": 1, "sizes": [4], "step_workers": 4,
                 "bringup_modes": ["plain", "ray_mesh", "torchrun"],
                 "step_workloads": ["hsdp"],
-                "steps_args": {"batch": 16, "warmup": 3, "windows": 2, "steps_per_window": 5},
+                "steps_args": {"batch": 16, "warmup": 3, "windows": 2, "steps_per_window": 5,
+                               "rounds": 3, "timeout_s": 600},
+                "metrics_runs": 1, "metrics_windows": 2,
                 "scaling_sizes": [4], "scaling_runs": 1,
                 "meshbuild_sizes": [4], "meshbuild_repeats": 1,
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1}}
-    return {"runs": 3, "sizes": [4, 8], "step_runs": 2, "step_workers": 4,
+    return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
-            "steps_args": {"batch": 16, "warmup": 10, "windows": 5, "steps_per_window": 20},
+            "steps_args": {"batch": 16, "warmup": 10, "steps_per_window": 20, "rounds": 15,
+                           "timeout_s": 900},
+            "metrics_runs": 2, "metrics_windows": 5,
             "scaling_sizes": [4, 8, 16], "scaling_runs": 1,
             "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2}}
@@ -370,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
             log("ray started")
         if "bringup" in selected:
             results["bringup"] = section_bringup(cfg, storage)
-        if "steps" in selected or "metrics" in selected:
-            results["steps"] = section_steps(cfg, storage, "steps" in selected,
-                                             "metrics" in selected)
+        if "steps" in selected:
+            results["steps"] = section_steps(cfg, storage)
+        if "metrics" in selected:
+            results["metrics"] = section_metrics(cfg, storage)
         if "scaling" in selected:
             runs = results.get("bringup", {}).get("runs")
             results["scaling"] = section_scaling(cfg, storage, runs)

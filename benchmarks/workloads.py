@@ -7,6 +7,7 @@ makes a ray_mesh-vs-torchrun ratio mean "the launcher's cost" and nothing else.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -148,6 +149,46 @@ def time_windows(step: Callable[[int], torch.Tensor], *, warmup: int, windows: i
     # Rank 0 speaks for all: the barriers make every rank's windows the same length.
     return {"step_s_windows": plain, "metered_step_s_windows": metered,
             "torch_threads": torch.get_num_threads()}
+
+
+def paired_windows(step: Callable[[int], torch.Tensor], baton, *, warmup: int,
+                   steps_per_window: int) -> dict:
+    """Seconds per step in this contender's turns of a ``baton.Baton`` schedule.
+
+    Per window: wall seconds per step (rank 0, between barriers, so every rank ran the same
+    steps) and CPU seconds per step summed over the ranks (``time.process_time``: every
+    thread of each rank's process, gloo's and the launcher's included, so a launcher that
+    keeps threads busy beside the step shows up here even when wall time hides it).
+    """
+    rank0 = dist.get_rank() == 0
+    i = 0
+    for _ in range(warmup):
+        step(i)
+        i += 1
+    if rank0:
+        baton.ready()
+    wall: list[float] = []
+    cpu: list[float] = []
+    for turn in baton.turns:
+        if rank0:
+            baton.wait_turn(turn)
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(steps_per_window):
+            step(i)
+            i += 1
+        dist.barrier()
+        t1, c1 = time.perf_counter(), time.process_time()
+        if rank0:
+            baton.pass_on(turn)
+        wall.append((t1 - t0) / steps_per_window)
+        cpu.append((c1 - c0) / steps_per_window)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, cpu)
+    return {"turns": baton.turns, "step_s_windows": wall,
+            "cpu_s_windows": [sum(per_rank) for per_rank in zip(*everyone, strict=True)],
+            "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 # ----------------------------------------------------------------------------- cross-node

@@ -22,7 +22,7 @@ import torch
 from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 
-from ray_mesh import bootstrap
+from ray_mesh import bootstrap, priority
 from ray_mesh.layout import save_layout
 from ray_mesh.network import (
     Choice,
@@ -62,6 +62,9 @@ class MeshConfig(TorchConfig):
         nccl_vpn_defaults: ``'auto'`` adds ``network.NCCL_VPN_DEFAULTS`` (sockets only) when
             the chosen interface is a VPN tunnel; True/False force it. A value the user set
             (runtime_env or the node's environment) always wins.
+        worker_niceness: CPU niceness of the training workers' every thread. Ray starts
+            workers at 15 (``RAY_worker_niceness``); torchrun ranks run at 0, and so do
+            ray_mesh's by default (see ``ray_mesh.priority``). ``None`` keeps Ray's.
     """
 
     mesh: Any = None
@@ -71,6 +74,7 @@ class MeshConfig(TorchConfig):
     preflight: bool = True
     preflight_timeout_s: float = 20.0
     nccl_vpn_defaults: bool | str = "auto"
+    worker_niceness: int | None = 0
 
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
@@ -85,6 +89,11 @@ class MeshConfig(TorchConfig):
         if self.nccl_vpn_defaults not in (True, False, "auto"):
             raise ValueError(f"nccl_vpn_defaults must be True, False or 'auto', got "
                              f"{self.nccl_vpn_defaults!r}.")
+        if self.worker_niceness is not None and (
+                isinstance(self.worker_niceness, bool) or not isinstance(self.worker_niceness, int)
+                or not -20 <= self.worker_niceness <= 19):
+            raise ValueError(f"worker_niceness must be an int from -20 to 19 or None (keep "
+                             f"Ray's), got {self.worker_niceness!r}.")
         if self.init_method != "env":
             raise ValueError("MeshConfig sets MASTER_ADDR/MASTER_PORT itself: use "
                              f"init_method='env' (got {self.init_method!r}).")
@@ -103,14 +112,17 @@ class MeshConfig(TorchConfig):
                    allow_cross_node_inner=self.allow_cross_node_inner,
                    bringup_timeout_s=self.bringup_timeout_s, preflight=self.preflight,
                    preflight_timeout_s=self.preflight_timeout_s,
-                   nccl_vpn_defaults=self.nccl_vpn_defaults)
+                   nccl_vpn_defaults=self.nccl_vpn_defaults,
+                   worker_niceness=self.worker_niceness)
         return out
 
 
 class _TrainThreadContext:
-    """Entered by Ray Train in the training thread: make the mesh's device current there."""
+    """Entered by Ray Train in the training thread: make the mesh's device current there,
+    and give threads started since bring-up the workers' niceness."""
 
     def __enter__(self) -> None:
+        priority.reapply()
         if bootstrap.is_initialized():
             bootstrap.use_device(bootstrap.get_state().device)
 
@@ -154,9 +166,12 @@ class WorkerSetup:
     timeout_s: float
     choice: Choice
     layout_table: str
+    niceness: int | None = None
 
 
-def _setup_on_worker(w: WorkerSetup) -> dict[str, str]:
+def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
+    # First, so the process group's threads inherit it.
+    niced = priority.set_niceness(w.niceness) if w.niceness is not None else None
     os.environ.update(w.fixed_env)
     os.environ.update(RANK=str(w.rank), WORLD_SIZE=str(w.world_size),
                       LOCAL_RANK=str(w.local_rank), LOCAL_WORLD_SIZE=str(w.local_world_size),
@@ -172,7 +187,7 @@ def _setup_on_worker(w: WorkerSetup) -> dict[str, str]:
                            timeout_s=w.timeout_s, env=in_force)
     if w.rank == 0:
         print(w.layout_table, flush=True)
-    return in_force
+    return niced
 
 
 def _shutdown_on_worker() -> None:
@@ -231,6 +246,22 @@ def plan_for(worker_group, config: MeshConfig) -> tuple[MeshPlan, list[Choice]]:
     return plan, choices
 
 
+def _warn_niceness(plan: MeshPlan, results: list, target: int | None) -> None:
+    """One warning naming the nodes whose workers kept Ray's niceness, and the fix."""
+    failed = {plan.workers[i].node_ip: r for i, r in enumerate(results)
+              if r is not None and r.error}
+    if not failed:
+        return
+    first = next(iter(failed.values()))
+    logger.warning(
+        "ray_mesh: training workers on %s still run at niceness %d, not %d: %s. At that "
+        "niceness they lose CPU to every nice-0 process on the node. Start Ray with "
+        "RAY_worker_niceness=%d in the environment of `ray start` on those nodes (the "
+        "deploy/tailscale scripts do), or pass MeshConfig(worker_niceness=None) to keep "
+        "Ray's setting and silence this.",
+        ", ".join(sorted(failed)), first.after, target, first.error, target)
+
+
 class _MeshBackend(Backend):
     share_cuda_visible_devices: bool = True
 
@@ -258,12 +289,13 @@ class _MeshBackend(Backend):
                 node_rank=plan.node_rank(w.rank), fixed_env=fixed,
                 collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
                 backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
-                choice=choices[w.rank], layout_table=table,
+                choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
             ))
             for w in plan.workers
         ]
         labels = [f"rank {w.rank} ({w.node_ip}, {interfaces[w.rank]})" for w in plan.workers]
-        _wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
+        niced = _wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
+        _warn_niceness(plan, niced, config.worker_niceness)
         save_layout(worker_group, plan, interfaces)
 
     def on_shutdown(self, worker_group, backend_config: MeshConfig) -> None:

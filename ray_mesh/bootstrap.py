@@ -105,7 +105,8 @@ def use_device(device: torch.device) -> None:
 
 # --------------------------------------------------------------------------- mesh
 REAL_SIZE1_GROUPS_ENV = "RAY_MESH_REAL_SIZE1_GROUPS"
-"""Set to 1 to give size-1 dims real communicators again (the pre-0.1 behaviour)."""
+"""Set to 1 to give every dim a real communicator of its own again: size-1 dims and
+flattened dims that repeat another dim's groups (the pre-0.1 behaviour)."""
 
 
 def _fake_backend_available() -> bool:
@@ -122,13 +123,59 @@ def _fake_backend_available() -> bool:
     return True
 
 
-def _size1_backends(spec: MeshSpec, real_size1_groups: bool | None) -> dict[str, str]:
-    """``{dim: "fake"}`` for every named or flattened dim of size 1 (empty: all real)."""
+def _sharing_enabled(real_size1_groups: bool | None) -> bool:
+    """False when the user asked for a real group per dim, or torch lacks the fake backend."""
     if real_size1_groups is None:
         real_size1_groups = os.environ.get(REAL_SIZE1_GROUPS_ENV, "") not in ("", "0")
-    if real_size1_groups or not _fake_backend_available():
+    return not real_size1_groups and _fake_backend_available()
+
+
+def _size1_backends(spec: MeshSpec, real_size1_groups: bool | None) -> dict[str, str]:
+    """``{dim: "fake"}`` for every named or flattened dim of size 1 (empty: all real)."""
+    if not _sharing_enabled(real_size1_groups):
         return {}
     return {d: "fake" for d in (*DIM_NAMES, *FLATTENED_DIMS) if spec.size(d) == 1}
+
+
+def twin_dims(spec: MeshSpec) -> dict[str, str]:
+    """``{flattened dim: earlier dim with exactly the same groups}``, for sharing a group.
+
+    A flattened dim whose parts are all size 1 but one has that part's groups (``dp_shard_cp``
+    is ``dp_shard`` when cp=1); two flattened dims with the same parts of size > 1 have the
+    same groups (``dp_cp`` is ``dp`` when cp=1). Dims of size 1 (fake groups) and dims that
+    span the world (torch reuses the default group) need no twin.
+    """
+    world = spec.world_size
+    twins: dict[str, str] = {}
+    seen: dict[tuple[str, ...], str] = {}
+    for flat, parts in FLATTENED_DIMS.items():
+        if spec.size(flat) in (1, world):
+            continue
+        big = tuple(p for p in parts if spec.size(p) > 1)
+        if len(big) == 1:
+            twins[flat] = big[0]
+        elif big in seen:
+            twins[flat] = seen[big]
+        else:
+            seen[big] = flat
+    return twins
+
+
+def _share_group(flat_mesh: DeviceMesh, twin_group: dist.ProcessGroup, flat: str) -> None:
+    """Point a flattened dim built on a fake group at its twin's real group.
+
+    ``_dim_group_names`` is how every DeviceMesh finds its groups (``DeviceMesh.from_group``
+    sets it the same way); torch has no public call that registers an existing group as a
+    flattened dim. The ranks are checked against the mesh's own layout.
+    """
+    want = flat_mesh.mesh.flatten().tolist()
+    got = dist.get_process_group_ranks(twin_group)
+    if want != got:
+        raise BootstrapError(
+            f"ray_mesh bug: flattened dim {flat!r} has ranks {want} but its twin group has "
+            f"{got}. Set {REAL_SIZE1_GROUPS_ENV}=1 to give every dim its own group, and "
+            f"please report this with the mesh shape.")
+    flat_mesh._dim_group_names = [twin_group.group_name]
 
 
 def build_device_mesh(spec: MeshSpec, device_type: str, *,
@@ -143,8 +190,15 @@ def build_device_mesh(spec: MeshSpec, device_type: str, *,
     fake group does (checked in tests/test_mesh_size1.py: all_reduce, all_gather,
     reduce_scatter, broadcast, object collectives, FSDP2 HSDP with dp_replicate=1). What
     differs: ``dist.get_backend(group)`` says "fake", and NCCL's ``ReduceOp.PREMUL_SUM``
-    scale is not applied on a size-1 dim. ``real_size1_groups=True`` (or
-    ``RAY_MESH_REAL_SIZE1_GROUPS=1``) gives size-1 dims real groups again.
+    scale is not applied on a size-1 dim.
+
+    A flattened dim with exactly the groups of an earlier dim (:func:`twin_dims`: with
+    cp=1, ``dp_shard_cp`` is ``dp_shard``) shares that dim's process group rather than
+    holding a second communicator with the same ranks (with pp=2 and cp=1, ``dp``,
+    ``dp_shard_cp`` and ``dp_cp`` would be three copies of ``dp_shard``'s).
+
+    ``real_size1_groups=True`` (or ``RAY_MESH_REAL_SIZE1_GROUPS=1``) gives every dim a real
+    group of its own again.
     """
     if not spec.is_resolved:
         raise BootstrapError(f"{spec} must be resolved before the mesh is built.")
@@ -152,8 +206,15 @@ def build_device_mesh(spec: MeshSpec, device_type: str, *,
     named = {d: b for d, b in fake.items() if d in DIM_NAMES}
     mesh = init_device_mesh(device_type, tuple(spec.shape), mesh_dim_names=DIM_NAMES,
                             backend_override=named or None)
+    # Sharing needs the fake backend (for the placeholder) and torch's group-name field.
+    twins = (twin_dims(spec) if _sharing_enabled(real_size1_groups)
+             and hasattr(mesh, "_dim_group_names") else {})
     for flat, parts in FLATTENED_DIMS.items():
-        mesh[parts]._flatten(mesh_dim_name=flat, backend_override=fake.get(flat))
+        twin = twins.get(flat)
+        flat_mesh = mesh[parts]._flatten(mesh_dim_name=flat,
+                                         backend_override="fake" if twin else fake.get(flat))
+        if twin:
+            _share_group(flat_mesh, mesh.get_group(twin), flat)
     return mesh
 
 

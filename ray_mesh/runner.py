@@ -16,6 +16,7 @@ from ray_mesh.checkpointing.storage import check_storage
 from ray_mesh.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 from ray_mesh.job import Job, JobError
 from ray_mesh.network import host_port, split_host_port
+from ray_mesh.priority import RAY_NICENESS_ENV
 from ray_mesh.spec import NODES
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,17 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
         return False
     # CPU workers on a small machine: let Ray count enough CPUs for all of them.
     # address='local': a new instance even when `ray start` left one running on this host.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)))
+    # Its workers run this job only: start them at niceness 0 like torchrun's ranks (Ray's
+    # default is 15; see ray_mesh.priority). They inherit it from raylet, which inherits
+    # this process's environment; an unprivileged worker could not lower it later.
+    saved = os.environ.get(RAY_NICENESS_ENV)
+    os.environ.setdefault(RAY_NICENESS_ENV, "0")
+    try:
+        ray.init(address="local",
+                 num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)))
+    finally:
+        if saved is None:
+            os.environ.pop(RAY_NICENESS_ENV, None)
     return True
 
 

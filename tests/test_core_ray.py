@@ -34,6 +34,7 @@ def _record_mesh(config: dict) -> None:
            "device": str(ray_mesh.get_state().device),
            "env": {k: os.environ.get(k) for k in ENV_KEYS}, "groups": {}, "sums": {},
            "coordinate": ray_mesh.get_state().coordinate,
+           "niceness": _niceness_of_every_thread(),
            "mesh_coordinate": dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(),
                                                strict=True))}
     for d in DIMS:
@@ -43,6 +44,10 @@ def _record_mesh(config: dict) -> None:
         rec["sums"][d] = t.item()
     Path(config["out"], f"{rank}.json").write_text(json.dumps(rec))
     ray.train.report({"rank": rank})
+
+
+def _niceness_of_every_thread() -> list[int]:
+    return sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
 
 
 def _fit(num_workers, mesh_config, config, storage, name):
@@ -98,6 +103,9 @@ def test_tutorial_hsdp_groups_collectives_and_env(ray_local, storage, tmp_path):
         assert env["NCCL_SOCKET_FAMILY"] == "AF_INET"
         assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(rank), "8", str(rank))
         assert r["device"] == "cpu"
+        # Ray starts workers at niceness 15; MeshConfig sets every thread (gloo's and the
+        # training thread included) to 0 like torchrun's ranks. Only root may lower it.
+        assert r["niceness"] == ([0] if os.geteuid() == 0 else [15]), r["niceness"]
     # The chosen interface is the one that holds the node's Ray IP.
     from ray_mesh.network import local_interfaces
 
@@ -121,10 +129,12 @@ def test_failed_bring_up_leaves_the_cluster_usable(ray_local, storage, tmp_path)
     assert "nccl" in str(err.value).lower() or "NCCL" in str(err.value)
 
     start = time.monotonic()
-    _fit(4, ray_mesh.MeshConfig(mesh="ddp"), {"out": str(out)}, storage, "good")
+    _fit(4, ray_mesh.MeshConfig(mesh="ddp", worker_niceness=None), {"out": str(out)}, storage,
+         "good")
     took = time.monotonic() - start
     recs = _records(out, 4)
     assert {tuple(r["groups"]["dp_replicate"]) for r in recs} == {(0, 1, 2, 3)}
+    assert all(r["niceness"] == [15] for r in recs), "worker_niceness=None keeps Ray's 15"
     # Without the cleanup, this fit waits forever for the leaked placement group.
     assert took < 240, f"good run after failed ones took {took:.0f} s"
 

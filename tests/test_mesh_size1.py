@@ -136,3 +136,98 @@ def test_size1_dims_are_fake_groups_with_one_rank_semantics(tmp_path):
         assert fake_losses == real_losses
         assert fake_params == real_params
         assert fake_losses[-1] < fake_losses[0]
+
+
+TWIN_SCRIPT = textwrap.dedent("""
+    import json, os, sys, warnings
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.distributed_c10d import _world
+    from torch.distributed.fsdp import fully_shard
+    import ray_mesh
+    from ray_mesh.bootstrap import build_device_mesh, twin_dims
+    from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS
+    warnings.simplefilter("ignore")  # torch: slicing a flattened dim from the root mesh
+
+    def real_groups():
+        return sum(1 for b, _ in _world.pg_map.values() if str(b) != "fake")
+
+    mesh = ray_mesh.init_mesh({"pp": 2, "dp_shard": -1})
+    spec, rank = ray_mesh.get_state().spec, dist.get_rank()
+    shared = real_groups() - 1  # minus the default group
+    before = real_groups()
+    ref = build_device_mesh(spec, "cpu", real_size1_groups=True)
+    out = {"twins": twin_dims(spec), "real_groups": shared,
+           "real_groups_all_real": real_groups() - before, "groups": {}}
+    for d in (*DIM_NAMES, *FLATTENED_DIMS):
+        g = mesh.get_group(d)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=g)
+        out["groups"][d] = {"name": g.group_name, "backend": str(dist.get_backend(g)),
+                            "ranks": dist.get_process_group_ranks(g), "sum": t.item(),
+                            "local": [mesh[d].size(), mesh[d].get_local_rank()]}
+
+    def train(sub):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        fully_shard(model, mesh=sub)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        losses = []
+        for step in range(4):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step + 10 * rank))
+            loss = model(x).square().mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.full_tensor().flatten().tolist() for p in model.parameters()]
+
+    out["shared_train"] = train(mesh["dp_shard_cp"])
+    out["real_train"] = train(ref["dp_shard_cp"])
+    with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
+        json.dump(out, f)
+    ray_mesh.shutdown_mesh()
+""")
+
+
+def test_flattened_dims_that_repeat_a_dim_share_its_group(tmp_path):
+    """pp=2 x dp_shard=2, cp=1: dp, dp_shard_cp and dp_cp are dp_shard's groups, not copies."""
+    script = tmp_path / "twins.py"
+    script.write_text(TWIN_SCRIPT)
+    env = {**os.environ}
+    env.pop("RAY_MESH_REAL_SIZE1_GROUPS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
+         str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(4):
+        o = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert o["twins"] == {"dp": "dp_shard", "dp_shard_cp": "dp_shard", "dp_cp": "dp_shard"}
+        g = o["groups"]
+        pair = [0, 1] if rank < 2 else [2, 3]
+        for d in ("dp_shard", "dp", "dp_shard_cp", "dp_cp"):
+            assert g[d]["name"] == g["dp_shard"]["name"], (d, g)
+            assert g[d]["backend"] == "gloo" and g[d]["ranks"] == pair, (d, g[d])
+            assert g[d]["sum"] == sum(r + 1 for r in pair)
+            assert g[d]["local"] == [2, rank % 2]
+        assert g["pp"]["ranks"] == [rank % 2, rank % 2 + 2]
+        # pp and dp_shard only; one real group per dim would hold 8 (3 of them copies of
+        # dp_shard's, 3 for size-1 dims).
+        assert o["real_groups"] == 2, o["real_groups"]
+        assert o["real_groups_all_real"] == 8, o["real_groups_all_real"]
+        assert o["shared_train"] == o["real_train"]
+        assert o["shared_train"][0][-1] < o["shared_train"][0][0]
+
+
+def test_twin_dims_pairs_flattened_dims_with_the_dim_they_repeat():
+    from ray_mesh.bootstrap import twin_dims
+    from ray_mesh.spec import MeshSpec
+
+    # HSDP 2 x 2: dp and dp_cp span the world (torch reuses the default group).
+    assert twin_dims(MeshSpec(dp_replicate=2, dp_shard=2)) == {"dp_shard_cp": "dp_shard"}
+    assert twin_dims(MeshSpec(pp=2, dp_replicate=2, dp_shard=2)) == {
+        "dp_shard_cp": "dp_shard", "dp_cp": "dp"}
+    # cp > 1 with dp_replicate > 1: every flattened dim has groups of its own.
+    assert twin_dims(MeshSpec(dp_replicate=2, dp_shard=2, cp=2)) == {}
+    assert twin_dims(MeshSpec(pp=2, dp_shard=2, cp=2)) == {"dp": "dp_shard",
+                                                           "dp_cp": "dp_shard_cp"}
+    # Size-1 flattened dims are fake groups, not twins.
+    assert twin_dims(MeshSpec(pp=2, dp_shard=1, tp=2)) == {}

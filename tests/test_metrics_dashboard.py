@@ -152,7 +152,9 @@ class Cluster:
 def cluster():
     c = Cluster()
     try:
-        ray_bin = str(Path(sys.executable).with_name("ray"))
+        # The `ray` CLI of this interpreter, also where its console script is not beside it
+        # (a venv over system site-packages).
+        ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
 
         def common() -> list[str]:  # fixed ports, each node its own: others run Ray here too
             return ["--block", "--disable-usage-stats",
@@ -160,7 +162,7 @@ def cluster():
                             "--runtime-env-agent-port", "--node-manager-port",
                             "--object-manager-port")]
 
-        c.spawn("head", [ray_bin, "start", "--head", f"--port={c.gcs}",
+        c.spawn("head", [*ray_cli, "start", "--head", f"--port={c.gcs}",
                          "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                          f"--dashboard-port={c.dash}", f"--metrics-export-port={c.metrics}",
                          *_ports("--ray-client-server-port"), f"--temp-dir={c.tmp}/h",

@@ -63,6 +63,13 @@ use_token_auth() {
     export RAY_AUTH_MODE=token
 }
 
+# Ray starts worker processes at niceness 15; training ranks should compete for the CPU like
+# torchrun's do (ray_mesh.priority). Workers inherit this from `ray start`, so no privilege
+# is needed, unlike lowering it later from inside the worker. An exported value wins.
+training_niceness() {
+    export RAY_worker_niceness="${RAY_worker_niceness:-0}"
+}
+
 have_token() {
     [[ -n "${RAY_AUTH_TOKEN:-}" ]] && return 0
     [[ -n "${RAY_AUTH_TOKEN_PATH:-}" && -r "${RAY_AUTH_TOKEN_PATH}" ]] && return 0

@@ -16,6 +16,7 @@ port="${RAY_PORT:-6379}"
 load_env_file
 
 use_token_auth
+training_niceness
 if [[ "$RAY_AUTH_MODE" == "token" ]] && ! have_token; then
     # First start: create the cluster's token; copy it to every worker's ~/.ray/auth_token.
     ray get-auth-token --generate >/dev/null

@@ -22,6 +22,7 @@ node_ip="$(tailnet_ip)"
 load_env_file
 
 use_token_auth
+training_niceness
 if [[ "$RAY_AUTH_MODE" == "token" ]] && ! have_token; then
     die "no Ray auth token on this node. Copy the head's ~/.ray/auth_token to ~/.ray/auth_token here (or set RAY_AUTH_TOKEN_PATH)."
 fi
