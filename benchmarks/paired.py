@@ -6,7 +6,9 @@ same data) on 4 ranks each:
 * ``torchrun``: ``torchrun`` + ``ray_mesh.init_mesh`` (the Ray-free core);
 * ``ray_plain``: ``TorchTrainer`` with Ray's own ``TorchConfig``; the train function calls
   ``ray_mesh.init_mesh`` on the process group Ray made (so the mesh is the same object);
-* ``ray_mesh``: ``TorchTrainer(torch_config=MeshConfig(...))``.
+* ``ray_mesh``: ``TorchTrainer(torch_config=MeshConfig(...))``;
+* ``ray_mesh_nice15`` (ablation, not in the default set): ``MeshConfig(worker_niceness=None)``,
+  ray_mesh with Ray's worker niceness left at 15.
 
 They share the machine (12 processes, 4 busy at a time) and take turns through
 ``baton.Baton``: one timing window each per round, in a rotating order. ray_mesh / torchrun
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import REPO, WORKER, free_port, median  # noqa: E402
 
 CONTENDERS = ["torchrun", "ray_plain", "ray_mesh"]
+KNOWN_CONTENDERS = (*CONTENDERS, "ray_mesh_nice15")
 
 
 def run_contender(args: dict) -> dict:
@@ -75,8 +78,12 @@ def _ray_driver(name: str, out: str, args: dict) -> None:
 
     ray.init(address=args["ray_address"], log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    torch_config = (MeshConfig(mesh=MeshSpec(**WORKLOADS[args["workload"]][0]))
-                    if name == "ray_mesh" else TorchConfig(backend="gloo"))
+    mesh = MeshSpec(**WORKLOADS[args["workload"]][0])
+    torch_config = {
+        "ray_mesh": lambda: MeshConfig(mesh=mesh),
+        "ray_mesh_nice15": lambda: MeshConfig(mesh=mesh, worker_niceness=None),
+        "ray_plain": lambda: TorchConfig(backend="gloo"),
+    }[name]()
     TorchTrainer(
         _train,
         train_loop_config={**args, "name": name, "out": out},
@@ -123,6 +130,9 @@ def measure(workload: str, cfg: dict, storage: str, ray_address: str,
             contenders: list[str] | None = None) -> dict:
     """Run the contenders side by side on ``workload``; figures and every window."""
     contenders = contenders or CONTENDERS
+    unknown = set(contenders) - set(KNOWN_CONTENDERS)
+    if unknown:
+        raise ValueError(f"unknown contenders {sorted(unknown)}; known: {KNOWN_CONTENDERS}")
     from benchmarks.baton import rotating_schedule
 
     with tempfile.TemporaryDirectory(prefix="rmbench_paired_") as tmpdir:
@@ -157,7 +167,8 @@ def measure(workload: str, cfg: dict, storage: str, ray_address: str,
         out[f"{n}_step_s"] = median(wall[n])
         out[f"{n}_cpu_s"] = median(cpu[n])
     for a, b in (("ray_mesh", "torchrun"), ("ray_mesh", "ray_plain"),
-                 ("ray_plain", "torchrun")):
+                 ("ray_plain", "torchrun"), ("ray_mesh_nice15", "torchrun"),
+                 ("ray_mesh", "ray_mesh_nice15")):
         if a in wall and b in wall:
             out[f"{a}_vs_{b}"] = _paired(wall[a], wall[b])
             out[f"{a}_vs_{b}_cpu"] = _paired(cpu[a], cpu[b])

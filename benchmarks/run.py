@@ -3,9 +3,10 @@
 Sections (``--only`` picks some):
   bringup    (a) fit()/launch -> mesh ready: plain TorchTrainer, MeshConfig, torchrun;
              4 and 8 CPU workers, median of --runs; target ray_mesh <= 1.10x plain.
-  steps      (b) seconds per step of examples/hsdp.py under ray_mesh vs torchrun;
-             target <= 1.03x.
-  metrics    (e) the same Ray run, windows inside ray_mesh.metrics.StepMeter vs not.
+  steps      (b) seconds per step of examples/hsdp.py and tp_pp_mlp.py: ray_mesh, plain
+             Ray Train and torchrun alive at once, taking turns window by window
+             (paired.py); target ray_mesh <= 1.03x torchrun.
+  metrics    (e) a ray_mesh run, windows inside ray_mesh.metrics.StepMeter vs not.
   crossnode  (c) bytes across node links per step on the netns virtual cluster, HSDP vs
              the all-reduce minimum vs flat FSDP; target HSDP <= 1.10x the minimum.
   scaling    (d) MeshConfig bring-up with 4, 8, 16 workers: time and process groups.
@@ -104,13 +105,14 @@ def section_steps(cfg: dict, storage: str) -> dict:
             out[name] = {"status": f"not run: {why_not}"}
             continue
         try:
-            out[name] = paired.measure(name, _step_args(name, cfg), storage, address)
+            out[name] = paired.measure(name, _step_args(name, cfg), storage, address,
+                                       cfg["step_contenders"])
         except Exception as exc:  # noqa: BLE001 - reported in the table, not fatal to others
             out[name] = {"status": f"failed: {exc}"[:4000]}
             continue
         w = out[name]
         log(f"steps {name}: " + ", ".join(
-            f"{c} {w[f'{c}_step_s']:.4f}" for c in paired.CONTENDERS) +
+            f"{c} {w[f'{c}_step_s']:.4f}" for c in cfg["step_contenders"]) +
             f"; ray_mesh/torchrun {w['ray_mesh_vs_torchrun']['median_paired']:.3f}")
     return out
 
@@ -206,10 +208,13 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
         if "status" in w:
             add("b steps", f"{name} status", w["status"])
             continue
-        for c in ("torchrun", "ray_plain", "ray_mesh"):
-            add("b steps", f"{name}: {c} s/step (median)", w.get(f"{c}_step_s"))
+        for c in ("torchrun", "ray_plain", "ray_mesh", "ray_mesh_nice15"):
+            if f"{c}_step_s" in w:
+                add("b steps", f"{name}: {c} s/step (median)", w[f"{c}_step_s"])
         for a, b, target in (("ray_mesh", "torchrun", "<= 1.03"),
-                             ("ray_mesh", "ray_plain", ""), ("ray_plain", "torchrun", "")):
+                             ("ray_mesh", "ray_plain", ""), ("ray_plain", "torchrun", ""),
+                             ("ray_mesh_nice15", "torchrun", ""),
+                             ("ray_mesh", "ray_mesh_nice15", "")):
             r = w.get(f"{a}_vs_{b}")
             if r:
                 add("b steps", f"{name}: {a} / {b} wall, paired median [q1, q3]",
@@ -266,12 +271,17 @@ NOTES = """\
   function; `ray_mesh` = `MeshConfig` defaults (probe, plan, pre-flight, all named dims);
   `ray_mesh_nopf` = `MeshConfig(preflight=False)`.
 - **b steps**: seconds per training step of the example's own `build`/`train_step` (same
-  model, mesh and data) in the Ray Train worker vs under `torchrun`, 4 ranks; windows of
-  steps between barriers after a warm-up, median over windows of all runs; launchers
-  alternate.
-- **e metrics**: in the same Ray runs, windows alternate plain / inside
-  `ray_mesh.metrics.StepMeter.step()`; plus the cost of `with meter.step()` around an empty
-  step (20 000 iterations, flushes included).
+  model, mesh and data), 4 ranks each, three launchers alive at once (`benchmarks/paired.py`):
+  `torchrun` + `ray_mesh.init_mesh`; `ray_plain` = `TorchTrainer` with Ray's `TorchConfig`
+  and `ray_mesh.init_mesh` in the train function; `ray_mesh` = `MeshConfig`. After a warm-up
+  they take turns (`benchmarks/baton.py`): per round one window of steps each, between
+  barriers, order rotating every round, the others idle in a barrier. Ratios are medians
+  of the per-round ratios (window k of one launcher over window k of the other), with
+  quartiles; CPU s/step sums `time.process_time()` over the 4 ranks (every thread of each
+  process, the launcher's included).
+- **e metrics**: one `MeshConfig` run per repeat, windows alternate plain / inside
+  `ray_mesh.metrics.StepMeter.step()` (paired median of metered/plain); plus the cost of
+  `with meter.step()` around an empty step (20 000 iterations, flushes included).
 - **c cross-node**: namespace cluster (2 nodes x 2 workers, veth + bridge, `tailscale0`);
   each node's local rank 0 reads its own `/sys/class/net/tailscale0/statistics` around the
   steps; cross-node bytes = sum of the nodes' tx deltas, minus an idle window of the same
@@ -321,6 +331,7 @@ def config(quick: bool) -> dict:
         return {"runs": 1, "sizes": [4], "step_workers": 4,
                 "bringup_modes": ["plain", "ray_mesh", "torchrun"],
                 "step_workloads": ["hsdp"],
+                "step_contenders": ["torchrun", "ray_plain", "ray_mesh"],
                 "steps_args": {"batch": 16, "warmup": 3, "windows": 2, "steps_per_window": 5,
                                "rounds": 3, "timeout_s": 600},
                 "metrics_runs": 1, "metrics_windows": 2,
@@ -330,6 +341,7 @@ def config(quick: bool) -> dict:
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
+            "step_contenders": ["torchrun", "ray_plain", "ray_mesh"],
             "steps_args": {"batch": 16, "warmup": 10, "steps_per_window": 20, "rounds": 15,
                            "timeout_s": 900},
             "metrics_runs": 2, "metrics_windows": 5,
