@@ -294,8 +294,9 @@ NOTES = """\
 - **d scaling / mesh build**: `new_group calls` is torch's own counter
   (`_world.group_count`, default group included); groups held come from
   `_world.pg_map` on rank 0, real vs "fake" (size-1 dims). Mesh build times are on an
-  existing process group under torchrun; `all_dims_real` is the build before size-1 dims
-  became fake groups, `needed_dims_only` what a plain user builds.
+  existing process group under torchrun; `all_dims_real` gives every dim a real group of
+  its own (size-1 dims and flattened dims that repeat another dim's groups included: the
+  build before those became fake / shared), `needed_dims_only` what a plain user builds.
 """
 
 

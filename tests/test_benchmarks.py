@@ -40,3 +40,46 @@ def test_quick_meshbuild_writes_every_field(tmp_path):
     assert row["ray_mesh"]["fake_groups_held"] == 3
     assert row["all_dims_real"]["real_groups_held"] - row["ray_mesh"]["real_groups_held"] == 3
     assert any(r[0] == "d mesh build" for r in res["table"])
+
+
+def test_baton_contenders_take_turns_in_the_rotating_order(tmp_path, monkeypatch):
+    """The paired step benchmark's turn-taking, with threads standing in for launchers."""
+    import threading
+
+    import pytest
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.baton import Baton, BatonTimeout, rotating_schedule
+
+    names = ["torchrun", "ray_plain", "ray_mesh"]
+    schedule = rotating_schedule(names, 3)
+    assert schedule == ["torchrun", "ray_plain", "ray_mesh", "ray_plain", "ray_mesh",
+                        "torchrun", "ray_mesh", "torchrun", "ray_plain"]
+    ran: list[tuple[int, str]] = []
+    errors: list[BaseException] = []
+
+    def contender(name: str) -> None:
+        try:
+            baton = Baton(str(tmp_path), name, names, schedule, timeout_s=30)
+            baton.ready()
+            for turn in baton.turns:
+                baton.wait_turn(turn)
+                ran.append((turn, name))
+                baton.pass_on(turn)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contender, args=(n,)) for n in reversed(names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert ran == list(enumerate(schedule))
+
+    # A contender whose partner never shows up fails within its bound, naming the wait.
+    lonely = Baton(str(tmp_path / "x"), "ray_mesh", ["torchrun", "ray_mesh"],
+                   ["torchrun", "ray_mesh"], timeout_s=0.2)
+    (tmp_path / "x").mkdir()
+    with pytest.raises(BatonTimeout, match="every contender to warm up"):
+        lonely.ready()

@@ -94,9 +94,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_size1_dims_are_fake_groups_with_one_rank_semantics(tmp_path):
-    script = tmp_path / "size1.py"
-    script.write_text(SCRIPT)
+def _torchrun_4(script_text: str, tmp_path) -> list[dict]:
+    """Run a script on 4 local ranks with ray_mesh's defaults; each rank's JSON record."""
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
     env = {**os.environ}
     env.pop("RAY_MESH_REAL_SIZE1_GROUPS", None)
     proc = subprocess.run(
@@ -104,8 +105,11 @@ def test_size1_dims_are_fake_groups_with_one_rank_semantics(tmp_path):
          str(script), str(tmp_path)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for rank in range(4):
-        o = json.loads((tmp_path / f"{rank}.json").read_text())
+    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(4)]
+
+
+def test_size1_dims_are_fake_groups_with_one_rank_semantics(tmp_path):
+    for rank, o in enumerate(_torchrun_4(SCRIPT, tmp_path)):
         size1 = ("pp", "dp_replicate", "cp", "tp")
         for d in size1:
             assert o["backends"][d] == "fake", (d, o["backends"])
@@ -189,17 +193,7 @@ TWIN_SCRIPT = textwrap.dedent("""
 
 def test_flattened_dims_that_repeat_a_dim_share_its_group(tmp_path):
     """pp=2 x dp_shard=2, cp=1: dp, dp_shard_cp and dp_cp are dp_shard's groups, not copies."""
-    script = tmp_path / "twins.py"
-    script.write_text(TWIN_SCRIPT)
-    env = {**os.environ}
-    env.pop("RAY_MESH_REAL_SIZE1_GROUPS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
-         str(script), str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for rank in range(4):
-        o = json.loads((tmp_path / f"{rank}.json").read_text())
+    for rank, o in enumerate(_torchrun_4(TWIN_SCRIPT, tmp_path)):
         assert o["twins"] == {"dp": "dp_shard", "dp_shard_cp": "dp_shard", "dp_cp": "dp_shard"}
         g = o["groups"]
         pair = [0, 1] if rank < 2 else [2, 3]
