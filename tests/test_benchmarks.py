@@ -35,10 +35,12 @@ def test_quick_meshbuild_writes_every_field(tmp_path):
                       "real_groups_held", "fake_groups_held", "threads"):
             assert field in variant, field
         assert variant["seconds"] > 0
-    # HSDP 2 x 2 on 4 ranks: pp, cp and tp have size 1. ray_mesh keeps them as fake groups;
-    # one real group per dim (the old build) holds three more real communicators per rank.
-    assert row["ray_mesh"]["fake_groups_held"] == 3
-    assert row["all_dims_real"]["real_groups_held"] - row["ray_mesh"]["real_groups_held"] == 3
+    # HSDP 2 x 2 on 4 ranks: pp, cp and tp have size 1 and dp_shard_cp is dp_shard (cp=1).
+    # ray_mesh keeps the three as fake groups and dp_shard_cp on a fake placeholder sharing
+    # dp_shard's group; one real group per dim (the old build) holds four more communicators.
+    assert row["ray_mesh"]["fake_groups_held"] == 4
+    assert row["all_dims_real"]["real_groups_held"] - row["ray_mesh"]["real_groups_held"] == 4
+    assert row["ray_mesh"]["real_groups_held"] == row["needed_dims_only"]["real_groups_held"]
     assert any(r[0] == "d mesh build" for r in res["table"])
 
 
