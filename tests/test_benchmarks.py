@@ -85,3 +85,20 @@ def test_baton_contenders_take_turns_in_the_rotating_order(tmp_path, monkeypatch
     (tmp_path / "x").mkdir()
     with pytest.raises(BatonTimeout, match="every contender to warm up"):
         lonely.ready()
+
+
+def test_pool_of_one_run_equals_that_runs_own_paired_figures(monkeypatch):
+    """pool.py over one committed result reproduces the figures run.py wrote for it."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.pool import pooled
+
+    path = REPO / "benchmarks" / "results_steps.json"
+    steps = json.loads(path.read_text())["steps"]
+    rows = pooled([str(path)])
+    assert {(w, p) for w, p, *_ in rows} >= {("hsdp", "ray_mesh / torchrun"),
+                                             ("tp_pp_mlp", "ray_mesh / ray_plain")}
+    for workload, pair, n, med, q1, q3 in rows:
+        a, b = pair.split(" / ")
+        own = steps[workload][f"{a}_vs_{b}"]
+        assert n == own["rounds"]
+        assert (med, q1, q3) == (own["median_paired"], own["q1"], own["q3"])
