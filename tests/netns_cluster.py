@@ -89,6 +89,30 @@ def netns_unavailable_reason() -> str | None:
     return None
 
 
+# Inside a namespace: wait until every address answers TCP (a refusal is an answer).
+_REACH_SCRIPT = """
+import errno, socket, sys, time
+deadline = time.monotonic() + float(sys.argv[1])
+pending = set(sys.argv[2:])
+last = {}
+while pending and time.monotonic() < deadline:
+    for addr in sorted(pending):
+        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        with socket.socket(fam) as s:
+            s.settimeout(1.0)
+            code = s.connect_ex((addr, 9))
+        if code in (0, errno.ECONNREFUSED):
+            pending.discard(addr)
+        else:
+            last[addr] = errno.errorcode.get(code, code)
+    if pending:
+        time.sleep(0.2)
+if pending:
+    left = sorted((a, last.get(a)) for a in pending)
+    sys.exit(f"still unreachable after {sys.argv[1]} s: {left}")
+"""
+
+
 def _run(cmd: list[str], *, check: bool = True, timeout: float = 30,
          **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
@@ -404,8 +428,21 @@ class NetnsCluster:
         """Take node ``index`` off the bridge: its tailscale0 stays up but reaches no one."""
         _run(["ip", "link", "set", self.nodes[index].host_veth, "down"])
 
-    def restore_link(self, index: int) -> None:
+    def restore_link(self, index: int, timeout_s: float = 15.0) -> None:
+        """Put node ``index`` back on the bridge and wait until it reaches every other node.
+
+        Neighbour entries that failed while the link was cut would answer "no route to
+        host" for a while (IPv6 most visibly), so every node forgets them, and the return
+        waits (bounded) until node ``index`` gets an answer from every peer address.
+        """
         _run(["ip", "link", "set", self.nodes[index].host_veth, "up"])
+        for node in self.nodes:
+            for family in ("-4", "-6"):
+                _run([*node.exec_prefix(), "ip", family, "neigh", "flush", "dev",
+                      TAILNET_IFACE], check=False)
+        peers = [a for n in self.nodes if n.index != index for a in (n.ip, n.ip6) if a]
+        _run([*self.nodes[index].exec_prefix(), sys.executable, "-c", _REACH_SCRIPT,
+              str(timeout_s), *peers], timeout=timeout_s + 15)
 
     def interface_counters(self, index: int, iface: str = TAILNET_IFACE) -> dict[str, int]:
         """Byte/packet counters of ``iface`` in node ``index`` (e.g. bytes across nodes)."""
