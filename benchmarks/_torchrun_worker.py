@@ -6,7 +6,6 @@ Modes:
   meshbuild  times building meshes on an existing process group: only the needed dims,
              ray_mesh's ``build_device_mesh``, and every dim as a real group (the old
              ray_mesh behaviour), with process-group counts for each.
-  steps      ray_mesh.init_mesh + the step-timing windows of a workload.
   paired     ray_mesh.init_mesh + a workload's windows, taking turns with other launchers
              (``paired.py``).
 Rank 0 writes one JSON object to OUT.
@@ -77,17 +76,6 @@ def _meshbuild(args: dict) -> dict:
     return out
 
 
-def _steps(args: dict) -> dict:
-    import ray_mesh
-
-    spec, factory = workloads.WORKLOADS[args["workload"]]
-    ray_mesh.init_mesh(ray_mesh.MeshSpec(**spec))
-    state = ray_mesh.get_state()
-    step = factory(state.mesh, state.device, args["batch"])
-    return workloads.time_windows(step, warmup=args["warmup"], windows=args["windows"],
-                                  steps_per_window=args["steps_per_window"])
-
-
 def _paired(args: dict) -> dict:
     from benchmarks import paired
 
@@ -96,8 +84,7 @@ def _paired(args: dict) -> dict:
 
 def main() -> None:
     mode, out, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    result = {"ready": _ready, "meshbuild": _meshbuild, "steps": _steps,
-              "paired": _paired}[mode](args)
+    result = {"ready": _ready, "meshbuild": _meshbuild, "paired": _paired}[mode](args)
     if dist.get_rank() == 0:
         result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
         Path(out).write_text(json.dumps(result))

@@ -36,6 +36,9 @@ from benchmarks.common import REPO, WORKER, free_port, median  # noqa: E402
 
 CONTENDERS = ["torchrun", "ray_plain", "ray_mesh"]
 KNOWN_CONTENDERS = (*CONTENDERS, "ray_mesh_nice15")
+RATIO_PAIRS = (("ray_mesh", "torchrun"), ("ray_mesh", "ray_plain"), ("ray_plain", "torchrun"),
+               ("ray_mesh_nice15", "torchrun"), ("ray_mesh", "ray_mesh_nice15"))
+"""(a, b) for every a / b figure, wherever both launchers ran (run.py's table, pool.py)."""
 
 
 def run_contender(args: dict) -> dict:
@@ -114,7 +117,7 @@ def _spawn(name: str, tmp: Path, args: dict) -> tuple[subprocess.Popen, Path, Pa
     return proc, out, log
 
 
-def _paired(a: list[float], b: list[float]) -> dict:
+def paired_ratios(a: list[float], b: list[float]) -> dict:
     """Round-by-round ratios a[k] / b[k]: median, quartiles, and the ratio of medians."""
     ratios = sorted(x / y for x, y in zip(a, b, strict=True) if y)
     if not ratios:
@@ -166,12 +169,10 @@ def measure(workload: str, cfg: dict, storage: str, ray_address: str,
     for n in contenders:
         out[f"{n}_step_s"] = median(wall[n])
         out[f"{n}_cpu_s"] = median(cpu[n])
-    for a, b in (("ray_mesh", "torchrun"), ("ray_mesh", "ray_plain"),
-                 ("ray_plain", "torchrun"), ("ray_mesh_nice15", "torchrun"),
-                 ("ray_mesh", "ray_mesh_nice15")):
+    for a, b in RATIO_PAIRS:
         if a in wall and b in wall:
-            out[f"{a}_vs_{b}"] = _paired(wall[a], wall[b])
-            out[f"{a}_vs_{b}_cpu"] = _paired(cpu[a], cpu[b])
+            out[f"{a}_vs_{b}"] = paired_ratios(wall[a], wall[b])
+            out[f"{a}_vs_{b}_cpu"] = paired_ratios(cpu[a], cpu[b])
     return out
 
 

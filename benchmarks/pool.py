@@ -9,30 +9,30 @@ another, taken minutes apart at most); pooling only puts more such pairs under o
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
-PAIRS = (("ray_mesh", "torchrun"), ("ray_plain", "torchrun"), ("ray_mesh", "ray_plain"),
-         ("ray_mesh_nice15", "torchrun"), ("ray_mesh", "ray_mesh_nice15"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.paired import RATIO_PAIRS, paired_ratios  # noqa: E402
 
 
 def pooled(paths: list[str]) -> list[tuple[str, str, int, float, float, float]]:
     """(workload, "a / b", rounds, median, q1, q3) over every run that has both launchers."""
-    ratios: dict[tuple[str, str], list[float]] = {}
+    windows: dict[tuple[str, str, str], list[float]] = {}  # (workload, a, b) -> a's, b's
     for path in paths:
         steps = json.loads(Path(path).read_text()).get("steps", {})
         for workload, w in steps.items():
             runs = w.get("runs", {})
-            for a, b in PAIRS:
+            for a, b in RATIO_PAIRS:
                 if a in runs and b in runs:
-                    ratios.setdefault((workload, f"{a} / {b}"), []).extend(
-                        x / y for x, y in zip(runs[a]["step_s_windows"],
-                                              runs[b]["step_s_windows"], strict=True) if y)
+                    both = windows.setdefault((workload, a, b), ([], []))
+                    both[0].extend(runs[a]["step_s_windows"])
+                    both[1].extend(runs[b]["step_s_windows"])
     rows = []
-    for (workload, pair), values in ratios.items():
-        q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-        rows.append((workload, pair, len(values), statistics.median(values), q1, q3))
+    for (workload, a, b), (wa, wb) in windows.items():
+        r = paired_ratios(wa, wb)
+        rows.append((workload, f"{a} / {b}", r["rounds"], r["median_paired"], r["q1"], r["q3"]))
     return rows
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import paired  # noqa: E402
 from benchmarks.common import REPO, median, ratio, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild")
@@ -94,7 +95,6 @@ def section_steps(cfg: dict, storage: str) -> dict:
     """(b): every workload with the three launchers alive at once, taking turns."""
     import ray
 
-    from benchmarks import paired
     from benchmarks.workloads import workload_available
 
     address = ray.get_runtime_context().gcs_address
@@ -208,17 +208,15 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
         if "status" in w:
             add("b steps", f"{name} status", w["status"])
             continue
-        for c in ("torchrun", "ray_plain", "ray_mesh", "ray_mesh_nice15"):
+        for c in paired.KNOWN_CONTENDERS:
             if f"{c}_step_s" in w:
                 add("b steps", f"{name}: {c} s/step (median)", w[f"{c}_step_s"])
-        for a, b, target in (("ray_mesh", "torchrun", "<= 1.03"),
-                             ("ray_mesh", "ray_plain", ""), ("ray_plain", "torchrun", ""),
-                             ("ray_mesh_nice15", "torchrun", ""),
-                             ("ray_mesh", "ray_mesh_nice15", "")):
+        for a, b in paired.RATIO_PAIRS:
             r = w.get(f"{a}_vs_{b}")
             if r:
                 add("b steps", f"{name}: {a} / {b} wall, paired median [q1, q3]",
-                    f"{r['median_paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]", target)
+                    f"{r['median_paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]",
+                    "<= 1.03" if (a, b) == ("ray_mesh", "torchrun") else "")
         r = w.get("ray_mesh_vs_torchrun_cpu")
         if r:
             add("b steps", f"{name}: ray_mesh / torchrun CPU s, paired median [q1, q3]",
@@ -333,8 +331,8 @@ def config(quick: bool) -> dict:
                 "bringup_modes": ["plain", "ray_mesh", "torchrun"],
                 "step_workloads": ["hsdp"],
                 "step_contenders": ["torchrun", "ray_plain", "ray_mesh"],
-                "steps_args": {"batch": 16, "warmup": 3, "windows": 2, "steps_per_window": 5,
-                               "rounds": 3, "timeout_s": 600},
+                "steps_args": {"batch": 16, "warmup": 3, "steps_per_window": 5, "rounds": 3,
+                               "timeout_s": 600},
                 "metrics_runs": 1, "metrics_windows": 2,
                 "scaling_sizes": [4], "scaling_runs": 1,
                 "meshbuild_sizes": [4], "meshbuild_repeats": 1,

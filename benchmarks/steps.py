@@ -1,15 +1,14 @@
-"""Step overhead: an example's training step under ray_mesh (Ray Train) and under torchrun.
+"""Metrics overhead (section e): an example's training step in a ray_mesh (Ray Train) run.
 
-Same model, same HSDP mesh (dp_replicate=2, dp_shard=N/2), same timing windows
-(``workloads.time_windows``); the Ray side alternates its windows with and without
-``ray_mesh.metrics.StepMeter`` when that module exists (metrics overhead, section e).
+Same model and HSDP mesh as the step benchmark (``paired.py``); timing windows
+(``workloads.time_windows``) alternate with and without ``ray_mesh.metrics.StepMeter``.
 """
 
 from __future__ import annotations
 
 import time
 
-from benchmarks.common import read_result, result_path, run_torchrun, write_result
+from benchmarks.common import read_result, result_path, write_result
 
 
 def _train_steps(config: dict) -> None:
@@ -75,7 +74,3 @@ def measure_ray(args: dict, workers: int, storage: str) -> dict:
                              storage_path=storage),
     ).fit()
     return read_result(out)
-
-
-def measure_torchrun(args: dict, workers: int) -> dict:
-    return run_torchrun(workers, "steps", args)
