@@ -91,7 +91,7 @@ class MeshConfig(TorchConfig):
                              f"{self.nccl_vpn_defaults!r}.")
         if self.worker_niceness is not None and (
                 isinstance(self.worker_niceness, bool) or not isinstance(self.worker_niceness, int)
-                or not -20 <= self.worker_niceness <= 19):
+                or self.worker_niceness not in priority.NICENESS_RANGE):
             raise ValueError(f"worker_niceness must be an int from -20 to 19 or None (keep "
                              f"Ray's), got {self.worker_niceness!r}.")
         if self.init_method != "env":

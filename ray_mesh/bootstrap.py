@@ -130,13 +130,6 @@ def _sharing_enabled(real_size1_groups: bool | None) -> bool:
     return not real_size1_groups and _fake_backend_available()
 
 
-def _size1_backends(spec: MeshSpec, real_size1_groups: bool | None) -> dict[str, str]:
-    """``{dim: "fake"}`` for every named or flattened dim of size 1 (empty: all real)."""
-    if not _sharing_enabled(real_size1_groups):
-        return {}
-    return {d: "fake" for d in (*DIM_NAMES, *FLATTENED_DIMS) if spec.size(d) == 1}
-
-
 def twin_dims(spec: MeshSpec) -> dict[str, str]:
     """``{flattened dim: earlier dim with exactly the same groups}``, for sharing a group.
 
@@ -202,13 +195,15 @@ def build_device_mesh(spec: MeshSpec, device_type: str, *,
     """
     if not spec.is_resolved:
         raise BootstrapError(f"{spec} must be resolved before the mesh is built.")
-    fake = _size1_backends(spec, real_size1_groups)
+    share = _sharing_enabled(real_size1_groups)
+    # {dim: "fake"} for every named or flattened dim of size 1 (empty: all real).
+    fake = ({d: "fake" for d in (*DIM_NAMES, *FLATTENED_DIMS) if spec.size(d) == 1}
+            if share else {})
     named = {d: b for d, b in fake.items() if d in DIM_NAMES}
     mesh = init_device_mesh(device_type, tuple(spec.shape), mesh_dim_names=DIM_NAMES,
                             backend_override=named or None)
-    # Sharing needs the fake backend (for the placeholder) and torch's group-name field.
-    twins = (twin_dims(spec) if _sharing_enabled(real_size1_groups)
-             and hasattr(mesh, "_dim_group_names") else {})
+    # Sharing also needs torch's group-name field (the placeholder is a fake group).
+    twins = twin_dims(spec) if share and hasattr(mesh, "_dim_group_names") else {}
     for flat, parts in FLATTENED_DIMS.items():
         twin = twins.get(flat)
         flat_mesh = mesh[parts]._flatten(mesh_dim_name=flat,

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 RAY_NICENESS_ENV = "RAY_worker_niceness"
 """Read by every Ray worker process at start (inherited from raylet's environment)."""
 
+NICENESS_RANGE = range(-20, 20)
+"""What Linux accepts: -20 (most favoured) to 19."""
+
 _wanted: int | None = None
 
 
@@ -55,7 +58,7 @@ def set_niceness(target: int) -> NicenessResult:
     changed keep the new value.
     """
     global _wanted
-    if not -20 <= target <= 19:
+    if target not in NICENESS_RANGE:
         raise ValueError(f"niceness must be between -20 and 19, got {target}.")
     _wanted = target
     before = current_niceness()
