@@ -167,8 +167,10 @@ def cluster():
                          f"--dashboard-port={c.dash}", f"--metrics-export-port={c.metrics}",
                          *_ports("--ray-client-server-port"), f"--temp-dir={c.tmp}/h",
                          "--num-cpus=4", '--resources={"head_slot": 4}', *common()])
-        info = _wait(lambda: c.dashboard_json("/nodes?view=summary")["data"]["summary"],
-                     START_TIMEOUT_S, "the head's dashboard answering")
+        # The summary can list the node before its record carries an IP: wait for that too.
+        info = _wait(lambda: [n for n in c.dashboard_json("/nodes?view=summary")["data"]
+                              ["summary"] if n.get("ip")],
+                     START_TIMEOUT_S, "the head's dashboard answering with the node's IP")
         c.node_ip = info[0]["ip"]
 
         main_job = _job_yaml(
