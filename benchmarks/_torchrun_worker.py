@@ -42,8 +42,8 @@ def _delta(before: dict, after: dict) -> dict:
 def _meshbuild(args: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ray_mesh.bootstrap import build_device_mesh
-    from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
+    from ray_mesh.core.bootstrap import build_device_mesh
+    from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()

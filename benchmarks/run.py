@@ -6,7 +6,7 @@ Sections (``--only`` picks some):
   steps      (b) seconds per step of examples/hsdp.py and tp_pp_mlp.py: ray_mesh, plain
              Ray Train and torchrun alive at once, taking turns window by window
              (paired.py); target ray_mesh <= 1.03x torchrun.
-  metrics    (e) a ray_mesh run, windows inside ray_mesh.metrics.StepMeter vs not.
+  metrics    (e) a ray_mesh run, windows inside ray_mesh.observability.metrics.StepMeter vs not.
   crossnode  (c) bytes across node links per step on the netns virtual cluster, HSDP vs
              the all-reduce minimum vs flat FSDP; target HSDP <= 1.10x the minimum.
   scaling    (d) MeshConfig bring-up with 4, 8, 16 workers: time and process groups.
@@ -122,7 +122,7 @@ def section_metrics(cfg: dict, storage: str) -> dict:
     from benchmarks import steps
 
     if not steps.metrics_available():
-        return {"status": "not run: ray_mesh.metrics is not importable"}
+        return {"status": "not run: ray_mesh.observability.metrics is not importable"}
     args = {**_step_args("hsdp", cfg), "windows": cfg["metrics_windows"], "metrics": True}
     runs = [steps.measure_ray(args, cfg["step_workers"], storage)
             for _ in range(cfg["metrics_runs"])]
@@ -278,7 +278,7 @@ NOTES = """\
   quartiles; CPU s/step sums `time.process_time()` over the 4 ranks (every thread of each
   process, the launcher's included).
 - **e metrics**: one `MeshConfig` run per repeat, windows alternate plain / inside
-  `ray_mesh.metrics.StepMeter.step()` (paired median of metered/plain); plus the cost of
+  `StepMeter.step()` (observability.metrics; paired median of metered/plain); plus the cost of
   `with meter.step()` around an empty step (20 000 iterations, flushes included).
 - **c cross-node**: namespace cluster (2 nodes x 2 workers, veth + bridge, `tailscale0`);
   each node's local rank 0 reads its own `/sys/class/net/tailscale0/statistics` around the

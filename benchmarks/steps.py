@@ -1,7 +1,7 @@
 """Metrics overhead (section e): an example's training step in a ray_mesh (Ray Train) run.
 
 Same model and HSDP mesh as the step benchmark (``paired.py``); timing windows
-(``workloads.time_windows``) alternate with and without ``ray_mesh.metrics.StepMeter``.
+(``workloads.time_windows``) alternate with and without ``StepMeter``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _train_steps(config: dict) -> None:
     step = factory(state.mesh, state.device, config["batch"])
     meter_factory = None
     if config.get("metrics"):
-        from ray_mesh.metrics import StepMeter
+        from ray_mesh.observability.metrics import StepMeter
 
         def meter_factory():
             return StepMeter(samples_per_step=config["batch"])
@@ -51,7 +51,7 @@ def _empty_meter_steps(meter_factory, n: int = 20000) -> float:
 
 def metrics_available() -> bool:
     try:
-        from ray_mesh.metrics import StepMeter  # noqa: F401
+        from ray_mesh.observability.metrics import StepMeter  # noqa: F401
     except ImportError:
         return False
     return True

@@ -29,8 +29,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 import ray_mesh
+from ray_mesh.observability.progress import log_step
 from ray_mesh.parallel import ParallelError, dp_mean, parallelize, shard_batch
-from ray_mesh.progress import log_step
 
 # TP hands FSDP2 the local view of its DTensor outputs (embedding, head); FSDP2 warns that an
 # in-place op on such a view would skip its hook. This model adds out of place only.

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import ray_mesh
+from ray_mesh.observability.progress import log_step
 from ray_mesh.parallel import dp_mean, dp_size, parallelize, shard_batch
-from ray_mesh.progress import log_step
 
 # batch_size is per dp replica (the global batch is batch_size x dp).
 DEFAULTS = {"steps": 40, "batch_size": 16, "lr": 0.05, "report_every": 10, "seed": 0,

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 import ray_mesh
-from ray_mesh.metrics import StepMeter, probe_dims
+from ray_mesh.observability.metrics import StepMeter, probe_dims
 
 
 def _model() -> nn.Module:

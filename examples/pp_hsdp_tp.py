@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 import ray_mesh
+from ray_mesh.observability.progress import log_step
 from ray_mesh.parallel import Pipeline, dp_mean, local_batch_size, shard_batch
-from ray_mesh.progress import log_step
 
 WIDTH, IN, OUT, LAYERS = 64, 32, 8, 8
 DEFAULTS = {"steps": 30, "batch_size": 32, "microbatches": 4, "schedule": "interleaved_1f1b",

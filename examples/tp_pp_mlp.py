@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 
 import ray_mesh
+from ray_mesh.observability.progress import log_step
 from ray_mesh.parallel import Pipeline, dp_mean, dp_rank, dp_size, local_batch_size
-from ray_mesh.progress import log_step
 
 IN, HIDDEN, OUT = 50, 50, 4
 TP_PLAN = {"fc1.linear": "colwise", "fc2.linear": "rowwise",

@@ -1,7 +1,7 @@
 """ray_mesh: named DeviceMesh training (pp, dp_replicate, dp_shard, cp, tp) on a Ray cluster."""
 
-from ray_mesh.bootstrap import get_mesh, get_state, init_mesh, is_initialized, shutdown_mesh
-from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec, MeshSpecError
+from ray_mesh.core.bootstrap import get_mesh, get_state, init_mesh, is_initialized, shutdown_mesh
+from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec, MeshSpecError
 
 __all__ = [
     "Checkpointer",
@@ -24,11 +24,11 @@ __all__ = [
 def __getattr__(name: str):
     # MeshConfig imports Ray; keep `import ray_mesh` Ray-free for torchrun users.
     if name == "MeshConfig":
-        from ray_mesh.backend import MeshConfig
+        from ray_mesh.raytrain.backend import MeshConfig
 
         return MeshConfig
     if name == "check_cluster":
-        from ray_mesh.runner import check_cluster
+        from ray_mesh.raytrain.runner import check_cluster
 
         return check_cluster
     if name in ("Checkpointer", "check_storage"):  # Ray imports: lazy as well

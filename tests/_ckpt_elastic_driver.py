@@ -26,8 +26,8 @@ from ray.train.torch import TorchTrainer
 
 import ray_mesh
 from ray_mesh.checkpointing import StorageError, check_storage
-from ray_mesh.elastic import check_elastic_mesh, explain_startup_failure, failure_config
-from ray_mesh.job import load_function
+from ray_mesh.cli.job import load_function
+from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 
 HERE = Path(__file__).resolve().parent
 

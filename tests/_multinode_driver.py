@@ -119,7 +119,7 @@ def fits(storage: str) -> None:
 
 # ----------------------------------------------------------------------------- cli
 def _cli(argv: list[str]) -> dict:
-    from ray_mesh.cli import main
+    from ray_mesh.cli.main import main
 
     buf_out, buf_err = io.StringIO(), io.StringIO()
     start = time.monotonic()
@@ -136,8 +136,8 @@ def _cli(argv: list[str]) -> dict:
 
 
 def cli(unreachable: str) -> None:
-    import ray_mesh.discovery  # noqa: F401 - imports first: time only the commands
-    import ray_mesh.runner  # noqa: F401
+    import ray_mesh.planning.cluster  # noqa: F401 - imports first: time only the commands
+    import ray_mesh.raytrain.runner  # noqa: F401
 
     address = os.environ["RAY_ADDRESS"]
     out = {}
@@ -157,7 +157,7 @@ def cli(unreachable: str) -> None:
 def linkcut(go_file: str) -> None:
     import ray
 
-    from ray_mesh.discovery import NodeAgents, live_nodes
+    from ray_mesh.planning.cluster import NodeAgents, live_nodes
 
     ray.init()
     nodes = [n for n in live_nodes() if n.alive]

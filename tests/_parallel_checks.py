@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ray_mesh.bootstrap import build_device_mesh
+from ray_mesh.core.bootstrap import build_device_mesh
+from ray_mesh.core.spec import MeshSpec
 from ray_mesh.parallel import (
     Pipeline,
     dp_size,
@@ -30,7 +31,6 @@ from ray_mesh.parallel import (
     parallelize,
     shard_batch,
 )
-from ray_mesh.spec import MeshSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEPS = 3

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import ray_mesh
-from ray_mesh.bootstrap import BootstrapError
+from ray_mesh.core.bootstrap import BootstrapError
 
 TORCHRUN_SCRIPT = textwrap.dedent("""
     import json, os, sys

@@ -10,10 +10,10 @@ import pytest
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2.api.exceptions import ControllerError
 
-from ray_mesh.elastic import check_elastic_mesh, explain_startup_failure, failure_config
-from ray_mesh.job import Job, JobError
-from ray_mesh.runner import check_resources, scaling_for
-from ray_mesh.spec import MeshSpec, MeshSpecError
+from ray_mesh.cli.job import Job, JobError
+from ray_mesh.core.spec import MeshSpec, MeshSpecError
+from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
+from ray_mesh.raytrain.runner import check_resources, scaling_for
 
 TRAIN = "tests/_ckpt_train.py:train_loop"
 

@@ -22,7 +22,7 @@ import torch
 from _ckpt_train import attempts, steps
 
 from ray_mesh.checkpointing import StorageError, check_storage, sharded
-from ray_mesh.job import Job, load_function
+from ray_mesh.cli.job import Job, load_function
 
 TRAIN = str(Path(__file__).with_name("_ckpt_train.py")) + ":train_loop"
 STEPS = 12
@@ -105,7 +105,7 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
 
 @pytest.mark.ray
 def test_storage_checked_at_start(ray_local, tmp_path):
-    from ray_mesh.runner import run_job
+    from ray_mesh.raytrain.runner import run_job
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")

@@ -108,7 +108,7 @@ def test_tutorial_hsdp_groups_collectives_and_env(ray_local, storage, tmp_path):
         # training thread included) to 0 like torchrun's ranks. Only root may lower it.
         assert r["niceness"] == ([0] if os.geteuid() == 0 else [15]), r["niceness"]
     # The chosen interface is the one that holds the node's Ray IP.
-    from ray_mesh.network import local_interfaces
+    from ray_mesh.network.interfaces import local_interfaces
 
     assert rank0_ip in local_interfaces()[recs[0]["env"]["GLOO_SOCKET_IFNAME"]]
 
@@ -146,7 +146,7 @@ def test_check_cluster_refuses_gpus_the_cluster_does_not_have(ray_local):
     from ray.train import ScalingConfig
 
     import ray_mesh
-    from ray_mesh.job import JobError
+    from ray_mesh.cli.job import JobError
 
     ray_mesh.check_cluster(ScalingConfig(num_workers=2))
     with pytest.raises(JobError, match=r"asks for GPU: 2 .* has GPU: 0"):

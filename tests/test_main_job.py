@@ -26,7 +26,7 @@ def test_ray_mesh_run_hsdp_example(tmp_path):
     env["RAY_TMPDIR"] = ray_tmp
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "ray_mesh.cli", "run", "examples/hsdp.yaml"],
+            [sys.executable, "-m", "ray_mesh.cli.main", "run", "examples/hsdp.yaml"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -22,8 +22,8 @@ SCRIPT = textwrap.dedent("""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, RowwiseParallel, parallelize_module)
     import ray_mesh
-    from ray_mesh.bootstrap import build_device_mesh
-    from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS
+    from ray_mesh.core.bootstrap import build_device_mesh
+    from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 
     def real_groups():
         return sum(1 for b, _ in _world.pg_map.values() if str(b) != "fake")
@@ -148,8 +148,8 @@ TWIN_SCRIPT = textwrap.dedent("""
     from torch.distributed.distributed_c10d import _world
     from torch.distributed.fsdp import fully_shard
     import ray_mesh
-    from ray_mesh.bootstrap import build_device_mesh, twin_dims
-    from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS
+    from ray_mesh.core.bootstrap import build_device_mesh, twin_dims
+    from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
     warnings.simplefilter("ignore")  # torch: slicing a flattened dim from the root mesh
 
     def real_groups():
@@ -212,8 +212,8 @@ def test_flattened_dims_that_repeat_a_dim_share_its_group(tmp_path):
 
 
 def test_twin_dims_pairs_flattened_dims_with_the_dim_they_repeat():
-    from ray_mesh.bootstrap import twin_dims
-    from ray_mesh.spec import MeshSpec
+    from ray_mesh.core.bootstrap import twin_dims
+    from ray_mesh.core.spec import MeshSpec
 
     # HSDP 2 x 2: dp and dp_cp span the world (torch reuses the default group).
     assert twin_dims(MeshSpec(dp_replicate=2, dp_shard=2)) == {"dp_shard_cp": "dp_shard"}

@@ -82,7 +82,7 @@ def test_env_file_and_manifest_parse():
             k, v = line.split("=", 1)
             env[k] = v
     assert env["NCCL_SOCKET_IFNAME"] == "=tailscale0" and env["GLOO_SOCKET_IFNAME"] == "tailscale0"
-    from ray_mesh.network import NCCL_VPN_DEFAULTS
+    from ray_mesh.network.interfaces import NCCL_VPN_DEFAULTS
 
     assert {k: env[k] for k in NCCL_VPN_DEFAULTS} == NCCL_VPN_DEFAULTS  # one source of truth
     docs = list(yaml.safe_load_all((DEPLOY / "kuberay" / "raycluster.yaml").read_text()))

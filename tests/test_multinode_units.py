@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from ray_mesh import network
-from ray_mesh.discovery import NodeInfo, nodes_from_ray, plan_cluster, strategy_spec
-from ray_mesh.network import (
+from ray_mesh.core.topology import TopologyError, WorkerReport
+from ray_mesh.network import interfaces as network
+from ray_mesh.network.interfaces import (
     NCCL_VPN_DEFAULTS,
     Choice,
     NetworkError,
@@ -25,14 +25,14 @@ from ray_mesh.network import (
     rendezvous_url,
     split_host_port,
 )
-from ray_mesh.preflight import (
+from ray_mesh.network.preflight import (
     NodeTarget,
     Outcome,
     choose_all,
     run_preflight,
     version_problems,
 )
-from ray_mesh.topology import TopologyError, WorkerReport
+from ray_mesh.planning.cluster import NodeInfo, nodes_from_ray, plan_cluster, strategy_spec
 
 TABLE = {
     "lo": ["127.0.0.1", "::1"],
@@ -252,7 +252,7 @@ def test_preflight_missing_interface_on_one_node_still_checks_the_rest():
 
 
 def test_connect_refused_is_reported_as_a_blocked_port():
-    from ray_mesh.preflight import probe_peers
+    from ray_mesh.network.preflight import probe_peers
 
     res = probe_peers("127.0.0.1", [("node1", "127.0.0.1", _free_port())], 2.0)
     assert not res["node1"]["ok"] and "refused" in res["node1"]["error"]
@@ -270,8 +270,8 @@ def test_version_mismatch_names_nodes_and_fix():
 
 
 def test_address_that_does_not_answer_fails_in_seconds():
-    from ray_mesh.job import JobError
-    from ray_mesh.runner import check_reachable
+    from ray_mesh.cli.job import JobError
+    from ray_mesh.raytrain.runner import check_reachable
 
     with socket.socket() as s:  # a port that is bound but never accepts: connects hang
         s.bind(("127.0.0.1", 0))

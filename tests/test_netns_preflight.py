@@ -17,8 +17,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netns_cluster import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
-from ray_mesh.network import Choice, collective_env, host_port  # noqa: E402
-from ray_mesh.preflight import NodeTarget, Outcome, node_versions, run_preflight  # noqa: E402
+from ray_mesh.network.interfaces import Choice, collective_env, host_port  # noqa: E402
+from ray_mesh.network.preflight import NodeTarget, Outcome, node_versions, run_preflight  # noqa: E402
 
 pytestmark = pytest.mark.netns
 _REASON = netns_unavailable_reason()

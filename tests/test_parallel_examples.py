@@ -32,7 +32,7 @@ def test_example_job_trains(name):
     tmp = tempfile.mkdtemp(prefix="rmex", dir="/tmp")
     env["RAY_TMPDIR"] = tmp
     proc = subprocess.run(
-        [sys.executable, "-m", "ray_mesh.cli", "run", f"examples/{name}.yaml"],
+        [sys.executable, "-m", "ray_mesh.cli.main", "run", f"examples/{name}.yaml"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=570)
     shutil.rmtree(tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr

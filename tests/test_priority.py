@@ -1,4 +1,4 @@
-"""ray_mesh.priority: every thread of a process gets the training niceness (Ray-free)."""
+"""ray_mesh.core.priority: every thread of a process gets the training niceness (Ray-free)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import ray_mesh
 # worker does, starts threads before and after, then asks ray_mesh for niceness 0.
 CHILD = textwrap.dedent("""
     import json, os, threading
-    from ray_mesh import priority
+    from ray_mesh.core import priority
 
     def every_thread():
         return sorted({os.getpriority(os.PRIO_PROCESS, int(t))
@@ -61,7 +61,7 @@ def test_set_niceness_reaches_every_thread():
 
 
 def test_niceness_out_of_range_is_refused_before_any_change():
-    from ray_mesh import priority
+    from ray_mesh.core import priority
 
     with pytest.raises(ValueError, match="between -20 and 19"):
         priority.set_niceness(40)

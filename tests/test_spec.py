@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec, MeshSpecError
+from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec, MeshSpecError
 
 
 def test_default_is_fsdp_over_everything():

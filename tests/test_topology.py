@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from ray_mesh.spec import MeshSpec
-from ray_mesh.topology import TopologyError, WorkerReport, plan_mesh
+from ray_mesh.core.spec import MeshSpec
+from ray_mesh.core.topology import TopologyError, WorkerReport, plan_mesh
 
 
 def workers(per_node: list[int]) -> list[WorkerReport]:

@@ -64,7 +64,7 @@ use_token_auth() {
 }
 
 # Ray starts worker processes at niceness 15; training ranks should compete for the CPU like
-# torchrun's do (ray_mesh.priority). Workers inherit this from `ray start`, so no privilege
+# torchrun's do (ray_mesh.core.priority). Workers inherit this from `ray start`, so no privilege
 # is needed, unlike lowering it later from inside the worker. An exported value wins.
 training_niceness() {
     export RAY_worker_niceness="${RAY_worker_niceness:-0}"

@@ -51,7 +51,7 @@ def _warn(message: str) -> None:
 
 
 def _mesh_dict() -> dict[str, Any] | None:
-    from ray_mesh import bootstrap
+    from ray_mesh.core import bootstrap
 
     return bootstrap.get_state().spec.to_dict() if bootstrap.is_initialized() else None
 

@@ -11,16 +11,16 @@ import argparse
 import logging
 import sys
 
-from ray_mesh.job import Job, JobError
-from ray_mesh.network import NetworkError
-from ray_mesh.spec import MeshSpecError
-from ray_mesh.topology import TopologyError
+from ray_mesh.cli.job import Job, JobError
+from ray_mesh.core.spec import MeshSpecError
+from ray_mesh.core.topology import TopologyError
+from ray_mesh.network.interfaces import NetworkError
 
 USER_ERRORS = (JobError, MeshSpecError, TopologyError, NetworkError)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ray_mesh.runner import run_job
+    from ray_mesh.raytrain.runner import run_job
 
     job = Job.from_yaml(args.job)
     if args.num_workers is not None:
@@ -38,7 +38,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from ray_mesh.status import StatusError, collect, format_status
+    from ray_mesh.observability.status import StatusError, collect, format_status
 
     try:
         status = collect(args.address, timeout_s=args.timeout, all_runs=args.all)
@@ -53,13 +53,13 @@ def _connect_existing(address: str | None) -> None:
     """Join a running cluster (never start one: plan and doctor describe a real cluster)."""
     import os
 
-    from ray_mesh.runner import connect
+    from ray_mesh.raytrain.runner import connect
 
     connect(address or os.environ.get("RAY_ADDRESS") or "auto", 0)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ray_mesh.discovery import describe_nodes, live_nodes, plan_cluster
+    from ray_mesh.planning.cluster import describe_nodes, live_nodes, plan_cluster
 
     _connect_existing(args.address)
     nodes = live_nodes()
@@ -72,7 +72,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from ray_mesh.discovery import describe_nodes, doctor, live_nodes
+    from ray_mesh.planning.cluster import describe_nodes, doctor, live_nodes
 
     _connect_existing(args.address)
     nodes = live_nodes()
@@ -85,8 +85,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _add_plan_doctor(sub) -> None:
-    from ray_mesh.discovery import STRATEGIES
-    from ray_mesh.preflight import DEFAULT_TIMEOUT_S
+    from ray_mesh.network.preflight import DEFAULT_TIMEOUT_S
+    from ray_mesh.planning.cluster import STRATEGIES
 
     address_help = "Ray cluster address (else RAY_ADDRESS, else the cluster on this machine)"
     plan = sub.add_parser("plan", help="propose a mesh and rank -> node table for the cluster")

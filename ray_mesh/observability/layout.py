@@ -16,8 +16,8 @@ import json
 import logging
 from typing import Any
 
-from ray_mesh.spec import DIM_NAMES
-from ray_mesh.topology import MeshPlan
+from ray_mesh.core.spec import DIM_NAMES
+from ray_mesh.core.topology import MeshPlan
 
 logger = logging.getLogger(__name__)
 

@@ -15,15 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_mesh.preflight import (
+from ray_mesh.core.spec import MeshSpec, MeshSpecError
+from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
+from ray_mesh.network.preflight import (
     DEFAULT_TIMEOUT_S,
     NodeTarget,
     PreflightReport,
     RayRefExecutor,
     run_preflight,
 )
-from ray_mesh.spec import MeshSpec, MeshSpecError
-from ray_mesh.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
 
 STRATEGIES = ("hsdp", "tp-dp", "tp-pp", "pp-hsdp-tp")
 _BUILTIN = ("CPU", "GPU", "memory", "object_store_memory")
@@ -259,7 +259,7 @@ def _node_agent_cls():
         def ready(self) -> dict:
             # Import what the pre-flight calls need (torch included, for its version) now,
             # under the start-up bound, not under the pre-flight's.
-            from ray_mesh.preflight import node_versions
+            from ray_mesh.network.preflight import node_versions
 
             return node_versions()
 

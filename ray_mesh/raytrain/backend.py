@@ -22,9 +22,10 @@ import torch
 from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 
-from ray_mesh import bootstrap, priority
-from ray_mesh.layout import save_layout
-from ray_mesh.network import (
+from ray_mesh.core import bootstrap, priority
+from ray_mesh.core.spec import MeshSpec
+from ray_mesh.core.topology import MeshPlan, WorkerReport, plan_mesh
+from ray_mesh.network.interfaces import (
     Choice,
     apply_env,
     collective_env,
@@ -32,9 +33,8 @@ from ray_mesh.network import (
     rank_env_line,
     user_kept,
 )
-from ray_mesh.preflight import check_worker_group, choose_all
-from ray_mesh.spec import MeshSpec
-from ray_mesh.topology import MeshPlan, WorkerReport, plan_mesh
+from ray_mesh.network.preflight import check_worker_group, choose_all
+from ray_mesh.observability.layout import save_layout
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class MeshConfig(TorchConfig):
             run fails with the ranks that did not finish, instead of hanging.
         backend: ``None`` picks nccl on GPU workers and gloo on CPU workers.
         timeout_s: torch.distributed collective timeout.
-        preflight: run the bounded network pre-flight (``ray_mesh.preflight``) before the
+        preflight: run the bounded network pre-flight (``ray_mesh.network.preflight``) before the
             first process group.
         preflight_timeout_s: bound on the whole pre-flight.
         nccl_vpn_defaults: ``'auto'`` adds ``network.NCCL_VPN_DEFAULTS`` (sockets only) when
@@ -64,7 +64,7 @@ class MeshConfig(TorchConfig):
             (runtime_env or the node's environment) always wins.
         worker_niceness: CPU niceness of the training workers' every thread. Ray starts
             workers at 15 (``RAY_worker_niceness``); torchrun ranks run at 0, and so do
-            ray_mesh's by default (see ``ray_mesh.priority``). ``None`` keeps Ray's.
+            ray_mesh's by default (see ``ray_mesh.core.priority``). ``None`` keeps Ray's.
     """
 
     mesh: Any = None
@@ -132,7 +132,7 @@ class _TrainThreadContext:
 
 # ----------------------------------------------------------------------------- on workers
 def _probe_worker() -> WorkerReport:
-    from ray_mesh.network import local_interfaces
+    from ray_mesh.network.interfaces import local_interfaces
 
     ctx = ray.train.get_context()
     return WorkerReport(

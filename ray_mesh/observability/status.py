@@ -30,8 +30,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_mesh.layout import read_layout
-from ray_mesh.spec import DIM_NAMES, MeshSpec
+from ray_mesh.core.spec import DIM_NAMES, MeshSpec
+from ray_mesh.observability.layout import read_layout
 
 ACTIVE = ("INITIALIZING", "SCHEDULING", "RUNNING", "RESTARTING", "RESIZING")
 DEFAULT_DASHBOARD_PORT = 8265

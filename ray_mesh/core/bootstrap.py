@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
+from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
 
 logger = logging.getLogger(__name__)
 

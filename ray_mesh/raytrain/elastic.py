@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from ray_mesh.spec import NODES, MeshSpec, MeshSpecError
+from ray_mesh.core.spec import NODES, MeshSpec, MeshSpecError
 
 
 def check_elastic_mesh(spec: MeshSpec, min_workers: int, max_workers: int) -> None:

@@ -1,4 +1,4 @@
-"""Run a :class:`~ray_mesh.job.Job` on Ray: embedded local Ray, or a cluster by address."""
+"""Run a :class:`~ray_mesh.cli.job.Job` on Ray: embedded local Ray, or a cluster by address."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import ray
 from ray.train import CheckpointConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from ray_mesh.backend import MeshConfig
 from ray_mesh.checkpointing.storage import check_storage
-from ray_mesh.elastic import check_elastic_mesh, explain_startup_failure, failure_config
-from ray_mesh.job import Job, JobError
-from ray_mesh.network import host_port, split_host_port
-from ray_mesh.priority import RAY_NICENESS_ENV
-from ray_mesh.spec import NODES
+from ray_mesh.cli.job import Job, JobError
+from ray_mesh.core.priority import RAY_NICENESS_ENV
+from ray_mesh.core.spec import NODES
+from ray_mesh.network.interfaces import host_port, split_host_port
+from ray_mesh.raytrain.backend import MeshConfig
+from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
     # CPU workers on a small machine: let Ray count enough CPUs for all of them.
     # address='local': a new instance even when `ray start` left one running on this host.
     # Its workers run this job only: start them at niceness 0 like torchrun's ranks (Ray's
-    # default is 15; see ray_mesh.priority). They inherit it from raylet, which inherits
+    # default is 15; see ray_mesh.core.priority). They inherit it from raylet, which inherits
     # this process's environment; an unprivileged worker could not lower it later.
     saved = os.environ.get(RAY_NICENESS_ENV)
     os.environ.setdefault(RAY_NICENESS_ENV, "0")

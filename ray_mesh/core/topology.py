@@ -12,7 +12,7 @@ import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from ray_mesh.spec import DIM_NAMES, MeshSpec, MeshSpecError
+from ray_mesh.core.spec import DIM_NAMES, MeshSpec, MeshSpecError
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from ray import cloudpickle
 
-from ray_mesh.spec import MeshSpec, MeshSpecError, load_yaml
+from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
 
 
 class JobError(ValueError):

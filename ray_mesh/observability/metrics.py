@@ -2,7 +2,7 @@
 
 One :class:`StepMeter` per training process::
 
-    meter = ray_mesh.metrics.StepMeter(samples_per_step=batch * dp)
+    meter = ray_mesh.observability.metrics.StepMeter(samples_per_step=batch * dp)
     for step in range(steps):
         with meter.step() as s:
             loss = train_step(...)
@@ -58,8 +58,8 @@ from typing import Any
 
 import torch
 
-from ray_mesh import bootstrap
-from ray_mesh.spec import DIM_NAMES, FLATTENED_DIMS
+from ray_mesh.core import bootstrap
+from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 
 logger = logging.getLogger(__name__)
 

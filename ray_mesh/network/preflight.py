@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Protocol
 
-from ray_mesh.network import (
+from ray_mesh.network.interfaces import (
     Choice,
     NetworkError,
     choose_interface,
@@ -531,7 +531,7 @@ def check_worker_group(worker_group: Any, plan: Any, choices: Sequence[Choice],
                        rendezvous_port: int, timeout_s: float) -> PreflightReport:
     """The pre-flight on a Ray Train worker group (one worker per node); raises on failure.
 
-    ``plan`` is the :class:`ray_mesh.topology.MeshPlan`; ``choices`` the per-rank interfaces
+    ``plan`` is the :class:`ray_mesh.core.topology.MeshPlan`; ``choices`` the per-rank interfaces
     the driver chose, passed by name so every node re-checks exactly that interface.
     """
     first_rank: dict[int, int] = {}
@@ -552,7 +552,7 @@ def check_worker_group(worker_group: Any, plan: Any, choices: Sequence[Choice],
 def choose_all(reports: Sequence[Any], requested: str) -> list[Choice]:
     """Choose every worker's interface on the driver; one error naming every failing node.
 
-    ``reports`` are :class:`ray_mesh.topology.WorkerReport` (node_ip, interfaces, rank).
+    ``reports`` are :class:`ray_mesh.core.topology.WorkerReport` (node_ip, interfaces, rank).
     """
     choices: list[Choice | None] = []
     failures: dict[str, str] = {}
