@@ -8,17 +8,23 @@ metrics port) start it in a subprocess or their own fixture and never call ray.i
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 LOCAL_RAY_CPUS = 8
 TESTS_DIR = Path(__file__).resolve().parent
+HELPERS_DIR = TESTS_DIR / "helpers"
+# One folder per kind of test; the folder name is also the marker each test gets.
+KINDS = ("unit", "dist", "ray", "netns")
+sys.path.insert(0, str(HELPERS_DIR))  # shared drivers, train functions and fixtures
 
 
 def worker_runtime_env() -> dict:
     """Lets Ray workers import train functions defined in test modules (by module name)."""
-    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH")) if p)
+    dirs = [str(TESTS_DIR / kind) for kind in KINDS] + [str(HELPERS_DIR)]
+    path = os.pathsep.join(p for p in (*dirs, os.environ.get("PYTHONPATH")) if p)
     return {"env_vars": {"PYTHONPATH": path}}
 
 
@@ -27,6 +33,10 @@ SLOW_ENV = "RAY_MESH_SLOW_TESTS"
 
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.slow`` tests (multi-minute scenarios) run only with RAY_MESH_SLOW_TESTS=1."""
+    for item in items:  # the folder says the kind: `pytest -m unit`, `-m "not netns"`, ...
+        kind = Path(str(item.fspath)).parent.name
+        if kind in KINDS:
+            item.add_marker(getattr(pytest.mark, kind))
     if os.environ.get(SLOW_ENV) == "1":
         return
     skip = pytest.mark.skip(reason=f"slow scenario: set {SLOW_ENV}=1 to run it")

@@ -3,9 +3,9 @@
 Each prints one line ``RESULT <json>`` that the test parses; everything else on stdout
 (worker prints forwarded by Ray included) is kept for assertions on logs.
 
-    python tests/_multinode_driver.py fits  STORAGE_DIR
-    python tests/_multinode_driver.py cli   UNREACHABLE_ADDRESS
-    python tests/_multinode_driver.py linkcut GO_FILE
+    python tests/helpers/_multinode_driver.py fits  STORAGE_DIR
+    python tests/helpers/_multinode_driver.py cli   UNREACHABLE_ADDRESS
+    python tests/helpers/_multinode_driver.py linkcut GO_FILE
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from netns_cluster import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 from ray_mesh.network.interfaces import Choice, collective_env, host_port  # noqa: E402

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from _ckpt_train import attempts, steps  # noqa: E402
 from netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
-DRIVER = Path(__file__).resolve().parent / "_ckpt_elastic_driver.py"
+DRIVER = Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_elastic_driver.py"
 STEPS = 10  # as in the driver
 
 

@@ -32,7 +32,7 @@ from ray_mesh.parallel import (
     shard_batch,
 )
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 3
 LR = 0.05
 RTOL, ATOL = 1e-4, 2e-5

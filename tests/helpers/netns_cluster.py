@@ -62,7 +62,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _instances = itertools.count()
 DEPLOY = REPO / "deploy" / "tailscale"
 TAILNET_IFACE = "tailscale0"

@@ -15,7 +15,7 @@ from ray_mesh.core.spec import MeshSpec, MeshSpecError
 from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 from ray_mesh.raytrain.runner import check_resources, scaling_for
 
-TRAIN = "tests/_ckpt_train.py:train_loop"
+TRAIN = "tests/helpers/_ckpt_train.py:train_loop"
 
 
 def test_only_dp_replicate_may_follow_the_nodes():

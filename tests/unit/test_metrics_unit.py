@@ -23,7 +23,7 @@ from ray_mesh.observability.layout import LAYOUT_JSON, layout_document, read_lay
 from ray_mesh.observability.metrics import METRICS, StepMeter, _Exporter, check_endpoint, mesh_tags
 from ray_mesh.observability.status import StatusError, collect
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "deploy" / "monitoring"
 EXPORTED = {m.prometheus_name for m in METRICS}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().with_name("_parallel_torchrun.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "_parallel_torchrun.py"
 CHECKS = ["hsdp_example_under_torchrun", "tp_indivisible_hidden", "tp_plan_typo",
           "pp_more_stages_than_layers", "pp_interleaved_more_stages_than_layers",
           "pp_microbatches_vs_batch_size", "pp_microbatches_at_step",

@@ -33,7 +33,7 @@ from ray_mesh.observability.status import parse_series
 
 pytestmark = pytest.mark.ray
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUN = "meshmon"
 BATCH, SLEEP = 16, 0.05
 SPEC = MeshSpec(dp_replicate=2, dp_shard=2)

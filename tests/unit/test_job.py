@@ -9,7 +9,7 @@ import pytest
 from ray_mesh.cli.job import Job, JobError, load_function
 from ray_mesh.raytrain.runner import check_resources, scaling_for
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:

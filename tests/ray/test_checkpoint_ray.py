@@ -24,7 +24,7 @@ from _ckpt_train import attempts, steps
 from ray_mesh.checkpointing import StorageError, check_storage, sharded
 from ray_mesh.cli.job import Job, load_function
 
-TRAIN = str(Path(__file__).with_name("_ckpt_train.py")) + ":train_loop"
+TRAIN = str(Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_train.py") + ":train_loop"
 STEPS = 12
 EVERY = 3
 

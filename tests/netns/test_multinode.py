@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from netns_cluster import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
-DRIVER = Path(__file__).resolve().parent / "_multinode_driver.py"
+DRIVER = Path(__file__).resolve().parents[1] / "helpers" / "_multinode_driver.py"
 _REASON = netns_unavailable_reason()
 
 

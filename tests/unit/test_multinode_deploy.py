@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SCRIPTS = [DEPLOY / "tailscale" / n for n in ("ray-head.sh", "ray-worker.sh", "common.sh")]
 
 

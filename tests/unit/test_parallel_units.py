@@ -25,7 +25,7 @@ from ray_mesh.parallel import (
     validate_tp_plan,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from _parallel_checks import load_example  # noqa: E402
 
 
