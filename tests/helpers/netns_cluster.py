@@ -33,8 +33,15 @@ Usage (pytest puts tests/ on sys.path; elsewhere add it)::
         before = cluster.interface_counters(1)      # tailscale0 rx/tx bytes and packets
         cluster.cut_link(1)                         # node 1 drops off the bridge
         cluster.restore_link(1)
+        cluster.shape_link(1, 20)                   # node 1's link: 20 Mbit/s each way
         cluster.kill_node(1)                        # its Ray processes die (a crash)
         cluster.add_node({"slot": 2})               # a new node joins (elastic tests)
+
+Shaped links: ``NetnsCluster(link_mbit=100, node_mbit={1: 20})`` (or :meth:`shape_link` later)
+puts a ``tc ... tbf`` qdisc on both ends of a node's veth, so its traffic in and out is capped
+(set 100 Mbit/s measured ~97, 20 Mbit/s ~22 by a 3 s TCP transfer). This kernel has no
+``netem``, ``fq``, ``sfq`` or ``cake``, so no delay or loss can be added: latency is a
+parameter of the planner's cost model, not of the fixture.
 
 Drivers get ``RAY_ADDRESS`` (``cluster.address``) and ``RAY_AUTH_MODE=token``; workers run
 with one ``--temp-dir`` per node under ``cluster.root``.
@@ -151,6 +158,8 @@ class NetnsCluster:
         dashboard: start the head's dashboard (bound to its tailnet address by the script).
         start_attempts: tries per node's ``ray start`` (a busy machine can time one out).
         ipv6: also give each tailscale0 an address in Tailscale's IPv6 range.
+        link_mbit: cap every node's link at this rate (Mbit/s, each direction); None: unshaped.
+        node_mbit: per-node caps that override ``link_mbit`` (e.g. ``{1: 20}``: a slow node).
     """
 
     def __init__(
@@ -164,8 +173,12 @@ class NetnsCluster:
         dashboard: bool = False,
         start_attempts: int = 2,
         ipv6: bool = False,
+        link_mbit: float | None = None,
+        node_mbit: dict[int, float] | None = None,
     ) -> None:
         self.ipv6 = ipv6
+        self.link_mbit = None if link_mbit is None else check_rate(link_mbit)
+        self.node_mbit = {int(i): check_rate(r) for i, r in (node_mbit or {}).items()}
         self.dashboard = dashboard
         self.start_attempts = max(1, start_attempts)
         self.resources = resources or [{"slot": 2}, {"slot": 2}]
@@ -189,6 +202,9 @@ class NetnsCluster:
         self.bridge = f"rmb{self.tag}"
         self.root = Path(tempfile.mkdtemp(prefix=f"rmn{self.tag}_", dir="/tmp"))
         self.nodes: list[Node] = [self._make_node(i, r) for i, r in enumerate(self.resources)]
+        if bad := sorted(i for i in self.node_mbit if not 0 <= i < len(self.nodes)):
+            raise ValueError(f"node_mbit names nodes {bad}, but the cluster has nodes "
+                             f"0..{len(self.nodes) - 1}")
         self.bin_dir = self.root / "bin"
         self.started = False
 
@@ -226,6 +242,9 @@ class NetnsCluster:
         _run(["ip", "link", "set", self.bridge, "up"])
         for node in self.nodes:
             self._build_node(node)
+            rate = self.node_mbit.get(node.index, self.link_mbit)
+            if rate is not None:
+                self.shape_link(node.index, rate)
         self._write_fake_tailscale()
 
     def _make_node(self, i: int, resources: dict[str, float]) -> Node:
@@ -444,6 +463,25 @@ class NetnsCluster:
         _run([*self.nodes[index].exec_prefix(), sys.executable, "-c", _REACH_SCRIPT,
               str(timeout_s), *peers], timeout=timeout_s + 15)
 
+    def shape_link(self, index: int, mbit: float) -> None:
+        """Cap node ``index``'s link at ``mbit`` Mbit/s in both directions (``tc ... tbf``).
+
+        One token bucket on each end of the veth: the bridge end shapes what the node
+        receives, ``tailscale0`` inside the namespace what it sends. The burst (64 kB) and
+        queue bound (400 ms) are those measured to give the set rate within a few percent.
+        """
+        rate = f"{check_rate(mbit):g}mbit"
+        node = self.nodes[index]
+        for prefix, dev in (([], node.host_veth), (node.exec_prefix(), TAILNET_IFACE)):
+            _run([*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                  "burst", "64kb", "latency", "400ms"])
+
+    def unshape_link(self, index: int) -> None:
+        """Remove node ``index``'s rate cap (both ends)."""
+        node = self.nodes[index]
+        for prefix, dev in (([], node.host_veth), (node.exec_prefix(), TAILNET_IFACE)):
+            _run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+
     def interface_counters(self, index: int, iface: str = TAILNET_IFACE) -> dict[str, int]:
         """Byte/packet counters of ``iface`` in node ``index`` (e.g. bytes across nodes)."""
         proc = _run([*self.nodes[index].exec_prefix(), "ip", "-s", "-j", "link", "show",
@@ -506,6 +544,19 @@ class NamespaceAgent:
             self.proc.wait(timeout=10)
 
 
+def check_rate(mbit: object) -> float:
+    """A link rate in Mbit/s: a finite number > 0 (``tc`` would take 0 as "no limit")."""
+    try:
+        rate = float(mbit)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"link rate {mbit!r} is not a number of Mbit/s (e.g. 100 or 20)") \
+            from None
+    if isinstance(mbit, bool) or not 0 < rate < float("inf"):
+        raise ValueError(f"link rate {mbit!r} must be a finite number of Mbit/s above 0 "
+                         "(e.g. 100 or 20); leave it out for an unshaped link")
+    return rate
+
+
 def _text(data: str | bytes | None) -> str:
     if data is None:
         return ""
@@ -513,4 +564,4 @@ def _text(data: str | bytes | None) -> str:
 
 
 __all__ = ["DECOY_IFACE", "TAILNET_IFACE", "NamespaceAgent", "NetnsCluster", "Node",
-           "netns_unavailable_reason"]
+           "check_rate", "netns_unavailable_reason"]

@@ -1,0 +1,335 @@
+"""Link bandwidth between nodes, measured by a short, bounded TCP transfer (Ray-free).
+
+Over a VPN the link between nodes decides which mesh layout is fastest (see
+``ray_mesh.planning.cost``), so ray_mesh measures it instead of guessing:
+
+* one process per node runs a :class:`BandwidthServer` on the node's *chosen* address (the
+  interface the collectives will use), which counts what it receives and answers the
+  sender with ``bytes, seconds`` measured at the receiver: the sender's own count would
+  include what still sits in socket buffers, several MB, which at 20 Mbit/s is seconds;
+* nodes send to each other in rounds of disjoint pairs (:func:`pair_rounds`): two
+  transfers that share a node at the same time would split its link and each read half;
+* a last round has every node send to its own address: the within-node figure (a = b).
+  It is kernel TCP, not NVLink or PCIe: a floor for the intra-node path, not its speed.
+
+Each transfer is bounded by bytes and by seconds, so a measurement costs at most
+``rounds * max_s`` (2 s for two nodes at the default 1 s) and a fast link finishes early
+(32 MB at 10 Gbit/s: ~30 ms). One direction is measured per pair (the lower node index
+sends): VPN links are symmetric enough for planning.
+
+Connections must open with the per-run nonce the orchestrator hands out; any other client
+is dropped, and the server takes at most :data:`MAX_CLIENTS` at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import secrets
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+CHUNK = 64 * 1024
+DEFAULT_MAX_S = 1.0
+DEFAULT_MAX_BYTES = 32 * 1024 * 1024
+MAX_CLIENTS = 4
+# Sender-side socket buffer: small, so that little is left to drain after the last write.
+SNDBUF = 256 * 1024
+SLOW_FACTOR = 0.5  # a node whose links run below half the others' median is named slow
+
+
+class LinkError(RuntimeError):
+    """A link could not be measured; the message names the pair and what to check."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """Measured throughput from node address ``a`` to ``b`` (a == b: within one node)."""
+
+    a: str
+    b: str
+    mbit_s: float
+
+
+def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """Every unordered pair of ``n`` nodes once, in rounds where no node appears twice.
+
+    The circle method of round-robin tournaments: n-1 rounds for even n, n for odd n
+    (one node sits out each round). Pairs are ``(low, high)``.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"pair_rounds needs a node count >= 1, got {n!r}")
+    ids: list[int | None] = list(range(n)) + ([None] if n % 2 else [])
+    m = len(ids)
+    rounds = []
+    for _ in range(m - 1):
+        pairs = []
+        for k in range(m // 2):
+            x, y = ids[k], ids[m - 1 - k]
+            if x is not None and y is not None:
+                pairs.append((min(x, y), max(x, y)))
+        if pairs:
+            rounds.append(sorted(pairs))
+        ids = [ids[0], ids[-1], *ids[1:-1]]
+    return rounds
+
+
+class BandwidthServer:
+    """Receives transfers on ``address`` and answers each sender with what arrived.
+
+    Lives until :meth:`close` or ``lifetime_s``, whichever comes first, so an orchestrator
+    that dies cannot leave a listener behind.
+    """
+
+    def __init__(self, address: str, nonce: str, lifetime_s: float = 30.0) -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((address, 0))
+        self.sock.listen(MAX_CLIENTS)
+        self.sock.settimeout(0.2)
+        self.port: int = self.sock.getsockname()[1]
+        self.nonce = nonce.encode()
+        self.deadline = time.monotonic() + lifetime_s
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name="ray_mesh-bandwidth")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set() and time.monotonic() < self.deadline:
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # over the cap: the sender sees a reset and reports it
+                continue
+            threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
+        self.sock.close()
+
+    def _receive(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(max(1.0, self.deadline - time.monotonic()))
+            head = _read_line(conn, len(self.nonce) + 1)
+            if head != self.nonce:
+                return  # not one of this run's senders
+            total, first, last = 0, 0.0, 0.0
+            while True:
+                data = conn.recv(CHUNK * 4)
+                if not data:
+                    break
+                now = time.perf_counter()
+                if not first:
+                    first = now  # the first chunk starts the clock and is not counted
+                else:
+                    total += len(data)
+                last = now
+            conn.sendall(f"{total} {max(last - first, 0.0):.9f}\n".encode())
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+def _read_line(conn: socket.socket, limit: int) -> bytes:
+    buf = b""
+    while not buf.endswith(b"\n") and len(buf) <= limit:
+        data = conn.recv(1)
+        if not data:
+            break
+        buf += data
+    return buf.rstrip(b"\n")
+
+
+def send_to(src: str, dst: str, port: int, nonce: str, max_s: float = DEFAULT_MAX_S,
+            max_bytes: int = DEFAULT_MAX_BYTES) -> float:
+    """Send from ``src`` to a :class:`BandwidthServer` at ``dst:port``; Mbit/s received.
+
+    Stops after ``max_bytes`` or ``max_s`` seconds of sending, whichever comes first; the
+    answer waits for the receiver at most ``max_s + 5`` more seconds.
+    """
+    family = socket.AF_INET6 if ":" in dst else socket.AF_INET
+    payload = b"\0" * CHUNK
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
+            sock.settimeout(max_s + 5.0)
+            sock.bind((src, 0))
+            sock.connect((dst, port))
+            sock.sendall(nonce.encode() + b"\n")
+            sent, end = 0, time.monotonic() + max_s
+            while sent < max_bytes and time.monotonic() < end:
+                sock.sendall(payload)
+                sent += CHUNK
+            sock.shutdown(socket.SHUT_WR)
+            answer = _read_line(sock, 64).decode()
+    except OSError as exc:
+        raise LinkError(f"bandwidth probe {src} -> {dst}:{port} failed: {exc}; check that "
+                        f"{dst} is reachable from {src} over the chosen interface "
+                        "(`ray-mesh doctor`)") from exc
+    try:
+        received, seconds = answer.split()
+        received_b, seconds_f = int(received), float(seconds)
+    except ValueError:
+        raise LinkError(f"bandwidth probe {src} -> {dst}:{port}: the receiver gave no count "
+                        f"({answer!r}); was it started with the same nonce?") from None
+    if seconds_f <= 0 or received_b <= 0:
+        raise LinkError(f"bandwidth probe {src} -> {dst}: too little data arrived to measure "
+                        f"({received_b} bytes in {seconds_f:.3f} s); raise max_s")
+    return received_b * 8 / seconds_f / 1e6
+
+
+def new_nonce() -> str:
+    """A per-measurement secret: only the orchestrator's senders are answered."""
+    return secrets.token_hex(16)
+
+
+@dataclass
+class LinkMatrix:
+    """Measured links, one per node pair plus one per node (a == b)."""
+
+    links: list[Link]
+
+    def to_json(self) -> list[dict[str, object]]:
+        return [asdict(link) for link in self.links]
+
+    @classmethod
+    def from_json(cls, data: Sequence[dict[str, object]]) -> LinkMatrix:
+        return cls([Link(str(d["a"]), str(d["b"]), float(d["mbit_s"])) for d in data])
+
+    def nodes(self) -> list[str]:
+        return sorted({x for link in self.links for x in (link.a, link.b)})
+
+    def cross(self) -> list[Link]:
+        return [link for link in self.links if link.a != link.b]
+
+    def cross_node_mbit(self) -> float:
+        """The slowest link between two nodes (what a collective across nodes waits for)."""
+        cross = self.cross()
+        return min(link.mbit_s for link in cross) if cross else math.inf
+
+    def slow_nodes(self) -> list[str]:
+        """Nodes all of whose cross-node links run below SLOW_FACTOR x the others' median."""
+        cross = self.cross()
+        slow = []
+        for node in self.nodes():
+            mine = [x.mbit_s for x in cross if node in (x.a, x.b)]
+            others = [x.mbit_s for x in cross if node not in (x.a, x.b)]
+            if mine and others and max(mine) < SLOW_FACTOR * statistics.median(others):
+                slow.append(node)
+        if not slow and len(self.nodes()) == 2 and cross:
+            return []  # two nodes, one link: nothing to compare it with
+        return slow
+
+    def verdict(self) -> str:
+        """One line a person reads: the slow node and its rate, or the slowest link."""
+        cross = self.cross()
+        if not cross:
+            return "one node: no link between nodes"
+        slow = self.slow_nodes()
+        if slow:
+            parts = []
+            for node in slow:
+                mine = max(x.mbit_s for x in cross if node in (x.a, x.b))
+                others = statistics.median(x.mbit_s for x in cross if node not in (x.a, x.b))
+                parts.append(f"node {node}: links at most {mine:.0f} Mbit/s, "
+                             f"{others / mine:.1f}x slower than the other links "
+                             f"({others:.0f} Mbit/s)")
+            return "; ".join(parts)
+        worst = min(cross, key=lambda x: x.mbit_s)
+        return f"slowest link {worst.a} <-> {worst.b}: {worst.mbit_s:.0f} Mbit/s"
+
+    def format(self) -> str:
+        """A node x node table of Mbit/s (row sends to column; the diagonal is within-node)."""
+        nodes = self.nodes()
+        rate = {(x.a, x.b): x.mbit_s for x in self.links}
+        rows = []
+        for a in nodes:
+            cells = []
+            for b in nodes:
+                v = rate.get((a, b), rate.get((b, a)))
+                cells.append("-" if v is None else f"{v:.0f}")
+            rows.append([a, *cells])
+        header = ["Mbit/s", *nodes]
+        widths = [max(len(str(r[k])) for r in [header, *rows]) for k in range(len(header))]
+        lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True))
+                 for r in [header, *rows]]
+        return "\n".join([*lines, self.verdict()])
+
+    def dumps(self) -> str:
+        return json.dumps({"links": self.to_json()})
+
+
+# Node-side entry points: the orchestrator calls these on one process per node (a Ray
+# worker or node agent, or a test's namespace agent); the server outlives the call.
+_SERVERS: dict[int, BandwidthServer] = {}
+
+
+def start_server(address: str, nonce: str, lifetime_s: float = 30.0) -> int:
+    """Start a :class:`BandwidthServer` in this process; returns its port."""
+    server = BandwidthServer(address, nonce, lifetime_s)
+    _SERVERS[server.port] = server
+    return server.port
+
+
+def stop_server(port: int) -> None:
+    server = _SERVERS.pop(port, None)
+    if server is not None:
+        server.close()
+
+
+RunOn = Callable[..., object]  # run_on(node_index, fn, *args) -> fn(*args) on that node
+
+
+def measure_links(addresses: Sequence[str], run_on: RunOn, *, max_s: float = DEFAULT_MAX_S,
+                  max_bytes: int = DEFAULT_MAX_BYTES, within_node: bool = True) -> LinkMatrix:
+    """Measure every node pair (and each node to itself) through ``run_on``.
+
+    ``addresses[i]`` is node i's chosen address; ``run_on(i, fn, *args)`` runs ``fn`` in a
+    process on node i and returns its value (raising on failure). Pairs run in rounds of
+    disjoint pairs (:func:`pair_rounds`), the transfers of a round at the same time.
+    """
+    if not addresses:
+        raise ValueError("measure_links needs at least one node address")
+    if not 0 < max_s <= 30:
+        raise ValueError(f"max_s={max_s!r}: give a bound of seconds per transfer in (0, 30]")
+    nonce = new_nonce()
+    n = len(addresses)
+    lifetime = (n + 1) * (max_s + 10.0)
+    ports = [int(run_on(i, start_server, addresses[i], nonce, lifetime)) for i in range(n)]
+    rounds = pair_rounds(n) if n > 1 else []
+    if within_node:
+        rounds.append([(i, i) for i in range(n)])
+    links: list[Link] = []
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, n)) as pool:
+            for round_ in rounds:
+                # Positional arguments only: run_on may be a plain (fn, args) transport.
+                futures = {(i, j): pool.submit(run_on, i, send_to, addresses[i], addresses[j],
+                                               ports[j], nonce, max_s, max_bytes)
+                           for i, j in round_}
+                for (i, j), fut in futures.items():
+                    links.append(Link(addresses[i], addresses[j], float(fut.result())))
+    finally:
+        for i in range(n):
+            with contextlib.suppress(Exception):
+                run_on(i, stop_server, ports[i])
+    return LinkMatrix(links)
+
+
+def measure_locally(addresses: Sequence[str], **kw: float) -> LinkMatrix:
+    """Measure between addresses of this host (tests, and a one-machine sanity check)."""
+    return measure_links(addresses, lambda _i, fn, *args: fn(*args), **kw)
