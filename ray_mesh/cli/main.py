@@ -15,8 +15,9 @@ from ray_mesh.cli.job import Job, JobError
 from ray_mesh.core.spec import MeshSpecError
 from ray_mesh.core.topology import TopologyError
 from ray_mesh.network.interfaces import NetworkError
+from ray_mesh.planning.cost import PlanError
 
-USER_ERRORS = (JobError, MeshSpecError, TopologyError, NetworkError)
+USER_ERRORS = (JobError, MeshSpecError, TopologyError, NetworkError, PlanError)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -61,6 +62,11 @@ def _connect_existing(address: str | None) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ray_mesh.planning.cluster import describe_nodes, live_nodes, plan_cluster
 
+    if args.job:
+        from ray_mesh.cli import plan
+
+        return plan.run(args)
+
     _connect_existing(args.address)
     nodes = live_nodes()
     resource = args.resource or ("GPU" if any(n.gpus for n in nodes) else "CPU")
@@ -98,6 +104,14 @@ def _add_plan_doctor(sub) -> None:
                            "CPU; or a custom resource name)")
     plan.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
     plan.add_argument("--pp", type=int, default=None, help="pipeline-parallel size")
+    plan.add_argument("job", nargs="?", default=None,
+                      help="a job file with a plan: section: rank every layout by predicted "
+                           "step time")
+    plan.add_argument("--nodes", type=int, default=None, help="with JOB: number of nodes")
+    plan.add_argument("--per-node", type=int, default=None, help="with JOB: workers per node")
+    plan.add_argument("--link-mbit", type=float, default=None,
+                      help="with JOB: node link rate in Mbit/s (else plan.link_mbit)")
+    plan.add_argument("--json", action="store_true", help="with JOB: machine-readable output")
     plan.set_defaults(func=_cmd_plan)
 
     doc = sub.add_parser("doctor", help="check interfaces, versions and connectivity of "

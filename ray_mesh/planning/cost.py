@@ -1,0 +1,304 @@
+"""A cost model for mesh layouts on a cluster whose nodes are joined by a slow link.
+
+What decides the step time of a small cluster over a VPN is the traffic that crosses
+nodes. For every layout this module counts the bytes each node sends over its link per
+step (collectives as rings over node-aligned ranks), adds the within-node traffic, and puts
+them beside the compute time of one step:
+
+``step_s = compute_s * bubble + cross_bytes_per_node / cross_Bps + intra_bytes / intra_Bps
++ latency_s * cross_messages``
+
+No overlap of communication with compute is assumed (an upper bound for FSDP's prefetch).
+Ring volumes, per rank, for a collective over k ranks of a buffer of B bytes:
+
+* all-reduce ``2 (k-1)/k B``; all-gather ``(k-1)/k B``;
+* reduce-scatter ``(k-1)/k B`` on NCCL, but ``2 (k-1)/k B`` on gloo, whose reduce-scatter
+  is an all-reduce followed by a slice (measured: flat FSDP moved 3.0x HSDP's bytes across
+  nodes on gloo, which is what these two rules give for 2 nodes x 2 ranks).
+
+A node hosts consecutive ranks (``tp``, ``cp``, ``dp_shard`` inside a node), so a ring over
+ranks of several nodes leaves each node once per step of the ring: the bytes a node sends
+over its link equal one rank's ring volume. The busiest node link sets the time.
+
+Ray-free and torch-free: the inputs are plain numbers (:class:`ModelStats` can read them
+off a module built on the meta device).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+FP32 = 4
+BF16 = 2
+# Params + grads + AdamW's two moments, fp32: what FSDP shards.
+STATE_BYTES_PER_PARAM = 4 * FP32
+# Activation memory per token per layer kept for backward, in units of hidden * 4 bytes
+# (attention and MLP inputs, norms, the MLP's wide hidden): a rough planning figure.
+ACT_FACTOR = 12
+
+
+class PlanError(ValueError):
+    """The cost model's inputs cannot give a plan; the message names the input and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """What the cost model needs of a model: sizes, not weights."""
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("params", "layers", "hidden", "heads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"model {name}={v!r}: give a positive integer")
+
+    @classmethod
+    def from_module(cls, module: object, heads: int | None = None) -> ModelStats:
+        """Count parameters, blocks and hidden size of a module (meta device is fine)."""
+        import torch.nn as nn
+
+        if not isinstance(module, nn.Module):
+            raise PlanError(f"ModelStats.from_module needs a torch nn.Module, got "
+                            f"{type(module).__name__}")
+        params = sum(p.numel() for p in module.parameters())
+        blocks = [m for m in module.modules() if isinstance(m, nn.ModuleList | nn.Sequential)]
+        layers = max((len(b) for b in blocks), default=1)
+        emb = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+        lin = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        hidden = emb[0].embedding_dim if emb else (lin[0].in_features if lin else 1)
+        found = heads or getattr(module, "n_heads", None) or getattr(
+            getattr(module, "config", None), "n_heads", None) or 1
+        return cls(int(params), int(max(layers, 1)), int(hidden), int(found))
+
+
+@dataclass(frozen=True)
+class Links:
+    """The cluster as the cost model sees it: node count, ranks per node and link rates."""
+
+    nodes: int
+    per_node: int
+    cross_mbit: float
+    intra_mbit: float = 50_000.0
+    latency_s: float = 0.0
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"{name}={v!r}: give a positive integer")
+        for name in ("cross_mbit", "intra_mbit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise PlanError(f"{name}={v!r}: give a link rate in Mbit/s above 0 "
+                                "(measure it with `ray-mesh doctor`)")
+        if not 0 <= self.latency_s < 10:
+            raise PlanError(f"latency_s={self.latency_s!r}: give seconds in [0, 10)")
+        if self.backend not in ("gloo", "nccl"):
+            raise PlanError(f"backend={self.backend!r}: use 'gloo' or 'nccl'")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step: global tokens, one rank's compute time for ALL of them, microbatches.
+
+    ``compute_s`` is what one rank would take for the whole global batch (calibrate by
+    timing a few steps of a smaller batch on one node and scaling by tokens); a layout with
+    N ranks divides it by N.
+    """
+
+    tokens: int
+    compute_s: float
+    microbatches: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+            raise PlanError(f"tokens per step={self.tokens!r}: give a positive integer")
+        if not 0 <= self.compute_s < math.inf:
+            raise PlanError(f"compute_s={self.compute_s!r}: give seconds >= 0")
+        if self.microbatches < 1:
+            raise PlanError(f"microbatches={self.microbatches!r}: give an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A candidate: mesh dims plus the dtype gradients are reduced in."""
+
+    name: str
+    mesh: dict[str, int]
+    reduce: str = "fp32"
+
+    @property
+    def label(self) -> str:
+        return self.name + ("+bf16" if self.reduce == "bf16" else "")
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_s: float
+    compute_s: float
+    cross_s: float
+    intra_s: float
+    cross_node_bytes_per_step: float  # summed over nodes (what all node links carry)
+    memory_bytes_per_rank: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {"layout": self.layout.label, "mesh": self.layout.mesh,
+                "reduce_dtype": self.layout.reduce, "predicted_step_s": self.step_s,
+                "compute_s": self.compute_s, "cross_s": self.cross_s, "intra_s": self.intra_s,
+                "cross_node_bytes_per_step": self.cross_node_bytes_per_step,
+                "memory_bytes_per_rank": self.memory_bytes_per_rank}
+
+
+def _ar(k: int) -> float:
+    return 2 * (k - 1) / k
+
+
+def _ag(k: int) -> float:
+    return (k - 1) / k
+
+
+def _rs(k: int, backend: str) -> float:
+    return _ar(k) if backend == "gloo" else _ag(k)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(stats: ModelStats, links: Links) -> list[Layout]:
+    """Every layout of the families below that fits the cluster and the model.
+
+    ddp, fsdp (flat), hsdp, tp_hsdp (tp inside a node), pp (stages across nodes, FSDP
+    inside), tp_pp (stages across nodes, TP inside: the seed blog's layout); fsdp and the
+    hsdp family also with gradients reduced in bf16 (their reduction is what crosses).
+    """
+    n, g = links.nodes, links.per_node
+    world = n * g
+    out = [Layout("ddp", {"dp_replicate": world}),
+           Layout("fsdp", {"dp_shard": world})]
+    if n > 1:
+        out.append(Layout("hsdp", {"dp_replicate": n, "dp_shard": g}))
+    for t in _divisors(g):
+        if t > 1 and stats.heads % t == 0 and stats.hidden % t == 0:
+            out.append(Layout(f"tp{t}_hsdp" if t < g else "tp_hsdp",
+                              {"dp_replicate": n, "dp_shard": g // t, "tp": t}))
+    if n > 1 and stats.layers >= n:
+        out.append(Layout("pp", {"pp": n, "dp_shard": g}))
+        if g > 1 and stats.heads % g == 0 and stats.hidden % g == 0:
+            out.append(Layout("tp_pp", {"pp": n, "tp": g}))
+    # bf16 gradient reduction where the reduction is what crosses nodes.
+    out += [Layout(lay.name, lay.mesh, "bf16") for lay in out
+            if lay.name == "fsdp" or lay.name.endswith("hsdp")]
+    return out
+
+
+def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> Prediction:
+    """Step time, cross-node bytes and memory of one layout (see the module docstring)."""
+    m = layout.mesh
+    pp, rep, shard, tp = (m.get("pp", 1), m.get("dp_replicate", 1), m.get("dp_shard", 1),
+                          m.get("tp", 1))
+    n, g = links.nodes, links.per_node
+    world = pp * rep * shard * tp
+    if world != n * g:
+        raise PlanError(f"layout {layout.label} has {world} ranks, the cluster {n * g}")
+    p_b = stats.params * FP32
+    g_b = stats.params * (BF16 if layout.reduce == "bf16" else FP32)
+    stage_p, stage_g = p_b / pp, g_b / pp
+    dp = rep * shard
+    tokens_dp = work.tokens / dp  # tokens one dp group (all its tp ranks) handles
+    act_b = tokens_dp * stats.hidden * FP32  # one stage boundary's activations, one dp group
+    # Bytes one node sends per step: over its link (cross) and inside it (intra). For a
+    # collective whose groups span nodes, each group's ring leaves a node once per ring
+    # step, and the node's groups together hold the whole (stage) buffer.
+    cross = intra = 0.0
+    msgs = 0
+    notes: list[str] = []
+    shard_vol = 2 * _ag(shard) * stage_p + _rs(shard, links.backend) * stage_g
+    if shard > 1:
+        if tp * shard > g:  # flat FSDP over several nodes: everything crosses
+            cross += shard_vol
+            msgs += stats.layers * 3 * (shard - 1)
+        else:
+            intra += shard_vol * g / shard
+    if rep > 1:  # DDP, or HSDP's all-reduce of each node's shard
+        if tp * shard * rep > g:
+            cross += _ar(rep) * stage_g
+            msgs += stats.layers * 2 * (rep - 1)
+        else:
+            intra += _ar(rep) * stage_g * g / (rep * shard)
+    if tp > 1:  # sequence-parallel TP: per layer 2 all-gathers + 2 reduce-scatters, fwd+bwd
+        intra += stats.layers / pp * 2 * (_ag(tp) + _rs(tp, links.backend)) * act_b * (g / tp)
+    if pp > 1:
+        # A stage boundary carries every dp group's activations forward and their gradients
+        # back (one copy per dp group: with TP the stage output is taken as replicated and
+        # sent once); an end node sends one direction's worth, a middle node two.
+        cross += act_b * dp * (2 if pp > 2 else 1)
+        msgs += 2 * work.microbatches
+        notes.append(f"pipeline bubble {(pp - 1) / (work.microbatches + pp - 1):.0%}")
+    bubble = (work.microbatches + pp - 1) / work.microbatches if pp > 1 else 1.0
+    compute = work.compute_s / world * bubble
+    cross_Bps = links.cross_mbit * 1e6 / 8
+    intra_Bps = links.intra_mbit * 1e6 / 8
+    cross_s = (cross / cross_Bps if n > 1 else 0.0) + links.latency_s * msgs
+    intra_s = intra / intra_Bps
+    if n == 1:
+        intra_s += cross / intra_Bps
+        cross = 0.0
+    state = STATE_BYTES_PER_PARAM * stats.params / (pp * shard * tp)
+    act_mem = tokens_dp / tp * stats.hidden * FP32 * ACT_FACTOR * stats.layers / pp
+    return Prediction(layout, compute + cross_s + intra_s, compute, cross_s, intra_s,
+                      cross * n, state + act_mem, notes)
+
+
+def rank_layouts(stats: ModelStats, links: Links, work: Workload,
+                 memory_limit_bytes: float | None = None) -> list[Prediction]:
+    """Every candidate's prediction, fastest first; those over the memory limit left out.
+
+    Raises :class:`PlanError` when no layout fits the memory limit.
+    """
+    preds = [predict(lay, stats, links, work) for lay in candidates(stats, links)]
+    fits = [p for p in preds
+            if memory_limit_bytes is None or p.memory_bytes_per_rank <= memory_limit_bytes]
+    if not fits:
+        least = min(preds, key=lambda p: p.memory_bytes_per_rank)
+        raise PlanError(
+            f"the model ({stats.params:,} parameters) fits no layout on {links.nodes} node(s) x "
+            f"{links.per_node} rank(s): the leanest, {least.layout.label}, needs "
+            f"{least.memory_bytes_per_rank / 2**30:.1f} GiB per rank, the limit is "
+            f"{memory_limit_bytes / 2**30:.1f} GiB. Use more ranks, a smaller model or "
+            "a smaller batch (activations), or raise the limit")
+    return sorted(fits, key=lambda p: (p.step_s, p.cross_node_bytes_per_step))
+
+
+def explain_pick(ranked: list[Prediction]) -> str:
+    """One line on why the first layout won (for logs and ``ray-mesh plan``)."""
+    best = ranked[0]
+    line = (f"picked {best.layout.label} {best.layout.mesh}: predicted {best.step_s:.3g} s/step "
+            f"({best.compute_s:.3g} compute, {best.cross_s:.3g} across nodes, "
+            f"{best.cross_node_bytes_per_step / 1e6:.3g} MB over node links)")
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        line += f"; next {nxt.layout.label} at {nxt.step_s:.3g} s"
+    return line
+
+
+def format_ranked(ranked: list[Prediction]) -> str:
+    rows = [(p.layout.label, " x ".join(f"{k}={v}" for k, v in p.layout.mesh.items()),
+             f"{p.step_s:.3g}", f"{p.cross_node_bytes_per_step / 1e6:.3g}",
+             f"{p.memory_bytes_per_rank / 2**20:.0f}") for p in ranked]
+    header = ("layout", "mesh", "step s", "cross-node MB/step", "MiB/rank")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+                     for r in [header, *rows])
+
+
+__all__ = ["Layout", "Links", "ModelStats", "PlanError", "Prediction", "Workload",
+           "candidates", "explain_pick", "format_ranked", "predict", "rank_layouts"]

@@ -1,0 +1,114 @@
+"""The inputs of a layout plan, from a job file's ``plan:`` section (Ray-free).
+
+```yaml
+mesh: auto                  # pick the layout with the lowest predicted step time
+plan:
+  model: {params: 2000000, layers: 4, hidden: 128, heads: 4}   # or a factory:
+  # model: fsdp_tp_transformer.py:make_model    (built on the meta device with `config`)
+  tokens_per_step: 1024     # global batch in tokens
+  compute_s: 2.0            # one rank's compute time for the whole global batch
+  microbatches: 4           # pipeline layouts
+  link_mbit: 100            # optional: else measured on the live cluster
+  latency_ms: 0             # optional: one-way latency of the node link (not measurable here)
+  memory_gb: 80             # optional: per-rank memory limit
+```
+
+Every key is checked here, on the driver, with the key and the fix in the message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ray_mesh.planning.cost import ModelStats, PlanError, Workload
+
+KEYS = ("model", "tokens_per_step", "compute_s", "microbatches", "link_mbit", "latency_ms",
+        "memory_gb", "backend")
+
+
+def _number(section: str, key: str, value: Any, *, low: float, high: float = math.inf,
+            integer: bool = False) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and not (
+        integer and not isinstance(value, int))
+    if not ok or not (low <= value < high) or (isinstance(value, float) and math.isnan(value)):
+        kind = "an integer" if integer else "a number"
+        raise PlanError(f"{section}.{key}: {value!r} is not {kind} in [{low:g}, {high:g}); "
+                        f"e.g. {key}: {int(low) + 1 if integer else low + 1:g}")
+    return value
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What ``mesh: auto`` and ``ray-mesh plan JOB.yaml`` plan with."""
+
+    stats: ModelStats
+    work: Workload
+    link_mbit: float | None = None
+    latency_s: float = 0.0
+    memory_bytes: float | None = None
+    backend: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any, load_factory: Callable[[str], Callable[..., Any]],
+                  model_config: Mapping[str, Any] | None = None) -> PlanInputs:
+        """Parse a ``plan:`` section; ``load_factory`` imports a ``file.py:function`` ref."""
+        if not isinstance(data, Mapping):
+            raise PlanError("plan: must be a mapping with at least model, tokens_per_step and "
+                            "compute_s (see `ray-mesh plan --help`)")
+        unknown = sorted(set(data) - set(KEYS))
+        if unknown:
+            raise PlanError(f"plan: unknown key(s) {unknown}; known: {', '.join(KEYS)}")
+        for key in ("model", "tokens_per_step", "compute_s"):
+            if key not in data:
+                raise PlanError(f"plan.{key} is missing: the planner needs the model's size, "
+                                "the global tokens per step and one rank's compute time for "
+                                "them (seconds)")
+        stats = _model_stats(data["model"], load_factory, model_config or {})
+        work = Workload(int(_number("plan", "tokens_per_step", data["tokens_per_step"], low=1,
+                                    integer=True)),
+                        float(_number("plan", "compute_s", data["compute_s"], low=0)),
+                        int(_number("plan", "microbatches", data.get("microbatches", 4), low=1,
+                                    integer=True)))
+        link = data.get("link_mbit")
+        mem = data.get("memory_gb")
+        backend = data.get("backend")
+        if backend not in (None, "gloo", "nccl"):
+            raise PlanError(f"plan.backend: {backend!r}; use gloo or nccl (default: the "
+                            "cluster's, nccl with GPUs)")
+        return cls(stats, work,
+                   None if link is None else float(_number("plan", "link_mbit", link,
+                                                           low=1e-3)),
+                   float(_number("plan", "latency_ms", data.get("latency_ms", 0), low=0,
+                                 high=10_000)) / 1e3,
+                   None if mem is None else float(_number("plan", "memory_gb", mem,
+                                                          low=1e-3)) * 2**30,
+                   backend)
+
+
+def _model_stats(value: Any, load_factory: Callable[[str], Callable[..., Any]],
+                 config: Mapping[str, Any]) -> ModelStats:
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"params", "layers", "hidden", "heads"})
+        if unknown:
+            raise PlanError(f"plan.model: unknown key(s) {unknown}; give params, layers, "
+                            "hidden and heads")
+        try:
+            return ModelStats(**{k: value[k] for k in value})
+        except TypeError as exc:
+            raise PlanError(f"plan.model: {exc}; give params, layers, hidden (heads optional)") \
+                from None
+    if isinstance(value, str):
+        import torch
+
+        factory = load_factory(value)
+        with torch.device("meta"):  # sizes only: no memory, no init time
+            try:
+                module = factory(dict(config))
+            except TypeError:
+                module = factory()
+        return ModelStats.from_module(module, heads=config.get("heads"))
+    raise PlanError(f"plan.model: {value!r}; give a mapping {{params, layers, hidden, heads}} "
+                    "or a 'file.py:function' that builds the model from the job's config")
