@@ -45,7 +45,8 @@ def links_for(args: argparse.Namespace, inputs: PlanInputs) -> Links:
 def run(args: argparse.Namespace) -> int:
     inputs = plan_inputs(args.job)
     links = links_for(args, inputs)
-    ranked = rank_layouts(inputs.stats, links, inputs.work, inputs.memory_bytes)
+    ranked = rank_layouts(inputs.stats, links, inputs.work, inputs.memory_bytes,
+                          inputs.layouts, inputs.bf16_grads)
     if args.json:
         print(json.dumps({"links": {"nodes": links.nodes, "per_node": links.per_node,
                                     "cross_mbit": links.cross_mbit},

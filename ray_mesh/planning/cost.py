@@ -173,7 +173,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(stats: ModelStats, links: Links) -> list[Layout]:
+FAMILIES = ("ddp", "fsdp", "hsdp", "tp_hsdp", "pp", "tp_pp")
+DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
+
+
+def family(layout: Layout) -> str:
+    return "tp_hsdp" if layout.name.endswith("_hsdp") else layout.name
+
+
+def candidates(stats: ModelStats, links: Links, families: tuple[str, ...] = FAMILIES,
+               bf16: bool = True) -> list[Layout]:
     """Every layout of the families below that fits the cluster and the model.
 
     ddp, fsdp (flat), hsdp, tp_hsdp (tp inside a node), pp (stages across nodes, FSDP
@@ -194,9 +203,13 @@ def candidates(stats: ModelStats, links: Links) -> list[Layout]:
         out.append(Layout("pp", {"pp": n, "dp_shard": g}))
         if g > 1 and stats.heads % g == 0 and stats.hidden % g == 0:
             out.append(Layout("tp_pp", {"pp": n, "tp": g}))
-    # bf16 gradient reduction where the reduction is what crosses nodes.
-    out += [Layout(lay.name, lay.mesh, "bf16") for lay in out
-            if lay.name == "fsdp" or lay.name.endswith("hsdp")]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise PlanError(f"unknown layout families {unknown}; choose from {', '.join(FAMILIES)}")
+    out = [lay for lay in out if family(lay) in families]
+    if bf16:  # bf16 gradient reduction where the reduction is what crosses nodes
+        out += [Layout(lay.name, lay.mesh, "bf16") for lay in out
+                if lay.name == "fsdp" or lay.name.endswith("hsdp")]
     return out
 
 
@@ -259,12 +272,18 @@ def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> 
 
 
 def rank_layouts(stats: ModelStats, links: Links, work: Workload,
-                 memory_limit_bytes: float | None = None) -> list[Prediction]:
+                 memory_limit_bytes: float | None = None, families: tuple[str, ...] = FAMILIES,
+                 bf16: bool = True) -> list[Prediction]:
     """Every candidate's prediction, fastest first; those over the memory limit left out.
 
     Raises :class:`PlanError` when no layout fits the memory limit.
     """
-    preds = [predict(lay, stats, links, work) for lay in candidates(stats, links)]
+    preds = [predict(lay, stats, links, work)
+             for lay in candidates(stats, links, families, bf16)]
+    if not preds:
+        raise PlanError(f"no layout of the families {list(families)} fits {links.nodes} "
+                        f"node(s) x {links.per_node} worker(s) and this model; allow more "
+                        f"families (plan.layouts) from {', '.join(FAMILIES)}")
     fits = [p for p in preds
             if memory_limit_bytes is None or p.memory_bytes_per_rank <= memory_limit_bytes]
     if not fits:
@@ -300,5 +319,5 @@ def format_ranked(ranked: list[Prediction]) -> str:
                      for r in [header, *rows])
 
 
-__all__ = ["Layout", "Links", "ModelStats", "PlanError", "Prediction", "Workload",
-           "candidates", "explain_pick", "format_ranked", "predict", "rank_layouts"]
+__all__ = ["DATA_PARALLEL", "FAMILIES", "Layout", "Links", "ModelStats", "PlanError",
+           "Prediction", "Workload", "candidates", "explain_pick", "family", "format_ranked", "predict", "rank_layouts"]

@@ -11,7 +11,14 @@ plan:
   link_mbit: 100            # optional: else measured on the live cluster
   latency_ms: 0             # optional: one-way latency of the node link (not measurable here)
   memory_gb: 80             # optional: per-rank memory limit
+  layouts: [ddp, fsdp, hsdp]  # the families the train function can run (this default:
+                            # any loop that calls ray_mesh.parallel.parallelize / apply_fsdp);
+                            # add tp_hsdp, pp, tp_pp when it handles tp / pipeline stages
+  bf16_grads: false         # true: also consider reducing gradients in bf16
 ```
+
+``mesh: auto`` picks only among ``layouts``, fp32 reduction unless ``bf16_grads``: the
+planner chooses the mesh, the train function chooses precision and parallel style.
 
 Every key is checked here, on the driver, with the key and the fix in the message.
 """
@@ -23,10 +30,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ray_mesh.planning.cost import ModelStats, PlanError, Workload
+from ray_mesh.planning.cost import DATA_PARALLEL, FAMILIES, ModelStats, PlanError, Workload
 
 KEYS = ("model", "tokens_per_step", "compute_s", "microbatches", "link_mbit", "latency_ms",
-        "memory_gb", "backend")
+        "memory_gb", "backend", "layouts", "bf16_grads")
 
 
 def _number(section: str, key: str, value: Any, *, low: float, high: float = math.inf,
@@ -50,6 +57,8 @@ class PlanInputs:
     latency_s: float = 0.0
     memory_bytes: float | None = None
     backend: str | None = None
+    layouts: tuple[str, ...] = DATA_PARALLEL
+    bf16_grads: bool = False
 
     @classmethod
     def from_dict(cls, data: Any, load_factory: Callable[[str], Callable[..., Any]],
@@ -78,6 +87,14 @@ class PlanInputs:
         if backend not in (None, "gloo", "nccl"):
             raise PlanError(f"plan.backend: {backend!r}; use gloo or nccl (default: the "
                             "cluster's, nccl with GPUs)")
+        layouts = data.get("layouts", list(DATA_PARALLEL))
+        if (not isinstance(layouts, list) or not layouts
+                or any(x not in FAMILIES for x in layouts)):
+            raise PlanError(f"plan.layouts: {layouts!r}; give a list from {', '.join(FAMILIES)} "
+                            "(the layouts the train function can run)")
+        bf16 = data.get("bf16_grads", False)
+        if not isinstance(bf16, bool):
+            raise PlanError(f"plan.bf16_grads: {bf16!r} must be true or false")
         return cls(stats, work,
                    None if link is None else float(_number("plan", "link_mbit", link,
                                                            low=1e-3)),
@@ -85,7 +102,7 @@ class PlanInputs:
                                  high=10_000)) / 1e3,
                    None if mem is None else float(_number("plan", "memory_gb", mem,
                                                           low=1e-3)) * 2**30,
-                   backend)
+                   backend, tuple(layouts), bf16)
 
 
 def _model_stats(value: Any, load_factory: Callable[[str], Callable[..., Any]],
