@@ -320,4 +320,5 @@ def format_ranked(ranked: list[Prediction]) -> str:
 
 
 __all__ = ["DATA_PARALLEL", "FAMILIES", "Layout", "Links", "ModelStats", "PlanError",
-           "Prediction", "Workload", "candidates", "explain_pick", "family", "format_ranked", "predict", "rank_layouts"]
+           "Prediction", "Workload", "candidates", "explain_pick", "family", "format_ranked",
+           "predict", "rank_layouts"]
