@@ -40,7 +40,7 @@ def cluster():
 def _driver(cluster: NetnsCluster, args: list[str], timeout: float) -> tuple[dict, str]:
     node = cluster.head
     env = cluster.node_env(node)
-    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(DRIVER.parents[1]),
+    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(DRIVER.parents[2]),
                PYTHONUNBUFFERED="1")
     proc = subprocess.run([*node.exec_prefix(), sys.executable, str(DRIVER), *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -187,7 +187,7 @@ def test_zz_link_cut_after_join_fails_preflight_within_bound(cluster, tmp_path):
     go = tmp_path / "go"
     node = cluster.head
     env = cluster.node_env(node)
-    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(DRIVER.parents[1]),
+    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(DRIVER.parents[2]),
                PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([*node.exec_prefix(), sys.executable, str(DRIVER), "linkcut",
                              str(go)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
