@@ -35,6 +35,8 @@ from ray_mesh.network.interfaces import (
 )
 from ray_mesh.network.preflight import check_worker_group, choose_all
 from ray_mesh.observability.layout import save_layout
+from ray_mesh.planning.inputs import PlanInputs
+from ray_mesh.raytrain.links import measure_worker_group, node_leaders, pick_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,14 @@ class MeshConfig(TorchConfig):
         worker_niceness: CPU niceness of the training workers' every thread. Ray starts
             workers at 15 (``RAY_worker_niceness``); torchrun ranks run at 0, and so do
             ray_mesh's by default (see ``ray_mesh.core.priority``). ``None`` keeps Ray's.
+        measure_links: measure the node links at bring-up (``ray_mesh.raytrain.links``):
+            ``'auto'`` when there are several nodes, reusing a measurement of the same nodes
+            under 10 minutes old; True always measures afresh; False never.
+        link_probe_s: bound on each link transfer (seconds); a round of pairs takes at most
+            this long, a fast link much less.
+        plan: what ``mesh='auto'`` plans with: a ``ray_mesh.planning.inputs.PlanInputs``
+            (the YAML ``plan:`` section). With ``mesh='auto'`` the backend picks the layout
+            with the lowest predicted step time on the measured links and logs why.
     """
 
     mesh: Any = None
@@ -75,10 +85,26 @@ class MeshConfig(TorchConfig):
     preflight_timeout_s: float = 20.0
     nccl_vpn_defaults: bool | str = "auto"
     worker_niceness: int | None = 0
+    measure_links: bool | str = "auto"
+    link_probe_s: float = 1.0
+    plan: PlanInputs | None = None
 
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
-        self.mesh = MeshSpec.from_dict(self.mesh)
+        if self.mesh == "auto":
+            if not isinstance(self.plan, PlanInputs):
+                raise ValueError("mesh='auto' needs plan=PlanInputs(...) (the model's size, "
+                                 "tokens per step and compute time; in YAML the plan: "
+                                 "section) to predict each layout's step time")
+        else:
+            self.mesh = MeshSpec.from_dict(self.mesh)
+        if self.measure_links not in (True, False, "auto"):
+            raise ValueError(f"measure_links must be True, False or 'auto', got "
+                             f"{self.measure_links!r}.")
+        if (isinstance(self.link_probe_s, bool) or not isinstance(self.link_probe_s, int | float)
+                or not 0 < self.link_probe_s <= 30):
+            raise ValueError(f"link_probe_s must be seconds in (0, 30], got "
+                             f"{self.link_probe_s!r}.")
         if not isinstance(self.interface, str) or not self.interface:
             raise ValueError(f"interface must be 'auto' or an interface name, got "
                              f"{self.interface!r}.")
@@ -108,7 +134,8 @@ class MeshConfig(TorchConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        out.update(mesh=self.mesh.to_dict(), interface=self.interface,
+        out.update(mesh=self.mesh if self.mesh == "auto" else self.mesh.to_dict(),
+                   interface=self.interface, measure_links=self.measure_links,
                    allow_cross_node_inner=self.allow_cross_node_inner,
                    bringup_timeout_s=self.bringup_timeout_s, preflight=self.preflight,
                    preflight_timeout_s=self.preflight_timeout_s,
@@ -230,10 +257,15 @@ def _wait_bounded(refs: list, timeout_s: float, what: str, labels: list[str]) ->
     return ray.get(refs)
 
 
-def plan_for(worker_group, config: MeshConfig) -> tuple[MeshPlan, list[Choice]]:
-    """Probe the workers and plan the mesh and interfaces; raises before any process group."""
+def plan_for(worker_group, config: MeshConfig
+             ) -> tuple[MeshPlan, list[Choice], list[WorkerReport]]:
+    """Probe the workers and plan the mesh and interfaces; raises before any process group.
+
+    With ``mesh='auto'`` the plan is provisional (flat FSDP) until the links are measured.
+    """
     reports = worker_group.execute(_probe_worker)
-    plan = plan_mesh(config.mesh, reports, allow_cross_node_inner=config.allow_cross_node_inner)
+    spec = MeshSpec.fsdp() if config.mesh == "auto" else config.mesh
+    plan = plan_mesh(spec, reports, allow_cross_node_inner=config.allow_cross_node_inner)
     gpus = worker_group.get_resources_per_worker().get("GPU", 0)
     if gpus and any(not r.device.startswith("cuda") for r in reports):
         cpu_ranks = [r.rank for r in reports if not r.device.startswith("cuda")]
@@ -243,7 +275,7 @@ def plan_for(worker_group, config: MeshConfig) -> tuple[MeshPlan, list[Choice]]:
             f"or run with ScalingConfig(use_gpu=False)."
         )
     choices = choose_all(plan.workers, config.interface)
-    return plan, choices
+    return plan, choices, reports
 
 
 def _warn_niceness(plan: MeshPlan, results: list, target: int | None) -> None:
@@ -273,11 +305,19 @@ class _MeshBackend(Backend):
             raise
 
     def _start(self, worker_group, config: MeshConfig) -> None:
-        plan, choices = plan_for(worker_group, config)
+        plan, choices, reports = plan_for(worker_group, config)
         master = choices[0]
         port = worker_group.execute_single(0, free_port, master.address)
         if config.preflight:
             check_worker_group(worker_group, plan, choices, port, config.preflight_timeout_s)
+        leaders = node_leaders([plan.node_rank(w.rank) for w in plan.workers])
+        self.links = measure_worker_group(worker_group, leaders, choices,
+                                          config.measure_links, config.link_probe_s)
+        if config.mesh == "auto":
+            gpu = any(r.device.startswith("cuda") for r in reports)
+            spec = pick_mesh(config.plan, len(leaders), plan.workers_per_node, self.links,
+                             config.backend or ("nccl" if gpu else "gloo"))
+            plan = plan_mesh(spec, reports, allow_cross_node_inner=config.allow_cross_node_inner)
         fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
         interfaces = {i: c.interface for i, c in enumerate(choices)}
         table = plan.layout_table(interfaces)

@@ -1,0 +1,126 @@
+"""Link measurement and ``mesh="auto"`` at bring-up (Ray Train controller side).
+
+The backend measures the node links once per cluster, on one worker per node over the
+interfaces the collectives will use (``ray_mesh.network.links``), and keeps the matrix:
+
+* cached for :data:`CACHE_TTL_S` in a file on the node that runs the Train controller,
+  keyed by the nodes' chosen addresses, so a second run (or a restart after a failure)
+  on the same cluster does not pay for it again; ``MeshConfig(measure_links=True)``
+  forces a fresh measurement, ``False`` skips it (single-node runs never measure);
+* exported as the ``ray_mesh_link_mbit`` gauge (tags ``a``, ``b``) for the dashboard;
+* used by ``mesh="auto"`` to pick the layout with the lowest predicted step time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import ray
+
+from ray_mesh.core.spec import MeshSpec
+from ray_mesh.network.interfaces import Choice
+from ray_mesh.network.links import LinkMatrix, measure_links
+from ray_mesh.planning.cost import Links, explain_pick, format_ranked, rank_layouts
+from ray_mesh.planning.inputs import PlanInputs
+
+logger = logging.getLogger(__name__)
+
+CACHE_TTL_S = 600.0
+CACHE_FILE = Path(os.environ.get("RAY_MESH_CACHE_DIR", Path.home() / ".cache" / "ray_mesh")) \
+    / "links.json"
+
+
+def node_leaders(node_ranks: Sequence[int]) -> list[int]:
+    """The first world rank on each node, in node order (``node_ranks[r]`` = r's node)."""
+    first: dict[int, int] = {}
+    for rank, node in enumerate(node_ranks):
+        first.setdefault(node, rank)
+    return [first[k] for k in sorted(first)]
+
+
+def _cache_key(addresses: Sequence[str]) -> str:
+    return ",".join(sorted(addresses))
+
+
+def cached(addresses: Sequence[str], ttl_s: float = CACHE_TTL_S) -> LinkMatrix | None:
+    try:
+        entry = json.loads(CACHE_FILE.read_text()).get(_cache_key(addresses))
+    except (OSError, ValueError):
+        return None
+    if not entry or time.time() - float(entry.get("at", 0)) > ttl_s:
+        return None
+    return LinkMatrix.from_json(entry["links"])
+
+
+def store(addresses: Sequence[str], matrix: LinkMatrix) -> None:
+    try:
+        CACHE_FILE.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            data = json.loads(CACHE_FILE.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[_cache_key(addresses)] = {"at": time.time(), "links": matrix.to_json()}
+        tmp = CACHE_FILE.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(CACHE_FILE)
+    except OSError as exc:  # a cache that cannot be written costs a re-measure, nothing else
+        logger.debug("ray_mesh: link cache not written: %s", exc)
+
+
+def measure_worker_group(worker_group, leaders: Sequence[int], choices: Sequence[Choice],
+                         mode: bool | str, max_s: float) -> LinkMatrix | None:
+    """The link matrix of the nodes behind ``leaders`` (cached unless ``mode`` is True)."""
+    if mode is False or len(leaders) < 2:
+        return None
+    addresses = [choices[r].address for r in leaders]
+    if mode is not True and (hit := cached(addresses)) is not None:
+        print(f"ray_mesh: node links (measured under {CACHE_TTL_S / 60:.0f} min ago; "
+              f"MeshConfig(measure_links=True) re-measures):\n{hit.format()}", flush=True)
+        return hit
+
+    def run_on(i: int, fn, *args):
+        ref = worker_group.execute_single_async(leaders[i], fn, *args)
+        return ray.get(ref, timeout=max_s + 20.0)
+
+    t0 = time.monotonic()
+    matrix = measure_links(addresses, run_on, max_s=max_s)
+    # The controller's stdout reaches the driver's console; its log file does not.
+    print(f"ray_mesh: node links measured in {time.monotonic() - t0:.1f} s (Mbit/s, row "
+          f"sends to column):\n{matrix.format()}", flush=True)
+    store(addresses, matrix)
+    export(matrix)
+    return matrix
+
+
+def export(matrix: LinkMatrix) -> None:
+    """``ray_mesh_link_mbit{a, b}`` on the controller node's metrics endpoint."""
+    try:
+        from ray.util.metrics import Gauge
+
+        gauge = Gauge("ray_mesh_link_mbit", "Measured link throughput between nodes (Mbit/s)",
+                      tag_keys=("a", "b"))
+        for link in matrix.links:
+            gauge.set(link.mbit_s, tags={"a": link.a, "b": link.b})
+    except Exception as exc:  # noqa: BLE001 - metrics are optional; training is not
+        logger.debug("ray_mesh: link metrics not exported: %s", exc)
+
+
+def pick_mesh(inputs: PlanInputs, nodes: int, per_node: int, matrix: LinkMatrix | None,
+              backend: str) -> MeshSpec:
+    """The fastest predicted layout for this cluster; logs the ranking and why."""
+    mbit = inputs.link_mbit or (matrix.cross_node_mbit() if matrix else None)
+    if mbit is None or mbit == float("inf"):
+        mbit = 1e5  # one node: nothing crosses, the rate does not matter
+    links = Links(nodes, per_node, float(mbit), latency_s=inputs.latency_s,
+                  backend=inputs.backend or backend)
+    ranked = rank_layouts(inputs.stats, links, inputs.work, inputs.memory_bytes,
+                          inputs.layouts, inputs.bf16_grads)
+    logger.info("ray_mesh: mesh=auto on %d node(s) x %d worker(s), node link %.0f Mbit/s:\n%s"
+                "\n%s", nodes, per_node, mbit, format_ranked(ranked), explain_pick(ranked))
+    print(f"ray_mesh: mesh=auto {explain_pick(ranked)}", flush=True)
+    return MeshSpec.from_dict(ranked[0].layout.mesh)
