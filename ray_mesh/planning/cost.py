@@ -6,7 +6,12 @@ step (collectives as rings over node-aligned ranks), adds the within-node traffi
 them beside the compute time of one step:
 
 ``step_s = compute_s * bubble + cross_bytes_per_node / cross_Bps + intra_bytes / intra_Bps
-+ latency_s * cross_messages``
++ latency_s * cross_messages + collective_s * collective_calls``
+
+``collective_s`` is the fixed cost of one collective call whatever its size: tens of µs
+with NCCL, milliseconds with gloo on a busy CPU (tensor parallelism makes ~8 calls per layer
+per step, so it decides TP on CPU). The benchmark calibrates it with a one-element
+all-reduce inside a node.
 
 No overlap of communication with compute is assumed (an upper bound for FSDP's prefetch).
 Ring volumes, per rank, for a collective over k ranks of a buffer of B bytes:
@@ -86,6 +91,7 @@ class Links:
     intra_mbit: float = 50_000.0
     latency_s: float = 0.0
     backend: str = "gloo"
+    collective_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "per_node"):
@@ -97,8 +103,10 @@ class Links:
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
                 raise PlanError(f"{name}={v!r}: give a link rate in Mbit/s above 0 "
                                 "(measure it with `ray-mesh doctor`)")
-        if not 0 <= self.latency_s < 10:
-            raise PlanError(f"latency_s={self.latency_s!r}: give seconds in [0, 10)")
+        for name in ("latency_s", "collective_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 10:
+                raise PlanError(f"{name}={v!r}: give seconds in [0, 10)")
         if self.backend not in ("gloo", "nccl"):
             raise PlanError(f"backend={self.backend!r}: use 'gloo' or 'nccl'")
 
@@ -110,11 +118,17 @@ class Workload:
     ``compute_s`` is what one rank would take for the whole global batch (calibrate by
     timing a few steps of a smaller batch on one node and scaling by tokens); a layout with
     N ranks divides it by N.
+
+    ``tp_compute_s`` optionally maps a tensor-parallel degree t to the time one tp group of
+    t ranks takes for the whole global batch, measured on one node (TP's own collectives and
+    per-op overhead included, which on CPU outweigh its arithmetic); a layout with that t
+    uses it instead of modelling TP's traffic.
     """
 
     tokens: int
     compute_s: float
     microbatches: int = 4
+    tp_compute_s: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
@@ -233,21 +247,27 @@ def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> 
     # step, and the node's groups together hold the whole (stage) buffer.
     cross = intra = 0.0
     msgs = 0
+    blocks = stats.layers / pp + 1  # FSDP units of a stage: its blocks and the root
+    calls = 0.0  # collective calls per step, any group
     notes: list[str] = []
     shard_vol = 2 * _ag(shard) * stage_p + _rs(shard, links.backend) * stage_g
     if shard > 1:
+        calls += 3 * blocks  # all-gather forward and backward, reduce-scatter
         if tp * shard > g:  # flat FSDP over several nodes: everything crosses
             cross += shard_vol
             msgs += stats.layers * 3 * (shard - 1)
         else:
             intra += shard_vol * g / shard
     if rep > 1:  # DDP, or HSDP's all-reduce of each node's shard
+        calls += blocks if shard > 1 else 2  # per FSDP unit; DDP: a couple of buckets
         if tp * shard * rep > g:
             cross += _ar(rep) * stage_g
             msgs += stats.layers * 2 * (rep - 1)
         else:
             intra += _ar(rep) * stage_g * g / (rep * shard)
-    if tp > 1:  # sequence-parallel TP: per layer 2 all-gathers + 2 reduce-scatters, fwd+bwd
+    tp_measured = dict(work.tp_compute_s).get(tp) if tp > 1 else None
+    if tp > 1 and tp_measured is None:  # sequence-parallel TP: per layer 2 all-gathers +
+        calls += 8 * stats.layers / pp + 4  # 2 reduce-scatters, forward and backward
         intra += stats.layers / pp * 2 * (_ag(tp) + _rs(tp, links.backend)) * act_b * (g / tp)
     if pp > 1:
         # A stage boundary carries every dp group's activations forward and their gradients
@@ -255,13 +275,15 @@ def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> 
         # sent once); an end node sends one direction's worth, a middle node two.
         cross += act_b * dp * (2 if pp > 2 else 1)
         msgs += 2 * work.microbatches
+        calls += 2 * work.microbatches * (2 if pp > 2 else 1)
         notes.append(f"pipeline bubble {(pp - 1) / (work.microbatches + pp - 1):.0%}")
     bubble = (work.microbatches + pp - 1) / work.microbatches if pp > 1 else 1.0
-    compute = work.compute_s / world * bubble
+    compute = (tp_measured / (world / tp) if tp_measured is not None
+               else work.compute_s / world) * bubble
     cross_Bps = links.cross_mbit * 1e6 / 8
     intra_Bps = links.intra_mbit * 1e6 / 8
     cross_s = (cross / cross_Bps if n > 1 else 0.0) + links.latency_s * msgs
-    intra_s = intra / intra_Bps
+    intra_s = intra / intra_Bps + links.collective_s * calls
     if n == 1:
         intra_s += cross / intra_Bps
         cross = 0.0

@@ -1,0 +1,284 @@
+"""Every candidate layout on shaped links: measured step time and bytes beside the prediction.
+
+The host starts the virtual Tailscale cluster (``tests/helpers/netns_cluster.py``, 2 nodes x
+2 workers), and for each link rate shapes both nodes' links (``tc ... tbf``) and runs this
+module as a driver inside the head namespace. One ``fit`` per rate; its train function:
+
+1. calibrates compute: every rank trains its own unsharded copy of the model on its share
+   of the global batch, no collectives, all ranks at once (so the cores the virtual nodes
+   share are shared as in the real runs); one rank's time x world size is the planner's
+   ``compute_s``;
+2. for each layout of the planner's candidates (``ray_mesh.planning.cost.candidates``)
+   builds that mesh on the same process group, trains ``steps`` steps after a warm-up, and
+   reads each node's ``tailscale0`` counters around them (every byte that crosses nodes
+   leaves exactly one node's interface, so the sum of tx deltas is the cross-node traffic);
+3. predicts each layout with the link rate the backend measured at bring-up.
+
+The model is ``examples/fsdp_tp_transformer.py`` (flat ``nn.Sequential``: its pipeline
+stages cut it). Statistic: median of the timed steps per layout.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.common import REPO, read_result, write_result
+
+MODEL = {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "ffn": 512, "seq": 64,
+         "batch_size": 16, "lr": 0.01, "seed": 0, "mixed_precision": None}
+RATES = (1000, 100, 20)
+
+
+def _rate_key(mbit: float) -> str:
+    return f"{mbit / 1000:g}gbit" if mbit >= 1000 else f"{mbit:g}mbit"
+
+
+def _step_fn(layout, mesh, cfg):
+    """(model parameters, step()) for one layout on ``mesh``."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "examples"))
+    import fsdp_tp_transformer as ex
+
+    from ray_mesh.parallel import Pipeline, parallelize, shard_batch
+
+    tp = layout.mesh.get("tp", 1)
+    precision = "bf16_grads" if layout.reduce == "bf16" else None
+    x, y = ex.batch(0, cfg)
+    if layout.mesh.get("pp", 1) > 1:
+        pipe = Pipeline(ex.make_model(cfg), mesh, loss_fn=ex.loss_fn, n_microbatches=4,
+                        schedule="gpipe", tp_plan=ex.tp_plan() if tp > 1 else None,
+                        mixed_precision=precision)
+        params = list(pipe.parameters())
+        optim = torch.optim.SGD(params, lr=cfg["lr"])
+        xs, ys = shard_batch((x, y), mesh)
+
+        def step() -> None:
+            pipe.step(xs, target=ys)
+            optim.step()
+            optim.zero_grad()
+        return step
+    model = parallelize(ex.make_model(cfg), mesh, tp_plan=ex.tp_plan() if tp > 1 else None,
+                        mixed_precision=precision)
+    optim = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+
+    def step() -> None:
+        ex.train_step(model, optim, x, y, mesh)
+    return step
+
+
+def _calibrate(cfg: dict, world: int, steps: int, per_node: int, tp: int = 1) -> float:
+    """One tp group's compute time for the whole global batch, measured inside the nodes.
+
+    Every node runs the model on its own ranks at once: tp=1 an unsharded copy per rank,
+    tp>1 a TP-only model per tp group inside the node; nothing crosses nodes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO / "examples"))
+    import fsdp_tp_transformer as ex
+
+    from ray_mesh.core.bootstrap import build_device_mesh
+    from ray_mesh.core.spec import MeshSpec
+    from ray_mesh.parallel import apply_tp
+
+    model = ex.make_model(cfg)
+    if tp > 1:  # dp_replicate x tp mesh, only its tp dim used: tp groups stay inside nodes
+        mesh = build_device_mesh(MeshSpec(dp_replicate=world // tp, dp_shard=1, tp=tp), "cpu")
+        model = apply_tp(model, mesh, ex.tp_plan())
+    optim = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+    x, y = ex.batch(0, cfg)
+    groups = world // tp
+    share = max(1, cfg["batch_size"] // groups)
+    x, y = x[:share], y[:share]
+    times = []
+    for i in range(steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ex.loss_fn(model(x), y).backward()
+        optim.step()
+        optim.zero_grad()
+        if i:
+            times.append(time.perf_counter() - t0)
+    mine = statistics.median(times) * cfg["batch_size"] / share
+    everyone = [0.0] * world
+    dist.all_gather_object(everyone, mine)
+    return statistics.median(everyone)
+
+
+def _call_cost(world: int, per_node: int, calls: int = 30) -> float:
+    """Median time of a one-element all-reduce inside a node: a collective's fixed cost."""
+    import torch
+    import torch.distributed as dist
+
+    groups = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
+    mine = groups[dist.get_rank() // per_node]
+    t = torch.zeros(1)
+    times = []
+    for _ in range(calls):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=mine)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    everyone = [0.0] * world
+    dist.all_gather_object(everyone, med)
+    return statistics.median(everyone)
+
+
+def _train(config: dict) -> None:
+    import ray.train
+    import torch.distributed as dist
+
+    from benchmarks.workloads import read_counters
+    from ray_mesh.core.bootstrap import build_device_mesh
+    from ray_mesh.core.spec import MeshSpec
+    from ray_mesh.planning.cost import Layout
+
+    cfg, world = config["model"], dist.get_world_size()
+    local0 = ray.train.get_context().get_local_rank() == 0
+    per_node = config["per_node"]
+    out = {"compute_s": _calibrate(cfg, world, config["steps"], per_node),
+           "tp_compute_s": [[t, _calibrate(cfg, world, config["steps"], per_node, t)]
+                            for t in config["tp_degrees"]],
+           "collective_s": _call_cost(world, config["per_node"]), "layouts": {}}
+
+    def cross_bytes() -> int:
+        mine = read_counters("tailscale0")["tx_bytes"] if local0 else 0
+        total = [0] * world
+        dist.all_gather_object(total, mine)
+        return sum(total)
+
+    # Background traffic between nodes (Ray's own), per second, subtracted below.
+    b0, t0 = cross_bytes(), time.perf_counter()
+    time.sleep(2.0)
+    background = (cross_bytes() - b0) / (time.perf_counter() - t0)
+    out["background_bytes_per_s"] = background
+    for raw in config["layouts"]:
+        layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
+        mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
+        step = _step_fn(layout, mesh, cfg)
+        step()  # warm-up: lazy init, first all-gathers
+        times = []
+        b0 = cross_bytes()
+        for _ in range(config["steps"]):
+            dist.barrier()
+            t = time.perf_counter()
+            step()
+            dist.barrier()
+            times.append(time.perf_counter() - t)
+        moved = cross_bytes() - b0 - background * sum(times)
+        out["layouts"][layout.label] = {"measured_step_s": statistics.median(times),
+                                        "step_s_all": times,
+                                        "cross_node_bytes_per_step": moved / len(times)}
+    if dist.get_rank() == 0:
+        write_result(config["out"], out)
+    ray.train.report({"done": 1})
+
+
+def _driver(args: dict) -> None:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_mesh import MeshConfig
+
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    TorchTrainer(
+        _train, train_loop_config=args,
+        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 0.5,
+                                                                          "slot": 1}),
+        torch_config=MeshConfig(mesh="fsdp", bringup_timeout_s=180, measure_links=True,
+                                link_probe_s=2.0),
+        run_config=RunConfig(name=f"slowlinks_{time.time_ns()}", storage_path=args["storage"]),
+    ).fit()
+
+
+def _measured_links(addresses: list[str]) -> dict:
+    """The rates the backend measured at bring-up (its cache file on this machine)."""
+    from ray_mesh.raytrain.links import cached
+
+    matrix = cached(addresses)
+    if matrix is None:
+        raise RuntimeError("the backend left no link measurement in its cache "
+                           "(ray_mesh.raytrain.links.CACHE_FILE)")
+    intra = min(x.mbit_s for x in matrix.links if x.a == x.b)
+    return {"cross_mbit": matrix.cross_node_mbit(), "intra_mbit": intra,
+            "links": matrix.to_json()}
+
+
+def measure(rates=RATES, steps: int = 3, model: dict | None = None,
+            timeout_s: float = 1500.0) -> dict:
+    """Run every layout at every rate; the figures for ``results.json['slowlinks']``."""
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from netns_cluster import NetnsCluster, netns_unavailable_reason
+
+    from ray_mesh.planning.cost import Links, ModelStats, Workload, candidates, predict
+
+    if reason := netns_unavailable_reason():
+        return {"status": f"not run: {reason}"}
+    sys.path.insert(0, str(REPO / "examples"))
+    import fsdp_tp_transformer as ex
+
+    cfg = {**ex.DEFAULTS, **MODEL, **(model or {})}
+    stats = ModelStats.from_module(ex.make_model(cfg), heads=cfg["heads"])
+    tokens = cfg["batch_size"] * cfg["seq"]
+    out: dict = {"model": {**stats.__dict__, "tokens_per_step": tokens}, "steps": steps,
+                 "statistic": "median of the timed steps per layout; bytes: mean per step"}
+    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
+        env = cluster.node_env(cluster.head)
+        env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        for mbit in rates:
+            for node in cluster.nodes:
+                cluster.shape_link(node.index, mbit)
+            layouts = candidates(stats, Links(2, 2, float(mbit)))
+            path = str(cluster.root / f"slowlinks_{mbit}.json")
+            args = {"model": cfg, "steps": steps, "out": path, "per_node": 2,
+                    "tp_degrees": sorted({x.mesh.get("tp", 1) for x in layouts} - {1}),
+                    "storage": str(cluster.root / "results"),
+                    "layouts": [{"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
+                                for x in layouts]}
+            proc = subprocess.run([*cluster.head.exec_prefix(), sys.executable, "-m",
+                                   "benchmarks.slowlinks", json.dumps(args)],
+                                  capture_output=True, text=True, timeout=timeout_s, env=env,
+                                  cwd=str(REPO))
+            if proc.returncode != 0:
+                raise RuntimeError(f"slowlinks driver at {mbit} Mbit/s failed "
+                                   f"(rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                                   f"{proc.stderr[-4000:]}")
+            raw = read_result(path)
+            rates_seen = _measured_links([n.ip for n in cluster.nodes])
+            links = Links(2, 2, rates_seen["cross_mbit"], rates_seen["intra_mbit"],
+                          collective_s=raw["collective_s"])
+            work = Workload(tokens, raw["compute_s"],
+                            tp_compute_s=tuple((int(t), float(c)) for t, c in raw["tp_compute_s"]))
+            key = _rate_key(mbit)
+            section: dict = {"set_mbit": mbit, "measured_links": rates_seen,
+                             "compute_s": raw["compute_s"],
+                             "collective_s": raw["collective_s"],
+                             "tp_compute_s": raw["tp_compute_s"]}
+            for lay in layouts:
+                pred = predict(lay, stats, links, work)
+                got = raw["layouts"][lay.label]
+                section[lay.label] = {
+                    "mesh": lay.mesh, "predicted_step_s": pred.step_s,
+                    "measured_step_s": got["measured_step_s"],
+                    "predicted_cross_node_bytes_per_step": pred.cross_node_bytes_per_step,
+                    "cross_node_bytes_per_step": got["cross_node_bytes_per_step"],
+                    "step_error": pred.step_s / got["measured_step_s"] - 1}
+            labels = [x.label for x in layouts]
+            section["pick"] = min(labels, key=lambda k: section[k]["predicted_step_s"])
+            section["fastest"] = min(labels, key=lambda k: section[k]["measured_step_s"])
+            section["pick_vs_fastest"] = (section[section["pick"]]["measured_step_s"]
+                                          / section[section["fastest"]]["measured_step_s"])
+            out[key] = section
+    return out
+
+
+if __name__ == "__main__":
+    _driver(json.loads(sys.argv[1]))
