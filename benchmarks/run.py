@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import paired  # noqa: E402
 from benchmarks.common import REPO, median, ratio, run_torchrun  # noqa: E402
 
-SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild")
+SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "slowlinks")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling"}
 
 
@@ -178,6 +178,13 @@ def section_crossnode(cfg: dict) -> dict:
         return {"status": f"failed: {exc}"[:4000]}
 
 
+def section_slowlinks(cfg: dict) -> dict:
+    from benchmarks import slowlinks
+
+    log("slowlinks: starting the namespace cluster")
+    return slowlinks.measure(**cfg["slowlinks"])
+
+
 # ----------------------------------------------------------------------------- table
 def _fmt(v) -> str:
     if v is None:
@@ -256,6 +263,19 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
             for variant, v in row.items():
                 add("d mesh build", f"{n} ranks {variant}: s / new_group / real groups",
                     f"{v['seconds']:.3f} / {v['new_group_calls']} / {v['real_groups_held']}")
+    for rate, sec in (results.get("slowlinks") or {}).items():
+        if not isinstance(sec, dict) or "pick" not in sec:
+            continue
+        errs = [abs(v["step_error"]) for v in sec.values()
+                if isinstance(v, dict) and "step_error" in v]
+        add("g slow links", f"{rate}: pick / fastest (measured step, median)",
+            f"{sec['pick']} / {sec['fastest']} = {sec['pick_vs_fastest']:.2f}", "<= 1.05")
+        add("g slow links", f"{rate}: worst |predicted/measured - 1| over layouts",
+            max(errs), "<= 0.15")
+        if "hsdp" in sec and "hsdp+bf16" in sec:
+            add("g slow links", f"{rate}: hsdp bf16 / fp32 cross-node bytes",
+                sec["hsdp+bf16"]["cross_node_bytes_per_step"]
+                / sec["hsdp"]["cross_node_bytes_per_step"], "0.5 +- 10%")
     return rows
 
 
@@ -336,7 +356,8 @@ def config(quick: bool) -> dict:
                 "metrics_runs": 1, "metrics_windows": 2,
                 "scaling_sizes": [4], "scaling_runs": 1,
                 "meshbuild_sizes": [4], "meshbuild_repeats": 1,
-                "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1}}
+                "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
+                "slowlinks": {"rates": [100], "steps": 2}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
@@ -346,7 +367,8 @@ def config(quick: bool) -> dict:
             "metrics_runs": 2, "metrics_windows": 5,
             "scaling_sizes": [4, 8, 16], "scaling_runs": 1,
             "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
-            "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2}}
+            "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
+            "slowlinks": {"rates": [1000, 100, 20], "steps": 5}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,7 +431,16 @@ def main(argv: list[str] | None = None) -> int:
             results["meshbuild"] = section_meshbuild(cfg)
         if "crossnode" in selected:
             results["crossnode"] = section_crossnode(cfg)
+        if "slowlinks" in selected:
+            results["slowlinks"] = section_slowlinks(cfg)
     finally:
+        if args.only and Path(args.out).exists():
+            # A partial run updates its own sections and keeps the others' figures.
+            kept = json.loads(Path(args.out).read_text())
+            kept.setdefault("partial_runs", []).append(
+                {k: results[k] for k in ("command", "started", "machine") if k in results})
+            results = {**kept, **{k: results[k] for k in selected if k in results},
+                       "partial_runs": kept["partial_runs"]}
         if ray_started:
             import ray
 
