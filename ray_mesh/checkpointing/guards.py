@@ -1,0 +1,70 @@
+"""Checks of a :class:`~ray_mesh.checkpointing.train.Checkpointer`'s arguments and context.
+
+A wrong argument (``every='2'``) or a Checkpointer built outside a Ray Train training function
+fails at construction with what to change, not at the first save with a ``TypeError`` from
+deep inside.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray.train
+import torch
+
+from ray_mesh.checkpointing.sharded import CheckpointError
+
+
+def check_args(model: Any, *, every: Any, async_save: Any, upload: Any, timeout_s: Any,
+                wait_committed: Any, check_finite: Any, data_seed: Any, resume_from: Any) -> None:
+    """Every bad argument fails at construction, naming the argument and what it takes."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"Checkpointer(model=...) takes a torch.nn.Module, got "
+                        f"{type(model).__name__}.")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(f"Checkpointer(every=...) must be an int >= 0 (save every N steps; 0 "
+                         f"saves only on report(save=True)), got {every!r}.")
+    for name, value in (("async_save", async_save), ("wait_committed", wait_committed),
+                        ("check_finite", check_finite)):
+        if not isinstance(value, bool):
+            raise TypeError(f"Checkpointer({name}=...) must be True or False, got {value!r}.")
+    if upload is not None and not isinstance(upload, bool):
+        raise TypeError(f"Checkpointer(upload=...) must be None (decide from the storage), "
+                        f"True or False, got {upload!r}.")
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not timeout_s > 0):
+        raise ValueError(f"Checkpointer(timeout_s=...) must be a number of seconds > 0, got "
+                         f"{timeout_s!r}.")
+    if data_seed is not None and (isinstance(data_seed, bool) or not isinstance(data_seed, int)):
+        raise TypeError(f"Checkpointer(data_seed=...) must be an int or None, got "
+                        f"{data_seed!r}.")
+    if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+        raise TypeError(f"Checkpointer(resume_from=...) must be a checkpoint directory path, "
+                        f"got {resume_from!r}.")
+
+
+def train_context() -> Any:
+    """Ray Train's context, or a clear error when not inside a Ray Train training function."""
+    try:
+        ctx = ray.train.get_context()
+        ctx.get_world_rank()
+    except Exception as exc:  # noqa: BLE001 - Ray raises RuntimeError (2.60); any failure
+        raise CheckpointError(
+            "Checkpointer works inside a Ray Train training function only (the function "
+            "given to TorchTrainer, started by trainer.fit()): it reports checkpoints to Ray "
+            f"Train ({type(exc).__name__}: {exc}). Create it in the train loop; outside Ray "
+            "(torchrun, a notebook) use ray_mesh.checkpointing.save/load instead."
+        ) from exc
+    if not torch.distributed.is_initialized():
+        raise CheckpointError(
+            "Checkpointer needs torch.distributed initialised in the workers: run the train "
+            "function with TorchTrainer and torch_config=ray_mesh.MeshConfig(...)."
+        )
+    from ray_mesh.checkpointing.storage import check_run_name
+
+    check_run_name(ctx.get_experiment_name())
+    return ctx
+
+
+__all__ = ["check_args", "train_context"]
