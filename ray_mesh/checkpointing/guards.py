@@ -16,12 +16,22 @@ import torch
 from ray_mesh.checkpointing.sharded import CheckpointError
 
 
-def check_args(model: Any, *, every: Any, async_save: Any, upload: Any, timeout_s: Any,
-                wait_committed: Any, check_finite: Any, data_seed: Any, resume_from: Any) -> None:
+def check_args(model: Any, optimizers: Any, *, every: Any, async_save: Any, upload: Any,
+               timeout_s: Any, wait_committed: Any, check_finite: Any, data_seed: Any,
+               resume_from: Any) -> None:
     """Every bad argument fails at construction, naming the argument and what it takes."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"Checkpointer(model=...) takes a torch.nn.Module, got "
                         f"{type(model).__name__}.")
+    optims = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+    try:
+        bad = [type(o).__name__ for o in (optims or [])
+               if not isinstance(o, torch.optim.Optimizer)]
+    except TypeError:
+        bad = [type(optimizers).__name__]
+    if bad:
+        raise TypeError(f"Checkpointer(optimizers=...) takes a torch.optim.Optimizer, a list "
+                        f"of them or None; got {', '.join(bad)}.")
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ValueError(f"Checkpointer(every=...) must be an int >= 0 (save every N steps; 0 "
                          f"saves only on report(save=True)), got {every!r}.")

@@ -100,7 +100,7 @@ class Checkpointer:
         check_finite: bool = True,
         data_seed: int | None = None,
     ) -> None:
-        check_args(model, every=every, async_save=async_save, upload=upload,
+        check_args(model, optimizers, every=every, async_save=async_save, upload=upload,
                     timeout_s=timeout_s, wait_committed=wait_committed,
                     check_finite=check_finite, data_seed=data_seed, resume_from=resume_from)
         ctx = train_context()
@@ -108,11 +108,6 @@ class Checkpointer:
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         self.optimizers = list(optimizers or [])
-        bad = [type(o).__name__ for o in self.optimizers
-               if not isinstance(o, torch.optim.Optimizer)]
-        if bad:
-            raise TypeError(f"Checkpointer(optimizers=...) takes a torch.optim.Optimizer or a "
-                            f"list of them; got {', '.join(bad)}.")
         self.check_finite = check_finite
         self.data_seed = data_seed
         self.every = every
