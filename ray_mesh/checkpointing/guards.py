@@ -7,7 +7,9 @@ deep inside.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import ray.train
@@ -77,4 +79,22 @@ def train_context() -> Any:
     return ctx
 
 
-__all__ = ["check_args", "train_context"]
+def check_report(step: Any, data_position: Any) -> None:
+    """``report``'s step and data position, checked on every rank before any collective (a
+    position that cannot be written as JSON would otherwise fail on rank 0 alone, mid-save)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise TypeError(f"Checkpointer.report(step=...) must be an int >= 0 (steps done so "
+                        f"far), got {step!r}.")
+    if data_position is None:
+        return
+    if not isinstance(data_position, Mapping):
+        raise TypeError(f"Checkpointer.report(data_position=...) must be a dict (e.g. "
+                        f"{{'epoch': 1, 'offset': 640}}), got {type(data_position).__name__}.")
+    try:
+        json.dumps(dict(data_position))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"Checkpointer.report(data_position=...) must hold JSON values only "
+                        f"(ints, floats, strings, lists, dicts): {exc}.") from exc
+
+
+__all__ = ["check_args", "check_report", "train_context"]

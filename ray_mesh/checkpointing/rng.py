@@ -78,6 +78,7 @@ def restore(state: dict[str, Any]) -> list[str]:
 def save(path: Path, rank: int) -> str:
     """Write this rank's random state into checkpoint ``path``; returns the file name."""
     name = file_name(rank)
+    path.mkdir(parents=True, exist_ok=True)  # as DCP would: save() may come before it
     (path / name).write_text(json.dumps(capture()))
     return name
 

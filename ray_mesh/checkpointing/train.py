@@ -39,7 +39,7 @@ from pyarrow.fs import LocalFileSystem
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from ray_mesh.checkpointing import integrity, sharded
-from ray_mesh.checkpointing.guards import check_args, train_context
+from ray_mesh.checkpointing.guards import check_args, check_report, train_context
 from ray_mesh.checkpointing.sharded import CheckpointError, Progress
 
 logger = logging.getLogger(__name__)
@@ -283,6 +283,7 @@ class Checkpointer:
         loader needs to continue after ``step`` (e.g. epoch and offset); it must be the same on
         every rank. ``save`` overrides ``every`` for this step.
         """
+        check_report(step, data_position)
         due = save if save is not None else bool(self.every and step % self.every == 0)
         attach: tuple[Checkpoint, Progress] | None = None
         if self._pending is not None:  # an async save from an earlier step

@@ -39,3 +39,15 @@ def test_outside_ray_train_is_a_clear_error():
     with pytest.raises(CheckpointError, match="inside a Ray Train training function") as err:
         Checkpointer(nn.Linear(2, 2), every=2)
     assert "ray_mesh.checkpointing.save/load" in str(err.value)
+
+
+def test_report_arguments():
+    from ray_mesh.checkpointing.guards import check_report
+
+    check_report(3, {"epoch": 1, "offset": [1, 2]})
+    with pytest.raises(TypeError, match=r"step=.*int >= 0"):
+        check_report("3", None)
+    with pytest.raises(TypeError, match=r"data_position=.*must be a dict"):
+        check_report(3, [1])
+    with pytest.raises(TypeError, match=r"data_position=.*JSON values only"):
+        check_report(3, {"sampler": object()})
