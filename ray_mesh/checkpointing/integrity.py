@@ -200,7 +200,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             module in _METADATA_MODULES or (module, name) in _EXTRA_GLOBALS
             or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
         ) else None
-        if obj is None or (module in _METADATA_MODULES and not isinstance(obj, type)):
+        if obj is None or (module in _METADATA_MODULES and not (
+                isinstance(obj, type) and obj.__module__ == module)):  # defined there only
             raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP metadata "
                                          f"never holds")
         return obj

@@ -189,6 +189,8 @@ def _check_finite(model: torch.nn.Module, group: dist.ProcessGroup | None = None
     bad = integrity.non_finite_params(model)
     flag = torch.tensor([len(bad)], dtype=torch.int64)
     if dist.is_initialized():
+        if dist.get_backend(group) == "nccl":  # group=None on a GPU run: the NCCL default
+            flag = flag.cuda()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag.item()):
         where = f"parameters {', '.join(bad[:8])} on this rank" if bad else "another rank"

@@ -239,3 +239,15 @@ def test_rng_round_trip(tmp_path):
     assert "no random state for rank 1" in rng.load(tmp_path, 1)[0]
     (tmp_path / rng.file_name(0)).write_text("[]")
     assert "unusable" in rng.load(tmp_path, 0)[0]
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x8c\x06system\x93.",
+    b"cbuiltins\neval\n.",
+    b"ctorch.distributed.checkpoint.metadata\nEnum\n.",  # imported there, not defined there
+    b"ctorch\nload\n.",
+])
+def test_restricted_unpickler_refuses_other_globals(tmp_path, payload):
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(ValueError, match="not DCP metadata"):
+        integrity.read_metadata(tmp_path)
