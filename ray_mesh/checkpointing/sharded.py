@@ -300,7 +300,11 @@ def check_compatible(path: str | os.PathLike, model: torch.nn.Module) -> None:
     DCP alone ignores extra keys in the checkpoint and fails on the first missing one with an
     internal message; this compares the whole model (names and global shapes) first.
     """
-    meta = integrity.read_metadata(Path(path))
+    try:
+        meta = integrity.read_metadata(Path(path))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"Checkpoint {path} cannot be used: {exc}. Resume from another "
+                              f"checkpoint.") from exc
     saved = {k[len("model."):]: v for k, v in meta.state_dict_metadata.items()
              if k.startswith("model.")}
     mine = get_model_state_dict(model)
