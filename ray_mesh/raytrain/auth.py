@@ -36,7 +36,25 @@ def _tighten(path: Path, mode: int, what: str) -> None:
     if current & 0o077:
         logger.warning("ray_mesh: %s %s had mode %o (readable by other local users); setting "
                        "it to %o.", what, path, current, mode)
-        os.chmod(path, mode)
+        try:
+            os.chmod(path, mode)
+        except OSError as exc:  # not ours to change: say so, do not stop the run
+            logger.warning("ray_mesh: could not change the mode of %s (%s); run `chmod %o %s` "
+                           "as its owner.", path, exc, mode, path)
+
+
+def _create(path: Path) -> None:
+    """A new random token at ``path``, 0600, its directory 0700 when this creates it."""
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process created it just now
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # the format Ray's own generator uses
+    os.chmod(path, 0o600)  # whatever the umask
 
 
 def secure_token_file(create: bool) -> Path | None:
@@ -54,17 +72,11 @@ def secure_token_file(create: bool) -> Path | None:
     if not path.exists():
         if not create or os.environ.get(TOKEN_ENV):
             return None
-        if not path.parent.exists():
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(path.parent, 0o700)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process created it just now
-            pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))  # the format Ray's own generator uses
-            os.chmod(path, 0o600)  # whatever the umask
+            _create(path)
+        except OSError as exc:  # e.g. a read-only home: Ray reports the missing token itself
+            logger.warning("ray_mesh: could not create the Ray auth token %s (%s).", path, exc)
+            return None
     if path.is_file():
         _tighten(path, 0o600, "Ray auth token")
     if default_dir and path.parent.is_dir():
