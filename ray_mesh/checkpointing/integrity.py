@@ -131,7 +131,7 @@ def manifest_problem(path: Path, verify: bool) -> str | None:
     except FileNotFoundError:
         return (f"it has no {MANIFEST} (a save that did not finish, or one written by a "
                 f"ray_mesh without checksums)")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         return f"its {MANIFEST} is unreadable ({exc})"
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or METADATA not in files:
@@ -162,7 +162,7 @@ def parse_marker(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         info = json.loads((path / MARKER).read_text())
     except FileNotFoundError:
         return None, f"it has no {MARKER} (a save that did not finish on every rank)"
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         return None, f"its {MARKER} is unreadable ({exc})"
     if not isinstance(info, dict):
         return None, f"its {MARKER} is not a JSON object (got {type(info).__name__})"

@@ -96,7 +96,7 @@ def load(path: Path, rank: int) -> list[str]:
                 f"random draws (dropout, sampling) differ from an uninterrupted run"]
     try:
         skipped = restore(json.loads(f.read_text()))
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, RecursionError) as exc:
         return [f"random state {f} is unusable ({type(exc).__name__}: {exc}); rank {rank} "
                 f"keeps its current random state"]
     return [f"rank {rank} did not restore {what}" for what in skipped]

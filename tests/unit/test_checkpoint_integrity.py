@@ -136,6 +136,8 @@ def test_bad_markers_say_why(good, tmp_path, marker, reason):
     assert chosen.endswith("checkpoint_00000003") and reason in warns[0]
     (bad / sharded.MARKER).write_text("{not json")
     assert "unreadable" in sharded.problem(bad)
+    (bad / sharded.MARKER).write_text("[" * 100000 + "]" * 100000)
+    assert "unreadable" in sharded.problem(bad)
 
 
 def test_bad_manifest_says_why(good, tmp_path):
