@@ -75,3 +75,46 @@ have_token() {
     [[ -n "${RAY_AUTH_TOKEN_PATH:-}" && -r "${RAY_AUTH_TOKEN_PATH}" ]] && return 0
     [[ -r "${HOME:-/root}/.ray/auth_token" ]]
 }
+
+# The token file as Ray reads it: RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token.
+token_file() {
+    printf '%s\n' "${RAY_AUTH_TOKEN_PATH:-${HOME:-/root}/.ray/auth_token}"
+}
+
+file_mode() {
+    stat -c '%a' "$1" 2>/dev/null || stat -f '%Lp' "$1"
+}
+
+# The token lets anyone who reads it run code on the cluster: keep it 0600 in a 0700
+# directory. An existing token others can read is tightened, with a warning.
+secure_token() {
+    local file dir mode
+    file="$(token_file)"
+    dir="$(dirname "$file")"
+    if [[ -f "$file" ]]; then
+        mode="$(file_mode "$file")"
+        if [[ "$mode" != "600" && "$mode" != "400" ]]; then
+            echo "ray-mesh deploy: warning: $file had mode $mode (readable by other local users); setting it to 600." >&2
+            chmod 600 "$file"
+        fi
+    fi
+    # Only the default directory is ours to tighten; one named by RAY_AUTH_TOKEN_PATH is not.
+    if [[ -z "${RAY_AUTH_TOKEN_PATH:-}" && -d "$dir" ]]; then
+        mode="$(file_mode "$dir")"
+        if [[ "$mode" != "700" ]]; then
+            echo "ray-mesh deploy: warning: $dir had mode $mode; setting it to 700." >&2
+            chmod 700 "$dir"
+        fi
+    fi
+}
+
+# First start of a head: a new token, created private (umask 077 in a subshell, so nothing
+# else this script creates changes mode).
+generate_token() {
+    (
+        umask 077
+        mkdir -p "${HOME:-/root}/.ray"
+        ray get-auth-token --generate >/dev/null
+    )
+    secure_token
+}

@@ -17,9 +17,14 @@ load_env_file
 
 use_token_auth
 training_niceness
-if [[ "$RAY_AUTH_MODE" == "token" ]] && ! have_token; then
-    # First start: create the cluster's token; copy it to every worker's ~/.ray/auth_token.
-    ray get-auth-token --generate >/dev/null
+if [[ "$RAY_AUTH_MODE" == "token" ]]; then
+    if have_token; then
+        secure_token
+    else
+        # First start: create the cluster's token (0600); copy it to every worker's
+        # ~/.ray/auth_token (scp keeps it private: mode 0600 there too).
+        generate_token
+    fi
 fi
 
 args=(

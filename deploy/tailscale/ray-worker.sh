@@ -23,8 +23,9 @@ load_env_file
 
 use_token_auth
 training_niceness
-if [[ "$RAY_AUTH_MODE" == "token" ]] && ! have_token; then
-    die "no Ray auth token on this node. Copy the head's ~/.ray/auth_token to ~/.ray/auth_token here (or set RAY_AUTH_TOKEN_PATH)."
+if [[ "$RAY_AUTH_MODE" == "token" ]]; then
+    have_token || die "no Ray auth token on this node. Copy the head's ~/.ray/auth_token to ~/.ray/auth_token here, mode 0600 (or set RAY_AUTH_TOKEN_PATH)."
+    secure_token
 fi
 
 args=(start --address="$head" --node-ip-address="$node_ip" --disable-usage-stats)

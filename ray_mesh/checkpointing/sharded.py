@@ -1,10 +1,13 @@
 """Ray-free sharded checkpoints: torch.distributed.checkpoint (DCP) plus a completion marker.
 
-One checkpoint is one directory. Every rank writes only its own shards (``__<rank>_*.distcp``),
-rank 0 writes DCP's ``.metadata``, and after a barrier rank 0 writes :data:`MARKER`, a small
-JSON file with the step, the data position and the mesh the checkpoint was written on. A
-directory without the marker, or whose files are shorter than DCP's metadata says, is not a
-checkpoint: a run killed while writing leaves exactly such a directory behind.
+One checkpoint is one directory. ray_mesh claims it (:data:`~integrity.OWNED`) before anything
+is written, every rank writes only its own shards (``__<rank>_*.distcp``) and its random state,
+rank 0 writes DCP's ``.metadata``; then every rank hashes its files, rank 0 gathers those into
+:data:`~integrity.MANIFEST` and finally writes :data:`MARKER`, a small JSON file with the step,
+the data position and the mesh the checkpoint was written on. A directory without the marker,
+or whose files differ from the manifest, is not a checkpoint: a run killed while writing
+leaves exactly such a directory behind. Checks read only those JSON files (never the pickled
+``.metadata``: see :mod:`ray_mesh.checkpointing.integrity`).
 
 The state goes through ``get_state_dict``/``set_state_dict``, so FSDP2 and tensor-parallel
 DTensors are saved by their global shape and load onto any other mesh (resharding is DCP's
@@ -13,12 +16,9 @@ job, not ours). This module imports torch, never Ray: it runs under torchrun as 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import pickle
 import re
-import shutil
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,21 +39,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ray_mesh.checkpointing import integrity, rng
+from ray_mesh.checkpointing.compat import (
+    CheckpointError,
+    CheckpointMismatchError,
+    NonFiniteError,
+    check_compatible,
+)
+from ray_mesh.checkpointing.integrity import MANIFEST, MARKER, METADATA, OWNED
+
 logger = logging.getLogger(__name__)
 
-MARKER = "ray_mesh_checkpoint.json"
-"""Written by rank 0 after every rank finished writing; its presence means "complete"."""
-METADATA = ".metadata"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DIR_PATTERN = re.compile(r"^checkpoint_(\d+)(?:_[0-9a-z]+)?$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or used; the message names it and the fix."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """The checkpoint holds another model: the message lists the keys that do not match."""
 
 
 def dir_name(step: int, tag: str = "") -> str:
@@ -78,6 +76,10 @@ class Progress:
     """The checkpoint directory this came from; None for a fresh start."""
     mesh: dict[str, Any] | None = None
     world_size: int | None = None
+    data_seed: int | None = None
+    """A data-order seed saved with the checkpoint (e.g. a sampler's), handed back on resume."""
+    warnings: list[str] = field(default_factory=list)
+    """What a load could not restore exactly (e.g. random state from another world size)."""
 
 
 # ----------------------------------------------------------------------------- groups
@@ -142,17 +144,25 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- save
 def prepare_dir(path: str | os.PathLike, group: dist.ProcessGroup | None,
                 shared: bool = True) -> Path:
-    """An empty directory for a checkpoint (a leftover of a killed attempt is removed).
+    """An empty directory for a checkpoint, claimed as ray_mesh's (:data:`OWNED`).
 
-    ``shared``: the directory is on storage every rank sees, so rank 0 alone clears it;
-    otherwise (a per-rank staging directory) every rank clears its own.
+    A leftover of a killed attempt (a directory ray_mesh created: it carries :data:`OWNED`)
+    is removed; any other non-empty directory is left alone and refused. ``shared``: the
+    directory is on storage every rank sees, so rank 0 alone prepares it; otherwise (a
+    per-rank staging directory) every rank prepares its own.
     """
     path = Path(path)
+    refusal = None
     if not shared or _rank(group) == 0:
-        if path.exists():
-            logger.warning("ray_mesh: replacing existing checkpoint directory %s", path)
-            shutil.rmtree(path)
-        path.mkdir(parents=True, exist_ok=True)
+        refusal = integrity.claim_dir(path)
+    if shared:
+        refusal = broadcast_from_rank0(refusal, group)
+    elif dist.is_initialized():  # every rank decides for itself: all raise if one refuses
+        found: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, refusal, group=group)
+        refusal = next((r for r in found if r), None)
+    if refusal:
+        raise CheckpointError(refusal)
     _barrier(group)
     if not path.is_dir():
         raise CheckpointError(
@@ -163,6 +173,28 @@ def prepare_dir(path: str | os.PathLike, group: dist.ProcessGroup | None,
     return path
 
 
+def _check_finite(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Raise :class:`NonFiniteError` on every rank when any rank's parameters hold NaN/inf.
+
+    Collective (one tiny all-reduce), so that no rank goes on into the save's collectives
+    while another raises.
+    """
+    bad = integrity.non_finite_params(model)
+    flag = torch.tensor([len(bad)], dtype=torch.int64)
+    if dist.is_initialized():
+        if dist.get_backend(group) == "nccl":  # group=None on a GPU run: the NCCL default
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()):
+        where = f"parameters {', '.join(bad[:8])} on this rank" if bad else "another rank"
+        raise NonFiniteError(
+            f"Refusing to save a checkpoint: the model holds NaN or inf ({where}). Saving it "
+            f"would rotate good checkpoints out for a broken one. Find the divergence (lower "
+            f"the learning rate, clip gradients, check the data), then resume from the last "
+            f"good checkpoint; pass check_finite=False to save non-finite weights anyway."
+        )
+
+
 def save(
     path: str | os.PathLike,
     model: torch.nn.Module,
@@ -170,13 +202,21 @@ def save(
     *,
     group: dist.ProcessGroup | None = None,
     async_save: bool = False,
+    check_finite: bool = True,
+    save_rng: bool = True,
 ) -> Future | None:
-    """Write this rank's shards of model and optimizer state into ``path``.
+    """Write this rank's shards of model and optimizer state (and random state) into ``path``.
 
     Returns a Future when ``async_save`` (the state is already copied to CPU memory when this
     returns, so training may go on). The checkpoint is not complete until
-    :func:`mark_complete` has run on every rank.
+    :func:`mark_complete` has run on every rank. ``check_finite``: refuse (every rank raises
+    :class:`NonFiniteError`) when any parameter is NaN/inf. ``save_rng``: this rank's random
+    state goes along (see :mod:`ray_mesh.checkpointing.rng`), captured now.
     """
+    if check_finite:
+        _check_finite(model, group)
+    if save_rng:
+        rng.save(Path(path), _rank(group))
     state = _state(model, optimizers)
     if async_save:
         return dcp.async_save(state, checkpoint_id=str(path), process_group=group)
@@ -191,151 +231,128 @@ def mark_complete(
     group: dist.ProcessGroup | None = None,
     mesh: Mapping[str, Any] | None = None,
 ) -> None:
-    """Barrier, then rank 0 writes the marker: every rank has finished its shards by then.
+    """Every rank hashes the files it wrote; rank 0 gathers them into the manifest, then
+    writes the marker (each file whole or absent: written and renamed).
 
-    A second barrier makes "returned on any rank" mean "complete".
+    The gather doubles as the barrier "every rank has finished its shards"; a final barrier
+    makes "returned on any rank" mean "complete".
     """
-    _barrier(group)
-    if _rank(group) == 0:
+    path = Path(path)
+    rank = _rank(group)
+    mine = integrity.describe(path, integrity.rank_files(
+        path, rank, (rng.file_name(rank),) + ((METADATA,) if rank == 0 else ())))
+    parts: list[Any] = [mine]
+    if dist.is_initialized():
+        parts = [None] * dist.get_world_size(group) if rank == 0 else []
+        dist.gather_object(mine, parts if rank == 0 else None,
+                           dst=dist.get_global_rank(group, 0) if group else 0, group=group)
+    if rank == 0:
+        files = {name: info for part in parts for name, info in (part or {}).items()}
+        integrity.write_json_atomic(path / MANIFEST, {"format": FORMAT_VERSION, "files": files})
         info = {
             "format": FORMAT_VERSION,
             "step": progress.step,
             "data_position": progress.data_position,
+            "data_seed": progress.data_seed,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "mesh": dict(mesh) if mesh else None,
             "torch": torch.__version__,
             "time": time.time(),
         }
-        tmp = Path(path) / (MARKER + ".tmp")
-        tmp.write_text(json.dumps(info, indent=1))
-        os.replace(tmp, Path(path) / MARKER)  # atomic: the marker is whole or absent
+        integrity.write_json_atomic(path / MARKER, info)
     _barrier(group)  # returns everywhere only once the checkpoint is complete
 
 
 # ----------------------------------------------------------------------------- check
-def _read_metadata(path: Path) -> Metadata:
-    with open(path / METADATA, "rb") as f:
-        return pickle.load(f)
+def problem(path: str | os.PathLike, verify: bool = False) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None when it is. Never unpickles.
 
-
-def problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a complete checkpoint, or None when it is.
-
-    Complete means: the marker is there and parses, DCP's metadata is there and parses, and
-    every shard file the metadata points into exists and is long enough.
+    Complete means: the marker is there and valid, the manifest is there, and every file it
+    lists (shards, ``.metadata``, random state) exists with the size recorded at save; with
+    ``verify`` also with the SHA-256 recorded at save (reads every byte).
     """
     path = Path(path)
     if not path.is_dir():
         return "it is not a directory"
-    if not (path / MARKER).is_file():
-        return f"it has no {MARKER} (a save that did not finish on every rank)"
-    try:
-        json.loads((path / MARKER).read_text())
-    except (OSError, ValueError) as exc:
-        return f"its {MARKER} is unreadable ({exc})"
-    try:
-        meta = _read_metadata(path)
-    except FileNotFoundError:
-        return f"it has no {METADATA} (DCP metadata)"
-    except Exception as exc:  # noqa: BLE001 - any unpickling error means "corrupt"
-        return f"its {METADATA} is unreadable ({type(exc).__name__}: {exc})"
-    need: dict[str, int] = {}
-    for info in (meta.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is None:
-            continue
-        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
-        need[rel] = max(need.get(rel, 0), end)
-    for rel, size in sorted(need.items()):
-        f = path / rel
-        if not f.is_file():
-            return f"shard {rel} is missing"
-        if f.stat().st_size < size:
-            return f"shard {rel} is truncated ({f.stat().st_size} of {size} bytes)"
-    return None
+    _, why = integrity.parse_marker(path)
+    return why or integrity.manifest_problem(path, verify)
 
 
 def read_progress(path: str | os.PathLike) -> Progress:
-    info = json.loads((Path(path) / MARKER).read_text())
-    return Progress(step=int(info["step"]), data_position=dict(info.get("data_position") or {}),
-                    path=str(path), mesh=info.get("mesh"), world_size=info.get("world_size"))
-
-
-def check_compatible(path: str | os.PathLike, model: torch.nn.Module) -> None:
-    """Raise :class:`CheckpointMismatchError` naming every model key that does not match.
-
-    DCP alone ignores extra keys in the checkpoint and fails on the first missing one with an
-    internal message; this compares the whole model (names and global shapes) first.
-    """
-    meta = _read_metadata(Path(path))
-    saved = {k[len("model."):]: v for k, v in meta.state_dict_metadata.items()
-             if k.startswith("model.")}
-    mine = get_model_state_dict(model)
-    missing = sorted(set(mine) - set(saved))
-    unexpected = sorted(set(saved) - set(mine))
-    shapes = []
-    for key in sorted(set(mine) & set(saved)):
-        value, info = mine[key], saved[key]
-        # DTensor.shape is the global shape, as stored in the metadata.
-        if (isinstance(value, torch.Tensor) and isinstance(info, TensorStorageMetadata)
-                and tuple(value.shape) != tuple(info.size)):
-            shapes.append(f"{key}: checkpoint {tuple(info.size)}, model {tuple(value.shape)}")
-    if missing or unexpected or shapes:
-        parts = []
-        for what, items in (("missing from the checkpoint", missing),
-                            ("in the checkpoint but not in the model", unexpected),
-                            ("with another shape", shapes)):
-            if items:
-                shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)"
-                                                if len(items) > 8 else "")
-                parts.append(f"{what}: {shown}")
-        raise CheckpointMismatchError(
-            f"Checkpoint {path} was written by a different model. Keys " + "; keys ".join(parts)
-            + ". Resume it with the model that wrote it, or start this model in a new run "
-            "(another RunConfig(name=...) or storage_path) instead of resuming."
-        )
+    info, why = integrity.parse_marker(Path(path))
+    if info is None:
+        raise CheckpointError(f"Checkpoint {path} cannot be used: {why}.")
+    return Progress(step=info["step"], data_position=dict(info.get("data_position") or {}),
+                    path=str(path), mesh=info.get("mesh"), world_size=info.get("world_size"),
+                    data_seed=info.get("data_seed"))
 
 
 # ----------------------------------------------------------------------------- load
+def loadable_problem(path: str | os.PathLike, verify: bool = True) -> str | None:
+    """:func:`problem`, then (only when that finds nothing) the metadata through the restricted
+    unpickler: for the one checkpoint about to be loaded, never for a mere scan."""
+    return problem(path, verify) or integrity.metadata_problem(Path(path))
+
+
 def load(
     path: str | os.PathLike,
     model: torch.nn.Module,
     optimizers: Optimizers = None,
     *,
     group: dist.ProcessGroup | None = None,
+    verify: bool = True,
+    restore_rng: bool = True,
 ) -> Progress:
-    """Load a complete checkpoint into ``model`` (and optimizers) on the current mesh."""
+    """Load a complete checkpoint into ``model`` (and optimizers) on the current mesh.
+
+    ``verify``: hash every file against the manifest first (reads the whole checkpoint once
+    per rank; pass False when one rank already verified it). ``restore_rng``: set this
+    rank's random state from the checkpoint; what could not be restored is listed in
+    ``Progress.warnings``.
+    """
     path = Path(path)
-    why = problem(path)
+    why = loadable_problem(path, verify)
     if why:
         raise CheckpointError(f"Checkpoint {path} cannot be loaded: {why}.")
     check_compatible(path, model)
     optims = _optims(optimizers)
     state = _state(model, optims)
     if optims and not any(k.startswith("optim.") for k in
-                          _read_metadata(path).state_dict_metadata):
+                          integrity.read_metadata(path).state_dict_metadata):
         raise CheckpointMismatchError(
             f"Checkpoint {path} holds no optimizer state, but an optimizer was passed. Pass "
             f"optimizers=None to load the model alone."
         )
-    dcp.load(state, checkpoint_id=str(path), process_group=group)
+    try:
+        dcp.load(state, checkpoint_id=str(path), process_group=group)
+    except CheckpointException as exc:  # a BaseException subclass: caught by name only
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be loaded: DCP could not read its shards "
+            f"({str(exc).splitlines()[0][:300]}). A shard is corrupt although its size is "
+            f"right; load with verify=True to name it, or resume from an older checkpoint."
+        ) from exc
     if optims:
         set_state_dict(model, optims, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     else:
         set_model_state_dict(model, state["model"])
-    return read_progress(path)
+    progress = read_progress(path)
+    if restore_rng:
+        progress.warnings += rng.load(path, _rank(group))
+    return progress
 
 
-def newest_complete(candidates: Iterable[str | os.PathLike]) -> tuple[str | None, list[str]]:
-    """The first complete checkpoint of ``candidates`` (newest first) and warnings for the rest.
+def newest_complete(candidates: Iterable[str | os.PathLike],
+                    verify: bool = True) -> tuple[str | None, list[str]]:
+    """The first loadable checkpoint of ``candidates`` (newest first) and warnings for the rest.
 
     Each skipped directory gets a warning that names it and says why, so a corrupt latest
-    checkpoint never silently costs more than the steps since the previous one.
+    checkpoint never silently costs more than the steps since the previous one. Only the
+    candidate returned is unpickled (restricted; see :func:`loadable_problem`).
     """
     warnings: list[str] = []
     for cand in candidates:
-        why = problem(cand)
+        why = loadable_problem(cand, verify)
         if why is None:
             return str(cand), warnings
         warnings.append(f"ray_mesh: skipping checkpoint {cand}: {why}.")
@@ -354,15 +371,19 @@ def older_siblings(path: str | os.PathLike) -> list[Path]:
 
 
 __all__ = [
+    "MANIFEST",
     "MARKER",
+    "OWNED",
     "CheckpointError",
     "CheckpointMismatchError",
+    "NonFiniteError",
     "Progress",
     "check_compatible",
     "checkpoint_group",
     "dir_name",
     "full_model_state",
     "load",
+    "loadable_problem",
     "mark_complete",
     "newest_complete",
     "older_siblings",

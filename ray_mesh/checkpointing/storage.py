@@ -23,6 +23,41 @@ class StorageError(ValueError):
     """A storage_path that cannot hold this run's checkpoints; the message says what to use."""
 
 
+def run_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a run name, or None.
+
+    The run directory is ``<storage_path>/<name>`` and ray_mesh writes (and on a restart,
+    deletes unfinished checkpoints) inside it, so the name must be one plain path component:
+    ``../x``, ``a/b``, ``/abs`` or ``~x`` would put all of that outside storage_path.
+    """
+    if not isinstance(name, str):
+        return f"it is a {type(name).__name__}, not a string"
+    if not name.strip():
+        return "it is empty"
+    if name in (".", "..") or name.startswith("~"):
+        return "it names a directory outside the run directory"
+    if any(c in name for c in "/\\") or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "it contains a path separator or a control character"
+    if name != name.strip():
+        return "it begins or ends with whitespace"
+    if len(name.encode()) > 200:
+        return "it is longer than 200 bytes"
+    return None
+
+
+def check_run_name(name: object) -> str:
+    """``name`` if it is a safe run name (one path component), else :class:`StorageError`."""
+    why = run_name_problem(name)
+    if why:
+        raise StorageError(
+            f"Run name {name!r} is not allowed: {why}. The run directory is "
+            f"<storage_path>/<name>, so the name must be a single path component: letters, "
+            f"digits, '-', '_', '.' (e.g. 'hsdp_run1'). To write elsewhere, change "
+            f"storage_path instead."
+        )
+    return str(name)
+
+
 def _is_uri(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
@@ -99,8 +134,12 @@ def _check_uri(path: str, timeout_s: float) -> str:
     return path
 
 
-def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 60.0) -> str:
+def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 60.0,
+                  name: str | None = None) -> str:
     """The storage_path to give RunConfig, checked; raises :class:`StorageError`.
+
+    * ``name``: the RunConfig name, when given, must be one safe path component
+      (:func:`check_run_name`).
 
     * ``None``: Ray Train's default (``~/ray_results``), checked like any local path.
     * a local path: made absolute, created, written to; on a Ray cluster of several nodes
@@ -108,6 +147,8 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
       path is node-local and refused.
     * a URI (``s3://``, ``gs://``, ...): a probe object is written and deleted.
     """
+    if name is not None:
+        check_run_name(name)
     path = str(storage_path) if storage_path is not None else default_storage_path()
     if _is_uri(path):
         return _check_uri(path, timeout_s)
@@ -133,4 +174,5 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
     return str(local)
 
 
-__all__ = ["StorageError", "check_storage", "default_storage_path"]
+__all__ = ["StorageError", "check_run_name", "check_storage", "default_storage_path",
+           "run_name_problem"]

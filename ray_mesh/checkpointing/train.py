@@ -38,7 +38,8 @@ import torch
 from pyarrow.fs import LocalFileSystem
 from ray.train import Checkpoint, CheckpointUploadMode
 
-from ray_mesh.checkpointing import sharded
+from ray_mesh.checkpointing import integrity, sharded
+from ray_mesh.checkpointing.guards import check_args, check_report, train_context
 from ray_mesh.checkpointing.sharded import CheckpointError, Progress
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,15 @@ class Checkpointer:
         timeout_s: bound on every checkpoint collective (a dead peer fails the save within it).
         wait_committed: after reporting a checkpoint, rank 0 waits until Ray has registered
             it, so that a failure right after it still resumes from it.
+        check_finite: refuse to save (every rank raises ``NonFiniteError``) when a parameter
+            is NaN or inf, so broken weights never rotate good checkpoints out.
+        data_seed: a data-order seed (e.g. your sampler's) saved with every checkpoint;
+            ``restore()`` hands back the saved one as ``Progress.data_seed`` (this one on a
+            fresh start).
+
+    Each rank's random state (torch, CUDA, Python ``random``, NumPy) is saved with every
+    checkpoint and restored by :meth:`restore`, so a resumed run draws the same dropout
+    masks as an uninterrupted one.
     """
 
     def __init__(
@@ -87,21 +97,25 @@ class Checkpointer:
         upload: bool | None = None,
         timeout_s: float = 600.0,
         wait_committed: bool = True,
+        check_finite: bool = True,
+        data_seed: int | None = None,
     ) -> None:
-        if every < 0:
-            raise ValueError(f"every must be >= 0 (0 saves only on report(save=True)), got "
-                             f"{every}.")
+        check_args(model, optimizers, every=every, async_save=async_save, upload=upload,
+                    timeout_s=timeout_s, wait_committed=wait_committed,
+                    check_finite=check_finite, data_seed=data_seed, resume_from=resume_from)
+        ctx = train_context()
         self.model = model
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         self.optimizers = list(optimizers or [])
+        self.check_finite = check_finite
+        self.data_seed = data_seed
         self.every = every
         self.async_save = async_save
         self.resume_from = str(resume_from) if resume_from else None
         self.timeout_s = timeout_s
         self.wait_committed = wait_committed
         self.group = sharded.checkpoint_group(timeout_s)
-        ctx = ray.train.get_context()
         self._rank = ctx.get_world_rank()
         self._storage = ctx.get_storage()
         self.upload = (not isinstance(self._storage.storage_filesystem, LocalFileSystem)
@@ -152,7 +166,9 @@ class Checkpointer:
         """The newest complete candidate (rank 0 only) and a warning for each one skipped."""
         warnings: list[str] = []
         for cand in candidates:
-            why = sharded.problem(self._local_dir(cand))
+            # Rank 0 hashes the candidate's files against the manifest (corruption that keeps
+            # a file's length); only a candidate that passes is unpickled (restricted).
+            why = sharded.loadable_problem(self._local_dir(cand), verify=True)
             if why is None:
                 return cand.path, warnings
             warnings.append(f"ray_mesh: skipping checkpoint {cand.path}: {why}.")
@@ -163,20 +179,28 @@ class Checkpointer:
         return None, warnings
 
     def _remove_partial(self) -> None:
-        """Delete checkpoint directories of this run that have no marker.
+        """Delete checkpoint directories of this run that ray_mesh created but never finished.
 
         They are saves a failure interrupted: never reported (the report comes after the
-        marker), so Ray does not track them and would never delete them.
+        marker), so Ray does not track them and would never delete them. Only a directory
+        carrying ray_mesh's ownership file is removed: one another tool wrote (e.g. a Tune
+        ``checkpoint_000005``) is left alone, with a warning.
         """
         run_dir = Path(self._storage.experiment_fs_path)
         if not run_dir.is_dir():
             return
         for d in sorted(run_dir.iterdir()):
-            if (sharded.step_of(d) is not None and d.is_dir()
-                    and not (d / sharded.MARKER).exists()):
-                _warn(f"ray_mesh: removing partial checkpoint {d} (no {sharded.MARKER}: a "
-                      f"save that a failure interrupted; it was never reported).")
-                shutil.rmtree(d, ignore_errors=True)
+            if (sharded.step_of(d) is None or d.is_symlink() or not d.is_dir()
+                    or (d / sharded.MARKER).exists()):
+                continue
+            if not integrity.is_owned(d):
+                _warn(f"ray_mesh: leaving {d} alone: it looks like a checkpoint directory but "
+                      f"ray_mesh did not create it (no {sharded.OWNED}). Move it out of the run "
+                      f"directory if it does not belong there.")
+                continue
+            _warn(f"ray_mesh: removing partial checkpoint {d} (no {sharded.MARKER}: a "
+                  f"save that a failure interrupted; it was never reported).")
+            shutil.rmtree(d, ignore_errors=True)
 
     def restore(self) -> Progress:
         """Load the newest complete checkpoint, if any; returns where to continue.
@@ -189,7 +213,7 @@ class Checkpointer:
             self._remove_partial()
         latest = ray.train.get_checkpoint()
         if latest is None and not self.resume_from:
-            return Progress()
+            return Progress(data_seed=self.data_seed)
         candidates = self._candidates(latest) if self._rank == 0 else [
             latest or Checkpoint(self.resume_from)]
         decision = self._choose(candidates) if self._rank == 0 else None
@@ -204,9 +228,15 @@ class Checkpointer:
                 f"directory, or start a new run (another RunConfig(name=...) or storage_path)."
             )
         chosen = Checkpoint(chosen_path, filesystem=candidates[0].filesystem)
+        # Rank 0 verified the checksums while choosing: the others only check sizes.
         progress = sharded.load(self._local_dir(chosen), self.model, self.optimizers,
-                                group=self.group)
+                                group=self.group, verify=False)
         progress.path = chosen_path
+        for w in progress.warnings:
+            _warn(f"ray_mesh: {w}.")
+        if progress.data_seed is None:
+            progress.data_seed = self.data_seed
+        self.data_seed = progress.data_seed
         if warnings and self._rank == 0:
             _warn(f"ray_mesh: resumed from {chosen_path} (step {progress.step}).")
         for d in self._downloaded.values():
@@ -225,7 +255,7 @@ class Checkpointer:
         path = sharded.prepare_dir(self._target(progress.step), self.group,
                                    shared=not self.upload)
         future = sharded.save(path, self.model, self.optimizers, group=self.group,
-                              async_save=self.async_save)
+                              async_save=self.async_save, check_finite=self.check_finite)
         self._pending = (path, progress, future)
 
     def _finish_save(self) -> tuple[Checkpoint, Progress]:
@@ -253,12 +283,14 @@ class Checkpointer:
         loader needs to continue after ``step`` (e.g. epoch and offset); it must be the same on
         every rank. ``save`` overrides ``every`` for this step.
         """
+        check_report(step, data_position)
         due = save if save is not None else bool(self.every and step % self.every == 0)
         attach: tuple[Checkpoint, Progress] | None = None
         if self._pending is not None:  # an async save from an earlier step
             attach = self._finish_save()
         if due:
-            self._start_save(Progress(step=step, data_position=dict(data_position or {})))
+            self._start_save(Progress(step=step, data_position=dict(data_position or {}),
+                                      data_seed=self.data_seed))
             if not self.async_save:
                 attach = self._finish_save()
         self._report(dict(metrics or {}), step, attach)

@@ -29,6 +29,7 @@ from typing import Any
 
 from ray import cloudpickle
 
+from ray_mesh.checkpointing.storage import run_name_problem
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
 
 
@@ -105,8 +106,16 @@ class Job:
         use_gpu = scaling.get("use_gpu", "auto")
         if use_gpu not in (True, False, "auto"):
             raise JobError(f"scaling.use_gpu must be true, false or auto, got {use_gpu!r}.")
+        name = top.get("name") or Path(str(top["train"]).split(":")[0]).stem
+        if isinstance(name, int) and not isinstance(name, bool):
+            name = str(name)  # `name: 2024` in YAML
+        why = run_name_problem(name)
+        if why:
+            raise JobError(f"name: {name!r} cannot be a run name: {why}. The run directory is "
+                           f"<storage_path>/<name>: use one plain path component such as "
+                           f"'hsdp_run1'; to write elsewhere, set run.storage_path.")
         return cls(
-            name=str(top.get("name") or Path(str(top["train"]).split(":")[0]).stem),
+            name=name,
             train=str(top["train"]),
             config=config,
             mesh=mesh,

@@ -70,7 +70,10 @@ def _write_on_worker(doc: dict[str, Any]) -> str:
     """Runs on rank 0's worker: write both files into the run directory; returns its path."""
     import ray.train
 
+    from ray_mesh.checkpointing.storage import check_run_name
+
     storage = ray.train.get_context().get_storage()
+    check_run_name(storage.experiment_dir_name)  # never write outside storage_path
     fs, run_dir = storage.storage_filesystem, storage.experiment_fs_path
     doc = {**doc, "run": doc.get("run") or storage.experiment_dir_name}
     fs.create_dir(run_dir, recursive=True)

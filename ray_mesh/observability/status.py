@@ -26,6 +26,7 @@ import os
 import socket
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,9 +81,41 @@ def _auth_headers() -> dict[str, str]:
         return {}
 
 
+SECRET_HEADERS = ("authorization", "x-ray-authorization", "cookie", "proxy-authorization")
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) with the scheme's default port filled in."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(
+        scheme)
+
+
+class _SameOriginCredentials(urllib.request.HTTPRedirectHandler):
+    """Follow redirects, but send the cluster token only to the origin it was meant for.
+
+    urllib copies every header to the redirect target, so a dashboard (or anything in
+    between) answering 302 to another host would receive the bearer token. A redirect to
+    another scheme, host or port drops the credential headers; the request then fails there
+    with 401/403 unless that origin needs no token.
+    """
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, D102
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            for name in list(new.headers):
+                if name.lower() in SECRET_HEADERS:
+                    del new.headers[name]
+        return new
+
+
+_OPENER = urllib.request.build_opener(_SameOriginCredentials)
+
+
 def _get(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> bytes:
     req = urllib.request.Request(url, headers=headers or {})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - user's cluster
+    with _OPENER.open(req, timeout=timeout_s) as resp:  # noqa: S310 - user's cluster
         return resp.read()
 
 

@@ -11,11 +11,12 @@ import ray
 from ray.train import CheckpointConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from ray_mesh.checkpointing.storage import check_storage
+from ray_mesh.checkpointing.storage import check_run_name, check_storage
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.core.priority import RAY_NICENESS_ENV
 from ray_mesh.core.spec import NODES
 from ray_mesh.network.interfaces import host_port, split_host_port
+from ray_mesh.raytrain.auth import secure_token_file
 from ray_mesh.raytrain.backend import MeshConfig
 from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 
@@ -31,6 +32,7 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        secure_token_file(create=False)  # a token others can read: tightened, with a warning
         check_reachable(address)
         try:
             ray.init(address=address, log_to_driver=True)
@@ -53,12 +55,15 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
     # this process's environment; an unprivileged worker could not lower it later.
     saved = os.environ.get(RAY_NICENESS_ENV)
     os.environ.setdefault(RAY_NICENESS_ENV, "0")
+    # A new local Ray writes ~/.ray/auth_token with the umask (0644): create it first, 0600.
+    secure_token_file(create=True)
     try:
         ray.init(address="local",
                  num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)))
     finally:
         if saved is None:
             os.environ.pop(RAY_NICENESS_ENV, None)
+    secure_token_file(create=False)
     return True
 
 
@@ -168,7 +173,7 @@ def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
     )
     run = job.run
     run_config = RunConfig(
-        name=job.name,
+        name=check_run_name(job.name),
         storage_path=run.get("storage_path"),
         failure_config=failure_config(int(run.get("max_failures", 0)),
                                       int(run.get("startup_retries", 3))),
@@ -198,7 +203,7 @@ def run_job(job: Job, address: str | None = None) -> Result:
         check_resources(scaling, cluster)
         # A storage_path that is not writable, or node-local on a multi-node cluster, fails
         # here rather than at the first checkpoint.
-        job.run["storage_path"] = check_storage(job.run.get("storage_path"))
+        job.run["storage_path"] = check_storage(job.run.get("storage_path"), name=job.name)
         # Resolve the mesh against the worker count now: a product that cannot match fails
         # here, not after the workers started.
         if scaling.elasticity_enabled:

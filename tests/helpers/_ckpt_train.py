@@ -36,7 +36,10 @@ def train_loop(config: dict) -> None:
     mesh = ray_mesh.get_mesh()
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 6))
+    # config["dropout"]: random draws in every step, so a resume is bitwise only when the
+    # random state is restored with the checkpoint.
+    drop = [nn.Dropout(config["dropout"])] if config.get("dropout") else []
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), *drop, nn.Linear(16, 6))
     fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
     optim = torch.optim.AdamW(model.parameters(), lr=0.02)
     ckpt = Checkpointer(model, optim, every=config["every"],
@@ -60,10 +63,15 @@ def train_loop(config: dict) -> None:
         kill = config.get("kill_at")
         if kill and done == kill and rank == 1 and not os.path.exists(config["kill_marker"]):
             Path(config["kill_marker"]).write_text("killed")
-            if config.get("corrupt"):  # truncate a shard of a checkpoint Ray has registered
+            if config.get("corrupt"):  # damage a shard of a checkpoint Ray has registered
                 (target,) = Path("/").glob(config["corrupt"].lstrip("/"))
                 shard = sorted(target.glob("*.distcp"))[0]
-                shard.write_bytes(shard.read_bytes()[:16])
+                data = bytearray(shard.read_bytes())
+                if config.get("corrupt_mode") == "flip":  # same length, one bit changed
+                    data[len(data) // 2] ^= 0x01
+                else:
+                    data = data[:16]
+                shard.write_bytes(bytes(data))
             os.kill(os.getpid(), signal.SIGKILL)
         before = ckpt.last_reported_checkpoint
         ckpt.report(done, {"loss": loss.item()}, data_position={"next_step": done})

@@ -4,12 +4,15 @@ Real local Ray (the shared ``ray_local`` fixture), 4 CPU workers with gloo, HSDP
 Two fits:
 
 1. uninterrupted, upload mode (each rank's shards staged locally and merged by Ray);
-2. direct mode with ``dcp.async_save``; on the first attempt rank 1 truncates a shard of the
-   newest registered checkpoint and SIGKILLs itself while the next one is half written;
+2. direct mode with ``dcp.async_save``; on the first attempt rank 1 flips one bit in the
+   middle of a shard of the newest registered checkpoint (its length stays: only the
+   checksum finds it) and SIGKILLs itself while the next one is half written;
    ``FailureConfig(max_failures=1)``: Ray restarts the group, which skips the corrupt and
-   the partial checkpoint (with warnings) and resumes from the one before.
+   the partial checkpoint (with warnings) and resumes from the one before. A
+   ``checkpoint_000005`` another tool left in the run directory is never deleted.
 
-Run 2 must end with parameters bitwise equal to run 1's.
+Both runs use dropout: run 2 must end with parameters bitwise equal to run 1's, which needs
+each rank's random state restored with the checkpoint.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
 
     # 1. uninterrupted reference, upload mode (Ray merges the ranks' staged shards)
     ref = _fit("reference", storage, {"upload": True, "log": str(tmp_path / "ref.log"),
-                                      "final": str(tmp_path / "ref.pt")})
+                                      "final": str(tmp_path / "ref.pt"), "dropout": 0.3})
     assert ref.error is None
     (ref_run,) = attempts(tmp_path / "ref.log")
     assert ref_run[0].startswith("start 0 - ")
@@ -76,14 +79,17 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
     assert sharded.problem(ref.checkpoint.path) is None
     assert len(list(Path(ref.checkpoint.path).glob("*.distcp"))) == 4
 
-    # 2. async saves; at step 10 rank 1 truncates a shard of checkpoint 6 (the newest one Ray
-    # has registered; checkpoint 9 is still being written, without marker) and SIGKILLs
+    # 2. async saves; at step 10 rank 1 flips a bit in a shard of checkpoint 6 (the newest one
+    # Ray has registered; checkpoint 9 is still being written, without marker) and SIGKILLs
     # itself. Ray restarts the group; 6 is skipped as corrupt, 9 is not complete: step 3.
     log = tmp_path / "kill.log"
     run_dir = Path(storage) / "killed"
+    foreign = run_dir / "checkpoint_000005"  # e.g. Ray Tune's, not ray_mesh's
+    foreign.mkdir(parents=True)
+    (foreign / "model.pt").write_text("not ray_mesh's")
     cfg = {"async_save": True, "kill_at": 10, "kill_marker": str(tmp_path / "killed"),
-           "corrupt": str(run_dir / "checkpoint_00000006_*"),
-           "log": str(log), "final": str(tmp_path / "kill.pt")}
+           "corrupt": str(run_dir / "checkpoint_00000006_*"), "corrupt_mode": "flip",
+           "dropout": 0.3, "log": str(log), "final": str(tmp_path / "kill.pt")}
     res = _fit("killed", storage, cfg, max_failures=1)
     assert res.error is None
     assert (tmp_path / "killed").exists()
@@ -97,10 +103,12 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
     assert steps(second) == list(range(4, STEPS + 1)), second
     _assert_bitwise(tmp_path / "ref.pt", tmp_path / "kill.pt")
     # num_to_keep=3 kept the newest three (6, 9, 12 of the second attempt); the partial
-    # step-9 directory of the first attempt was removed at the restart.
+    # step-9 directory of the first attempt was removed at the restart; the foreign
+    # checkpoint_000005 is untouched.
     kept = sorted((sharded.step_of(p), p) for p in run_dir.iterdir() if sharded.step_of(p))
-    assert [s for s, _ in kept] == [6, 9, 12], kept
-    assert all(sharded.problem(p) is None for _, p in kept)
+    assert [s for s, _ in kept] == [5, 6, 9, 12], kept
+    assert all(sharded.problem(p, verify=True) is None for _, p in kept[1:])
+    assert (foreign / "model.pt").read_text() == "not ray_mesh's"
 
 
 @pytest.mark.ray

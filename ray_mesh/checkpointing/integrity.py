@@ -1,0 +1,251 @@
+"""What makes a checkpoint directory trustworthy, checked without running anything it holds.
+
+A checkpoint directory sits in storage that other people or jobs may write to (a shared
+filesystem, a bucket). Three rules follow:
+
+* **Checks never unpickle.** DCP's ``.metadata`` is a pickle; unpickling a crafted one runs
+  code. Completeness is judged from our own JSON files only: the marker (step, progress) and
+  a manifest of every file the save wrote, with its size and SHA-256.
+* **Only the checkpoint about to be loaded is unpickled**, and first through
+  :func:`read_metadata`, an unpickler that admits DCP's metadata classes and nothing else, so
+  a crafted ``.metadata`` is refused before DCP's own (unrestricted) ``pickle.load`` sees it.
+* **Deletion only of what ray_mesh created.** :data:`OWNED` is written into a checkpoint
+  directory right after it is made, before any shard; only a directory carrying it may be
+  removed by ray_mesh.
+
+This module is Ray-free and torch-light (torch is imported for the metadata classes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MARKER = "ray_mesh_checkpoint.json"
+"""Written by rank 0 after every rank finished writing; its presence means "complete"."""
+MANIFEST = "ray_mesh_manifest.json"
+"""Every file the save wrote (relative name -> size and SHA-256), written before the marker."""
+OWNED = ".ray_mesh_owned"
+"""Written when ray_mesh creates a checkpoint directory: ray_mesh may delete only these."""
+METADATA = ".metadata"
+_CHUNK = 1 << 20
+
+
+# ----------------------------------------------------------------------------- ownership
+def mark_owned(path: Path) -> None:
+    """Claim a directory ray_mesh just created (before any shard is written into it)."""
+    (path / OWNED).write_text(json.dumps({"ray_mesh": "checkpoint directory"}) + "\n")
+
+
+def is_owned(path: Path) -> bool:
+    return (Path(path) / OWNED).is_file()
+
+
+def claim_dir(path: Path) -> str | None:
+    """Make ``path`` an empty directory ray_mesh owns; a refusal message when it is not ours.
+
+    A non-empty directory carrying :data:`OWNED` is an unfinished save of ours and is
+    replaced; anything else (another tool's directory, a file, a symlink) is left alone.
+    """
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        return (f"Checkpoint path {path} exists and is not a directory ray_mesh created; it "
+                f"is left alone. Remove it yourself, or use another run name or storage_path.")
+    if path.is_dir() and any(path.iterdir()):
+        if not is_owned(path):
+            return (f"Checkpoint directory {path} exists and was not created by ray_mesh (no "
+                    f"{OWNED}); it is left alone. Remove it yourself, or use another run name "
+                    f"or storage_path.")
+        logger.warning("ray_mesh: replacing unfinished checkpoint directory %s", path)
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mark_owned(path)
+    return None
+
+
+def non_finite_params(model: Any) -> list[str]:
+    """Names of this rank's parameters (local shards of DTensors) holding NaN or inf."""
+    import torch
+
+    bad = []
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not bool(torch.isfinite(local.detach()).all()):
+            bad.append(name)
+    return bad
+
+
+# ----------------------------------------------------------------------------- checksums
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a file, read in 1 MiB chunks (shards may be larger than memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rank_files(path: Path, rank: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The files rank ``rank`` wrote into ``path``: DCP names its shards ``__<rank>_<n>.distcp``
+    (rank in the checkpoint group); ``extra`` adds names such as rank 0's ``.metadata``."""
+    pattern = re.compile(rf"^__{rank}_\d+\.distcp$")
+    names = sorted(p.name for p in path.iterdir() if pattern.match(p.name))
+    return names + [n for n in extra if (path / n).is_file()]
+
+
+def describe(path: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"size": bytes, "sha256": hex}}`` for ``names`` in ``path`` (one rank's part)."""
+    return {n: {"size": (path / n).stat().st_size, "sha256": sha256_file(path / n)}
+            for n in names}
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Whole or absent: written to a temporary name, then renamed over ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _safe_name(name: Any) -> bool:
+    return (isinstance(name, str) and bool(name) and name not in (".", "..")
+            and "/" not in name and "\\" not in name and "\0" not in name)
+
+
+def manifest_problem(path: Path, verify: bool) -> str | None:
+    """Why the manifest does not vouch for ``path``'s files, or None.
+
+    Sizes are always compared; with ``verify`` every file is hashed too (reads the whole
+    checkpoint), which catches corruption that keeps a file's length.
+    """
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return (f"it has no {MANIFEST} (a save that did not finish, or one written by a "
+                f"ray_mesh without checksums)")
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"its {MANIFEST} is unreadable ({exc})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or METADATA not in files:
+        return f"its {MANIFEST} lists no files (it must list at least {METADATA})"
+    for name, info in sorted(files.items()):
+        if (not _safe_name(name) or not isinstance(info, dict)
+                or not isinstance(info.get("size"), int)
+                or not isinstance(info.get("sha256"), str)):
+            return f"its {MANIFEST} has a malformed entry {name!r}: {info!r}"
+        f = path / name
+        what = "the metadata" if name == METADATA else "shard"
+        if not f.is_file():
+            return f"{what} {name} is missing"
+        size = f.stat().st_size
+        if size != info["size"]:
+            how = "truncated" if size < info["size"] else "longer than written"
+            return f"{what} {name} is {how} ({size} of {info['size']} bytes)"
+        if verify and sha256_file(f) != info["sha256"]:
+            return (f"{what} {name} is corrupt: its SHA-256 differs from the one recorded at "
+                    f"save (same length, changed content)")
+    return None
+
+
+# ----------------------------------------------------------------------------- marker
+def parse_marker(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The marker's content, or None and why it cannot be used (never raises)."""
+    try:
+        info = json.loads((path / MARKER).read_text())
+    except FileNotFoundError:
+        return None, f"it has no {MARKER} (a save that did not finish on every rank)"
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"its {MARKER} is unreadable ({exc})"
+    if not isinstance(info, dict):
+        return None, f"its {MARKER} is not a JSON object (got {type(info).__name__})"
+    step = info.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None, f"its {MARKER} has no valid step (need an int >= 0, got {step!r})"
+    for key, kind in (("data_position", dict), ("mesh", dict), ("world_size", int),
+                      ("data_seed", int)):
+        value = info.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return None, f"its {MARKER} has a malformed {key!r}: {value!r}"
+    return info, None
+
+
+# ----------------------------------------------------------------------------- metadata
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_EXTRA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, torch dtypes/sizes/layouts and plain containers only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        obj = super().find_class(module, name) if (
+            module in _METADATA_MODULES or (module, name) in _EXTRA_GLOBALS
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        ) else None
+        if obj is None or (module in _METADATA_MODULES and not (
+                isinstance(obj, type) and obj.__module__ == module)):  # defined there only
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP metadata "
+                                         f"never holds")
+        return obj
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's ``Metadata`` of checkpoint ``path``, unpickled with the restricted unpickler.
+
+    Raises ``ValueError`` naming what was unexpected (a class outside DCP's metadata, or an
+    object that is not a ``Metadata``); nothing from the file runs.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    data = (path / METADATA).read_bytes()
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure: not DCP metadata
+        raise ValueError(f"{METADATA} is not DCP metadata: {type(exc).__name__}: {exc}") \
+            from exc
+    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
+        raise ValueError(f"{METADATA} unpickles to a {type(meta).__name__}, not DCP Metadata")
+    return meta
+
+
+def metadata_problem(path: Path) -> str | None:
+    """Why the (restricted-unpickled) metadata cannot be loaded, or None.
+
+    Also checks that every file the metadata points into is one the manifest vouches for.
+    """
+    try:
+        meta = read_metadata(path)
+    except (OSError, ValueError) as exc:
+        return f"its {METADATA} is unusable ({exc})"
+    try:
+        listed = set(json.loads((path / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its {MANIFEST} is unreadable ({exc})"
+    for info in (meta.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None and str(rel) not in listed:
+            return f"its {METADATA} points into {rel!r}, which the {MANIFEST} does not list"
+    return None
+
+
+__all__ = ["MANIFEST", "MARKER", "METADATA", "OWNED", "describe", "is_owned", "manifest_problem",
+           "mark_owned", "metadata_problem", "parse_marker", "rank_files", "read_metadata",
+           "sha256_file", "write_json_atomic"]
