@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ray_mesh.parallel.errors import ParallelError
 
-Mode = Literal["auto", "fsdp", "hsdp", "ddp", "none"]
+Mode = Literal["auto", "fsdp", "hsdp", "ddp", "replica", "none"]
 Blocks = Iterable[nn.Module] | str | Callable[[str, nn.Module], bool] | None
 
 PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
@@ -83,11 +83,14 @@ def resolve_mode(mesh: DeviceMesh, mode: Mode = "auto") -> Mode:
                      else "ddp" if shard == 1 else "hsdp")
     if mode == "auto":
         return natural
-    if mode not in ("fsdp", "hsdp", "ddp", "none"):
-        raise ParallelError(f"Unknown data-parallel mode {mode!r}: use auto, fsdp, hsdp, ddp "
-                            f"or none.")
+    if mode not in ("fsdp", "hsdp", "ddp", "replica", "none"):
+        raise ParallelError(f"Unknown data-parallel mode {mode!r}: use auto, fsdp, hsdp, ddp, "
+                            f"replica or none.")
     fits = {
         "none": True,  # opting out (e.g. replicas that run apart, or DP done elsewhere)
+        # FSDP inside each replica only: replicas run apart and an outer loop (DiLoCo,
+        # ray_mesh.parallel.diloco) keeps them together.
+        "replica": True,
         "fsdp": rep == 1,
         "hsdp": rep > 1 or shard > 1,
         "ddp": shard == 1,
@@ -149,6 +152,8 @@ def apply_fsdp(
     start from the same weights (one seed): FSDP shards the local copy, it does not broadcast.
     """
     mode = resolve_mode(mesh, mode)
+    if mode == "replica" and _size(mesh, "dp_shard_cp") == 1:
+        mode = "none"  # a replica of one rank (or one tp group): nothing to shard
     if mode == "none":
         return module
     if mode == "ddp" and not _has_dtensor(module):
@@ -161,7 +166,8 @@ def apply_fsdp(
         ids = [torch.cuda.current_device()] if device == "cuda" else None
         return nn.parallel.DistributedDataParallel(module, device_ids=ids,
                                                    device_mesh=mesh["dp_cp"])
-    dp_mesh = mesh["dp_shard_cp"] if mode == "fsdp" else mesh["dp_replicate", "dp_shard_cp"]
+    dp_mesh = (mesh["dp_shard_cp"] if mode in ("fsdp", "replica")
+               else mesh["dp_replicate", "dp_shard_cp"])
     policy = mixed_precision_policy(mixed_precision)
     for block in find_blocks(module, blocks):
         if block is module:

@@ -1,0 +1,297 @@
+"""DiLoCo on the replicate dim: replicas train apart for H steps, then sync once.
+
+Over a VPN the replicate dim is the one that crosses nodes. Sync HSDP all-reduces every
+gradient over it every step; DiLoCo (Douillard et al., 2023) lets each replica (one node's
+FSDP / TP group) take ``every`` inner optimizer steps with no traffic across nodes, then:
+
+1. each rank forms the pseudo-gradient of its own shard, ``global - local``;
+2. averages it over ``dp_replicate`` only (optionally compressed, :mod:`.compress`);
+3. applies the outer optimizer to the global parameters: SGD with Nesterov momentum,
+   ``m = mu m + d``; ``global -= lr (d + mu m)`` (``lr (mu m)`` without Nesterov);
+4. copies the new global parameters into the model, so replicas continue from the same
+   point (bitwise: every replica decodes the same average).
+
+Defaults follow the paper: outer lr 0.7, momentum 0.9, Nesterov. With ``every=1``, outer
+lr 1 and momentum 0, an SGD inner optimizer gives exactly sync data parallel (the mean of
+the replicas' SGD steps), which the tests check against sync HSDP.
+
+Streaming (``streaming=k``): the parameters are cut into k fragments of similar size, and
+fragment f syncs at the inner steps where ``(step - f * every / k) % every == 0``: each
+fragment still syncs every H steps, but the link carries 1/k of the model k times as
+often instead of all of it in one burst (Streaming DiLoCo, Douillard et al. 2025).
+
+The model must be sharded inside a replica only: ``apply_fsdp(model, mesh, mode="replica")``
+(or ``parallelize(..., dp="replica")``).
+
+Checkpoints (:meth:`DiLoCo.save` / :meth:`DiLoCo.load`, DCP): between syncs the replicas
+hold *different* parameters and inner optimizer states, and DCP keeps one copy of chunks
+that several ranks hold at the same offsets. So each replica's model and optimizer state
+go under a key of its own (``replica<r>``), and the outer state (global parameters, outer
+momentum, error feedback, counters), equal on every replica, once. A replica index that the
+checkpoint does not have (more nodes than when it was saved) starts from the global
+parameters with a fresh inner optimizer, as a joining replica should.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ray_mesh.parallel.compress import MODES, average, wire_bytes
+from ray_mesh.parallel.errors import ParallelError
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """The replicate dim's DiLoCo settings (YAML: ``replicate: {mode: diloco, ...}``)."""
+
+    every: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    compress: str = "none"
+    error_feedback: bool = True
+    streaming: int = 1
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> ParallelError:
+            return ParallelError(f"replicate.{key}={getattr(self, key)!r}: {why}")
+
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise bad("every", "give the inner steps between syncs, an integer >= 1 "
+                               "(tens to hundreds at this scale; the paper used 500)")
+        if (isinstance(self.outer_lr, bool) or not isinstance(self.outer_lr, int | float)
+                or not 0 < self.outer_lr <= 10 or math.isnan(self.outer_lr)):
+            raise bad("outer_lr", "give a number in (0, 10]; 0.7 is the paper's")
+        if (isinstance(self.outer_momentum, bool)
+                or not isinstance(self.outer_momentum, int | float)
+                or not 0 <= self.outer_momentum < 1):
+            raise bad("outer_momentum", "give a number in [0, 1); 0.9 is the paper's")
+        if not isinstance(self.nesterov, bool) or not isinstance(self.error_feedback, bool):
+            raise ParallelError("replicate.nesterov and replicate.error_feedback must be "
+                                "true or false")
+        if self.compress not in MODES:
+            raise bad("compress", f"use one of {', '.join(MODES)}")
+        if (isinstance(self.streaming, bool) or not isinstance(self.streaming, int)
+                or not 1 <= self.streaming <= self.every):
+            raise bad("streaming", f"give the number of fragments, an integer in "
+                                   f"[1, every={self.every}]")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> DiLoCoConfig:
+        if not isinstance(data, dict):
+            raise ParallelError(f"replicate: {data!r} must be a mapping like "
+                                "{mode: diloco, every: 50}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known - {"mode"})
+        if unknown:
+            raise ParallelError(f"replicate: unknown key(s) {unknown}; known: mode, "
+                                f"{', '.join(sorted(known))}")
+        return cls(**{k: v for k, v in data.items() if k != "mode"})
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _fragments(sizes: list[int], k: int) -> list[list[int]]:
+    """Parameter indices cut into k fragments of similar size, each a run of consecutive
+    parameters (so a fragment is whole layers, as torchft's model fragments are)."""
+    total = sum(sizes)
+    out: list[list[int]] = [[] for _ in range(k)]
+    acc = 0
+    for i, n in enumerate(sizes):
+        f = min(k - 1, int(acc * k / max(total, 1)))
+        out[f].append(i)
+        acc += n
+    return [f for f in out if f] or [list(range(len(sizes)))]
+
+
+class DiLoCo:
+    """The outer loop of DiLoCo around a model and its inner optimizer.
+
+    Call :meth:`step` after every inner ``optimizer.step()``; it syncs when due and says
+    whether it did. ``mesh`` must have a ``dp_replicate`` dim of size >= 2.
+    """
+
+    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh,
+                 config: DiLoCoConfig | None = None, *, dim: str = "dp_replicate") -> None:
+        self.config = config or DiLoCoConfig()
+        try:
+            rep_mesh = mesh[dim]
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise ParallelError(f"DiLoCo needs a {dim!r} dim on the mesh (dims: "
+                                f"{mesh.mesh_dim_names})") from exc
+        self.replicas = rep_mesh.size()
+        if self.replicas < 2:
+            raise ParallelError(f"DiLoCo syncs replicas over {dim!r}, which has size "
+                                f"{self.replicas}: use a mesh with dp_replicate >= 2 (one "
+                                "replica per node), or replicate mode 'sync'")
+        self.group = rep_mesh.get_group()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ParallelError("DiLoCo got a model without trainable parameters")
+        for p in self.params:
+            if isinstance(p, DTensor) and dim in (p.device_mesh.mesh_dim_names or ()):
+                raise ParallelError(
+                    f"the model is sharded or replicated over {dim!r} (HSDP): its gradients "
+                    "would still be all-reduced across replicas every step. Shard it inside a "
+                    "replica only: parallelize(model, mesh, dp='replica')")
+        with torch.no_grad():
+            self.global_params = [_local(p).detach().clone() for p in self.params]
+        self.momentum = [torch.zeros_like(g) for g in self.global_params]
+        self.error = ([torch.zeros_like(g) for g in self.global_params]
+                      if self.config.compress == "int8" and self.config.error_feedback else None)
+        self.fragments = _fragments([g.numel() for g in self.global_params],
+                                    self.config.streaming)
+        self.inner_steps = 0
+        self.outer_steps = 0
+        self.stats: dict[str, float] = {"bytes_sent": 0.0, "sync_s": 0.0, "drift": 0.0}
+
+    # ------------------------------------------------------------------ schedule
+    def due(self, step: int) -> list[int]:
+        """Fragments that sync after inner step ``step`` (1-based)."""
+        h, k = self.config.every, len(self.fragments)
+        return [f for f in range(k) if (step - (f * h) // k) % h == 0 and step >= h]
+
+    def step(self) -> bool:
+        """Count one inner step; sync the fragments that are due. True when one synced."""
+        self.inner_steps += 1
+        due = self.due(self.inner_steps)
+        for f in due:
+            self.sync(self.fragments[f])
+        return bool(due)
+
+    # ------------------------------------------------------------------ the outer step
+    @torch.no_grad()
+    def sync(self, indices: Iterable[int] | None = None) -> None:
+        """Average pseudo-gradients over the replicas and take the outer step."""
+        cfg = self.config
+        idx = list(range(len(self.params))) if indices is None else list(indices)
+        t0 = time.perf_counter()
+        drift = 0.0
+        for i in idx:
+            local = _local(self.params[i])
+            delta = self.global_params[i] - local.detach()
+            drift += float(delta.float().pow(2).sum())
+            if self.error is not None:
+                delta = delta + self.error[i]
+            avg = average(delta, cfg.compress, self.group)
+            if self.error is not None:
+                self.error[i] = delta - self._own_decoded(delta)
+            m = self.momentum[i]
+            m.mul_(cfg.outer_momentum).add_(avg)
+            update = avg.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
+            self.global_params[i].sub_(update, alpha=cfg.outer_lr)
+            local.copy_(self.global_params[i])
+            self.stats["bytes_sent"] += wire_bytes(delta.numel(), cfg.compress)
+        self.stats["sync_s"] += time.perf_counter() - t0
+        self.stats["drift"] = math.sqrt(drift)
+        self.outer_steps += 1
+
+    def _own_decoded(self, delta: torch.Tensor) -> torch.Tensor:
+        from ray_mesh.parallel.compress import dequantize_int8, quantize_int8
+
+        return dequantize_int8(*quantize_int8(delta), delta)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _as_param_layout(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for p, t in zip(self.params, tensors, strict=True):
+            out.append(DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
+                       if isinstance(p, DTensor) else t)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Outer state shared by all replicas, tensors laid out like the parameters (DCP
+        saves and reshards it). The error feedback is each replica's own: see :meth:`save`."""
+        return {
+            "global": self._as_param_layout(self.global_params),
+            "momentum": self._as_param_layout(self.momentum),
+            "counters": torch.tensor([self.inner_steps, self.outer_steps]),
+            "config": asdict(self.config),
+        }
+
+    def _replica_state(self, model: torch.nn.Module, optims: list) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optims)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if self.error is not None:  # what rounding left out of this replica's last sync
+            state["error"] = self._as_param_layout(self.error)
+        return state
+
+    def _replica_key(self) -> str:
+        return f"replica{dist.get_group_rank(self.group, dist.get_rank())}"
+
+    def save(self, path: str, model: torch.nn.Module,
+             optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
+        """Model, inner optimizer and outer state into ``path`` (DCP; collective)."""
+        import torch.distributed.checkpoint as dcp
+
+        optims = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+        dcp.save({self._replica_key(): self._replica_state(model, optims),
+                  "diloco": self.state_dict()}, checkpoint_id=str(path))
+
+    def load(self, path: str, model: torch.nn.Module,
+             optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> bool:
+        """Restore what :meth:`save` wrote; False when this replica was not in it (it then
+        starts from the global parameters with a fresh inner optimizer)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        optims = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+        key = self._replica_key()
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        mine = any(k.startswith(key + ".") for k in saved)
+        state: dict[str, Any] = {"diloco": self.state_dict()}
+        if mine:
+            state[key] = self._replica_state(model, optims)
+        dcp.load(state, checkpoint_id=str(path))
+        self.load_state_dict(state["diloco"])
+        if mine:
+            set_state_dict(model, optims, model_state_dict=state[key]["model"],
+                           optim_state_dict=state[key]["optim"])
+            for dst, src in zip(self.error or [], state[key].get("error", []), strict=False):
+                dst.copy_(_local(src))
+        else:
+            with torch.no_grad():
+                for p, g in zip(self.params, self.global_params, strict=True):
+                    _local(p).copy_(g)
+        return mine
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("config", asdict(self.config)) != asdict(self.config):
+            raise ParallelError(f"the checkpoint's DiLoCo settings {state['config']} differ "
+                                f"from this run's {asdict(self.config)}; resume with the same "
+                                "replicate: section")
+        for key, mine in (("global", self.global_params), ("momentum", self.momentum)):
+            for dst, src in zip(mine, state[key], strict=True):
+                dst.copy_(_local(src))
+        self.inner_steps, self.outer_steps = (int(x) for x in state["counters"].tolist())
+
+
+def replicas_equal(model: torch.nn.Module, group: dist.ProcessGroup) -> bool:
+    """True when every replica holds bitwise the same parameters (for tests and checks)."""
+    ok = torch.ones(1)
+    for p in model.parameters():
+        t = _local(p).detach().reshape(-1).float()
+        peers = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(peers, t.contiguous(), group=group)
+        if not all(torch.equal(peers[0], x) for x in peers):
+            ok.zero_()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok.item())
+
+
+__all__ = ["DiLoCo", "DiLoCoConfig", "replicas_equal"]

@@ -1,0 +1,63 @@
+"""Pseudo-gradient compression: int8 within half a step per element, bf16 within its epsilon."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_mesh.parallel.compress import CHUNK, dequantize_int8, quantize_int8, wire_bytes
+from ray_mesh.parallel.diloco import DiLoCoConfig, _fragments
+from ray_mesh.parallel.errors import ParallelError
+
+
+@pytest.mark.parametrize("shape", [(7,), (CHUNK,), (3, CHUNK + 5), (64, 33)])
+def test_int8_round_trip_within_half_a_step_per_chunk(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    x.view(-1)[0] = 0.0
+    codes, scales = quantize_int8(x)
+    back = dequantize_int8(codes, scales, x)
+    assert back.shape == x.shape and codes.dtype == torch.int8
+    flat = torch.nn.functional.pad(x.reshape(-1), (0, (-x.numel()) % CHUNK)).view(-1, CHUNK)
+    bound = (flat.abs().amax(1) / 127 / 2).repeat_interleave(CHUNK)[: x.numel()]
+    assert torch.all((back - x).reshape(-1).abs() <= bound + 1e-7)
+
+
+def test_int8_of_zeros_is_zeros():
+    x = torch.zeros(10)
+    assert torch.equal(dequantize_int8(*quantize_int8(x), x), x)
+
+
+def test_bf16_round_trip_within_its_epsilon():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    back = x.to(torch.bfloat16).float()
+    assert torch.all((back - x).abs() <= x.abs() * 2**-8 + 1e-30)
+
+
+def test_wire_bytes_ratios():
+    n = 1 << 20
+    assert wire_bytes(n, "bf16") / wire_bytes(n, "none") == 0.5
+    assert wire_bytes(n, "int8") / wire_bytes(n, "none") == pytest.approx(0.25, rel=0.01)
+
+
+def test_fragments_cover_every_parameter_once_in_order():
+    frags = _fragments([10, 10, 10, 10, 40], 3)
+    assert sorted(i for f in frags for i in f) == list(range(5))
+    assert all(f == sorted(f) for f in frags) and len(frags) <= 3
+
+
+@pytest.mark.parametrize("kw, key", [({"every": 0}, "every"), ({"every": 2.5}, "every"),
+                                     ({"outer_lr": 0}, "outer_lr"),
+                                     ({"outer_lr": float("nan")}, "outer_lr"),
+                                     ({"outer_momentum": 1.0}, "outer_momentum"),
+                                     ({"compress": "fp8"}, "compress"),
+                                     ({"every": 4, "streaming": 5}, "streaming"),
+                                     ({"nesterov": "yes"}, "nesterov")])
+def test_bad_settings_name_the_key(kw, key):
+    with pytest.raises(ParallelError, match=key):
+        DiLoCoConfig(**kw)
+
+
+def test_from_dict_refuses_unknown_keys():
+    with pytest.raises(ParallelError, match="unknown key"):
+        DiLoCoConfig.from_dict({"mode": "diloco", "evry": 5})
+    assert DiLoCoConfig.from_dict({"mode": "diloco", "every": 5}).every == 5
