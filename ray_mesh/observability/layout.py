@@ -15,7 +15,7 @@ from typing import Any
 
 from ray_mesh.core.spec import DIM_NAMES
 from ray_mesh.core.topology import MeshPlan
-from ray_mesh.observability.table import text_table
+from ray_mesh.observability.table import markdown_table, text_table
 
 LAYOUT_JSON = "ray_mesh_layout.json"
 LAYOUT_MD = "ray_mesh_layout.md"
@@ -59,10 +59,8 @@ def to_markdown(doc: dict[str, Any]) -> str:
         f"{doc['mesh']} on {doc['num_nodes']} node(s) x {doc['workers_per_node']} worker(s); "
         f"written {doc['created']}.",
         "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "|".join("---" for _ in cols) + "|",
+        markdown_table(doc["ranks"], cols),
     ]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in doc["ranks"]]
     if doc.get("warnings"):
         lines += ["", "Warnings:", *(f"- {w}" for w in doc["warnings"])]
     return "\n".join(lines) + "\n"

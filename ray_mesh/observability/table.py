@@ -40,4 +40,11 @@ def text_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], *,
     return "\n".join(lines)
 
 
-__all__ = ["format_cell", "text_table"]
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """The same rows as a Markdown table (for the layout file a person opens after a run)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(format_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+__all__ = ["format_cell", "markdown_table", "text_table"]
