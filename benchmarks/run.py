@@ -48,13 +48,11 @@ def _free_g() -> str:
 
 
 def machine() -> dict:
-    import ray
-    import torch
+    from ray_mesh.network.probe import node_versions  # the versions the pre-flight compares
 
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {"nproc": os.cpu_count(), "mem_gib": round(mem_gib, 1),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "ray": ray.__version__,
+            "platform": platform.platform(), **node_versions(),
             "free_g": _free_g(), "loadavg_start": os.getloadavg()}
 
 

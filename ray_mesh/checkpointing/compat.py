@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from ray_mesh.checkpointing import integrity
+import ray_mesh.checkpointing.integrity as integrity
 
 
 class CheckpointError(RuntimeError):

@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ray_mesh.checkpointing import integrity, rng
+import ray_mesh.checkpointing.integrity as integrity
+import ray_mesh.checkpointing.rng as rng
 from ray_mesh.checkpointing.compat import (
     CheckpointError,
     CheckpointMismatchError,

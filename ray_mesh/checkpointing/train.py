@@ -38,7 +38,8 @@ import torch
 from pyarrow.fs import LocalFileSystem
 from ray.train import Checkpoint, CheckpointUploadMode
 
-from ray_mesh.checkpointing import integrity, sharded
+import ray_mesh.checkpointing.integrity as integrity
+import ray_mesh.checkpointing.sharded as sharded
 from ray_mesh.checkpointing.guards import check_args, check_report, train_context
 from ray_mesh.checkpointing.sharded import CheckpointError, Progress
 

@@ -60,7 +60,8 @@ def _connect_existing(address: str | None) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ray_mesh.planning.cluster import describe_nodes, live_nodes, plan_cluster
+    from ray_mesh.planning.cluster import describe_nodes, plan_cluster
+    from ray_mesh.raytrain.cluster import live_nodes
 
     if args.job:
         from ray_mesh.cli import plan
@@ -78,7 +79,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from ray_mesh.planning.cluster import describe_nodes, doctor, live_nodes
+    from ray_mesh.planning.cluster import describe_nodes
+    from ray_mesh.raytrain.cluster import doctor, live_nodes
 
     _connect_existing(args.address)
     nodes = live_nodes()
@@ -91,7 +93,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _add_plan_doctor(sub) -> None:
-    from ray_mesh.network.preflight import DEFAULT_TIMEOUT_S
+    from ray_mesh.network.report import DEFAULT_TIMEOUT_S
     from ray_mesh.planning.cluster import STRATEGIES
 
     address_help = "Ray cluster address (else RAY_ADDRESS, else the cluster on this machine)"

@@ -66,20 +66,6 @@ class MeshPlan:
             rows.append(row)
         return rows
 
-    def layout_table(self, interfaces: dict[int, str] | None = None) -> str:
-        """The rank -> node -> coordinate table rank 0 prints at start."""
-        rows = self.layout_rows(interfaces)
-        head = list(rows[0].keys())
-        widths = {h: max(len(h), *(len(str(r[h])) for r in rows)) for h in head}
-        lines = [
-            f"ray_mesh: {self.spec}  on {self.num_nodes} node(s) x {self.workers_per_node} "
-            f"worker(s)",
-            "  ".join(h.ljust(widths[h]) for h in head),
-            "  ".join("-" * widths[h] for h in head),
-        ]
-        lines += ["  ".join(str(r[h]).ljust(widths[h]) for h in head) for r in rows]
-        return "\n".join(lines)
-
 
 def plan_mesh(
     spec: MeshSpec,

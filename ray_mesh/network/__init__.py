@@ -1,4 +1,11 @@
-"""The network layer (Ray-free): interface choice, the bounded pre-flight probe and its report.
+"""The network layer (Ray-free): interface choice (``interfaces``), the pre-flight's
+worker-side probe (``probe``) and its report (``report``).
 
-Runs on workers and node agents; the Ray side that fans these out lives in ``ray_mesh.raytrain``.
+Runs on workers and node agents; the Ray side that fans these out lives in
+``ray_mesh.raytrain.preflight``.
 """
+
+from ray_mesh.network.interfaces import NetworkError
+from ray_mesh.network.report import PreflightError
+
+__all__ = ["NetworkError", "PreflightError"]

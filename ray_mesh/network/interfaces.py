@@ -13,10 +13,12 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import psutil
+
+from ray_mesh.core.topology import WorkerReport
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,25 @@ def choose_interface(
         f"`ray start --node-ip-address=<address of the interface other nodes reach>` "
         f"(on Tailscale: $(tailscale ip -4)), or pass interface='<name>'."
     )
+
+
+def choose_all(reports: Sequence[WorkerReport], requested: str) -> list[Choice]:
+    """Choose every worker's interface on the driver; one error naming every failing node."""
+    choices: list[Choice] = []
+    failures: dict[str, str] = {}
+    for r in reports:
+        try:
+            choices.append(choose_interface(r.node_ip, requested, r.interfaces))
+        except NetworkError as exc:
+            who = r.hostname or f"rank {r.rank}"
+            failures.setdefault(r.node_ip, f"node {r.node_ip} ({who}): {exc}")
+    if failures:
+        raise NetworkError(
+            f"No usable interface on {len(failures)} of "
+            f"{len({r.node_ip for r in reports})} node(s):\n  - "
+            + "\n  - ".join(failures.values())
+        )
+    return choices
 
 
 def url_host(address: str) -> str:

@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
+from ray_mesh.network.interfaces import host_port, split_host_port
 from ray_mesh.observability.layout import read_layout
+from ray_mesh.observability.table import text_table
 
 ACTIVE = ("INITIALIZING", "SCHEDULING", "RUNNING", "RESTARTING", "RESIZING")
 DEFAULT_DASHBOARD_PORT = 8265
@@ -125,20 +127,17 @@ def _tcp_check(host: str, port: int, timeout_s: float, what: str) -> None:
             return
     except OSError as exc:
         raise StatusError(
-            f"The {what} at {host}:{port} does not answer ({exc}). Check the address and "
+            f"The {what} at {host_port(host, port)} does not answer ({exc}). Check the address and "
             f"port, that Ray runs there (`ray status` on the head node), and that this "
             f"machine can reach it (firewall, Tailscale up?)."
         ) from exc
 
 
 def _split(address: str, default_port: int) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host:
-        return address, default_port
     try:
-        return host.strip("[]"), int(port)
+        return split_host_port(address, default_port)
     except ValueError as exc:
-        raise StatusError(f"Address {address!r} has no valid port; use host:port.") from exc
+        raise StatusError(f"Address {address!r}: {exc}") from exc
 
 
 def _dashboard_from_gcs(address: str, timeout_s: float) -> str:
@@ -343,28 +342,12 @@ def collect(address: str | None = None, *, timeout_s: float = 5.0,
 
 
 # ----------------------------------------------------------------------------- output
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.0f}" if abs(v) >= 1000 or v == int(v) else f"{v:.4g}"
-    return str(v)
-
-
-def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-              for row in cells]
-    return "\n".join(lines)
-
-
 LAYOUT_COLUMNS = ["rank", "node", "node_ip", "interface", "device", *DIM_NAMES]
 
 
 def format_status(status: ClusterStatus) -> str:
     out = [f"Ray dashboard: {status.dashboard}", "", f"Nodes ({len(status.nodes)}):",
-           table([{**n, "node_id": n["node_id"][:12]} for n in status.nodes],
+           text_table([{**n, "node_id": n["node_id"][:12]} for n in status.nodes],
                  ["node_id", "ip", "state", "head", "CPU", "GPU"])]
     if not status.runs:
         out += ["", "No running ray_mesh runs."]
@@ -376,7 +359,7 @@ def format_status(status: ClusterStatus) -> str:
                              - {"hostname", "node_id", "local_rank"},
                              key=lambda c: (list(LATEST.values()) + [c]).index(c))
         if run["ranks"]:
-            out.append(table(run["ranks"], LAYOUT_COLUMNS + metric_cols))
+            out.append(text_table(run["ranks"], LAYOUT_COLUMNS + metric_cols))
         if not metric_cols:
             out.append("(no step metrics yet: they appear ~10-20 s after the first "
                        "StepMeter flush)")

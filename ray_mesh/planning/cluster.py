@@ -1,11 +1,11 @@
-"""What the live cluster has, and the mesh ``ray-mesh plan`` proposes for it.
+"""What the cluster has, and the mesh ``ray-mesh plan`` proposes for it (no Ray).
 
 A mesh needs the same number of workers on every node (see ``topology.plan_mesh``), but
 real clusters mix boxes: an 8-GPU server, two 4-GPU ones, a laptop with one. This module
-lists the live nodes, groups them into homogeneous sets, picks the set (and per-node
-worker count) that gives the most workers, and says which nodes it leaves out and why. The
-planning itself is plain Python over :class:`NodeInfo` records; only :func:`live_nodes`
-and the doctor's node agents talk to Ray.
+groups the nodes into homogeneous sets, picks the set (and per-node worker count) that
+gives the most workers, and says which nodes it leaves out and why. It is plain Python
+over :class:`NodeInfo` records; listing the live nodes and the doctor's node agents, which
+talk to Ray, live in ``ray_mesh.raytrain.cluster``.
 """
 
 from __future__ import annotations
@@ -15,15 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_mesh.core.spec import MeshSpec, MeshSpecError
+from ray_mesh.core.spec import DIM_NAMES, MeshSpec, MeshSpecError
 from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
-from ray_mesh.network.preflight import (
-    DEFAULT_TIMEOUT_S,
-    NodeTarget,
-    PreflightReport,
-    RayRefExecutor,
-    run_preflight,
-)
+from ray_mesh.observability.layout import layout_table
+from ray_mesh.observability.table import text_table
 
 STRATEGIES = ("hsdp", "tp-dp", "tp-pp", "pp-hsdp-tp")
 _BUILTIN = ("CPU", "GPU", "memory", "object_store_memory")
@@ -74,13 +69,6 @@ def nodes_from_ray(raw: Sequence[Mapping[str, Any]]) -> list[NodeInfo]:
     return sorted(out, key=lambda x: (not x.is_head, x.ip))
 
 
-def live_nodes() -> list[NodeInfo]:
-    """The cluster's nodes (connect with ``ray.init`` first); dead ones marked not alive."""
-    import ray
-
-    return nodes_from_ray(ray.nodes())
-
-
 def group_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> dict[tuple, list[NodeInfo]]:
     """Alive nodes grouped into homogeneous sets: same accelerator and same ``resource``."""
     groups: dict[tuple, list[NodeInfo]] = defaultdict(list)
@@ -114,8 +102,7 @@ class ClusterPlan:
 
     def format(self) -> str:
         s = self.mesh.spec
-        dims = ", ".join(f"{d}={getattr(s, d)}" for d in ("pp", "dp_replicate", "dp_shard",
-                                                           "cp", "tp"))
+        dims = ", ".join(f"{d}={getattr(s, d)}" for d in DIM_NAMES)
         lines = [
             f"strategy {self.strategy}: {len(self.used)} node(s) x {self.per_node} worker(s) "
             f"per node ({self.resource}) = {self.num_workers} workers",
@@ -132,7 +119,7 @@ class ClusterPlan:
         if self.left_out:
             lines.append("nodes left out:")
             lines += [f"  {n.label}: {why}" for n, why in self.left_out]
-        lines += ["", self.mesh.layout_table()]
+        lines += ["", layout_table(self.mesh)]
         if self.mesh.warnings or self.notes:
             lines.append("")
             lines += [f"note: {w}" for w in (*self.notes, *self.mesh.warnings)]
@@ -248,96 +235,14 @@ def _why_left_out(node: NodeInfo, resource: str, k: int, accel: str) -> str:
             f"adding it would put unequal numbers of workers on the nodes")
 
 
-# ============================================================================ doctor
-def _node_agent_cls():
-    import ray
-
-    @ray.remote(num_cpus=0, max_restarts=0)
-    class NodeAgent:
-        """A tiny actor pinned to one node that runs the pre-flight's worker-side steps."""
-
-        def ready(self) -> dict:
-            # Import what the pre-flight calls need (torch included, for its version) now,
-            # under the start-up bound, not under the pre-flight's.
-            from ray_mesh.network.preflight import node_versions
-
-            return node_versions()
-
-        def call(self, fn, *args):
-            return fn(*args)
-
-    return NodeAgent
-
-
-class NodeAgents:
-    """One agent actor per node, started once and reused for several pre-flights.
-
-    Starting a Python worker per node (imports included) can take longer than the network
-    check itself on a busy machine, so it has its own bound (``startup_timeout_s``); a node
-    whose agent does not start in time stays in the list and shows up in the report as
-    "did not answer", like a node whose link is down.
-    """
-
-    def __init__(self, nodes: Sequence[NodeInfo], startup_timeout_s: float = 60.0) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        self.nodes = [n for n in nodes if n.alive]
-        cls = _node_agent_cls()
-        self.agents = [cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            n.node_id, soft=False)).remote() for n in self.nodes]
-        refs = [a.ready.remote() for a in self.agents]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=startup_timeout_s)
-        self.started = [r in ready for r in refs]
-
-    def preflight(self, *, interface: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-                  rendezvous_port: int | None = None) -> PreflightReport:
-        """The pre-flight on every node (head = node 0, as rank 0 usually is)."""
-        executor = RayRefExecutor(lambda i, fn, *args: self.agents[i].call.remote(fn, *args))
-        return run_preflight(executor, [NodeTarget(n.ip, interface, n.hostname)
-                                        for n in self.nodes],
-                             rendezvous_port=rendezvous_port, timeout_s=timeout_s)
-
-    def close(self) -> None:
-        import ray
-
-        for a in self.agents:
-            ray.kill(a, no_restart=True)
-
-    def __enter__(self) -> NodeAgents:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def doctor(
-    nodes: Sequence[NodeInfo] | None = None,
-    *,
-    interface: str = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    rendezvous_port: int | None = None,
-    startup_timeout_s: float = 60.0,
-) -> PreflightReport:
-    """Run the pre-flight on every live node through short-lived node agents.
-
-    A run's rendezvous port is a random free one, which the matrix's random listener
-    ports already stand for; pass ``rendezvous_port`` to check a fixed MASTER_PORT too.
-    """
-    with NodeAgents(nodes if nodes is not None else live_nodes(),
-                    startup_timeout_s) as agents:
-        return agents.preflight(interface=interface, timeout_s=timeout_s,
-                                rendezvous_port=rendezvous_port)
-
-
 def describe_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> str:
     """The discovery table: id, IP, GPUs, CPUs, custom resources, and the homogeneous sets."""
-    lines = ["nodes:"]
-    for n in nodes:
-        custom = ", ".join(f"{k}={v:g}" for k, v in sorted(n.resources.items()))
-        lines.append(f"  {n.node_id[:12]}  {n.label:<24} GPU={n.gpus:g} CPU={n.cpus:g}"
-                     f"{' ' + custom if custom else ''}{' (head)' if n.is_head else ''}"
-                     f"{'' if n.alive else ' DEAD'}")
+    rows = [{"node_id": n.node_id[:12], "address": n.label, "GPU": n.gpus, "CPU": n.cpus,
+             "resources": ", ".join(f"{k}={v:g}" for k, v in sorted(n.resources.items())),
+             "role": "head" if n.is_head else "", "state": "alive" if n.alive else "DEAD"}
+            for n in nodes]
+    lines = ["nodes:", text_table(rows, ["node_id", "address", "GPU", "CPU", "resources",
+                                         "role", "state"], indent="  ")]
     groups = group_nodes(nodes, resource)
     lines.append(f"homogeneous sets (by accelerator and {resource}):")
     for (accel, amount), members in sorted(groups.items(), key=lambda g: -len(g[1])):
@@ -349,12 +254,9 @@ def describe_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> str:
 __all__ = [
     "STRATEGIES",
     "ClusterPlan",
-    "NodeAgents",
     "NodeInfo",
     "describe_nodes",
-    "doctor",
     "group_nodes",
-    "live_nodes",
     "nodes_from_ray",
     "plan_cluster",
     "strategy_spec",

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-import torch
 from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 
@@ -28,15 +27,19 @@ from ray_mesh.core.topology import MeshPlan, WorkerReport, plan_mesh
 from ray_mesh.network.interfaces import (
     Choice,
     apply_env,
+    choose_all,
     collective_env,
     free_port,
+    local_interfaces,
     rank_env_line,
     user_kept,
 )
-from ray_mesh.network.preflight import check_worker_group, choose_all
-from ray_mesh.observability.layout import save_layout
+from ray_mesh.network.probe import node_versions
+from ray_mesh.observability.layout import layout_table
 from ray_mesh.planning.inputs import PlanInputs
+from ray_mesh.raytrain.layout_io import save_layout
 from ray_mesh.raytrain.links import measure_worker_group, node_leaders, pick_mesh
+from ray_mesh.raytrain.preflight import check_worker_group
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +61,8 @@ class MeshConfig(TorchConfig):
             run fails with the ranks that did not finish, instead of hanging.
         backend: ``None`` picks nccl on GPU workers and gloo on CPU workers.
         timeout_s: torch.distributed collective timeout.
-        preflight: run the bounded network pre-flight (``ray_mesh.network.preflight``) before the
-            first process group.
+        preflight: run the bounded network pre-flight (``ray_mesh.raytrain.preflight``)
+            before the first process group.
         preflight_timeout_s: bound on the whole pre-flight.
         nccl_vpn_defaults: ``'auto'`` adds ``network.NCCL_VPN_DEFAULTS`` (sockets only) when
             the chosen interface is a VPN tunnel; True/False force it. A value the user set
@@ -159,8 +162,6 @@ class _TrainThreadContext:
 
 # ----------------------------------------------------------------------------- on workers
 def _probe_worker() -> WorkerReport:
-    from ray_mesh.network.interfaces import local_interfaces
-
     ctx = ray.train.get_context()
     return WorkerReport(
         rank=ctx.get_world_rank(),
@@ -170,9 +171,7 @@ def _probe_worker() -> WorkerReport:
         local_rank=ctx.get_local_rank(),
         device=str(ray.train.torch.get_device()),
         interfaces=local_interfaces(),
-        versions={"torch": torch.__version__, "ray": ray.__version__,
-                  "nccl": ".".join(map(str, torch.cuda.nccl.version()))
-                  if torch.cuda.is_available() else ""},
+        versions=node_versions(),
     )
 
 
@@ -320,7 +319,7 @@ class _MeshBackend(Backend):
             plan = plan_mesh(spec, reports, allow_cross_node_inner=config.allow_cross_node_inner)
         fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
         interfaces = {i: c.interface for i, c in enumerate(choices)}
-        table = plan.layout_table(interfaces)
+        table = layout_table(plan, interfaces)
         logger.info("%s", table)
         refs = [
             worker_group.execute_single_async(w.rank, _setup_on_worker, WorkerSetup(

@@ -137,6 +137,7 @@ def _cli(argv: list[str]) -> dict:
 
 def cli(unreachable: str) -> None:
     import ray_mesh.planning.cluster  # noqa: F401 - imports first: time only the commands
+    import ray_mesh.raytrain.cluster  # noqa: F401
     import ray_mesh.raytrain.runner  # noqa: F401
 
     address = os.environ["RAY_ADDRESS"]
@@ -157,7 +158,7 @@ def cli(unreachable: str) -> None:
 def linkcut(go_file: str) -> None:
     import ray
 
-    from ray_mesh.planning.cluster import NodeAgents, live_nodes
+    from ray_mesh.raytrain.cluster import NodeAgents, live_nodes
 
     ray.init()
     nodes = [n for n in live_nodes() if n.alive]

@@ -17,8 +17,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from netns_cluster import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
-from ray_mesh.network.interfaces import Choice, collective_env, host_port  # noqa: E402
-from ray_mesh.network.preflight import NodeTarget, Outcome, node_versions, run_preflight  # noqa: E402
+from ray_mesh.network.interfaces import collective_env, host_port  # noqa: E402
+from ray_mesh.network.probe import node_versions  # noqa: E402
+from ray_mesh.network.report import NodeTarget  # noqa: E402
+from ray_mesh.raytrain.preflight import Outcome, run_preflight  # noqa: E402
 
 pytestmark = pytest.mark.netns
 _REASON = netns_unavailable_reason()
@@ -63,10 +65,10 @@ def test_ipv6_tailnet_matrix_passes(net):
     assert report.ok, report.format()
     for i, n in enumerate(cluster.nodes):
         c = report.choice(i)
-        assert (c["interface"], c["address"], c["family"]) == ("tailscale0", n.ip6, "AF_INET6")
-        assert all(report.matrix[(i, j)]["ok"] for j in range(3) if j != i)
-        assert report.rendezvous[i]["ok"]
-    env = collective_env(Choice(**report.choice(0)))
+        assert (c.interface, c.address, c.family) == ("tailscale0", n.ip6, "AF_INET6")
+        assert all(report.matrix[(i, j)].ok for j in range(3) if j != i)
+        assert report.rendezvous[i].ok
+    env = collective_env(report.choice(0))
     assert env["NCCL_SOCKET_FAMILY"] == "AF_INET6" and env["NCCL_SOCKET_IFNAME"] == "=tailscale0"
 
 
@@ -86,13 +88,13 @@ def test_cut_link_fails_within_bound_naming_the_node_then_recovers(net):
     msg = report.error_message()
     # Both directions of both pairs with node 2 fail, and node 2 cannot reach rank 0's port;
     # the pair 0 <-> 1 still works. IPv6 peers are written [addr]:port.
-    host = f", {report.facts[2]['hostname']})"  # labels carry the hostname
+    host = f", {report.facts[2].hostname})"  # labels carry the hostname
     assert f"to node 2 ({cut.ip6}{host} at [{cut.ip6}]:" in msg
     assert f"node 2 ({cut.ip6}{host} cannot open TCP from tailscale0 ({cut.ip6})" in msg
     assert f"node 2 ({cut.ip6}{host} cannot reach rank 0's rendezvous port " \
            f"{host_port(cluster.nodes[0].ip6, 29518)}" in msg
-    assert report.matrix[(0, 1)]["ok"] and report.matrix[(1, 0)]["ok"]
-    assert not report.matrix[(0, 2)]["ok"] and not report.matrix[(2, 1)]["ok"]
+    assert report.matrix[(0, 1)].ok and report.matrix[(1, 0)].ok
+    assert not report.matrix[(0, 2)].ok and not report.matrix[(2, 1)].ok
     assert len(report.problems) == 5  # 4 matrix cells + node 2's rendezvous check
     # With the link back, the same check passes: the failure was the cut.
     again = run_preflight(executor, nodes, rendezvous_port=29518, timeout_s=8)
@@ -105,5 +107,5 @@ def test_decoy_interface_fails_for_every_pair(net):
     report = run_preflight(executor, nodes, timeout_s=8)
     assert not report.ok
     for i, n in enumerate(cluster.nodes[:2]):
-        assert report.choice(i)["address"] == n.decoy_ip
-    assert not report.matrix[(0, 1)]["ok"] and not report.matrix[(1, 0)]["ok"]
+        assert report.choice(i).address == n.decoy_ip
+    assert not report.matrix[(0, 1)].ok and not report.matrix[(1, 0)].ok

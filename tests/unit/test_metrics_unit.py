@@ -19,8 +19,9 @@ import yaml
 
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.core.topology import WorkerReport, plan_mesh
+from ray_mesh.observability.export import _Exporter
 from ray_mesh.observability.layout import LAYOUT_JSON, layout_document, read_layout, to_markdown
-from ray_mesh.observability.metrics import METRICS, StepMeter, _Exporter, check_endpoint, mesh_tags
+from ray_mesh.observability.metrics import METRICS, StepMeter, check_endpoint, mesh_tags
 from ray_mesh.observability.status import StatusError, collect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,11 +158,11 @@ def test_a_failing_metric_record_warns_once_and_disables_export(caplog):
     """Ray itself rejects the record (a tag is missing): training must not see it."""
     exporter = _Exporter()
     bad = [("mesh_loss", 1.0, {"run": "x"})]  # the other TAG_KEYS are missing
-    with caplog.at_level("DEBUG", logger="ray_mesh.observability.metrics"):
+    with caplog.at_level("DEBUG", logger="ray_mesh.observability.export"):
         exporter.record(bad, loud=True)
         exporter.record(bad, loud=True)
         exporter.warn_once("a second problem", loud=True)
-    warned = [r for r in caplog.records if r.name == "ray_mesh.observability.metrics"]
+    warned = [r for r in caplog.records if r.name == "ray_mesh.observability.export"]
     assert len(warned) == 1 and warned[0].levelname == "WARNING", warned
     assert "training goes on" in warned[0].getMessage() and not exporter.enabled
     good = [("mesh_loss", 1.0, mesh_tags("x"))]

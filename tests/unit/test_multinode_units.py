@@ -19,20 +19,17 @@ from ray_mesh.network.interfaces import (
     NCCL_VPN_DEFAULTS,
     Choice,
     NetworkError,
+    choose_all,
     choose_interface,
     collective_env,
     host_port,
     rendezvous_url,
     split_host_port,
 )
-from ray_mesh.network.preflight import (
-    NodeTarget,
-    Outcome,
-    choose_all,
-    run_preflight,
-    version_problems,
-)
+from ray_mesh.network.probe import Target, probe_peers
+from ray_mesh.network.report import NodeTarget, version_problems
 from ray_mesh.planning.cluster import NodeInfo, nodes_from_ray, plan_cluster, strategy_spec
+from ray_mesh.raytrain.preflight import Outcome, run_preflight
 
 TABLE = {
     "lo": ["127.0.0.1", "::1"],
@@ -223,8 +220,8 @@ def test_preflight_passes_on_reachable_addresses_and_frees_the_rendezvous_port()
     nodes = [NodeTarget("127.0.0.1", "lo"), NodeTarget("127.0.0.1", "auto")]
     report = run_preflight(ThreadExecutor(), nodes, rendezvous_port=port, timeout_s=10)
     assert report.ok, report.format()
-    assert report.matrix[(0, 1)]["ok"] and report.matrix[(1, 0)]["ok"]
-    assert report.rendezvous[0]["ok"] and report.rendezvous[1]["ok"]
+    assert report.matrix[(0, 1)].ok and report.matrix[(1, 0)].ok
+    assert report.rendezvous[0].ok and report.rendezvous[1].ok
     # torch's TCPStore binds the port right after: it must be free again.
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -248,22 +245,19 @@ def test_preflight_missing_interface_on_one_node_still_checks_the_rest():
                            timeout_s=10)
     msg = report.error_message()
     assert "node 1 (127.0.0.1" in msg and "'wlan9' does not exist" in msg
-    assert report.matrix[(0, 2)]["ok"]  # the rest was still checked
+    assert report.matrix[(0, 2)].ok  # the rest was still checked
 
 
 def test_connect_refused_is_reported_as_a_blocked_port():
-    from ray_mesh.network.preflight import probe_peers
-
-    res = probe_peers("127.0.0.1", [("node1", "127.0.0.1", _free_port())], 2.0)
-    assert not res["node1"]["ok"] and "refused" in res["node1"]["error"]
+    res = probe_peers("127.0.0.1", [Target(1, "127.0.0.1", _free_port())], 2.0)
+    assert not res[1].ok and "refused" in res[1].error
 
 
 def test_version_mismatch_names_nodes_and_fix():
-    facts = [{"versions": {"torch": "2.13.0", "ray": "2.60.0", "python": "3.11.7",
-                           "nccl": "2.21.5"}},
-             {"versions": {"torch": "2.5.1", "ray": "2.60.0", "python": "3.11.7",
-                           "nccl": "2.21.5"}}]
-    lines = version_problems(facts, lambda i: f"node {i}")
+    versions = [{"torch": "2.13.0", "ray": "2.60.0", "python": "3.11.7", "nccl": "2.21.5"},
+                {"torch": "2.5.1", "ray": "2.60.0", "python": "3.11.7", "nccl": "2.21.5"},
+                None]  # a node that did not answer is left out of the comparison
+    lines = version_problems(versions, lambda i: f"node {i}")
     assert len(lines) == 1
     assert "torch versions differ" in lines[0] and "2.5.1 on node 1" in lines[0]
     assert "Install the same torch" in lines[0]

@@ -8,6 +8,7 @@ import pytest
 
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.core.topology import TopologyError, WorkerReport, plan_mesh
+from ray_mesh.observability.layout import layout_table
 
 
 def workers(per_node: list[int]) -> list[WorkerReport]:
@@ -78,7 +79,7 @@ def test_product_mismatch_names_the_cluster():
 
 def test_layout_table_has_a_row_per_rank_with_coordinates():
     plan = plan_mesh(MeshSpec(dp_replicate=2, dp_shard=-1), workers([2, 2]))
-    table = plan.layout_table({r: "tailscale0" for r in range(4)})
+    table = layout_table(plan, {r: "tailscale0" for r in range(4)})
     lines = table.splitlines()
     assert "dp_replicate=2" in lines[0] and "2 node(s) x 2 worker(s)" in lines[0]
     assert lines[1].split() == ["rank", "node", "node_ip", "local_rank", "device", "interface",

@@ -1,0 +1,266 @@
+"""The pre-flight's worker side: listen, connect, report versions (plain Python, no Ray).
+
+Runs in one process per node (a Ray Train worker, a ``ray-mesh doctor`` node agent, or a
+test's namespace agent), called by the orchestration in ``ray_mesh.raytrain.preflight``:
+
+1. :func:`open_listeners` chooses the node's interface (the same rule as the planner) and
+   opens a short-lived TCP listener on the chosen address (rank 0's node also on the
+   rendezvous port, MASTER_PORT), which proves the address is really on that node;
+2. :func:`probe_peers` connects from the chosen address to every other node's listener
+   and to rank 0's rendezvous port, all at once, each connect with a short timeout;
+3. :func:`close_listeners` stops them, so torch's TCPStore can bind the port at once.
+
+Nothing here raises on a network problem: every failure is data (:class:`NodeFacts`,
+:class:`ConnectResult`) for the report in ``ray_mesh.network.report``.
+"""
+
+from __future__ import annotations
+
+import errno
+import platform
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from ray_mesh.network.interfaces import (
+    Choice,
+    NetworkError,
+    choose_interface,
+    host_port,
+    local_interfaces,
+)
+
+GREETING = b"ray_mesh-preflight\n"
+VERSION_KEYS = ("torch", "nccl", "ray", "python")
+RENDEZVOUS = -1
+"""The :attr:`Target.node` of rank 0's rendezvous port (MASTER_PORT), not a node's listener."""
+
+
+def node_versions() -> dict[str, str]:
+    """torch, NCCL (GPU builds), Ray and Python versions of this process's environment.
+
+    The one version probe: the backend's worker probe and the pre-flight both use it, so
+    the versions compared across nodes are read the same way everywhere.
+    """
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "ray"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl or "")
+    except Exception:  # noqa: BLE001 - a broken torch is reported as a version, not a crash
+        out.setdefault("nccl", "")
+    return out
+
+
+@dataclass
+class NodeFacts:
+    """What step 1 found on node ``index``: its interfaces, choice, listener and versions.
+
+    Exactly one of ``choice`` / ``choice_error`` is set; ``port`` is None when the listener
+    could not bind (``bind_error`` says why). ``token`` names the listeners to close.
+    """
+
+    index: int
+    node_ip: str
+    hostname: str
+    token: str
+    interfaces: dict[str, list[str]] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    choice: Choice | None = None
+    choice_error: str = ""
+    port: int | None = None
+    bind_error: str = ""
+    rendezvous_error: str = ""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where step 2 connects: node ``node``'s listener, or :data:`RENDEZVOUS`."""
+
+    node: int
+    address: str
+    port: int
+
+
+@dataclass(frozen=True)
+class ConnectResult:
+    """One connect of step 2: ok, or the error as a person would describe it."""
+
+    ok: bool
+    error: str = ""
+    ms: float = 0.0
+
+
+class _Listener:
+    """Accepts connections on one address:port until stopped or its lifetime ends."""
+
+    def __init__(self, address: str, port: int, lifetime_s: float) -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        # The rendezvous port is taken over by torch's TCPStore right after the pre-flight.
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((address, port))
+            self.sock.listen(128)
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.settimeout(0.2)
+        self.port: int = self.sock.getsockname()[1]
+        self.deadline = time.monotonic() + lifetime_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True,
+                                       name=f"ray_mesh-preflight-{self.port}")
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopped.is_set() and time.monotonic() < self.deadline:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            threading.Thread(target=self._greet, args=(conn,), daemon=True).start()
+        self.sock.close()
+
+    @staticmethod
+    def _greet(conn: socket.socket) -> None:
+        # Send the greeting, then wait for the client to close first, so TIME_WAIT stays on
+        # the client side and the rendezvous port is free to bind again at once.
+        with conn:
+            conn.settimeout(3.0)
+            try:
+                conn.sendall(GREETING)
+                conn.recv(16)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+_listeners: dict[str, list[_Listener]] = {}
+_listeners_lock = threading.Lock()
+
+
+def open_listeners(index: int, node_ip: str, interface: str, rendezvous_port: int | None,
+                   lifetime_s: float) -> NodeFacts:
+    """Step 1 on node ``index``: choose the interface, listen on its address, report facts.
+
+    Never raises: every problem is a field of the returned :class:`NodeFacts`.
+    """
+    facts = NodeFacts(index=index, node_ip=node_ip, hostname=socket.gethostname(),
+                      token=uuid.uuid4().hex, interfaces=local_interfaces(),
+                      versions=node_versions())
+    try:
+        choice = choose_interface(node_ip, interface, facts.interfaces)
+    except NetworkError as exc:
+        facts.choice_error = str(exc)
+        return facts
+    facts.choice = choice
+    opened: list[_Listener] = []
+    try:
+        main = _Listener(choice.address, 0, lifetime_s)
+        opened.append(main)
+        facts.port = main.port
+    except OSError as exc:
+        facts.bind_error = f"cannot listen on {choice.address} ({choice.interface}): {exc}"
+    if rendezvous_port:
+        try:
+            opened.append(_Listener(choice.address, rendezvous_port, lifetime_s))
+        except OSError as exc:
+            facts.rendezvous_error = (f"cannot listen on the rendezvous port "
+                                      f"{host_port(choice.address, rendezvous_port)}: {exc}")
+    with _listeners_lock:
+        _listeners[facts.token] = opened
+    return facts
+
+
+def close_listeners(token: str) -> None:
+    """Step 3: stop this node's listeners (they also stop on their own at their deadline)."""
+    with _listeners_lock:
+        opened = _listeners.pop(token, [])
+    for listener in opened:
+        listener.stop()
+    for listener in opened:
+        listener.thread.join(timeout=1.0)
+
+
+def _connect_once(source: str, address: str, port: int, timeout_s: float) -> ConnectResult:
+    start = time.monotonic()
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    ok, error = False, ""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout_s)
+            if source:
+                s.bind((source, 0))  # leave from the chosen address, as NCCL will
+            s.connect((address, port))
+            data = b""
+            while not data.endswith(b"\n") and len(data) < 64:
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                data += chunk
+            if data != GREETING:
+                error = (f"something else answers on {host_port(address, port)} "
+                         f"(not the pre-flight listener)")
+            else:
+                ok = True
+    except TimeoutError:
+        error = (f"timed out after {timeout_s:.1f} s (packets dropped: link down, "
+                 f"firewall, or the wrong interface)")
+    except ConnectionRefusedError:
+        error = "connection refused (a firewall rejects the port, or nothing listens)"
+    except OSError as exc:
+        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            error = f"no route to host ({exc.strerror})"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            error = f"source address {source} is not on this node ({exc.strerror})"
+        else:
+            error = f"{type(exc).__name__}: {exc}"
+    return ConnectResult(ok, error, round((time.monotonic() - start) * 1000, 1))
+
+
+def probe_peers(source: str, targets: Sequence[Target],
+                timeout_s: float) -> dict[int, ConnectResult]:
+    """Step 2 on one node: connect to every target at once; keyed by :attr:`Target.node`."""
+    results: dict[int, ConnectResult] = {}
+    threads = []
+    for target in targets:
+        def run(t: Target = target) -> None:
+            results[t.node] = _connect_once(source, t.address, t.port, timeout_s)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join(timeout_s + 2.0)
+    for target in targets:
+        results.setdefault(target.node, ConnectResult(False, "probe thread did not finish"))
+    return results
+
+
+__all__ = [
+    "RENDEZVOUS",
+    "VERSION_KEYS",
+    "ConnectResult",
+    "NodeFacts",
+    "Target",
+    "close_listeners",
+    "node_versions",
+    "open_listeners",
+    "probe_peers",
+]

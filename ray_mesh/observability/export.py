@@ -1,0 +1,234 @@
+"""Ray's side of ray_mesh's metrics: what is exported, with which tags, and the writer.
+
+The metric definitions (:data:`METRICS`), the tags every series carries (:func:`mesh_tags`),
+the once-per-process Ray metric objects (:data:`EXPORTER`, ``ray.util.metrics``) and the
+check that the node's Prometheus endpoint answers. Ray is imported lazily, inside functions:
+a :class:`~ray_mesh.observability.meter.StepMeter` outside Ray Train never loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from ray_mesh.core import bootstrap
+from ray_mesh.core.spec import DIM_NAMES
+from ray_mesh.network.interfaces import host_port
+
+logger = logging.getLogger(__name__)
+
+TAG_KEYS: tuple[str, ...] = ("run", "rank", "node_rank", "node_ip", *DIM_NAMES)
+DIM_TAG_KEYS: tuple[str, ...] = (*TAG_KEYS, "dim")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One exported metric: Ray name, kind, help text, and whether it has a ``dim`` tag."""
+
+    name: str
+    kind: str  # "gauge" | "counter"
+    help: str
+    per_dim: bool = False
+
+    @property
+    def prometheus_name(self) -> str:
+        """The series name on Ray's Prometheus endpoint."""
+        return "ray_" + self.name + ("_total" if self.kind == "counter" else "")
+
+
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef("mesh_step", "gauge", "Last finished training step (1-based)."),
+    MetricDef("mesh_steps", "counter", "Training steps finished."),
+    MetricDef("mesh_step_time_seconds", "counter", "Wall time spent inside steps."),
+    MetricDef("mesh_step_seconds", "gauge", "Mean step wall time over the last window."),
+    MetricDef("mesh_step_seconds_max", "gauge", "Slowest step in the last window."),
+    MetricDef("mesh_samples", "counter", "Samples processed by this rank's steps."),
+    MetricDef("mesh_tokens", "counter", "Tokens processed by this rank's steps."),
+    MetricDef("mesh_samples_per_second", "gauge", "Samples/s over the last window."),
+    MetricDef("mesh_tokens_per_second", "gauge", "Tokens/s over the last window."),
+    MetricDef("mesh_loss", "gauge", "Loss of the last step that set one."),
+    MetricDef("mesh_collective_seconds", "counter",
+              "Time in collectives wrapped by meter.collective(dim).", per_dim=True),
+    MetricDef("mesh_collective_calls", "counter",
+              "Collectives wrapped by meter.collective(dim).", per_dim=True),
+    MetricDef("mesh_collective_fraction", "gauge",
+              "Share of the last window's step time spent in wrapped collectives.",
+              per_dim=True),
+    MetricDef("mesh_dim_allreduce_seconds", "gauge",
+              "Median all-reduce time of probe_dims() on this dim.", per_dim=True),
+    MetricDef("mesh_dim_busbw_bytes_per_second", "gauge",
+              "All-reduce bus bandwidth of probe_dims() on this dim.", per_dim=True),
+    MetricDef("mesh_process_rss_bytes", "gauge", "Resident memory of the worker process."),
+    MetricDef("mesh_device_memory_allocated_bytes", "gauge",
+              "torch.cuda.memory_allocated (CUDA only)."),
+    MetricDef("mesh_device_memory_reserved_bytes", "gauge",
+              "torch.cuda.memory_reserved (CUDA only)."),
+    MetricDef("mesh_device_memory_peak_bytes", "gauge",
+              "torch.cuda.max_memory_allocated (CUDA only)."),
+)
+METRICS_BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
+
+
+# ----------------------------------------------------------------------------- tags
+def train_context() -> Any | None:
+    """Ray Train's context when this thread runs under Ray Train, else None."""
+    try:
+        import ray
+        import ray.train
+
+        if not ray.is_initialized():
+            return None
+        return ray.train.get_context()
+    except Exception:  # noqa: BLE001 - not under Ray Train (torchrun, plain script)
+        return None
+
+
+def run_name() -> str:
+    """Ray Train's run (experiment) name, else RAY_MESH_RUN, else 'local'."""
+    ctx = train_context()
+    if ctx is not None:
+        try:
+            return str(ctx.get_experiment_name())
+        except Exception:  # noqa: BLE001
+            pass
+    return os.environ.get("RAY_MESH_RUN", "local")
+
+
+def mesh_tags(run: str | None = None) -> dict[str, str]:
+    """The tags every ray_mesh metric carries for this process."""
+    state = bootstrap.get_state() if bootstrap.is_initialized() else None
+    ctx = train_context()
+    rank = state.rank if state else int(os.environ.get("RANK", 0))
+    node_rank = os.environ.get("NODE_RANK", "0")
+    node_ip = ""
+    if ctx is not None:
+        try:
+            node_rank = str(ctx.get_node_rank())
+            import ray
+
+            node_ip = ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001
+            pass
+    coord = state.coordinate if state else {}
+    tags = {"run": run or run_name(), "rank": str(rank), "node_rank": str(node_rank),
+            "node_ip": node_ip or socket.gethostname()}
+    tags.update({d: str(coord.get(d, "")) for d in DIM_NAMES})
+    return tags
+
+
+class _Exporter:
+    """Ray metric objects, created once per process; any failure disables export."""
+
+    def __init__(self) -> None:
+        self._metrics: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.enabled = True
+        self.warned = False
+        self.checked_endpoint = False
+
+    def warn_once(self, message: str, loud: bool) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        (logger.warning if loud else logger.debug)("ray_mesh metrics: %s", message)
+
+    def _metric(self, name: str) -> Any:
+        metric = self._metrics.get(name)
+        if metric is None:
+            from ray.util.metrics import Counter, Gauge
+
+            d = METRICS_BY_NAME[name]
+            cls = Counter if d.kind == "counter" else Gauge
+            metric = cls(d.name, description=d.help,
+                         tag_keys=DIM_TAG_KEYS if d.per_dim else TAG_KEYS)
+            self._metrics[name] = metric
+        return metric
+
+    def record(self, values: list[tuple[str, float, dict[str, str]]], loud: bool) -> None:
+        """Write (metric, value, tags) triples; gauges are set, counters incremented."""
+        if not self.enabled:
+            return
+        try:
+            with self._lock:
+                for name, value, tags in values:
+                    metric = self._metric(name)
+                    if METRICS_BY_NAME[name].kind == "counter":
+                        if value > 0:
+                            metric.inc(float(value), tags=tags)
+                    else:
+                        metric.set(float(value), tags=tags)
+        except Exception as exc:  # noqa: BLE001 - metrics must never break training
+            self.enabled = False
+            self.warn_once(f"exporting to Ray's metrics failed ({type(exc).__name__}: {exc}); "
+                           f"training goes on without ray_mesh metrics.", loud)
+
+
+EXPORTER = _Exporter()
+
+
+def metrics_endpoint() -> tuple[str, int] | None:
+    """(node IP, metrics export port) of this process's Ray node, or None outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return node.get("NodeManagerAddress", ""), int(node.get("MetricsExportPort") or 0)
+    return None
+
+
+def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None) -> str | None:
+    """None when the Prometheus endpoint answers with Ray metrics, else why not.
+
+    ``where`` is (ip, port); by default this process's node, as Ray reports it.
+    """
+    if where is None:
+        try:
+            where = metrics_endpoint()
+        except Exception as exc:  # noqa: BLE001
+            return f"cannot look up this node's metrics port ({type(exc).__name__}: {exc})"
+    if where is None:
+        return "Ray is not initialized in this process"
+    ip, port = where
+    if not port:
+        return f"Ray reports no metrics export port for node {ip}"
+    url = f"http://{host_port(ip, port)}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - our node
+            head = resp.read(1 << 20).decode("utf-8", "replace")
+    except Exception as exc:  # noqa: BLE001
+        return (f"Ray's metrics endpoint {url} does not answer ({type(exc).__name__}: {exc}). "
+                f"The node's metrics agent is missing: install ray[default] on every node, "
+                f"and give `ray start --metrics-export-port` a free port outside the worker "
+                f"port range (10002-19999)")
+    if "ray_" not in head:
+        return (f"{url} answers but serves no Ray metrics: another process holds the port. "
+                f"Restart Ray with a free --metrics-export-port")
+    return None
+
+
+def check_endpoint_async(loud: bool) -> None:
+    """Check the node's endpoint once per process, off the training thread."""
+    if EXPORTER.checked_endpoint:
+        return
+    EXPORTER.checked_endpoint = True
+
+    def run() -> None:
+        problem = check_endpoint()
+        if problem:
+            EXPORTER.warn_once(problem + "; training goes on, metrics will not reach "
+                                "Prometheus or the dashboard.", loud)
+
+    threading.Thread(target=run, name="ray_mesh-metrics-check", daemon=True).start()
+
+
+__all__ = ["DIM_TAG_KEYS", "EXPORTER", "METRICS", "METRICS_BY_NAME", "TAG_KEYS", "MetricDef",
+           "check_endpoint", "check_endpoint_async", "mesh_tags", "metrics_endpoint", "run_name",
+           "train_context"]
