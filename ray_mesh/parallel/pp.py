@@ -20,10 +20,11 @@ checkpoint or a reference comparison needs no renaming.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,13 @@ from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.parallel.mesh import dim_size, divisors, mesh_device, submesh
+from ray_mesh.parallel.tp import validate_tp_plan
+
+ParallelizeFn = Callable[..., nn.Module]
+"""``fn(stage_module, mesh, *, tp_plan, dp, mixed_precision, strict_plan, reshard_after_forward)``
+-> module: the step that puts TP and data parallel on one stage (``ray_mesh.parallel.parallelize``
+has this signature)."""
 
 SCHEDULES: dict[str, tuple[str, str]] = {
     "gpipe": ("GPipe", "single"),
@@ -88,10 +96,6 @@ def known_hang(schedule: str, backend: str) -> str | None:
             f">= 2.8, or train on GPUs with NCCL."
         )
     return None
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 @dataclass(frozen=True)
@@ -190,7 +194,7 @@ class PipelinePlan:
             raise ParallelError(
                 f"pipeline: n_microbatches={n} does not divide the batch of {batch_size} "
                 f"samples (per data-parallel rank). Use n_microbatches in "
-                f"({_divisors(batch_size)}), "
+                f"({divisors(batch_size)}), "
                 f"or a batch size that is a multiple of {n}. Unequal microbatches would weigh "
                 f"samples unequally in the loss."
             )
@@ -248,30 +252,30 @@ def named_layers(model: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module
     )
 
 
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank computes on for ``mesh``: the current CUDA device, or the CPU."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
 def _pp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    if "pp" not in (mesh.mesh_dim_names or ()):
-        raise ParallelError(
-            f"The mesh has no 'pp' dim (dims: {mesh.mesh_dim_names}). Build it with ray_mesh "
-            f"(MeshConfig or init_mesh) and a pp size, e.g. mesh: {{pp: 2}}."
-        )
-    return mesh["pp"]
+    return submesh(mesh, "pp", hint="Build it with ray_mesh (MeshConfig or init_mesh) and a pp "
+                                    "size, e.g. mesh: {pp: 2}.")
 
 
 class Pipeline:
     """This rank's pipeline stages of ``model`` and the schedule that runs them.
 
-    ``parallelize(stage_module) -> module`` is applied to each stage after it is cut and moved
-    to the device (use :func:`ray_mesh.parallel.parallelize` with ``strict_plan=False``: a
-    stage holds only some of the layers a TP plan names). With ``tp_plan`` etc. given instead,
-    the same call is made for you. Every rank must build ``model`` from the same seed.
+    Each stage is cut, moved to the device, then parallelized, in one of two ways:
+
+    * ``parallelize(stage_module) -> module``: your own call, applied as it is (for
+      :func:`ray_mesh.parallel.parallelize`, pass ``strict_plan=False``: a stage holds only
+      some of the layers a TP plan names);
+    * ``tp_plan`` / ``dp`` / ``mixed_precision``: handed to ``parallelize_fn`` (as torchtitan's
+      ``pipeline_llm`` takes ``parallelize_fn``), by default :attr:`default_parallelize_fn`,
+      which ``ray_mesh.parallel`` sets to :func:`ray_mesh.parallel.parallelize`. Passing the
+      step in keeps this module free of ``compose`` (which composes TP and FSDP, and knows
+      nothing of pipelines).
+
+    Every rank must build ``model`` from the same seed.
     """
+
+    default_parallelize_fn: ClassVar[ParallelizeFn | None] = None
+    """Set by ``ray_mesh/parallel/__init__.py`` to :func:`ray_mesh.parallel.parallelize`."""
 
     def __init__(
         self,
@@ -288,6 +292,7 @@ class Pipeline:
         tp_plan: Mapping[str, Any] | None = None,
         dp: str = "auto",
         mixed_precision: Any = None,
+        parallelize_fn: ParallelizeFn | None = None,
         device: torch.device | None = None,
         check_batch: bool = True,
     ) -> None:
@@ -301,16 +306,8 @@ class Pipeline:
             layers_per_stage=tuple(layers_per_stage) if layers_per_stage else None,
             batch_size=batch_size, backend=self.backend)
         if parallelize is None and (tp_plan or dp != "none"):
-            from ray_mesh.parallel.compose import parallelize as _parallelize
-            from ray_mesh.parallel.tp import validate_tp_plan
-            if tp_plan:  # typos and uneven splits are caught on the whole model, on every rank
-                tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
-                validate_tp_plan(nn.Sequential(OrderedDict(layers)), tp_plan, tp)
-
-            def parallelize(m: nn.Module) -> nn.Module:
-                return _parallelize(m, mesh, tp_plan=tp_plan, dp=dp, strict_plan=False,
-                                    mixed_precision=mixed_precision,
-                                    reshard_after_forward=False)
+            parallelize = self._stage_step(parallelize_fn, mesh, layers, tp_plan=tp_plan, dp=dp,
+                                           mixed_precision=mixed_precision)
         self.loss_fn = loss_fn
         self.check = check_batch
         self.device = device or mesh_device(mesh)
@@ -337,6 +334,26 @@ class Pipeline:
         self.last_owner = self.plan.owner(num_stages - 1)
         self.outputs: Any = None
 
+    @classmethod
+    def _stage_step(cls, parallelize_fn: ParallelizeFn | None, mesh: DeviceMesh,
+                    layers: list[tuple[str, nn.Module]], *, tp_plan: Mapping[str, Any] | None,
+                    dp: str, mixed_precision: Any) -> Callable[[nn.Module], nn.Module]:
+        """``stage -> parallelize_fn(stage, mesh, ...)`` with the stage options filled in."""
+        fn = parallelize_fn or cls.default_parallelize_fn
+        if fn is None:
+            raise ParallelError(
+                "pipeline: tp_plan/dp need a parallelize step: pass "
+                "parallelize_fn=ray_mesh.parallel.parallelize (importing ray_mesh.parallel "
+                "sets it as the default), or dp='none' and no tp_plan.")
+        if tp_plan:  # typos and uneven splits are caught on the whole model, on every rank
+            validate_tp_plan(nn.Sequential(OrderedDict(layers)), tp_plan,
+                             dim_size(mesh, "tp", default=1))
+
+        def step(module: nn.Module) -> nn.Module:
+            return fn(module, mesh, tp_plan=tp_plan, dp=dp, strict_plan=False,
+                      mixed_precision=mixed_precision, reshard_after_forward=False)
+        return step
+
     def parameters(self) -> Iterator[nn.Parameter]:
         for module in self.modules:
             yield from module.parameters()
@@ -347,7 +364,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ running
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        if self._no_target:  # eval() without a target: torch still wants a loss per microbatch
+        if self._no_target:  # forward_only() without a target: torch wants a loss per microbatch
             return torch.zeros((), device=self.device)
         return self.loss_fn(output, target)  # type: ignore[misc]
 
@@ -379,8 +396,8 @@ class Pipeline:
         ``self.outputs`` there.
         """
         if self.loss_fn is None:
-            raise ParallelError("pipeline: step() trains and needs loss_fn; use eval() for a "
-                                "forward pass only.")
+            raise ParallelError("pipeline: step() trains and needs loss_fn; use forward_only() "
+                                "for a forward pass only.")
         if self.check:
             self._agree_on_batch(inputs, target)
         if self.has_last and target is None:
@@ -392,9 +409,21 @@ class Pipeline:
         self.outputs = self.schedule.step(*(inputs if self.has_first else ()), **kwargs)
         return self._share_loss(losses)
 
-    @torch.no_grad()
     def eval(self, *inputs: Any, target: Any = None) -> Any:
-        """Forward only; returns the last stage's output there and None on the other ranks."""
+        """Deprecated name of :meth:`forward_only` (it never switched modules to eval mode)."""
+        warnings.warn("Pipeline.eval() is deprecated: it runs a forward pass only and does not "
+                      "put the stages in eval mode like nn.Module.eval(); call "
+                      "Pipeline.forward_only() instead.", DeprecationWarning, stacklevel=2)
+        return self.forward_only(*inputs, target=target)
+
+    @torch.no_grad()
+    def forward_only(self, *inputs: Any, target: Any = None) -> Any:
+        """The schedule's forward pass, no backward, under ``torch.no_grad``.
+
+        Returns the last stage's output there and None on the other ranks. The stages stay
+        in whatever train/eval mode they are in: call ``module.eval()`` on
+        ``self.modules`` yourself for dropout/batch-norm inference behaviour.
+        """
         given = self._agree_on_batch(inputs, None)
         kwargs: dict[str, Any] = {}
         if self.has_last and self.loss_fn is not None:
@@ -427,5 +456,5 @@ def _batch_size(x: Any) -> int:
                         f"tensors with the batch on dim 0.")
 
 
-__all__ = ["Pipeline", "PipelinePlan", "SCHEDULES", "known_hang", "mesh_device",
+__all__ = ["ParallelizeFn", "Pipeline", "PipelinePlan", "SCHEDULES", "known_hang", "mesh_device",
            "named_layers", "schedule_info"]
