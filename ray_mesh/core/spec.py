@@ -266,15 +266,19 @@ def _unknown_dim_message(name: str) -> str:
     return f"Unknown mesh dim {name!r}.{hint} The dims are {DIM_NAMES}."
 
 
-def load_yaml(source: str | Path) -> Any:
-    """Load YAML from a path or text; a parse error names the file, line and column."""
+def load_yaml(source: str | Path, *, error: type[Exception] = MeshSpecError) -> Any:
+    """Load YAML from a path or text; a parse error names the file, line and column.
+
+    ``error`` is the exception raised for a missing file or bad YAML: ``MeshSpecError`` for
+    mesh files, the caller's own for other files (job files pass ``JobError``).
+    """
     where = "<text>"
     text = source
     if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
                                     and source.endswith((".yaml", ".yml"))):
         path = Path(source)
         if not path.is_file():
-            raise MeshSpecError(f"YAML file {str(path)!r} does not exist.")
+            raise error(f"YAML file {str(path)!r} does not exist.")
         where, text = str(path), path.read_text()
     try:
         return yaml.safe_load(text)
@@ -282,7 +286,7 @@ def load_yaml(source: str | Path) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise MeshSpecError(f"{where} is not valid YAML{at}: {problem}. Fix that line.") from exc
+        raise error(f"{where} is not valid YAML{at}: {problem}. Fix that line.") from exc
 
 
 __all__ = [

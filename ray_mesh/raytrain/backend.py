@@ -23,6 +23,7 @@ from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 
 from ray_mesh.core import bootstrap, priority
+from ray_mesh.core.options import MeshOptions
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.core.topology import MeshPlan, WorkerReport, plan_mesh
 from ray_mesh.network.interfaces import (
@@ -44,11 +45,16 @@ class BringUpError(RuntimeError):
 
 
 @dataclass
-class MeshConfig(TorchConfig):
+class MeshConfig(MeshOptions, TorchConfig):
     """``TorchConfig`` that builds a named DeviceMesh on every worker.
 
+    The options below are :class:`ray_mesh.core.options.MeshOptions` (Ray-free, where their
+    defaults and checks live); ``backend``, ``init_method`` and ``timeout_s`` are Ray's
+    ``TorchConfig``'s, and keep their positions first.
+
     Args:
-        mesh: a :class:`MeshSpec`, a dict of dim sizes, or ``'hsdp'``/``'fsdp'``/``'ddp'``.
+        mesh: a :class:`MeshSpec`, a dict of dim sizes, or ``'hsdp'``/``'fsdp'``/``'ddp'``;
+            a :class:`MeshSpec` after construction.
         interface: ``'auto'`` (the interface carrying each node's Ray IP, else a Tailscale
             one) or an interface name present on every node.
         allow_cross_node_inner: accept tp*cp groups that cross nodes (slow; off by default).
@@ -67,33 +73,10 @@ class MeshConfig(TorchConfig):
             ray_mesh's by default (see ``ray_mesh.core.priority``). ``None`` keeps Ray's.
     """
 
-    mesh: Any = None
-    interface: str = "auto"
-    allow_cross_node_inner: bool = False
-    bringup_timeout_s: float = 120.0
-    preflight: bool = True
-    preflight_timeout_s: float = 20.0
-    nccl_vpn_defaults: bool | str = "auto"
-    worker_niceness: int | None = 0
-
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
         self.mesh = MeshSpec.from_dict(self.mesh)
-        if not isinstance(self.interface, str) or not self.interface:
-            raise ValueError(f"interface must be 'auto' or an interface name, got "
-                             f"{self.interface!r}.")
-        if not self.bringup_timeout_s or self.bringup_timeout_s <= 0:
-            raise ValueError(f"bringup_timeout_s must be > 0, got {self.bringup_timeout_s}.")
-        if not self.preflight_timeout_s or self.preflight_timeout_s <= 0:
-            raise ValueError(f"preflight_timeout_s must be > 0, got {self.preflight_timeout_s}.")
-        if self.nccl_vpn_defaults not in (True, False, "auto"):
-            raise ValueError(f"nccl_vpn_defaults must be True, False or 'auto', got "
-                             f"{self.nccl_vpn_defaults!r}.")
-        if self.worker_niceness is not None and (
-                isinstance(self.worker_niceness, bool) or not isinstance(self.worker_niceness, int)
-                or self.worker_niceness not in priority.NICENESS_RANGE):
-            raise ValueError(f"worker_niceness must be an int from -20 to 19 or None (keep "
-                             f"Ray's), got {self.worker_niceness!r}.")
+        self.check_options()
         if self.init_method != "env":
             raise ValueError("MeshConfig sets MASTER_ADDR/MASTER_PORT itself: use "
                              f"init_method='env' (got {self.init_method!r}).")
@@ -108,12 +91,7 @@ class MeshConfig(TorchConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        out.update(mesh=self.mesh.to_dict(), interface=self.interface,
-                   allow_cross_node_inner=self.allow_cross_node_inner,
-                   bringup_timeout_s=self.bringup_timeout_s, preflight=self.preflight,
-                   preflight_timeout_s=self.preflight_timeout_s,
-                   nccl_vpn_defaults=self.nccl_vpn_defaults,
-                   worker_niceness=self.worker_niceness)
+        out.update(self.options_dict())
         return out
 
 
