@@ -40,6 +40,7 @@ from ray.train import Checkpoint, CheckpointUploadMode
 
 from ray_mesh.checkpointing import sharded
 from ray_mesh.checkpointing.sharded import CheckpointError, Progress
+from ray_mesh.core import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,13 @@ class Checkpointer:
         self.resume_from = str(resume_from) if resume_from else None
         self.timeout_s = timeout_s
         self.wait_committed = wait_committed
+        ctx = runtime.train_context()
+        if ctx is None:
+            raise CheckpointError(
+                "Checkpointer runs inside a Ray Train train function (it reports checkpoints "
+                "to Ray Train). Under torchrun or in a plain script, use "
+                "ray_mesh.checkpointing.save(...) and load(...) on a directory instead.")
         self.group = sharded.checkpoint_group(timeout_s)
-        ctx = ray.train.get_context()
         self._rank = ctx.get_world_rank()
         self._storage = ctx.get_storage()
         self.upload = (not isinstance(self._storage.storage_filesystem, LocalFileSystem)

@@ -325,11 +325,10 @@ def init_mesh(
             f"every node must run the same number of ranks (torchrun --nproc-per-node)."
         )
     resolved = spec.resolve(world_size, num_nodes=world_size // local_world)
-    if local_world % resolved.inner_size:
-        raise BootstrapError(
-            f"tp*cp = {resolved.inner_size} does not divide the {local_world} ranks per node: "
-            f"tp and cp groups would cross nodes. Use tp*cp that divides --nproc-per-node."
-        )
+    problem = resolved.inner_split_problem(local_world, unit="ranks")
+    if problem:
+        raise BootstrapError(f"{problem} Under torchrun the ranks per node are "
+                             f"--nproc-per-node.")
     return setup_worker(resolved, rank=rank, world_size=world_size, local_rank=local_rank,
                         backend=backend, device=device, timeout_s=timeout_s).mesh
 

@@ -143,6 +143,21 @@ class MeshSpec:
         self._require_resolved()
         return self.tp * self.cp  # type: ignore[operator]
 
+    def inner_split_problem(self, per_node: int, unit: str = "workers") -> str | None:
+        """Why tp*cp groups would leave a node of ``per_node`` ranks, or None when they fit.
+
+        The one check behind the Ray plan (:func:`ray_mesh.core.topology.plan_mesh`) and the
+        torchrun entry point (:func:`ray_mesh.core.bootstrap.init_mesh`); each adds its fix.
+        """
+        inner = self.inner_size
+        if not per_node % inner:
+            return None
+        fits = ", ".join(str(d) for d in range(1, per_node + 1) if per_node % d == 0)
+        return (f"tp*cp = {self.tp}*{self.cp} = {inner} does not divide the {per_node} {unit} "
+                f"per node, so tp/cp groups would cross nodes and every layer's collectives "
+                f"would go over the inter-node link. Use tp*cp dividing {per_node} ({fits}), "
+                f"or more {unit} per node.")
+
     def coordinate(self, rank: int) -> dict[str, int]:
         """This rank's index on every named and flattened dim (row-major, like DeviceMesh)."""
         self._require_resolved()

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from ray_mesh.core import bootstrap
+from ray_mesh.core import bootstrap, runtime
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 
 logger = logging.getLogger(__name__)
@@ -120,15 +120,7 @@ _STEP_KEYS = ("step", "step_time_s", "step_time_max_s", "samples_per_s", "tokens
 # ----------------------------------------------------------------------------- tags
 def _train_context() -> Any | None:
     """Ray Train's context when this thread runs under Ray Train, else None."""
-    try:
-        import ray
-        import ray.train
-
-        if not ray.is_initialized():
-            return None
-        return ray.train.get_context()
-    except Exception:  # noqa: BLE001 - not under Ray Train (torchrun, plain script)
-        return None
+    return runtime.train_context()
 
 
 def run_name() -> str:
