@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from ray_mesh import private_apis
 from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.mesh import dim_size, divisors, mesh_device, submesh
 from ray_mesh.parallel.tp import validate_tp_plan
@@ -88,7 +88,7 @@ def known_hang(schedule: str, backend: str) -> str | None:
     torch_name, _ = schedule_info(schedule)
     if "nccl" in str(backend).lower() or torch_name == "GPipe":
         return None
-    if not hasattr(_schedules, "_wait_batch_p2p"):
+    if not private_apis.has_batch_p2p_wait_fix():
         return (
             f"pipeline schedule {torch_name} deadlocks on the {backend!r} backend with torch "
             f"{torch.__version__}: its batched send/recv waits on one of several gloo works "

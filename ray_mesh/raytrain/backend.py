@@ -22,6 +22,7 @@ import torch
 from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 
+from ray_mesh import private_apis
 from ray_mesh.core import bootstrap, priority
 from ray_mesh.core.options import MeshOptions
 from ray_mesh.core.spec import MeshSpec
@@ -175,11 +176,10 @@ def _shutdown_on_worker() -> None:
 # ----------------------------------------------------------------------------- controller
 def _release_worker_group(worker_group) -> None:
     """Shut down a V2 worker group whose start failed (see the module docstring)."""
-    try:
-        from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
-    except ImportError:  # Ray Train V1: its own cleanup handles a failed start
+    v2_group = private_apis.v2_worker_group_type()
+    if v2_group is None:  # Ray Train V1: its own cleanup handles a failed start
         return
-    if isinstance(worker_group, WorkerGroup):
+    if isinstance(worker_group, v2_group):
         try:
             worker_group.shutdown()
         except Exception:  # noqa: BLE001 - best effort; the original error is what matters

@@ -11,6 +11,7 @@ import ray
 from ray.train import CheckpointConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from ray_mesh import private_apis
 from ray_mesh.checkpointing.storage import check_storage
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.core.priority import RAY_NICENESS_ENV
@@ -87,8 +88,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
                grpc.StatusCode.INTERNAL}
     with grpc.insecure_channel(where) as channel:
         try:
-            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(
-                b"", timeout=timeout_s)
+            private_apis.gcs_ping(channel, timeout_s)
             return
         except grpc.RpcError as exc:
             code, details = exc.code(), (exc.details() or "")[:200]
