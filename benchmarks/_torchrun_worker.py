@@ -44,6 +44,7 @@ def _meshbuild(args: dict) -> dict:
 
     from ray_mesh.core.bootstrap import build_device_mesh
     from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
+    from ray_mesh.private_apis import flatten_mesh
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -52,7 +53,7 @@ def _meshbuild(args: dict) -> dict:
     def all_real():
         mesh = init_device_mesh("cpu", tuple(spec.shape), mesh_dim_names=DIM_NAMES)
         for flat, parts in FLATTENED_DIMS.items():
-            mesh[parts]._flatten(mesh_dim_name=flat)
+            flatten_mesh(mesh[parts], flat)
 
     variants = {
         "needed_dims_only": lambda: workloads.plain_hsdp_mesh(world),

@@ -95,7 +95,7 @@ def train_loop(config: dict) -> None:
         loss = train_step(pipe, optim, *batch(step, cfg), mesh).item()
         log_step("tp_pp_mlp", step, cfg["steps"], loss, cfg["report_every"])
     x, _ = batch(cfg["steps"], cfg)
-    out = pipe.eval(x[:local_batch_size(cfg["batch_size"], mesh)].to(pipe.device))
+    out = pipe.forward_only(x[:local_batch_size(cfg["batch_size"], mesh)].to(pipe.device))
     if out is not None:
         print(f"tp_pp_mlp: {coord} (last stage): final output shape {tuple(out.shape)}, "
               f"mean {out.float().mean().item():+.4f}", flush=True)

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import base64
 import json
-import logging
 import os
 import shutil
 import socket
@@ -48,17 +47,10 @@ def _free_port() -> int:
 def _token() -> str | None:
     """The cluster token this machine holds (None when token auth is off)."""
     try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-        from ray._private.authentication.http_token_authentication import (
-            get_auth_headers_if_auth_enabled,
-        )
+        from ray_mesh import private_apis
 
-        quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
-        quiet.setLevel(logging.ERROR)  # the user asked for a picture, not Ray's auth note
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-        header = get_auth_headers_if_auth_enabled({}).get("authorization", "")
+        private_apis.enable_token_auth()  # quietly: the user asked for a picture
+        header = private_apis.auth_headers().get("authorization", "")
     except Exception:  # noqa: BLE001 - Ray without token auth
         return None
     return header.split(" ", 1)[1] if header.lower().startswith("bearer ") else None

@@ -12,10 +12,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import ray.train
 import torch
 
 from ray_mesh.checkpointing.sharded import CheckpointError
+from ray_mesh.core import runtime
 
 
 def check_args(model: Any, optimizers: Any, *, every: Any, async_save: Any, upload: Any,
@@ -58,16 +58,13 @@ def check_args(model: Any, optimizers: Any, *, every: Any, async_save: Any, uplo
 
 def train_context() -> Any:
     """Ray Train's context, or a clear error when not inside a Ray Train training function."""
-    try:
-        ctx = ray.train.get_context()
-        ctx.get_world_rank()
-    except Exception as exc:  # noqa: BLE001 - Ray raises RuntimeError (2.60); any failure
+    ctx = runtime.train_context()
+    if ctx is None:
         raise CheckpointError(
-            "Checkpointer works inside a Ray Train training function only (the function "
-            "given to TorchTrainer, started by trainer.fit()): it reports checkpoints to Ray "
-            f"Train ({type(exc).__name__}: {exc}). Create it in the train loop; outside Ray "
-            "(torchrun, a notebook) use ray_mesh.checkpointing.save/load instead."
-        ) from exc
+            "Checkpointer works inside a Ray Train train function only (the function given "
+            "to TorchTrainer, started by trainer.fit()): it reports checkpoints to Ray Train. "
+            "Create it in the train loop; outside Ray (torchrun, a notebook) use "
+            "ray_mesh.checkpointing.save(...) and load(...) on a directory instead.")
     if not torch.distributed.is_initialized():
         raise CheckpointError(
             "Checkpointer needs torch.distributed initialised in the workers: run the train "

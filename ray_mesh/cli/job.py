@@ -1,4 +1,4 @@
-"""YAML job files -> a configured TorchTrainer, with every input checked on the driver.
+"""YAML job files -> typed job sections, with every input checked on the driver, Ray-free.
 
 A job file::
 
@@ -7,12 +7,17 @@ A job file::
     config: {steps: 40}                 # train_loop_config
     mesh: {dp_replicate: 2, dp_shard: -1}   # or: hsdp | fsdp | ddp
     scaling: {num_workers: 4, use_gpu: auto, resources_per_worker: {CPU: 1}}
-    network: {interface: auto, bringup_timeout_s: 120}
+    network: {interface: auto, bringup_timeout_s: 120, worker_niceness: 0}
     run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
     # run.min_workers: N makes the run elastic (num_workers is then the maximum);
     # run.startup_retries bounds the restarts of a group that cannot start (default 3).
 
+Each section is a frozen dataclass: ``mesh`` a :class:`~ray_mesh.core.spec.MeshSpec`,
+``scaling`` a :class:`ScalingSection`, ``network`` a :class:`NetworkSection` (every
+``MeshConfig`` option; its defaults are read from :class:`~ray_mesh.core.options.MeshOptions`,
+the fields ``MeshConfig`` inherits, so the two cannot drift), ``run`` a :class:`RunSection`.
 Relative paths in ``train`` resolve against the job file's folder, then the working dir.
+Nothing here imports Ray (``ray.cloudpickle`` only when a train file is loaded).
 """
 
 from __future__ import annotations
@@ -22,26 +27,121 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ray import cloudpickle
-
-from ray_mesh.checkpointing.storage import run_name_problem
+from ray_mesh.checkpointing.names import run_name_problem
+from ray_mesh.core.options import OPTION_DEFAULTS, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
+from ray_mesh.raytrain.elastic import STARTUP_RETRIES
 
 
 class JobError(ValueError):
     """A job file that cannot run; the message names the key and the fix."""
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class ScalingSection:
+    """``scaling:`` how many workers, and what each holds (Ray Train's ScalingConfig)."""
+
+    num_workers: int = 4
+    use_gpu: bool | str = "auto"  # 'auto': GPUs when the cluster has one per worker
+    resources_per_worker: Mapping[str, float] | None = None
+    placement_strategy: str | None = None  # None: ScalingConfig's own default (PACK)
+
+    def __post_init__(self) -> None:
+        workers = self.num_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise JobError(f"scaling.num_workers must be a positive int, got {workers!r}.")
+        if self.use_gpu not in (True, False, "auto"):
+            raise JobError(f"scaling.use_gpu must be true, false or auto, got "
+                           f"{self.use_gpu!r}.")
+        res = self.resources_per_worker
+        if res is not None and (not isinstance(res, Mapping) or any(
+                not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int | float)
+                or v < 0 for k, v in res.items())):
+            raise JobError(f"scaling.resources_per_worker must map resource names to amounts "
+                           f">= 0, e.g. {{CPU: 1, GPU: 1}}; got {res!r}.")
+        if self.placement_strategy is not None and \
+                self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise JobError(f"scaling.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
+                           f"got {self.placement_strategy!r}.")
+
+
+@dataclass(frozen=True)
+class NetworkSection:
+    """``network:`` the ``MeshConfig`` options (bring-up, interfaces, process group, priority).
+
+    ``backend`` and ``timeout_s`` left unset keep ``TorchConfig``'s defaults (nccl on GPUs
+    else gloo; 1800 s).
+    """
+
+    interface: str = OPTION_DEFAULTS["interface"]
+    bringup_timeout_s: float = OPTION_DEFAULTS["bringup_timeout_s"]
+    allow_cross_node_inner: bool = OPTION_DEFAULTS["allow_cross_node_inner"]
+    backend: str | None = None
+    timeout_s: int | None = None
+    preflight: bool = OPTION_DEFAULTS["preflight"]
+    preflight_timeout_s: float = OPTION_DEFAULTS["preflight_timeout_s"]
+    nccl_vpn_defaults: bool | str = OPTION_DEFAULTS["nccl_vpn_defaults"]
+    worker_niceness: int | None = OPTION_DEFAULTS["worker_niceness"]
+
+    def __post_init__(self) -> None:
+        try:
+            check_option_values({k: v for k, v in self.mesh_config_kwargs().items()
+                                 if k in OPTION_DEFAULTS})
+        except ValueError as exc:
+            raise JobError(f"network.{exc}") from exc
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            raise JobError(f"network.backend must be a torch.distributed backend name (gloo, "
+                           f"nccl) or left out, got {self.backend!r}.")
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise JobError(f"network.timeout_s must be a positive int (seconds), got {t!r}.")
+
+    def mesh_config_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``MeshConfig`` (unset TorchConfig values left out)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in out.items()
+                if v is not None or k not in ("backend", "timeout_s")}
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """``run:`` where results go, failure handling, elasticity (Ray Train's RunConfig)."""
+
+    storage_path: str | None = None
+    max_failures: int = 0
+    num_to_keep: int | None = None
+    min_workers: int | None = None  # set: an elastic run of min_workers..num_workers
+    startup_retries: int = STARTUP_RETRIES
+
+    def __post_init__(self) -> None:
+        for key, low in (("max_failures", -1), ("num_to_keep", 1), ("min_workers", 1),
+                         ("startup_retries", -1)):
+            value = getattr(self, key)
+            if value is None and key in ("num_to_keep", "min_workers"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise JobError(f"run.{key} must be an int >= {low}, got {value!r}.")
+        if self.storage_path is not None and not isinstance(self.storage_path, str):
+            raise JobError(f"run.storage_path must be a path or URI string, got "
+                           f"{self.storage_path!r}.")
+
+
+def _keys(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
 TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run")
-SCALING_KEYS = ("num_workers", "use_gpu", "resources_per_worker", "placement_strategy")
-NETWORK_KEYS = ("interface", "bringup_timeout_s", "allow_cross_node_inner", "backend",
-                "timeout_s", "preflight", "preflight_timeout_s", "nccl_vpn_defaults")
-RUN_KEYS = ("storage_path", "max_failures", "num_to_keep", "min_workers", "startup_retries")
+SCALING_KEYS = _keys(ScalingSection)
+NETWORK_KEYS = _keys(NetworkSection)
+RUN_KEYS = _keys(RunSection)
 
 
 def _check_keys(section: str, data: Any, allowed: tuple[str, ...]) -> dict:
@@ -57,34 +157,24 @@ def _check_keys(section: str, data: Any, allowed: tuple[str, ...]) -> dict:
     return dict(data)
 
 
-def _check_run(run: dict, num_workers: int) -> dict:
-    """run: values with the fix in the message (checkpointing and elasticity keys)."""
-    for key, low in (("max_failures", -1), ("num_to_keep", 1), ("min_workers", 1),
-                     ("startup_retries", -1)):
-        value = run.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise JobError(f"run.{key} must be an int >= {low}, got {value!r}.")
-    if run.get("min_workers", 1) > num_workers:
-        raise JobError(f"run.min_workers={run['min_workers']} is above scaling.num_workers="
-                       f"{num_workers} (the maximum of an elastic run). Lower it.")
-    path = run.get("storage_path")
-    if path is not None and not isinstance(path, str):
-        raise JobError(f"run.storage_path must be a path or URI string, got {path!r}.")
-    return run
-
-
-@dataclass
+@dataclass(frozen=True)
 class Job:
+    """A parsed job file. Frozen: the runner derives what it needs instead of editing it."""
+
     name: str
     train: str
     config: dict = field(default_factory=dict)
     mesh: MeshSpec = field(default_factory=MeshSpec)
-    scaling: dict = field(default_factory=dict)
-    network: dict = field(default_factory=dict)
-    run: dict = field(default_factory=dict)
+    scaling: ScalingSection = field(default_factory=ScalingSection)
+    network: NetworkSection = field(default_factory=NetworkSection)
+    run: RunSection = field(default_factory=RunSection)
     base_dir: Path = field(default_factory=Path.cwd)
+
+    def __post_init__(self) -> None:
+        if self.run.min_workers is not None and self.run.min_workers > self.scaling.num_workers:
+            raise JobError(f"run.min_workers={self.run.min_workers} is above "
+                           f"scaling.num_workers={self.scaling.num_workers} (the maximum of an "
+                           f"elastic run). Lower it.")
 
     @classmethod
     def from_dict(cls, data: Any, base_dir: Path | None = None) -> Job:
@@ -99,13 +189,6 @@ class Job:
         config = top.get("config") or {}
         if not isinstance(config, dict):
             raise JobError(f"'config' must be a mapping, got {config!r}.")
-        scaling = _check_keys("scaling", top.get("scaling"), SCALING_KEYS)
-        workers = scaling.get("num_workers", 4)
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise JobError(f"scaling.num_workers must be a positive int, got {workers!r}.")
-        use_gpu = scaling.get("use_gpu", "auto")
-        if use_gpu not in (True, False, "auto"):
-            raise JobError(f"scaling.use_gpu must be true, false or auto, got {use_gpu!r}.")
         name = top.get("name") or Path(str(top["train"]).split(":")[0]).stem
         if isinstance(name, int) and not isinstance(name, bool):
             name = str(name)  # `name: 2024` in YAML
@@ -119,20 +202,20 @@ class Job:
             train=str(top["train"]),
             config=config,
             mesh=mesh,
-            scaling=scaling,
-            network=_check_keys("network", top.get("network"), NETWORK_KEYS),
-            run=_check_run(_check_keys("run", top.get("run"), RUN_KEYS), workers),
+            scaling=ScalingSection(**_check_keys("scaling", top.get("scaling"), SCALING_KEYS)),
+            network=NetworkSection(**_check_keys("network", top.get("network"), NETWORK_KEYS)),
+            run=RunSection(**_check_keys("run", top.get("run"), RUN_KEYS)),
             base_dir=base_dir or Path.cwd(),
         )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Job:
         path = Path(path)
-        try:
-            data = load_yaml(path)
-        except MeshSpecError as exc:
-            raise JobError(str(exc)) from exc
-        return cls.from_dict(data, base_dir=path.resolve().parent)
+        return cls.from_dict(load_yaml(path, error=JobError), base_dir=path.resolve().parent)
+
+    def with_num_workers(self, num_workers: int) -> Job:
+        """This job on ``num_workers`` workers (``ray-mesh run --num-workers``), re-checked."""
+        return replace(self, scaling=replace(self.scaling, num_workers=num_workers))
 
     # ------------------------------------------------------------------ train function
     def load_train_fn(self) -> Callable[..., Any]:
@@ -161,8 +244,7 @@ def load_function(ref: str, base_dir: Path | None = None) -> Callable[..., Any]:
         except Exception as exc:
             raise JobError(f"train: importing {path} failed: {type(exc).__name__}: {exc}") \
                 from exc
-        # Workers cannot import a module that only exists on the driver: ship it by value.
-        cloudpickle.register_pickle_by_value(module)
+        _ship_by_value(module)
     else:
         try:
             module = importlib.import_module(target)
@@ -176,3 +258,19 @@ def load_function(ref: str, base_dir: Path | None = None) -> Callable[..., Any]:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise JobError(f"train: {target} has no function {fn_name!r}.{hint}")
     return fn
+
+
+def _ship_by_value(module: Any) -> None:
+    """Workers cannot import a module that only exists on the driver: pickle it by value.
+
+    Ray's cloudpickle is imported here, not at module level, so that parsing a job file
+    needs no Ray; without Ray installed there is no worker to ship to.
+    """
+    try:
+        from ray import cloudpickle
+    except ImportError:
+        return
+    cloudpickle.register_pickle_by_value(module)
+
+
+__all__ = ["Job", "JobError", "NetworkSection", "RunSection", "ScalingSection", "load_function"]

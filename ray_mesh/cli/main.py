@@ -25,7 +25,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     job = Job.from_yaml(args.job)
     if args.num_workers is not None:
-        job.scaling["num_workers"] = args.num_workers
+        job = job.with_num_workers(args.num_workers)
     result = run_job(job, address=args.address)
     if result.error is not None:
         print(f"ray-mesh: the run failed: {result.error}", file=sys.stderr)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
 
 logger = logging.getLogger(__name__)
@@ -112,15 +113,9 @@ flattened dims that repeat another dim's groups (the pre-0.1 behaviour)."""
 def _fake_backend_available() -> bool:
     """Register torch's "fake" process-group backend, the one DeviceMesh uses for disabled dims.
 
-    torch registers it on import of its fake_pg module, which ``torch.distributed.fsdp`` and
-    ``init_process_group(backend="fake")`` import themselves; importing it here makes the
-    registration independent of what the user imported first. False if this torch lacks it.
+    False if this torch lacks it (see ``private_apis.register_fake_pg_backend``).
     """
-    try:
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return private_apis.register_fake_pg_backend()
 
 
 def _sharing_enabled(real_size1_groups: bool | None) -> bool:
@@ -157,9 +152,8 @@ def twin_dims(spec: MeshSpec) -> dict[str, str]:
 def _share_group(flat_mesh: DeviceMesh, twin_group: dist.ProcessGroup, flat: str) -> None:
     """Point a flattened dim built on a fake group at its twin's real group.
 
-    ``_dim_group_names`` is how every DeviceMesh finds its groups (``DeviceMesh.from_group``
-    sets it the same way); torch has no public call that registers an existing group as a
-    flattened dim. The ranks are checked against the mesh's own layout.
+    torch has no public call that registers an existing group as a flattened dim
+    (``private_apis.set_mesh_group``). The ranks are checked against the mesh's own layout.
     """
     want = flat_mesh.mesh.flatten().tolist()
     got = dist.get_process_group_ranks(twin_group)
@@ -168,7 +162,7 @@ def _share_group(flat_mesh: DeviceMesh, twin_group: dist.ProcessGroup, flat: str
             f"ray_mesh bug: flattened dim {flat!r} has ranks {want} but its twin group has "
             f"{got}. Set {REAL_SIZE1_GROUPS_ENV}=1 to give every dim its own group, and "
             f"please report this with the mesh shape.")
-    flat_mesh._dim_group_names = [twin_group.group_name]
+    private_apis.set_mesh_group(flat_mesh, twin_group)
 
 
 def build_device_mesh(spec: MeshSpec, device_type: str, *,
@@ -203,11 +197,11 @@ def build_device_mesh(spec: MeshSpec, device_type: str, *,
     mesh = init_device_mesh(device_type, tuple(spec.shape), mesh_dim_names=DIM_NAMES,
                             backend_override=named or None)
     # Sharing also needs torch's group-name field (the placeholder is a fake group).
-    twins = twin_dims(spec) if share and hasattr(mesh, "_dim_group_names") else {}
+    twins = twin_dims(spec) if share and private_apis.can_set_mesh_group(mesh) else {}
     for flat, parts in FLATTENED_DIMS.items():
         twin = twins.get(flat)
-        flat_mesh = mesh[parts]._flatten(mesh_dim_name=flat,
-                                         backend_override="fake" if twin else fake.get(flat))
+        flat_mesh = private_apis.flatten_mesh(mesh[parts], flat,
+                                              "fake" if twin else fake.get(flat))
         if twin:
             _share_group(flat_mesh, mesh.get_group(twin), flat)
     return mesh
@@ -325,11 +319,10 @@ def init_mesh(
             f"every node must run the same number of ranks (torchrun --nproc-per-node)."
         )
     resolved = spec.resolve(world_size, num_nodes=world_size // local_world)
-    if local_world % resolved.inner_size:
-        raise BootstrapError(
-            f"tp*cp = {resolved.inner_size} does not divide the {local_world} ranks per node: "
-            f"tp and cp groups would cross nodes. Use tp*cp that divides --nproc-per-node."
-        )
+    problem = resolved.inner_split_problem(local_world, unit="ranks")
+    if problem:
+        raise BootstrapError(f"{problem} Under torchrun the ranks per node are "
+                             f"--nproc-per-node.")
     return setup_worker(resolved, rank=rank, world_size=world_size, local_rank=local_rank,
                         backend=backend, device=device, timeout_s=timeout_s).mesh
 

@@ -143,6 +143,21 @@ class MeshSpec:
         self._require_resolved()
         return self.tp * self.cp  # type: ignore[operator]
 
+    def inner_split_problem(self, per_node: int, unit: str = "workers") -> str | None:
+        """Why tp*cp groups would leave a node of ``per_node`` ranks, or None when they fit.
+
+        The one check behind the Ray plan (:func:`ray_mesh.core.topology.plan_mesh`) and the
+        torchrun entry point (:func:`ray_mesh.core.bootstrap.init_mesh`); each adds its fix.
+        """
+        inner = self.inner_size
+        if not per_node % inner:
+            return None
+        fits = ", ".join(str(d) for d in range(1, per_node + 1) if per_node % d == 0)
+        return (f"tp*cp = {self.tp}*{self.cp} = {inner} does not divide the {per_node} {unit} "
+                f"per node, so tp/cp groups would cross nodes and every layer's collectives "
+                f"would go over the inter-node link. Use tp*cp dividing {per_node} ({fits}), "
+                f"or more {unit} per node.")
+
     def coordinate(self, rank: int) -> dict[str, int]:
         """This rank's index on every named and flattened dim (row-major, like DeviceMesh)."""
         self._require_resolved()
@@ -277,15 +292,19 @@ def _unknown_dim_message(name: str) -> str:
     return f"Unknown mesh dim {name!r}.{hint} The dims are {DIM_NAMES}."
 
 
-def load_yaml(source: str | Path) -> Any:
-    """Load YAML from a path or text; a parse error names the file, line and column."""
+def load_yaml(source: str | Path, *, error: type[Exception] = MeshSpecError) -> Any:
+    """Load YAML from a path or text; a parse error names the file, line and column.
+
+    ``error`` is the exception raised for a missing file or bad YAML: ``MeshSpecError`` for
+    mesh files, the caller's own for other files (job files pass ``JobError``).
+    """
     where = "<text>"
     text = source
     if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
                                     and source.endswith((".yaml", ".yml"))):
         path = Path(source)
         if not path.is_file():
-            raise MeshSpecError(f"YAML file {str(path)!r} does not exist.")
+            raise error(f"YAML file {str(path)!r} does not exist.")
         where, text = str(path), path.read_text()
     try:
         return yaml.safe_load(text)
@@ -293,7 +312,7 @@ def load_yaml(source: str | Path) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise MeshSpecError(f"{where} is not valid YAML{at}: {problem}. Fix that line.") from exc
+        raise error(f"{where} is not valid YAML{at}: {problem}. Fix that line.") from exc
 
 
 __all__ = [

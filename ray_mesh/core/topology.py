@@ -112,18 +112,13 @@ def plan_mesh(
 
     warnings: list[str] = []
     inner = resolved.inner_size
-    if per_node % inner:
-        msg = (
-            f"tp*cp = {resolved.tp}*{resolved.cp} = {inner} does not divide the {per_node} "
-            f"workers per node, so tp/cp groups would cross nodes and every layer's "
-            f"collectives would go over the inter-node link. Use tp*cp dividing {per_node}, "
-            f"or more workers per node."
-        )
+    msg = resolved.inner_split_problem(per_node)
+    if msg:
         if not allow_cross_node_inner:
             raise TopologyError(msg + " (MeshConfig(allow_cross_node_inner=True) accepts it.)")
         warnings.append(msg)
     shard_span = resolved.dp_shard * inner
-    if not per_node % inner and shard_span > per_node and len(node_ids) > 1:
+    if not msg and shard_span > per_node and len(node_ids) > 1:
         hsdp_shard = per_node // inner
         warnings.append(
             f"dp_shard={resolved.dp_shard} groups span {shard_span // per_node} nodes, so FSDP's "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_mesh.core import bootstrap
+from ray_mesh.core.runtime import train_context
 from ray_mesh.core.spec import DIM_NAMES
 from ray_mesh.network.interfaces import host_port
 
@@ -75,19 +76,6 @@ METRICS_BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
 
 
 # ----------------------------------------------------------------------------- tags
-def train_context() -> Any | None:
-    """Ray Train's context when this thread runs under Ray Train, else None."""
-    try:
-        import ray
-        import ray.train
-
-        if not ray.is_initialized():
-            return None
-        return ray.train.get_context()
-    except Exception:  # noqa: BLE001 - not under Ray Train (torchrun, plain script)
-        return None
-
-
 def run_name() -> str:
     """Ray Train's run (experiment) name, else RAY_MESH_RUN, else 'local'."""
     ctx = train_context()

@@ -6,20 +6,9 @@ torchrun would need its own guard; :func:`log_step` carries it once for every ex
 
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
-
-def in_ray_train() -> bool:
-    """True inside a Ray Train worker (torchrun sets TORCHELASTIC_RUN_ID; Ray does not)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return False
-    try:
-        import ray
-    except ImportError:
-        return False
-    return ray.is_initialized()
+from ray_mesh.core.runtime import in_ray_train
 
 
 def report(metrics: dict) -> None:

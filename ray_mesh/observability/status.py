@@ -19,9 +19,9 @@ to check.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
-import logging
 import os
 import socket
 import threading
@@ -31,6 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.network.interfaces import host_port, split_host_port
 from ray_mesh.observability.layout import read_layout
@@ -55,30 +56,14 @@ class ClusterStatus:
 # ----------------------------------------------------------------------------- transport
 def _enable_token_auth() -> None:
     """Send the cluster token when one exists (Ray 2.60 clusters require it by default)."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-
-        # Quietly: the user asked for status, not for Ray's note on the auth default.
-        setup_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
-        level = setup_logger.level
-        setup_logger.setLevel(logging.ERROR)
-        try:
-            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-        finally:
-            setup_logger.setLevel(level)
-    except Exception:  # noqa: BLE001 - older Ray without token auth
-        pass
+    # Quietly (the wrapper silences Ray's note on the auth default); never fatal here.
+    with contextlib.suppress(Exception):
+        private_apis.enable_token_auth()
 
 
 def _auth_headers() -> dict[str, str]:
     try:
-        from ray._private.authentication.http_token_authentication import (
-            get_auth_headers_if_auth_enabled,
-        )
-
-        return dict(get_auth_headers_if_auth_enabled({}))
+        return private_apis.auth_headers()
     except Exception:  # noqa: BLE001
         return {}
 
@@ -146,9 +131,7 @@ def _dashboard_from_gcs(address: str, timeout_s: float) -> str:
 
     def ask() -> None:
         try:
-            from ray.dashboard.utils import ray_address_to_api_server_url
-
-            out["url"] = ray_address_to_api_server_url(address)
+            out["url"] = private_apis.dashboard_url_from_gcs(address)
         except Exception as exc:  # noqa: BLE001
             out["error"] = exc
 

@@ -13,6 +13,8 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
 - :func:`dp_rank`, :func:`dp_size`, :func:`dp_mean`, :func:`shard_batch`,
   :func:`distributed_sampler` - data
 - :func:`full_parameters` - the whole parameters back from DTensors (checks, export)
+- :func:`submesh`, :func:`dim_size`, :func:`mesh_device` - one dim of the mesh (with an error
+  that names the fix when it is missing), its size, this rank's device
 """
 
 from ray_mesh.parallel.compose import full_parameters, gather_over, parallelize
@@ -27,8 +29,13 @@ from ray_mesh.parallel.data import (
 )
 from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
+from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
 from ray_mesh.parallel.pp import Pipeline, PipelinePlan, known_hang, schedule_info
 from ray_mesh.parallel.tp import apply_tp, make_style, validate_tp_plan
+
+# The pipeline's default per-stage step (TP then data parallel). Given here, where both
+# modules are known, so that pp.py and compose.py do not import each other.
+Pipeline.default_parallelize_fn = staticmethod(parallelize)
 
 __all__ = [
     "ParallelError",
@@ -39,6 +46,7 @@ __all__ = [
     "context_parallel_region",
     "cp_unsupported_reason",
     "distributed_sampler",
+    "dim_size",
     "dp_mean",
     "dp_rank",
     "dp_size",
@@ -48,10 +56,12 @@ __all__ = [
     "known_hang",
     "local_batch_size",
     "make_style",
+    "mesh_device",
     "mixed_precision_policy",
     "parallelize",
     "resolve_mode",
     "schedule_info",
     "shard_batch",
+    "submesh",
     "validate_tp_plan",
 ]

@@ -3,7 +3,9 @@
 TP first, because FSDP2 shards whatever parameters it finds, and after TP those are DTensors
 on ``mesh["tp"]``: FSDP then adds a dp dim to them (2-D FSDP + TP). The other order would
 try to tensor-parallelise FSDP's flat shards. With pipeline parallel, this runs once per
-stage (:class:`~ray_mesh.parallel.pp.Pipeline` does it).
+stage: :class:`~ray_mesh.parallel.pp.Pipeline` takes :func:`parallelize` as its
+``parallelize_fn`` (``ray_mesh.parallel`` makes it the default), so this module needs nothing
+from the pipeline and the pipeline nothing from it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ray_mesh.parallel.fsdp import Blocks, Mode, apply_fsdp
-from ray_mesh.parallel.pp import mesh_device
+from ray_mesh.parallel.mesh import mesh_device
 from ray_mesh.parallel.tp import TPPlan, apply_tp
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.parallel.mesh import submesh
 
 
 def cp_unsupported_reason(device_type: str, backend: str) -> str | None:
@@ -44,9 +45,7 @@ def context_parallel_region(
     Checks, on every rank alike before anything is sharded: the device supports CP, and each
     buffer's sequence splits into 2 * cp equal chunks (torch's load-balanced layout).
     """
-    if "cp" not in (mesh.mesh_dim_names or ()):
-        raise ParallelError(f"The mesh has no 'cp' dim (dims: {mesh.mesh_dim_names}).")
-    cp_mesh = mesh["cp"]
+    cp_mesh = submesh(mesh, "cp")
     cp = cp_mesh.size()
     if cp == 1:
         return contextlib.nullcontext()

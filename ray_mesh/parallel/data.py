@@ -18,16 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DistributedSampler
 
 from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.parallel.mesh import submesh
 
 
 def _dp(mesh: DeviceMesh) -> DeviceMesh:
-    try:
-        return mesh["dp"]
-    except (KeyError, RuntimeError, ValueError) as exc:
-        raise ParallelError(
-            f"The mesh has no flattened 'dp' dim (dims: {mesh.mesh_dim_names}); use the mesh "
-            f"from ray_mesh.get_mesh() or ray_mesh.init_mesh(), which builds it."
-        ) from exc
+    """The flattened ``dp`` dim (dp_replicate x dp_shard) that ray_mesh builds on every mesh."""
+    return submesh(mesh, "dp")
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

@@ -29,6 +29,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.parallel.mesh import submesh
+
+_DP_HINT = ("Data parallel needs the ray_mesh mesh (dp_replicate, dp_shard, cp and the "
+            "flattened dp_shard_cp, dp_cp): get it from ray_mesh.get_mesh() or "
+            "ray_mesh.init_mesh().")
 
 Mode = Literal["auto", "fsdp", "hsdp", "ddp", "replica", "none"]
 Blocks = Iterable[nn.Module] | str | Callable[[str, nn.Module], bool] | None
@@ -66,14 +71,7 @@ def mixed_precision_policy(spec: str | MixedPrecisionPolicy | None) -> MixedPrec
 
 
 def _size(mesh: DeviceMesh, name: str) -> int:
-    try:
-        return mesh[name].size()
-    except (KeyError, RuntimeError, ValueError) as exc:
-        raise ParallelError(
-            f"The mesh has no {name!r} dim (dims: {mesh.mesh_dim_names}). Data parallel needs "
-            f"the ray_mesh mesh (dp_replicate, dp_shard, cp and the flattened dp_shard_cp, "
-            f"dp_cp): get it from ray_mesh.get_mesh() or ray_mesh.init_mesh()."
-        ) from exc
+    return submesh(mesh, name, hint=_DP_HINT).size()
 
 
 def resolve_mode(mesh: DeviceMesh, mode: Mode = "auto") -> Mode:

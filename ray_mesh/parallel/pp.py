@@ -6,12 +6,11 @@ stages and says which pp rank runs which stage; :class:`Pipeline` keeps this ran
 applies TP then data parallel to each (torchtitan's order), wraps them in ``PipelineStage``
 and runs the schedule.
 
-Everything that can be wrong with the numbers (more stages than layers, microbatches that do
-not divide the batch, a schedule's own microbatch rules, a schedule known to hang on the
-backend) is checked by :class:`PipelinePlan` before a stage exists, on every rank alike, so a
-bad input is an error everywhere and never one rank raising while its peers wait in a
-``recv``. The per-step batch check goes through one small all-reduce on the pp group for the
-same reason: only the first stage sees the input and only the last sees the target.
+Everything that can be wrong with the numbers is checked by :class:`PipelinePlan`
+(:mod:`ray_mesh.parallel.pp_plan`, re-exported here) before a stage exists, on every rank
+alike, so a bad input is an error everywhere and never one rank raising while its peers wait
+in a ``recv``. The per-step batch check goes through one small all-reduce on the pp group
+for the same reason: only the first stage sees the input and only the last sees the target.
 
 Each stage module keeps the original layer names (``nn.Sequential`` accepts an ordered dict
 with the original keys), so a stage's ``state_dict`` keys are the full model's keys: a
@@ -20,258 +19,59 @@ checkpoint or a reference comparison needs no renaming.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
+from ray_mesh.parallel.pp_plan import (
+    SCHEDULES,
+    PipelinePlan,
+    known_hang,
+    named_layers,
+    schedule_info,
+)
+from ray_mesh.parallel.tp import validate_tp_plan
 
-SCHEDULES: dict[str, tuple[str, str]] = {
-    "gpipe": ("GPipe", "single"),
-    "1f1b": ("1F1B", "single"),
-    "interleaved1f1b": ("Interleaved1F1B", "loop"),
-    "loopedbfs": ("LoopedBFS", "loop"),
-    "interleavedzerobubble": ("InterleavedZeroBubble", "loop"),
-    "zbvzerobubble": ("ZBVZeroBubble", "v"),
-    "dualpipev": ("DualPipeV", "v"),
-}
-"""normalised name -> (torch schedule name, stage placement style)."""
-
-_ALIASES = {"interleaved": "interleaved1f1b", "zbv": "zbvzerobubble",
-            "interleavedzb": "interleavedzerobubble"}
-
-
-def schedule_info(name: str) -> tuple[str, str]:
-    """(torch schedule name, placement style) for a schedule name in any common spelling.
-
-    Placement: ``single`` = one stage per rank; ``loop`` = rank r holds stages r, r+pp, ...;
-    ``v`` = rank r holds stages r and 2*pp-1-r (ZBV, DualPipeV).
-    """
-    key = str(name).strip().lower().replace("_", "").replace("-", "").replace(" ", "")
-    key = key.removeprefix("schedule")
-    key = _ALIASES.get(key, key)
-    if key not in SCHEDULES:
-        raise ParallelError(
-            f"Unknown pipeline schedule {name!r}: use one of gpipe, 1f1b, interleaved_1f1b, "
-            f"looped_bfs, interleaved_zero_bubble, zbv_zero_bubble, dualpipev."
-        )
-    return SCHEDULES[key]
-
-
-def known_hang(schedule: str, backend: str) -> str | None:
-    """Why ``schedule`` would hang on ``backend`` with this torch, or None if it is known to run.
-
-    Before pytorch#152938 (torch 2.8), pipelining waited on only one of the ``Work`` objects
-    that ``batch_isend_irecv`` returns; NCCL coalesces a batch into one, gloo returns one per
-    op, so every schedule that batches a send with a recv (all but GPipe) deadlocked on gloo.
-    The fix added ``_wait_batch_p2p``; its presence is the feature test. On torch 2.13 +
-    gloo, GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBV and DualPipeV
-    were each run (2 and 4 ranks, up to 16 microbatches) and finished.
-    """
-    torch_name, _ = schedule_info(schedule)
-    if "nccl" in str(backend).lower() or torch_name == "GPipe":
-        return None
-    if not hasattr(_schedules, "_wait_batch_p2p"):
-        return (
-            f"pipeline schedule {torch_name} deadlocks on the {backend!r} backend with torch "
-            f"{torch.__version__}: its batched send/recv waits on one of several gloo works "
-            f"(pytorch#132644, fixed in torch 2.8). Use schedule='gpipe', upgrade torch to "
-            f">= 2.8, or train on GPUs with NCCL."
-        )
-    return None
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """How a model of ``num_layers`` layers is cut and scheduled over ``pp`` ranks.
-
-    Pure arithmetic, no process group: build one on the driver to validate a config, or on
-    every rank (what :class:`Pipeline` does) to learn this rank's stages.
-    """
-
-    pp: int
-    num_layers: int
-    n_microbatches: int
-    schedule: str = "1f1b"
-    stages_per_rank: int | None = None
-    layers_per_stage: tuple[int, ...] | None = None
-    batch_size: int | None = None
-    backend: str | None = None
-
-    def __post_init__(self) -> None:
-        torch_name, style = schedule_info(self.schedule)
-        for name in ("pp", "num_layers", "n_microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ParallelError(f"pipeline: {name} must be a positive int, got {value!r}.")
-        spr = self.stages_per_rank
-        if spr is None:
-            spr = 1 if style == "single" else 2
-            object.__setattr__(self, "stages_per_rank", spr)
-        if isinstance(spr, bool) or not isinstance(spr, int) or spr < 1:
-            raise ParallelError(f"pipeline: stages_per_rank must be a positive int, got {spr!r}.")
-        if style == "single" and spr != 1:
-            raise ParallelError(
-                f"pipeline schedule {torch_name} runs one stage per rank, got "
-                f"stages_per_rank={spr}. Use schedule='interleaved_1f1b' for several stages "
-                f"per rank, or stages_per_rank=1."
-            )
-        if style == "v" and spr != 2:
-            raise ParallelError(
-                f"pipeline schedule {torch_name} needs exactly 2 stages per rank (a V shape), "
-                f"got stages_per_rank={spr}."
-            )
-        self._check_layers()
-        self._check_microbatches(torch_name, style)
-        if self.batch_size is not None:
-            self.check_batch(self.batch_size)
-        if self.backend is not None:
-            reason = known_hang(self.schedule, self.backend)
-            if reason:
-                raise ParallelError(reason)
-
-    # ------------------------------------------------------------------ checks
-    def _check_layers(self) -> None:
-        stages = self.num_stages
-        if stages > self.num_layers:
-            raise ParallelError(
-                f"pipeline: pp={self.pp} x stages_per_rank={self.stages_per_rank} = {stages} "
-                f"stages, but the model has only {self.num_layers} layers to split. Lower pp "
-                f"or stages_per_rank to at most {self.num_layers} stages in all, or split the "
-                f"model into more top-level layers."
-            )
-        if self.layers_per_stage is not None:
-            counts = tuple(self.layers_per_stage)
-            if len(counts) != stages or any(not isinstance(c, int) or c < 1 for c in counts):
-                raise ParallelError(
-                    f"pipeline: layers_per_stage={list(counts)} must give a positive layer "
-                    f"count for each of the {stages} stages."
-                )
-            if sum(counts) != self.num_layers:
-                raise ParallelError(
-                    f"pipeline: layers_per_stage={list(counts)} sums to {sum(counts)}, but "
-                    f"the model has {self.num_layers} layers."
-                )
-
-    def _check_microbatches(self, torch_name: str, style: str) -> None:
-        n, stages = self.n_microbatches, self.num_stages
-        if torch_name in ("1F1B", "DualPipeV") and n < stages:
-            raise ParallelError(
-                f"pipeline schedule {torch_name} needs at least as many microbatches as stages "
-                f"({stages}), got n_microbatches={n}. Use n_microbatches >= {stages}, or "
-                f"schedule='gpipe'."
-            )
-        if torch_name in ("Interleaved1F1B", "InterleavedZeroBubble"):
-            rounds = max(1, n // self.pp)
-            if n % rounds:
-                raise ParallelError(
-                    f"pipeline schedule {torch_name} runs microbatches in rounds of pp={self.pp}; "
-                    f"n_microbatches={n} is not a multiple of its {rounds} rounds. Use a "
-                    f"multiple of pp (e.g. {self.pp * rounds}) or at most {self.pp}."
-                )
-
-    def check_batch(self, batch_size: int) -> None:
-        """Raise unless ``batch_size`` splits into ``n_microbatches`` equal microbatches."""
-        n = self.n_microbatches
-        if batch_size < n or batch_size % n:
-            raise ParallelError(
-                f"pipeline: n_microbatches={n} does not divide the batch of {batch_size} "
-                f"samples (per data-parallel rank). Use n_microbatches in "
-                f"({_divisors(batch_size)}), "
-                f"or a batch size that is a multiple of {n}. Unequal microbatches would weigh "
-                f"samples unequally in the loss."
-            )
-
-    # ------------------------------------------------------------------ layout
-    @property
-    def num_stages(self) -> int:
-        return self.pp * int(self.stages_per_rank or 1)
-
-    @property
-    def style(self) -> str:
-        return schedule_info(self.schedule)[1]
-
-    @property
-    def torch_schedule(self) -> str:
-        return schedule_info(self.schedule)[0]
-
-    def layer_ranges(self) -> list[tuple[int, int]]:
-        """[start, end) layer indices of every stage, in stage order."""
-        if self.layers_per_stage is not None:
-            counts = list(self.layers_per_stage)
-        else:
-            base, extra = divmod(self.num_layers, self.num_stages)
-            counts = [base + (1 if s < extra else 0) for s in range(self.num_stages)]
-        ranges, start = [], 0
-        for c in counts:
-            ranges.append((start, start + c))
-            start += c
-        return ranges
-
-    def owner(self, stage: int) -> int:
-        """The pp rank that runs ``stage``."""
-        if self.style == "v":
-            return stage if stage < self.pp else self.num_stages - 1 - stage
-        return stage % self.pp
-
-    def stages_of(self, pp_rank: int) -> list[int]:
-        """The stages ``pp_rank`` runs, in the order the schedule wants them."""
-        return [s for s in range(self.num_stages) if self.owner(s) == pp_rank]
-
-
-def named_layers(model: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module],
-                 ) -> list[tuple[str, nn.Module]]:
-    """The top-level layers to split, with the names their parameters carry in the model."""
-    if isinstance(model, nn.Sequential):
-        return list(model.named_children())
-    if isinstance(model, Mapping):
-        return [(str(k), v) for k, v in model.items()]
-    if isinstance(model, Sequence) and not isinstance(model, str | nn.Module):
-        return [(str(i), m) for i, m in enumerate(model)]
-    raise ParallelError(
-        f"pipeline: cannot split a {type(model).__name__} into stages. Give an nn.Sequential "
-        f"(or a list / ordered dict of modules) whose layers run one after the other, each "
-        f"taking the previous one's output."
-    )
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank computes on for ``mesh``: the current CUDA device, or the CPU."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
+ParallelizeFn = Callable[..., nn.Module]
+"""``fn(stage_module, mesh, *, tp_plan, dp, mixed_precision, strict_plan, reshard_after_forward)``
+-> module: the step that puts TP and data parallel on one stage (``ray_mesh.parallel.parallelize``
+has this signature)."""
 
 
 def _pp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    if "pp" not in (mesh.mesh_dim_names or ()):
-        raise ParallelError(
-            f"The mesh has no 'pp' dim (dims: {mesh.mesh_dim_names}). Build it with ray_mesh "
-            f"(MeshConfig or init_mesh) and a pp size, e.g. mesh: {{pp: 2}}."
-        )
-    return mesh["pp"]
+    return submesh(mesh, "pp", hint="Build it with ray_mesh (MeshConfig or init_mesh) and a pp "
+                                    "size, e.g. mesh: {pp: 2}.")
 
 
 class Pipeline:
     """This rank's pipeline stages of ``model`` and the schedule that runs them.
 
-    ``parallelize(stage_module) -> module`` is applied to each stage after it is cut and moved
-    to the device (use :func:`ray_mesh.parallel.parallelize` with ``strict_plan=False``: a
-    stage holds only some of the layers a TP plan names). With ``tp_plan`` etc. given instead,
-    the same call is made for you. Every rank must build ``model`` from the same seed.
+    Each stage is cut, moved to the device, then parallelized, in one of two ways:
+
+    * ``parallelize(stage_module) -> module``: your own call, applied as it is (for
+      :func:`ray_mesh.parallel.parallelize`, pass ``strict_plan=False``: a stage holds only
+      some of the layers a TP plan names);
+    * ``tp_plan`` / ``dp`` / ``mixed_precision``: handed to ``parallelize_fn`` (as torchtitan's
+      ``pipeline_llm`` takes ``parallelize_fn``), by default :attr:`default_parallelize_fn`,
+      which ``ray_mesh.parallel`` sets to :func:`ray_mesh.parallel.parallelize`. Passing the
+      step in keeps this module free of ``compose`` (which composes TP and FSDP, and knows
+      nothing of pipelines).
+
+    Every rank must build ``model`` from the same seed.
     """
+
+    default_parallelize_fn: ClassVar[ParallelizeFn | None] = None
+    """Set by ``ray_mesh/parallel/__init__.py`` to :func:`ray_mesh.parallel.parallelize`."""
 
     def __init__(
         self,
@@ -288,6 +88,7 @@ class Pipeline:
         tp_plan: Mapping[str, Any] | None = None,
         dp: str = "auto",
         mixed_precision: Any = None,
+        parallelize_fn: ParallelizeFn | None = None,
         device: torch.device | None = None,
         check_batch: bool = True,
     ) -> None:
@@ -301,16 +102,8 @@ class Pipeline:
             layers_per_stage=tuple(layers_per_stage) if layers_per_stage else None,
             batch_size=batch_size, backend=self.backend)
         if parallelize is None and (tp_plan or dp != "none"):
-            from ray_mesh.parallel.compose import parallelize as _parallelize
-            from ray_mesh.parallel.tp import validate_tp_plan
-            if tp_plan:  # typos and uneven splits are caught on the whole model, on every rank
-                tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
-                validate_tp_plan(nn.Sequential(OrderedDict(layers)), tp_plan, tp)
-
-            def parallelize(m: nn.Module) -> nn.Module:
-                return _parallelize(m, mesh, tp_plan=tp_plan, dp=dp, strict_plan=False,
-                                    mixed_precision=mixed_precision,
-                                    reshard_after_forward=False)
+            parallelize = self._stage_step(parallelize_fn, mesh, layers, tp_plan=tp_plan, dp=dp,
+                                           mixed_precision=mixed_precision)
         self.loss_fn = loss_fn
         self.check = check_batch
         self.device = device or mesh_device(mesh)
@@ -337,6 +130,26 @@ class Pipeline:
         self.last_owner = self.plan.owner(num_stages - 1)
         self.outputs: Any = None
 
+    @classmethod
+    def _stage_step(cls, parallelize_fn: ParallelizeFn | None, mesh: DeviceMesh,
+                    layers: list[tuple[str, nn.Module]], *, tp_plan: Mapping[str, Any] | None,
+                    dp: str, mixed_precision: Any) -> Callable[[nn.Module], nn.Module]:
+        """``stage -> parallelize_fn(stage, mesh, ...)`` with the stage options filled in."""
+        fn = parallelize_fn or cls.default_parallelize_fn
+        if fn is None:
+            raise ParallelError(
+                "pipeline: tp_plan/dp need a parallelize step: pass "
+                "parallelize_fn=ray_mesh.parallel.parallelize (importing ray_mesh.parallel "
+                "sets it as the default), or dp='none' and no tp_plan.")
+        if tp_plan:  # typos and uneven splits are caught on the whole model, on every rank
+            validate_tp_plan(nn.Sequential(OrderedDict(layers)), tp_plan,
+                             dim_size(mesh, "tp", default=1))
+
+        def step(module: nn.Module) -> nn.Module:
+            return fn(module, mesh, tp_plan=tp_plan, dp=dp, strict_plan=False,
+                      mixed_precision=mixed_precision, reshard_after_forward=False)
+        return step
+
     def parameters(self) -> Iterator[nn.Parameter]:
         for module in self.modules:
             yield from module.parameters()
@@ -347,7 +160,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ running
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        if self._no_target:  # eval() without a target: torch still wants a loss per microbatch
+        if self._no_target:  # forward_only() without a target: torch wants a loss per microbatch
             return torch.zeros((), device=self.device)
         return self.loss_fn(output, target)  # type: ignore[misc]
 
@@ -379,8 +192,8 @@ class Pipeline:
         ``self.outputs`` there.
         """
         if self.loss_fn is None:
-            raise ParallelError("pipeline: step() trains and needs loss_fn; use eval() for a "
-                                "forward pass only.")
+            raise ParallelError("pipeline: step() trains and needs loss_fn; use forward_only() "
+                                "for a forward pass only.")
         if self.check:
             self._agree_on_batch(inputs, target)
         if self.has_last and target is None:
@@ -392,9 +205,21 @@ class Pipeline:
         self.outputs = self.schedule.step(*(inputs if self.has_first else ()), **kwargs)
         return self._share_loss(losses)
 
-    @torch.no_grad()
     def eval(self, *inputs: Any, target: Any = None) -> Any:
-        """Forward only; returns the last stage's output there and None on the other ranks."""
+        """Deprecated name of :meth:`forward_only` (it never switched modules to eval mode)."""
+        warnings.warn("Pipeline.eval() is deprecated: it runs a forward pass only and does not "
+                      "put the stages in eval mode like nn.Module.eval(); call "
+                      "Pipeline.forward_only() instead.", DeprecationWarning, stacklevel=2)
+        return self.forward_only(*inputs, target=target)
+
+    @torch.no_grad()
+    def forward_only(self, *inputs: Any, target: Any = None) -> Any:
+        """The schedule's forward pass, no backward, under ``torch.no_grad``.
+
+        Returns the last stage's output there and None on the other ranks. The stages stay
+        in whatever train/eval mode they are in: call ``module.eval()`` on
+        ``self.modules`` yourself for dropout/batch-norm inference behaviour.
+        """
         given = self._agree_on_batch(inputs, None)
         kwargs: dict[str, Any] = {}
         if self.has_last and self.loss_fn is not None:
@@ -427,5 +252,5 @@ def _batch_size(x: Any) -> int:
                         f"tensors with the batch on dim 0.")
 
 
-__all__ = ["Pipeline", "PipelinePlan", "SCHEDULES", "known_hang", "mesh_device",
+__all__ = ["ParallelizeFn", "Pipeline", "PipelinePlan", "SCHEDULES", "known_hang", "mesh_device",
            "named_layers", "schedule_info"]

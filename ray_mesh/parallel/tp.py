@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.parallel.mesh import divisors, submesh
 
 Style = ParallelStyle | str
 TPPlan = Mapping[str, Style]
@@ -71,10 +72,6 @@ def match_plan(module: nn.Module, pattern: str) -> list[str]:
                  for path, mod in found for name, child in mod.named_children()
                  if fnmatch(name, token)]
     return [path for path, _ in found]
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def _split_size(mod: nn.Module, style: ParallelStyle) -> tuple[str, int] | None:
@@ -137,7 +134,7 @@ def validate_tp_plan(module: nn.Module, plan: TPPlan, tp: int, *,
                 raise ParallelError(
                     f"tensor parallel: layer {path!r} ({_describe(sub)}) is split by "
                     f"{kind} over its {what}={size}, which tp={tp} does not divide. Use a tp "
-                    f"that divides {size} ({_divisors(size)}), resize the layer, or leave "
+                    f"that divides {size} ({divisors(size)}), resize the layer, or leave "
                     f"it out of the plan (it is then replicated)."
                 )
             expanded[path] = style
@@ -146,13 +143,8 @@ def validate_tp_plan(module: nn.Module, plan: TPPlan, tp: int, *,
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """``mesh["tp"]``, with an error that says how to get one when the mesh has no tp dim."""
-    names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
-        raise ParallelError(
-            f"The mesh has no 'tp' dim (dims: {names}). Build it with ray_mesh "
-            f"(MeshConfig or init_mesh), or pass the 1-D tp mesh itself."
-        )
-    return mesh["tp"]
+    return submesh(mesh, "tp", hint="Build it with ray_mesh (MeshConfig or init_mesh), or "
+                                    "pass the 1-D tp mesh itself.")
 
 
 def apply_tp(module: nn.Module, mesh: DeviceMesh, plan: TPPlan, *,

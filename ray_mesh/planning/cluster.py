@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec, MeshSpecError
 from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
 from ray_mesh.observability.layout import layout_table
@@ -63,7 +64,7 @@ def nodes_from_ray(raw: Sequence[Mapping[str, Any]]) -> list[NodeInfo]:
             node_id=n["NodeID"], ip=n.get("NodeManagerAddress", ""),
             hostname=n.get("NodeManagerHostname", ""), gpus=res.get("GPU", 0),
             cpus=res.get("CPU", 0), resources=custom, accelerator=accel,
-            alive=bool(n.get("Alive", False)), is_head="node:__internal_head__" in res,
+            alive=bool(n.get("Alive", False)), is_head=private_apis.is_head_node(res),
         ))
     # Head first, then by address: a stable order for rank -> node tables.
     return sorted(out, key=lambda x: (not x.is_head, x.ip))

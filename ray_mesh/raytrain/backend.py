@@ -21,7 +21,9 @@ import ray
 from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 
+import ray_mesh.private_apis as private_apis
 from ray_mesh.core import bootstrap, priority
+from ray_mesh.core.options import MeshOptions
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.core.topology import MeshPlan, WorkerReport, plan_mesh
 from ray_mesh.network.interfaces import (
@@ -49,11 +51,16 @@ class BringUpError(RuntimeError):
 
 
 @dataclass
-class MeshConfig(TorchConfig):
+class MeshConfig(MeshOptions, TorchConfig):
     """``TorchConfig`` that builds a named DeviceMesh on every worker.
 
+    The options below are :class:`ray_mesh.core.options.MeshOptions` (Ray-free, where their
+    defaults and checks live); ``backend``, ``init_method`` and ``timeout_s`` are Ray's
+    ``TorchConfig``'s, and keep their positions first.
+
     Args:
-        mesh: a :class:`MeshSpec`, a dict of dim sizes, or ``'hsdp'``/``'fsdp'``/``'ddp'``.
+        mesh: a :class:`MeshSpec`, a dict of dim sizes, or ``'hsdp'``/``'fsdp'``/``'ddp'``;
+            a :class:`MeshSpec` after construction.
         interface: ``'auto'`` (the interface carrying each node's Ray IP, else a Tailscale
             one) or an interface name present on every node.
         allow_cross_node_inner: accept tp*cp groups that cross nodes (slow; off by default).
@@ -80,16 +87,6 @@ class MeshConfig(TorchConfig):
             with the lowest predicted step time on the measured links and logs why.
     """
 
-    mesh: Any = None
-    interface: str = "auto"
-    allow_cross_node_inner: bool = False
-    bringup_timeout_s: float = 120.0
-    preflight: bool = True
-    preflight_timeout_s: float = 20.0
-    nccl_vpn_defaults: bool | str = "auto"
-    worker_niceness: int | None = 0
-    measure_links: bool | str = "auto"
-    link_probe_s: float = 1.0
     plan: PlanInputs | None = None
 
     def __post_init__(self) -> None:
@@ -101,28 +98,14 @@ class MeshConfig(TorchConfig):
                                  "section) to predict each layout's step time")
         else:
             self.mesh = MeshSpec.from_dict(self.mesh)
-        if self.measure_links not in (True, False, "auto"):
-            raise ValueError(f"measure_links must be True, False or 'auto', got "
-                             f"{self.measure_links!r}.")
-        if (isinstance(self.link_probe_s, bool) or not isinstance(self.link_probe_s, int | float)
-                or not 0 < self.link_probe_s <= 30):
-            raise ValueError(f"link_probe_s must be seconds in (0, 30], got "
-                             f"{self.link_probe_s!r}.")
-        if not isinstance(self.interface, str) or not self.interface:
-            raise ValueError(f"interface must be 'auto' or an interface name, got "
-                             f"{self.interface!r}.")
-        if not self.bringup_timeout_s or self.bringup_timeout_s <= 0:
-            raise ValueError(f"bringup_timeout_s must be > 0, got {self.bringup_timeout_s}.")
-        if not self.preflight_timeout_s or self.preflight_timeout_s <= 0:
-            raise ValueError(f"preflight_timeout_s must be > 0, got {self.preflight_timeout_s}.")
-        if self.nccl_vpn_defaults not in (True, False, "auto"):
-            raise ValueError(f"nccl_vpn_defaults must be True, False or 'auto', got "
-                             f"{self.nccl_vpn_defaults!r}.")
-        if self.worker_niceness is not None and (
-                isinstance(self.worker_niceness, bool) or not isinstance(self.worker_niceness, int)
-                or self.worker_niceness not in priority.NICENESS_RANGE):
-            raise ValueError(f"worker_niceness must be an int from -20 to 19 or None (keep "
-                             f"Ray's), got {self.worker_niceness!r}.")
+        self.check_options()
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be None (nccl on GPU workers, gloo on CPU), 'nccl' "
+                             f"or 'gloo', got {self.backend!r}.")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float)
+                or not 0 < self.timeout_s < float("inf")):
+            raise ValueError(f"timeout_s (the collective timeout) must be a finite number of "
+                             f"seconds > 0, got {self.timeout_s!r}.")
         if self.init_method != "env":
             raise ValueError("MeshConfig sets MASTER_ADDR/MASTER_PORT itself: use "
                              f"init_method='env' (got {self.init_method!r}).")
@@ -137,13 +120,7 @@ class MeshConfig(TorchConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        out.update(mesh=self.mesh if self.mesh == "auto" else self.mesh.to_dict(),
-                   interface=self.interface, measure_links=self.measure_links,
-                   allow_cross_node_inner=self.allow_cross_node_inner,
-                   bringup_timeout_s=self.bringup_timeout_s, preflight=self.preflight,
-                   preflight_timeout_s=self.preflight_timeout_s,
-                   nccl_vpn_defaults=self.nccl_vpn_defaults,
-                   worker_niceness=self.worker_niceness)
+        out.update(self.options_dict())
         return out
 
 
@@ -223,11 +200,10 @@ def _shutdown_on_worker() -> None:
 # ----------------------------------------------------------------------------- controller
 def _release_worker_group(worker_group) -> None:
     """Shut down a V2 worker group whose start failed (see the module docstring)."""
-    try:
-        from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
-    except ImportError:  # Ray Train V1: its own cleanup handles a failed start
+    v2_group = private_apis.v2_worker_group_type()
+    if v2_group is None:  # Ray Train V1: its own cleanup handles a failed start
         return
-    if isinstance(worker_group, WorkerGroup):
+    if isinstance(worker_group, v2_group):
         try:
             worker_group.shutdown()
         except Exception:  # noqa: BLE001 - best effort; the original error is what matters

@@ -30,6 +30,10 @@ import math
 
 from ray_mesh.core.spec import NODES, MeshSpec, MeshSpecError
 
+STARTUP_RETRIES = 3
+"""How many times a worker group that cannot start is retried before the run fails (job files:
+``run.startup_retries``). Ray's own default is forever (``controller_failure_limit=-1``)."""
+
 
 def check_elastic_mesh(spec: MeshSpec, min_workers: int, max_workers: int) -> None:
     """Raise unless only ``dp_replicate`` changes between ``min_workers`` and ``max_workers``.
@@ -63,7 +67,7 @@ def check_elastic_mesh(spec: MeshSpec, min_workers: int, max_workers: int) -> No
             )
 
 
-def failure_config(max_failures: int, startup_retries: int = 2):
+def failure_config(max_failures: int, startup_retries: int = STARTUP_RETRIES):
     """``FailureConfig`` whose worker-group start-up retries are bounded.
 
     Ray retries a group that cannot start (e.g. a fixed-size run after losing a node)
@@ -98,4 +102,4 @@ def explain_startup_failure(error: BaseException, num_workers: int | tuple[int, 
     )
 
 
-__all__ = ["check_elastic_mesh", "explain_startup_failure", "failure_config"]
+__all__ = ["STARTUP_RETRIES", "check_elastic_mesh", "explain_startup_failure", "failure_config"]

@@ -11,6 +11,7 @@ import ray
 from ray.train import CheckpointConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+import ray_mesh.private_apis as private_apis
 from ray_mesh.checkpointing.storage import check_run_name, check_storage
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.core.priority import RAY_NICENESS_ENV
@@ -92,8 +93,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
                grpc.StatusCode.INTERNAL}
     with grpc.insecure_channel(where) as channel:
         try:
-            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(
-                b"", timeout=timeout_s)
+            private_apis.gcs_ping(channel, timeout_s)
             return
         except grpc.RpcError as exc:
             code, details = exc.code(), (exc.details() or "")[:200]
@@ -114,19 +114,19 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 def scaling_for(job: Job, cluster: dict[str, float]) -> ScalingConfig:
     """ScalingConfig from the job, with use_gpu 'auto' meaning "if the cluster has enough"."""
     s = job.scaling
-    workers = s.get("num_workers", 4)
-    use_gpu = s.get("use_gpu", "auto")
+    use_gpu = s.use_gpu
     if use_gpu == "auto":
-        use_gpu = cluster.get("GPU", 0) >= workers
-    resources = dict(s.get("resources_per_worker") or {})
+        use_gpu = cluster.get("GPU", 0) >= s.num_workers
+    resources = dict(s.resources_per_worker or {})
     if not use_gpu:
         resources.setdefault("CPU", 1)
     kwargs: dict[str, Any] = {}
-    if "placement_strategy" in s:
-        kwargs["placement_strategy"] = s["placement_strategy"]
+    if s.placement_strategy is not None:
+        kwargs["placement_strategy"] = s.placement_strategy
     # run.min_workers makes the run elastic: Ray Train restarts it on (min..max) workers.
-    min_workers = job.run.get("min_workers")
-    return ScalingConfig(num_workers=(min_workers, workers) if min_workers else workers,
+    min_workers = job.run.min_workers
+    return ScalingConfig(num_workers=(min_workers, s.num_workers) if min_workers
+                         else s.num_workers,
                          use_gpu=bool(use_gpu), resources_per_worker=resources or None, **kwargs)
 
 
@@ -158,32 +158,21 @@ def check_cluster(scaling: ScalingConfig) -> None:
     check_resources(scaling, ray.cluster_resources())
 
 
-def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
-    net = job.network
-    mesh_config = MeshConfig(
-        mesh=job.mesh,
-        interface=net.get("interface", "auto"),
-        allow_cross_node_inner=bool(net.get("allow_cross_node_inner", False)),
-        bringup_timeout_s=float(net.get("bringup_timeout_s", 120.0)),
-        backend=net.get("backend"),
-        timeout_s=int(net.get("timeout_s", 1800)),
-        preflight=bool(net.get("preflight", True)),
-        preflight_timeout_s=float(net.get("preflight_timeout_s", 20.0)),
-        nccl_vpn_defaults=net.get("nccl_vpn_defaults", "auto"),
-    )
+def build_trainer(job: Job, scaling: ScalingConfig,
+                  storage_path: str | None = None) -> TorchTrainer:
+    """The trainer for ``job``; ``storage_path`` is the checked one (default: the job's)."""
     run = job.run
     run_config = RunConfig(
         name=check_run_name(job.name),
-        storage_path=run.get("storage_path"),
-        failure_config=failure_config(int(run.get("max_failures", 0)),
-                                      int(run.get("startup_retries", 3))),
-        checkpoint_config=CheckpointConfig(num_to_keep=run.get("num_to_keep")),
+        storage_path=storage_path if storage_path is not None else run.storage_path,
+        failure_config=failure_config(run.max_failures, run.startup_retries),
+        checkpoint_config=CheckpointConfig(num_to_keep=run.num_to_keep),
     )
     return TorchTrainer(
         job.load_train_fn(),
         train_loop_config=job.config,
         scaling_config=scaling,
-        torch_config=mesh_config,
+        torch_config=MeshConfig(mesh=job.mesh, **job.network.mesh_config_kwargs()),
         run_config=run_config,
     )
 
@@ -191,8 +180,8 @@ def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
 def run_job(job: Job, address: str | None = None) -> Result:
     """Check the job, connect to Ray and run it to the end."""
     job.load_train_fn()  # a train function that cannot be imported fails before Ray starts
-    cpus = job.scaling.get("num_workers", 4) * float(
-        (job.scaling.get("resources_per_worker") or {}).get("CPU", 1))
+    cpus = job.scaling.num_workers * float(
+        (job.scaling.resources_per_worker or {}).get("CPU", 1))
     # Ray Train's run state API (what `ray-mesh status` reads) is off unless this is set
     # before the driver connects; an embedded Ray's processes inherit it too.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
@@ -203,14 +192,14 @@ def run_job(job: Job, address: str | None = None) -> Result:
         check_resources(scaling, cluster)
         # A storage_path that is not writable, or node-local on a multi-node cluster, fails
         # here rather than at the first checkpoint.
-        job.run["storage_path"] = check_storage(job.run.get("storage_path"), name=job.name)
+        storage_path = check_storage(job.run.storage_path, name=job.name)
         # Resolve the mesh against the worker count now: a product that cannot match fails
         # here, not after the workers started.
         if scaling.elasticity_enabled:
             check_elastic_mesh(job.mesh, scaling.min_workers, scaling.max_workers)
         elif NODES not in job.mesh.shape:
             job.mesh.resolve(scaling.num_workers)
-        trainer = build_trainer(job, scaling)
+        trainer = build_trainer(job, scaling, storage_path)
         try:
             return trainer.fit()
         except Exception as exc:

@@ -77,5 +77,6 @@ def test_init_mesh_refuses_tp_across_nodes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(BootstrapError, match=r"tp\*cp = 4 does not divide the 2 ranks per node"):
+    with pytest.raises(BootstrapError,
+                       match=r"tp\*cp = 4\*1 = 4 does not divide the 2 ranks per node"):
         ray_mesh.init_mesh({"tp": 4, "dp_shard": 1})

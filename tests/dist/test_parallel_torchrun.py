@@ -21,7 +21,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "_parallel_torchrun.p
 CHECKS = ["hsdp_example_under_torchrun", "tp_indivisible_hidden", "tp_plan_typo",
           "pp_more_stages_than_layers", "pp_interleaved_more_stages_than_layers",
           "pp_microbatches_vs_batch_size", "pp_microbatches_at_step",
-          "pp_good_batch_after_bad_one", "pp_1f1b_too_few_microbatches", "cp_on_gloo",
+          "pp_good_batch_after_bad_one", "pp_forward_only_and_deprecated_eval",
+          "mesh_missing_dp_dim", "mesh_missing_pp_dim", "pp_1f1b_too_few_microbatches",
+          "cp_on_gloo",
           "fsdp_mode_vs_mesh", "fsdp_bf16_mixed_precision", "ddp_mixed_precision",
           "data_by_dp_rank"]
 

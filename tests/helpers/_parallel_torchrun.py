@@ -12,12 +12,14 @@ from __future__ import annotations
 import re
 import sys
 import time
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _parallel_checks as checks  # noqa: E402
@@ -105,8 +107,26 @@ def main() -> None:
     assert torch.isfinite(loss), loss
     if rank == 0:
         print("PASS pp_good_batch_after_bad_one", flush=True)
+    # forward_only: the last stage's output there, None elsewhere; eval is its deprecated name
+    out = pipe.forward_only(x[:28])
+    assert (out is not None) == pipe.has_last and (out is None or out.shape == (28, 8)), out
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = pipe.eval(x[:28])
+    assert any(issubclass(w.category, DeprecationWarning) and "forward_only" in str(w.message)
+               for w in caught), caught
+    assert (old is None and out is None) or torch.equal(old, out)
+    if rank == 0:
+        print("PASS pp_forward_only_and_deprecated_eval", flush=True)
     expect("pp_1f1b_too_few_microbatches", r"1F1B needs at least as many microbatches",
            lambda: Pipeline(mlp(2), pp_mesh, loss_fn=mse, n_microbatches=1))
+
+    # --- a mesh without the dim a helper needs (not built by ray_mesh): one error everywhere
+    plain = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("x",))
+    expect("mesh_missing_dp_dim", r"no 'dp' dim \(dims: \('x',\)\).*ray_mesh.get_mesh\(\)",
+           lambda: dp_rank(plain))
+    expect("mesh_missing_pp_dim", r"no 'pp' dim \(dims: \('x',\)\).*a pp size",
+           lambda: Pipeline(mlp(2), plain, loss_fn=mse, n_microbatches=2))
 
     # --- context parallel on gloo/CPU: an error, not wrong attention
     cp_mesh = checks.mesh_for(dp_replicate=1, dp_shard=2, cp=2)

@@ -7,11 +7,11 @@ cluster; these are the driver-side rules that decide whether a run may shrink.
 from __future__ import annotations
 
 import pytest
-from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-from ray.train.v2.api.exceptions import ControllerError
+from ray.train import ControllerError
 
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.core.spec import MeshSpec, MeshSpecError
+from ray_mesh.private_apis import startup_timeout_error_type
 from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 from ray_mesh.raytrain.runner import check_resources, scaling_for
 
@@ -57,7 +57,7 @@ def test_bad_run_keys(run, match):
 def test_startup_failure_is_bounded_and_explained():
     cfg = failure_config(2, startup_retries=3)
     assert (cfg.max_failures, cfg.controller_failure_limit) == (2, 3)
-    err = ControllerError(WorkerGroupStartupTimeoutError(num_workers=4))
+    err = ControllerError(startup_timeout_error_type()(num_workers=4))
     fixed = explain_startup_failure(err, 4)
     assert "fixed 4 workers" in fixed and "not elastic" in fixed and "min_workers" in fixed
     elastic = explain_startup_failure(err, (2, 4))

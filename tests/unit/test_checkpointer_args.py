@@ -36,9 +36,9 @@ def test_model_and_optimizer_types():
 
 
 def test_outside_ray_train_is_a_clear_error():
-    with pytest.raises(CheckpointError, match="inside a Ray Train training function") as err:
+    with pytest.raises(CheckpointError, match="inside a Ray Train train function") as err:
         Checkpointer(nn.Linear(2, 2), every=2)
-    assert "ray_mesh.checkpointing.save/load" in str(err.value)
+    assert "ray_mesh.checkpointing.save(...) and load(...)" in str(err.value)
 
 
 def test_report_arguments():

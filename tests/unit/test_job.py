@@ -20,7 +20,7 @@ def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
 
 def test_example_job_parses():
     job = Job.from_yaml(EXAMPLES / "hsdp.yaml")
-    assert job.name == "hsdp" and job.scaling["num_workers"] == 4
+    assert job.name == "hsdp" and job.scaling.num_workers == 4
     assert job.mesh.resolve(4).to_dict()["dp_shard"] == 2
     assert callable(job.load_train_fn())
 
@@ -95,3 +95,79 @@ def test_gpu_auto_and_resource_check():
     with pytest.raises(JobError, match="asks for CPU: 16"):
         check_resources(scaling_for(Job.from_dict(
             {"train": "a:b", "scaling": {"num_workers": 16}}), {"CPU": 8.0}), {"CPU": 8.0})
+
+
+def test_sections_are_typed_and_take_meshconfig_defaults():
+    """The network section's defaults are MeshConfig's own (one source, no drift)."""
+    import dataclasses
+
+    import ray_mesh
+    from ray_mesh.cli.job import NetworkSection, RunSection, ScalingSection
+    from ray_mesh.raytrain.elastic import STARTUP_RETRIES, failure_config
+
+    job = Job.from_dict({"train": "a:b"})
+    assert isinstance(job.scaling, ScalingSection) and isinstance(job.run, RunSection)
+    config = ray_mesh.MeshConfig()
+    for f in dataclasses.fields(NetworkSection):
+        if f.name not in ("backend", "timeout_s"):
+            assert getattr(job.network, f.name) == getattr(config, f.name), f.name
+    # Unset backend/timeout_s leave TorchConfig's defaults in force.
+    built = ray_mesh.MeshConfig(mesh=job.mesh, **job.network.mesh_config_kwargs())
+    assert (built.backend, built.timeout_s) == (config.backend, config.timeout_s)
+    # One startup-retry bound for the job, the runner and failure_config.
+    assert STARTUP_RETRIES == 3 == job.run.startup_retries
+    assert failure_config(0).controller_failure_limit == STARTUP_RETRIES
+
+
+def test_worker_niceness_from_yaml(tmp_path):
+    import ray_mesh
+
+    job = Job.from_yaml(write(tmp_path, "train: a:b\nnetwork: {worker_niceness: 5}\n"))
+    config = ray_mesh.MeshConfig(mesh=job.mesh, **job.network.mesh_config_kwargs())
+    assert config.worker_niceness == 5
+    keep = Job.from_yaml(write(tmp_path, "train: a:b\nnetwork: {worker_niceness: null}\n"))
+    assert keep.network.worker_niceness is None
+    with pytest.raises(JobError, match="network.worker_niceness must be an int from -20 to 19"):
+        Job.from_yaml(write(tmp_path, "train: a:b\nnetwork: {worker_niceness: 40}\n"))
+
+
+@pytest.mark.parametrize("network, match", [
+    ({"bringup_timeout_s": 0}, "network.bringup_timeout_s must be a finite number of seconds > 0"),
+    ({"preflight": "no thanks"}, "network.preflight must be true or false"),
+    ({"nccl_vpn_defaults": "sometimes"}, "network.nccl_vpn_defaults must be True, False"),
+    ({"timeout_s": -1}, "network.timeout_s must be a positive int"),
+    ({"interface": ""}, "network.interface must be 'auto' or an interface name"),
+])
+def test_bad_network_values_fail_at_parse(network, match):
+    with pytest.raises(JobError, match=match):
+        Job.from_dict({"train": "a:b", "network": network})
+
+
+def test_job_is_not_edited_in_place():
+    import dataclasses
+
+    job = Job.from_dict({"train": "a:b", "scaling": {"num_workers": 4},
+                         "run": {"min_workers": 2}})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.run = None  # type: ignore[misc]
+    bigger = job.with_num_workers(8)
+    assert (bigger.scaling.num_workers, job.scaling.num_workers) == (8, 4)
+    with pytest.raises(JobError, match="min_workers=2 is above scaling.num_workers=1"):
+        job.with_num_workers(1)
+
+
+def test_missing_job_file_is_a_job_error(tmp_path):
+    with pytest.raises(JobError, match="does not exist"):
+        Job.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_job_parsing_needs_no_ray():
+    import subprocess
+    import sys
+
+    code = ("import sys; from ray_mesh.cli.job import Job; "
+            "Job.from_dict({'train': 'a:b', 'mesh': 'hsdp'}); "
+            "assert 'ray' not in sys.modules, 'cli.job imported ray'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,0 +1,55 @@
+"""Mesh access for the parallel helpers: look up a dim, the rank's device, divisors for a hint.
+
+Every helper in ``ray_mesh.parallel`` takes the full ray_mesh mesh and picks its own dims.
+Looking a dim up goes through :func:`submesh`, so a mesh without that dim (a hand-built
+``init_device_mesh``, a 1-D slice passed by mistake) fails the same way everywhere: a
+:class:`~ray_mesh.parallel.errors.ParallelError` naming the dim, the dims the mesh has, and
+how to get a mesh that has it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ray_mesh.parallel.errors import ParallelError
+
+GET_MESH_HINT = ("Use the mesh from ray_mesh.get_mesh() (Ray Train, MeshConfig) or "
+                 "ray_mesh.init_mesh() (torchrun), which has every ray_mesh dim.")
+
+
+def submesh(mesh: DeviceMesh, name: str, *, hint: str = GET_MESH_HINT) -> DeviceMesh:
+    """``mesh[name]`` for a named or flattened dim, or a ParallelError naming the fix.
+
+    Flattened dims (``dp``, ``dp_shard_cp``, ``dp_cp``) are not in ``mesh_dim_names``, so the
+    lookup itself is the test; torch raises KeyError, RuntimeError or ValueError depending on
+    the version and on whether the name is unknown or the mesh is not a root mesh.
+    """
+    try:
+        return mesh[name]
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise ParallelError(
+            f"The mesh has no {name!r} dim (dims: {mesh.mesh_dim_names}). {hint}"
+        ) from exc
+
+
+def dim_size(mesh: DeviceMesh, name: str, default: int | None = None) -> int:
+    """The size of dim ``name``; ``default`` when the mesh lacks it (an error if None)."""
+    if default is not None and name not in (mesh.mesh_dim_names or ()):
+        return default
+    return submesh(mesh, name).size()
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for ``mesh``: the current CUDA device, or the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def divisors(n: int) -> str:
+    """``"1, 2, 3, 6"`` for 6: the sizes to suggest when ``n`` must be split evenly."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+__all__ = ["GET_MESH_HINT", "ParallelError", "dim_size", "divisors", "mesh_device", "submesh"]

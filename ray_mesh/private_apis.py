@@ -1,0 +1,209 @@
+"""Every use of a torch or Ray internal, each in one small wrapper, checked on one version.
+
+ray_mesh uses public APIs where they exist. Where none does, the internal use lives here
+and nowhere else, so that an upgrade breaks one place and ``tests/unit/test_private_apis.py``
+says which: it runs each wrapper against the installed torch and Ray, without mocks. Each
+docstring names the version it was checked on and the public API that would replace it.
+
+Checked on torch 2.13.0 and Ray 2.60.0 (Train V2). Everything imports lazily inside the
+wrappers: this module imports neither torch nor Ray, so Ray-free modules can use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+CHECKED_TORCH = "2.13.0"
+CHECKED_RAY = "2.60.0"
+
+
+# ----------------------------------------------------------------------------- torch
+def register_fake_pg_backend() -> bool:
+    """Make torch's ``"fake"`` process-group backend creatable; False if this torch lacks it.
+
+    Internal: ``torch.testing._internal.distributed.fake_pg`` registers the backend's creator
+    on import (torch 2.13.0 lists ``"fake"`` in ``Backend.backend_list`` without it, but
+    ``new_group(backend="fake")`` then fails with "Unknown c10d backend type FAKE").
+    ``torch.distributed.fsdp`` and ``init_process_group(backend="fake")`` import it
+    themselves; importing it here makes ray_mesh independent of what the user imported.
+    Public replacement: none in torch 2.13 (a public fake backend for disabled mesh dims).
+    """
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flatten_mesh(mesh: Any, name: str, backend_override: Any = None) -> Any:
+    """``mesh._flatten(mesh_dim_name=name, backend_override=...)``: a named flattened dim.
+
+    Internal: ``DeviceMesh._flatten`` (torch 2.13.0; ``backend_override`` since 2.8). It
+    registers the flattened dim on the root mesh so that ``mesh[name]`` and
+    ``mesh.get_group(name)`` find it. Public replacement: a public ``DeviceMesh.flatten`` /
+    ``_unflatten`` pair is planned upstream; none in torch 2.13.
+    """
+    return mesh._flatten(mesh_dim_name=name, backend_override=backend_override)
+
+
+def can_set_mesh_group(mesh: Any) -> bool:
+    """True when this torch's DeviceMesh finds its groups by ``_dim_group_names``."""
+    return hasattr(mesh, "_dim_group_names")
+
+
+def set_mesh_group(mesh: Any, group: Any) -> None:
+    """Point a 1-D mesh (e.g. a flattened dim) at an existing process group.
+
+    Internal: ``DeviceMesh._dim_group_names`` (torch 2.13.0), the list of group names that
+    ``get_group`` resolves; ``DeviceMesh.from_group`` sets it the same way. Public
+    replacement: none in torch 2.13 for registering an existing group as a flattened dim
+    (``DeviceMesh.from_group`` builds a new, separate mesh).
+    """
+    mesh._dim_group_names = [group.group_name]
+
+
+def has_batch_p2p_wait_fix() -> bool:
+    """True when torch pipelining waits on every ``Work`` of a batched send/recv.
+
+    Internal: the presence of ``torch.distributed.pipelining.schedules._wait_batch_p2p``
+    (added by pytorch#152938, torch 2.8; present in 2.13.0) is the feature test for the fix
+    of the gloo deadlock in pytorch#132644. Public replacement: a torch version check
+    (``torch >= 2.8``), which would misjudge backports and nightlies.
+    """
+    from torch.distributed.pipelining import schedules
+
+    return hasattr(schedules, "_wait_batch_p2p")
+
+
+# ----------------------------------------------------------------------------- Ray
+def v2_worker_group_type() -> type | None:
+    """Ray Train V2's ``WorkerGroup`` class, or None under Ray Train V1.
+
+    Internal: ``ray.train.v2._internal.execution.worker_group.worker_group.WorkerGroup``
+    (Ray 2.60.0), to shut down a group whose backend hook raised (Ray leaks it otherwise;
+    see ``ray_mesh.raytrain.backend``). Public replacement: none; the leak itself is the
+    upstream bug to fix, after which this goes.
+    """
+    try:
+        from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+    except ImportError:
+        return None
+    return WorkerGroup
+
+
+def startup_timeout_error_type() -> type:
+    """Ray Train V2's ``WorkerGroupStartupTimeoutError`` (a group that could not start).
+
+    Internal: ``ray.train.v2._internal.exceptions`` (Ray 2.60.0). ray_mesh matches the error
+    by its name and message (``raytrain.elastic.explain_startup_failure``); tests build one.
+    Public replacement: ``ray.train.ControllerError`` wraps it; no public subclass.
+    """
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    return WorkerGroupStartupTimeoutError
+
+
+_TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"
+_TOKEN_HTTP = "ray._private.authentication.http_token_authentication"
+
+
+def enable_token_auth() -> bool:
+    """Load this machine's Ray cluster token, if any, for the calls that follow; quietly.
+
+    Internal: ``ray._private.authentication.authentication_token_setup.
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)`` (Ray 2.60.0). Its
+    logger's note on the auth default is silenced. Public replacement: ``ray.init`` does it
+    for a driver; there is none for a process that only talks HTTP to the dashboard.
+    False when this Ray has no token auth.
+    """
+    import importlib
+
+    try:
+        setup = importlib.import_module(_TOKEN_SETUP)
+    except ImportError:
+        return False
+    quiet = logging.getLogger(_TOKEN_SETUP)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return bool(setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+    finally:
+        quiet.setLevel(level)
+
+
+def auth_headers() -> dict[str, str]:
+    """The HTTP headers that carry the cluster token (empty when auth is off).
+
+    Internal: ``ray._private.authentication.http_token_authentication.
+    get_auth_headers_if_auth_enabled({})`` (Ray 2.60.0). Public replacement: none; the
+    dashboard's REST API has no public client that adds them.
+    """
+    import importlib
+
+    try:
+        http = importlib.import_module(_TOKEN_HTTP)
+    except ImportError:
+        return {}
+    return dict(http.get_auth_headers_if_auth_enabled({}))
+
+
+def dashboard_url_from_gcs(address: str) -> str:
+    """The dashboard URL the GCS at ``address`` advertises (``http://host:port``).
+
+    Internal module: ``ray.dashboard.utils.ray_address_to_api_server_url`` (Ray 2.60.0;
+    needs ``ray[default]``). It blocks on the GCS: call it in a bounded thread. Public
+    replacement: ``ray.init(address).dashboard_url``, which joins the cluster as a driver.
+    """
+    from ray.dashboard.utils import ray_address_to_api_server_url
+
+    return str(ray_address_to_api_server_url(address))
+
+
+GCS_CLUSTER_ID_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+"""Raw gRPC method name of the GCS call that every Ray client makes first (Ray 2.60.0)."""
+
+
+def gcs_ping(channel: Any, timeout_s: float) -> None:
+    """One bounded gRPC call to a Ray GCS over ``channel``; raises ``grpc.RpcError``.
+
+    Internal: the GCS's gRPC method ``NodeInfoGcsService/GetClusterId`` with an empty
+    request (Ray 2.60.0), whose answer, even UNAUTHENTICATED, proves a GCS listens. Public
+    replacement: ``ray.init(address)``, which can block for minutes on a wrong address.
+    """
+    channel.unary_unary(GCS_CLUSTER_ID_METHOD)(b"", timeout=timeout_s)
+
+
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+"""The resource Ray puts on the head node only (``ray._common.constants``, Ray 2.60.0)."""
+
+
+def is_head_node(resources: Mapping[str, Any]) -> bool:
+    """True for the head node's entry of ``ray.nodes()`` (by its ``Resources`` mapping).
+
+    Internal: the ``node:__internal_head__`` resource name (Ray 2.60.0,
+    ``ray._common.constants.HEAD_NODE_RESOURCE_NAME``). Public replacement:
+    ``ray.util.state.list_nodes()``'s ``is_head_node`` (needs the dashboard).
+    """
+    return HEAD_NODE_RESOURCE in resources
+
+
+__all__ = [
+    "CHECKED_RAY",
+    "CHECKED_TORCH",
+    "GCS_CLUSTER_ID_METHOD",
+    "HEAD_NODE_RESOURCE",
+    "auth_headers",
+    "can_set_mesh_group",
+    "dashboard_url_from_gcs",
+    "enable_token_auth",
+    "flatten_mesh",
+    "gcs_ping",
+    "has_batch_p2p_wait_fix",
+    "is_head_node",
+    "register_fake_pg_backend",
+    "set_mesh_group",
+    "startup_timeout_error_type",
+    "v2_worker_group_type",
+]

@@ -1,0 +1,201 @@
+"""Every torch/Ray internal that ray_mesh uses, checked against the installed versions.
+
+One test per wrapper in ``ray_mesh.private_apis``, no mocks: after an upgrade, the failing
+test names the wrapper and what changed, instead of a run failing somewhere later. Torch
+checks that need a process group run in a subprocess with torch's fake backend (no real
+communicator, nothing left in this process).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ray_mesh import private_apis as pa
+
+UPGRADE = (f"ray_mesh.private_apis was checked on torch {pa.CHECKED_TORCH} and Ray "
+           f"{pa.CHECKED_RAY}; fix the wrapper for the installed version")
+
+
+def run_python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter; its stdout, or a failure with its stderr."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, f"{UPGRADE}:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+# A fake-backend world of 4 (rank 0 of it) and a 2x2x1 mesh, for the DeviceMesh internals.
+FAKE_WORLD = """
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from ray_mesh import private_apis as pa
+assert pa.register_fake_pg_backend()
+dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=4)
+mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("a", "b", "c"))
+"""
+
+
+def test_private_apis_import_neither_torch_nor_ray():
+    """Only function-level imports of torch/Ray: Ray-free modules may import private_apis."""
+    tree = ast.parse(Path(pa.__file__).read_text())
+    top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in names if m.split(".")[0] in ("torch", "ray")], names
+    run_python("""
+        import sys
+        import ray_mesh.private_apis
+        assert "ray" not in sys.modules, "importing ray_mesh.private_apis imported ray"
+    """)
+
+
+def test_every_wrapper_has_a_test_and_a_documented_replacement():
+    tests = {n for n in globals() if n.startswith("test_")}
+    for name in pa.__all__:
+        obj = getattr(pa, name)
+        if not callable(obj) or name == "can_set_mesh_group":  # tested with set_mesh_group
+            continue
+        assert f"test_{name}" in tests, f"private_apis.{name} has no test here"
+        doc = " ".join((inspect.getdoc(obj) or "").split())
+        assert "Internal" in doc and "Public replacement" in doc, name
+        assert pa.CHECKED_TORCH in doc or pa.CHECKED_RAY in doc, name
+
+
+# ----------------------------------------------------------------------------- torch
+def test_register_fake_pg_backend():
+    out = run_python("""
+        import torch.distributed as dist
+        from ray_mesh import private_apis as pa
+        assert pa.register_fake_pg_backend(), "torch.testing._internal...fake_pg is gone"
+        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
+        g = dist.new_group([0, 1], backend="fake")
+        print(dist.get_backend(), dist.get_backend(g))
+    """)
+    assert out.split() == ["fake", "fake"], out
+
+
+def test_flatten_mesh():
+    out = run_python(FAKE_WORLD + """
+flat = pa.flatten_mesh(mesh[("b", "c")], "bc")
+assert flat.mesh_dim_names == ("bc",), flat.mesh_dim_names
+# Registered on the root: found by name, with the groups of b (c has size 1).
+assert mesh["bc"].size() == 2
+assert dist.get_process_group_ranks(mesh.get_group("bc")) == \\
+    dist.get_process_group_ranks(mesh.get_group("b"))
+pa.flatten_mesh(mesh[("a", "c")], "ac", "fake")  # with a backend override
+print(dist.get_backend(mesh.get_group("ac")))
+""")
+    assert out.strip() == "fake", out
+
+
+def test_set_mesh_group():
+    out = run_python(FAKE_WORLD + """
+assert pa.can_set_mesh_group(mesh), "DeviceMesh has no _dim_group_names any more"
+flat = pa.flatten_mesh(mesh[("a", "c")], "ac", "fake")
+pa.set_mesh_group(flat, mesh.get_group("a"))
+# The root mesh and the flattened mesh now answer with a's real group.
+assert mesh.get_group("ac") is mesh.get_group("a"), "get_group ignores _dim_group_names"
+assert mesh["ac"].get_group() is mesh.get_group("a")
+print("ok")
+""")
+    assert out.strip() == "ok", out
+
+
+def test_has_batch_p2p_wait_fix():
+    from torch.distributed.pipelining import schedules
+
+    assert pa.has_batch_p2p_wait_fix(), (
+        f"{UPGRADE}: torch.distributed.pipelining.schedules._wait_batch_p2p is gone, so "
+        f"known_hang() would refuse every schedule but GPipe on gloo. Find the new way to "
+        f"tell that batched p2p waits on all its works.")
+    assert callable(schedules._wait_batch_p2p)
+
+
+# ----------------------------------------------------------------------------- Ray
+def test_v2_worker_group_type():
+    cls = pa.v2_worker_group_type()
+    assert cls is not None, f"{UPGRADE}: Ray Train V2's WorkerGroup moved"
+    assert cls.__name__ == "WorkerGroup"
+    assert list(inspect.signature(cls.shutdown).parameters) == ["self"], \
+        f"{UPGRADE}: WorkerGroup.shutdown() changed its signature"
+
+
+def test_startup_timeout_error_type():
+    from ray.train import ControllerError
+
+    from ray_mesh.raytrain.elastic import explain_startup_failure
+
+    cls = pa.startup_timeout_error_type()
+    assert issubclass(cls, Exception)
+    err = cls(num_workers=4)
+    assert "startup timed out" in str(err).lower(), (
+        f"{UPGRADE}: the message changed ({err}); explain_startup_failure matches it")
+    assert explain_startup_failure(ControllerError(err), 4) is not None
+
+
+def test_enable_token_auth():
+    setup = importlib.import_module("ray._private.authentication.authentication_token_setup")
+    fn = setup.maybe_enable_token_auth_if_token_available
+    assert "warn_if_disabled" in inspect.signature(fn).parameters, \
+        f"{UPGRADE}: maybe_enable_token_auth_if_token_available lost warn_if_disabled"
+    # The call changes Ray's process-wide auth state: make it in a child process.
+    out = run_python("""
+        from ray_mesh import private_apis as pa
+        print(type(pa.enable_token_auth()).__name__)
+    """)
+    assert out.strip() == "bool", out
+
+
+def test_auth_headers():
+    http = importlib.import_module("ray._private.authentication.http_token_authentication")
+    assert len(inspect.signature(http.get_auth_headers_if_auth_enabled).parameters) == 1
+    headers = pa.auth_headers()
+    assert isinstance(headers, dict)
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
+
+
+def test_dashboard_url_from_gcs():
+    utils = importlib.import_module("ray.dashboard.utils")
+    fn = getattr(utils, "ray_address_to_api_server_url", None)
+    assert fn is not None, f"{UPGRADE}: ray.dashboard.utils.ray_address_to_api_server_url gone"
+    assert list(inspect.signature(fn).parameters) == ["address"], inspect.signature(fn)
+
+
+def test_gcs_ping():
+    grpc = pytest.importorskip("grpc")
+    from ray.core.generated import gcs_service_pb2
+
+    service, method = pa.GCS_CLUSTER_ID_METHOD.strip("/").split("/")
+    svc = gcs_service_pb2.DESCRIPTOR.services_by_name.get(service.rsplit(".", 1)[1])
+    assert svc is not None and svc.full_name == service, f"{UPGRADE}: no {service}"
+    rpc = svc.methods_by_name.get(method)
+    assert rpc is not None, f"{UPGRADE}: {service} has no {method}"
+    # The wrapper sends an empty request: valid only while the request has no fields set.
+    request = getattr(gcs_service_pb2, rpc.input_type.name)()
+    assert request.SerializeToString() == b""
+    # And it is a real, bounded gRPC call: nothing listens on a fresh port.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, \
+            pytest.raises(grpc.RpcError) as err:
+        pa.gcs_ping(channel, 2.0)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_is_head_node():
+    constants = importlib.import_module("ray._common.constants")
+    assert constants.HEAD_NODE_RESOURCE_NAME == pa.HEAD_NODE_RESOURCE, (
+        f"{UPGRADE}: Ray's head-node resource is now {constants.HEAD_NODE_RESOURCE_NAME!r}")
+    assert pa.is_head_node({"CPU": 2.0, pa.HEAD_NODE_RESOURCE: 1.0})
+    assert not pa.is_head_node({"CPU": 2.0, "node:10.0.0.2": 1.0})

@@ -1,0 +1,51 @@
+"""One "running under Ray Train?" test (ray_mesh.core.runtime), Ray-free when Ray is absent.
+
+The positive case needs a Ray Train worker: the tests/ray runs check it through what it
+gates (progress reports reach ``Result.metrics``, metrics tags carry the run name).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ray_mesh.core import runtime
+
+
+def test_answers_no_without_importing_ray():
+    code = ("import sys; from ray_mesh.core import runtime; "
+            "assert runtime.train_context() is None and not runtime.in_ray_train(); "
+            "from ray_mesh.observability import progress; progress.report({'loss': 1.0}); "
+            "assert 'ray' not in sys.modules, 'the check imported ray'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_no_when_ray_is_imported_but_not_a_train_worker(monkeypatch):
+    import ray
+
+    assert not ray.is_initialized()
+    assert runtime.train_context() is None and not runtime.in_ray_train()
+    monkeypatch.setenv(runtime.TORCHRUN_ENV, "some-run")
+    assert not runtime.in_ray_train()
+
+
+def test_checkpointer_outside_ray_train_names_the_fix():
+    from ray_mesh.checkpointing import Checkpointer, CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"inside a Ray Train train function.*save\(\.\.\.\)"):
+        Checkpointer(torch.nn.Linear(2, 2))
+
+
+def test_one_definition():
+    from ray_mesh.checkpointing import guards
+    from ray_mesh.observability import export, progress
+
+    assert progress.in_ray_train is runtime.in_ray_train
+    assert export.train_context is runtime.train_context
+    with pytest.raises(guards.CheckpointError):
+        guards.train_context()
