@@ -7,7 +7,7 @@ A job file::
     config: {steps: 40}                 # train_loop_config
     mesh: {dp_replicate: 2, dp_shard: -1}   # or: hsdp | fsdp | ddp
     scaling: {num_workers: 4, use_gpu: auto, resources_per_worker: {CPU: 1}}
-    network: {interface: auto, bringup_timeout_s: 120}
+    network: {interface: auto, bringup_timeout_s: 120, hang_timeout_s: 60}
     run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
     # run.min_workers: N makes the run elastic (num_workers is then the maximum);
     # run.startup_retries bounds the restarts of a group that cannot start (default 3).
@@ -39,7 +39,8 @@ class JobError(ValueError):
 TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run")
 SCALING_KEYS = ("num_workers", "use_gpu", "resources_per_worker", "placement_strategy")
 NETWORK_KEYS = ("interface", "bringup_timeout_s", "allow_cross_node_inner", "backend",
-                "timeout_s", "preflight", "preflight_timeout_s", "nccl_vpn_defaults")
+                "timeout_s", "preflight", "preflight_timeout_s", "nccl_vpn_defaults",
+                "hang_timeout_s")
 RUN_KEYS = ("storage_path", "max_failures", "num_to_keep", "min_workers", "startup_retries")
 
 

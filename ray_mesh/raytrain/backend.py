@@ -34,6 +34,7 @@ from ray_mesh.network.interfaces import (
     user_kept,
 )
 from ray_mesh.network.preflight import check_worker_group, choose_all
+from ray_mesh.observability import hang
 from ray_mesh.observability.layout import save_layout
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,11 @@ class MeshConfig(TorchConfig):
         worker_niceness: CPU niceness of the training workers' every thread. Ray starts
             workers at 15 (``RAY_worker_niceness``); torchrun ranks run at 0, and so do
             ray_mesh's by default (see ``ray_mesh.core.priority``). ``None`` keeps Ray's.
+        hang_timeout_s: a collective on a mesh dim's group (or the world group) that does not
+            complete within this many seconds is a hang: the run ends with a report naming
+            the dim, the collective, the ranks that did not arrive and their Python stacks
+            (``ray_mesh.observability.hang``; the groups' process-group timeout becomes
+            ``hang_timeout_s + 15``). ``None`` turns the watch off.
     """
 
     mesh: Any = None
@@ -75,6 +81,7 @@ class MeshConfig(TorchConfig):
     preflight_timeout_s: float = 20.0
     nccl_vpn_defaults: bool | str = "auto"
     worker_niceness: int | None = 0
+    hang_timeout_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
@@ -94,6 +101,11 @@ class MeshConfig(TorchConfig):
                 or self.worker_niceness not in priority.NICENESS_RANGE):
             raise ValueError(f"worker_niceness must be an int from -20 to 19 or None (keep "
                              f"Ray's), got {self.worker_niceness!r}.")
+        if self.hang_timeout_s is not None and (
+                isinstance(self.hang_timeout_s, bool)
+                or not isinstance(self.hang_timeout_s, (int, float)) or self.hang_timeout_s <= 0):
+            raise ValueError(f"hang_timeout_s must be a number of seconds > 0, or None to turn "
+                             f"the hang watch off; got {self.hang_timeout_s!r}.")
         if self.init_method != "env":
             raise ValueError("MeshConfig sets MASTER_ADDR/MASTER_PORT itself: use "
                              f"init_method='env' (got {self.init_method!r}).")
@@ -113,20 +125,24 @@ class MeshConfig(TorchConfig):
                    bringup_timeout_s=self.bringup_timeout_s, preflight=self.preflight,
                    preflight_timeout_s=self.preflight_timeout_s,
                    nccl_vpn_defaults=self.nccl_vpn_defaults,
-                   worker_niceness=self.worker_niceness)
+                   worker_niceness=self.worker_niceness, hang_timeout_s=self.hang_timeout_s)
         return out
 
 
 class _TrainThreadContext:
     """Entered by Ray Train in the training thread: make the mesh's device current there,
-    and give threads started since bring-up the workers' niceness."""
+    and give threads started since bring-up the workers' niceness. An error of a collective
+    the hang watch reported on becomes a ``CollectiveHangError`` carrying the report."""
 
     def __enter__(self) -> None:
         priority.reapply()
         if bootstrap.is_initialized():
             bootstrap.use_device(bootstrap.get_state().device)
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        better = hang.explain(exc)
+        if better is not None:
+            raise better from exc
         return False
 
 
@@ -167,6 +183,7 @@ class WorkerSetup:
     choice: Choice
     layout_table: str
     niceness: int | None = None
+    hang_timeout_s: float | None = None
 
 
 def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
@@ -185,12 +202,15 @@ def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
     bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force)
+    if w.hang_timeout_s:
+        hang.start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
     if w.rank == 0:
         print(w.layout_table, flush=True)
     return niced
 
 
 def _shutdown_on_worker() -> None:
+    hang.stop_watch()
     bootstrap.shutdown_mesh()
 
 
@@ -290,6 +310,7 @@ class _MeshBackend(Backend):
                 collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
                 backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
                 choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
+                hang_timeout_s=config.hang_timeout_s,
             ))
             for w in plan.workers
         ]

@@ -165,6 +165,7 @@ def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
         preflight=bool(net.get("preflight", True)),
         preflight_timeout_s=float(net.get("preflight_timeout_s", 20.0)),
         nccl_vpn_defaults=net.get("nccl_vpn_defaults", "auto"),
+        hang_timeout_s=net.get("hang_timeout_s", 60.0),
     )
     run = job.run
     run_config = RunConfig(
