@@ -321,7 +321,7 @@ def watch_mesh(mesh: DeviceMesh, timeout_s: float, **kwargs: Any) -> Iterator[Ha
     except BaseException as exc:
         better = watch.explain(exc)
         if better is not None:
-            raise better from exc
+            raise better from None  # the report names the collective; gloo's text adds nothing
         raise
     finally:
         stop_watch()

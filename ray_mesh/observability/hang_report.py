@@ -144,6 +144,16 @@ def format_stack(thread: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def summary(stalls: list[Stall]) -> str:
+    """One line: the first stall, what waits and who did not arrive."""
+    if not stalls:
+        return "Hang summary: no rank is behind; the ranks are stuck inside one collective."
+    s = stalls[0]
+    return (f"Hang summary: {s.op} #{s.seq} on mesh dim {dim_name(s.dim)}: "
+            f"{_ranks(s.waiting)} waiting, {_ranks(s.missing)} did not arrive "
+            f"({len(stalls)} stalled collective(s) in all; full report above).")
+
+
 def format_report(snaps: dict[int, dict[str, Any]], beats: dict[int, dict[str, Any]],
                   world_size: int, timeout_s: float, end_s: float) -> str:
     """The message printed on the driver and carried by the run's error."""
@@ -170,18 +180,20 @@ def format_report(snaps: dict[int, dict[str, Any]], beats: dict[int, dict[str, A
                    "backend problem; try `ray-mesh doctor`).")
     out.append("Rank states:")
     out += ["  " + _state_line(r, snaps.get(r), stalls) for r in range(world_size)]
-    out.append("Python stacks:")
-    for r in sorted(snaps):
-        out.append(f"--- rank {r}")
-        out += [format_stack(t) for t in relevant_threads(snaps[r].get("threads", []))]
     out.append(
         f"The waiting ranks fail when the process-group timeout ({end_s:g} s) passes. A rank "
         f"that did not arrive usually skipped a collective (a branch on the rank, an early "
         f"return or exception) or is stuck in its own code, as its stack shows. If the "
         f"collective is just slow (huge checkpoints, a slow link), raise "
         f"MeshConfig(hang_timeout_s=...) / network.hang_timeout_s, or set it to None.")
+    out.append("Python stacks:")
+    for r in sorted(snaps):
+        out.append(f"--- rank {r}")
+        out += [format_stack(t) for t in relevant_threads(snaps[r].get("threads", []))]
+    # Last, so that an error display that keeps only the head and tail (Ray Train's) shows it.
+    out.append(summary(stalls))
     return "\n".join(out)
 
 
 __all__ = ["Stall", "find_stalls", "format_report", "format_stack", "guess_op",
-           "relevant_threads"]
+           "relevant_threads", "summary"]

@@ -141,8 +141,8 @@ class _TrainThreadContext:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         better = hang.explain(exc)
-        if better is not None:
-            raise better from exc
+        if better is not None:  # Ray Train shows 1000 characters: the report, not gloo's text
+            raise better from None
         return False
 
 
