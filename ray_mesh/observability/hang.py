@@ -26,7 +26,10 @@ Why this shape:
   ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` for torch's own per-collective dump.
 
 Collectives issued through :func:`watched` / :func:`all_reduce` also carry their op name and
-start time; for the rest the op is read from the blocked thread's stack.
+start time; for the rest the op is read from the blocked thread's stack. Limits: the pp dim
+is judged only by :func:`watched` collectives (pipeline stages issue different numbers of
+point-to-point ops by design); on gloo a rank counts as waiting only while one of its
+threads is inside ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
-from ray_mesh.observability.hang_report import format_report
+from ray_mesh.observability.hang_report import P2P_DIM, format_report
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +128,7 @@ class HangWatch:
                              f"got {timeout_s!r}.")
         self.groups = groups
         self.members = {d: dist.get_process_group_ranks(g) for d, g in groups.items()}
+        self._backend = {d: str(dist.get_backend(g)) for d, g in groups.items()}
         self.store = store
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
         self.poll_s = poll_s or min(1.0, self.timeout_s / 10)
@@ -174,7 +178,7 @@ class HangWatch:
             try:
                 self._tick()
             except Exception as exc:  # noqa: BLE001 - the watch must never break training
-                if self._stop.is_set():
+                if self._stop.is_set() or not dist.is_initialized():
                     return
                 logger.warning("ray_mesh hang watch on rank %d stopped: %s: %s", self.rank,
                                type(exc).__name__, exc)
@@ -208,17 +212,31 @@ class HangWatch:
         pending = self._pending
         if pending and time.time() - pending["since"] > self.timeout_s:
             return pending["dim"]
-        old = [d for d in self.groups if self._seq.get(d) and
-               now - self._changed[d] > self.timeout_s]
+        old = [d for d in self.groups if self._seq.get(d) and P2P_DIM not in d.split("=")
+               and now - self._changed[d] > self.timeout_s]
         if not old or now - self._last_peer_check < 5 * self.poll_s:
             return None
         self._last_peer_check = now
         for dim in old:
             peers = [r for r in self.members[dim] if r != self.rank]
             beats = self._read(f"beat/{r}" for r in peers)
-            if any(b is None or b["seq"].get(dim, 0) < self._seq[dim] for b in beats):
+            if any(b is None or b["seq"].get(dim, 0) < self._seq[dim] for b in beats) and (
+                    self._backend[dim] != "gloo" or self._blocked_in_torch()):
                 return dim
         return None
+
+    def _blocked_in_torch(self) -> bool:
+        """A thread of this process is inside torch.distributed (gloo blocks the caller).
+
+        Guards against counts that differ by design (a point-to-point op on the world group
+        between two ranks only) while nothing waits. NCCL returns before the collective
+        runs, so there the counts alone decide.
+        """
+        mine = threading.get_ident()
+        for ident, frame in sys._current_frames().items():
+            if ident != mine and f"torch{os.sep}distributed{os.sep}" in frame.f_code.co_filename:
+                return True
+        return False
 
     def _read(self, keys: Any) -> list[dict[str, Any] | None]:
         keys = list(keys)

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 STACK_FRAMES = 12  # innermost frames shown per thread
+# Pipeline stages send and receive different numbers of point-to-point ops, so counts on the
+# pp dim differ by design; it is judged only by collectives marked with hang.watched().
+P2P_DIM = "pp"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ def op_of(snap: dict[str, Any], dim: str) -> str:
     return "collective"
 
 
+def _pending_on(snaps: dict[int, dict[str, Any]], group: tuple[int, ...], dim: str) -> bool:
+    return any((snaps.get(r, {}).get("pending") or {}).get("dim") == dim for r in group)
+
+
 def find_stalls(snaps: dict[int, dict[str, Any]], beats: dict[int, dict[str, Any]]
                 ) -> list[Stall]:
     """Every (dim, group) where some ranks issued more collectives than others, oldest first.
@@ -80,7 +87,8 @@ def find_stalls(snaps: dict[int, dict[str, Any]], beats: dict[int, dict[str, Any
     for snap in snaps.values():
         for dim, members in snap.get("groups", {}).items():
             group = tuple(members)
-            if (dim, group) in stalls:
+            if (dim, group) in stalls or (P2P_DIM in dim.split("=") and not _pending_on(
+                    snaps, group, dim)):
                 continue
             counts = {r: seq_of(r, dim) for r in group}
             known = [c for c in counts.values() if c is not None]

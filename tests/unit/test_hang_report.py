@@ -79,3 +79,11 @@ def test_job_network_hang_timeout_key():
 
     job = Job.from_dict({"train": "m:f", "network": {"hang_timeout_s": 30}})
     assert job.network["hang_timeout_s"] == 30
+
+
+def test_pp_counts_differ_by_design_unless_a_watched_collective_waits():
+    groups = {"pp": [0, 1]}
+    snaps = {0: snap(0, {"pp": 8}, groups, IN_ALLREDUCE), 1: snap(1, {"pp": 4}, groups, SLEEP)}
+    assert find_stalls(snaps, {}) == []
+    snaps[0]["pending"] = {"dim": "pp", "op": "all_reduce", "since": 0}
+    assert [s.dim for s in find_stalls(snaps, {})] == ["pp"]

@@ -139,3 +139,10 @@ def test_chromium_draws_nodes_ranks_links_and_curves(tmp_path):
             browser.close()
     assert all(u.startswith("file://") for u in requests), requests  # nothing fetched
     assert out.stat().st_size > 10_000
+
+
+def test_cli_status_takes_html():
+    from ray_mesh.cli.main import build_parser
+
+    args = build_parser().parse_args(["status", "--html", "mesh.html"])
+    assert args.html == "mesh.html"
