@@ -324,6 +324,20 @@ def start_watch(mesh: DeviceMesh, timeout_s: float, *, pg_timeout_s: float | Non
     return _watch
 
 
+def try_start_watch(mesh: DeviceMesh, timeout_s: float, **kwargs: Any) -> HangWatch | None:
+    """:func:`start_watch`, but a watch that cannot start only warns: it is a diagnosis aid,
+    not a reason to fail a run that has its mesh."""
+    try:
+        return start_watch(mesh, timeout_s, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        message = (f"ray_mesh: the hang watch could not start ({type(exc).__name__}: {exc}); "
+                   f"training goes on, but a hung collective is reported only by the "
+                   f"process-group timeout. Set MeshConfig(hang_timeout_s=None) to silence this.")
+        logger.warning("%s", message)
+        print(message, file=sys.stderr, flush=True)
+        return None
+
+
 def stop_watch() -> None:
     global _watch
     if _watch is not None:
@@ -371,5 +385,5 @@ def all_reduce(tensor: torch.Tensor, dim: str, op: Any = dist.ReduceOp.SUM) -> t
 
 
 __all__ = ["CollectiveHangError", "END_GRACE_S", "HangWatch", "all_reduce", "connect_store",
-           "current", "explain", "mesh_groups", "start_watch", "stop_watch", "watch_mesh",
-           "watched"]
+           "current", "explain", "mesh_groups", "start_watch", "stop_watch", "try_start_watch",
+           "watch_mesh", "watched"]

@@ -203,7 +203,7 @@ def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force)
     if w.hang_timeout_s:
-        hang.start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
+        hang.try_start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
     if w.rank == 0:
         print(w.layout_table, flush=True)
     return niced
