@@ -74,6 +74,12 @@ def main() -> None:
         with hang.watched("dp", "all_reduce"):
             pass
     wrapper_s = (time.perf_counter() - t0) / 100000
+    # The watchdog's own work, once per poll (1 s): counters, heartbeat, store checks.
+    watch = hang.current()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        watch._tick()
+    tick_s = (time.perf_counter() - t0) / 50
     hang.stop_watch()
     if dist.get_rank() == 0:
         ratios = [w / p for w, p in zip(watched, plain, strict=True)]
@@ -84,7 +90,8 @@ def main() -> None:
                        "rounds": rounds, "steps_per_window": steps,
                        "allreduce_1elem_plain_s": per_call["plain"],
                        "allreduce_1elem_watched_s": per_call["watched"],
-                       "watched_context_s": wrapper_s}, f)
+                       "watched_context_s": wrapper_s, "watchdog_tick_s": tick_s,
+                       "watchdog_poll_s": watch.poll_s}, f)
     ray_mesh.shutdown_mesh()
 
 

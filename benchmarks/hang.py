@@ -5,7 +5,8 @@
 * overhead: a toy dp_shard=2 x tp=2 step (MLP forward/backward, grads all-reduced on dp
   through ``hang.all_reduce``, one plain tp all_reduce), watch on vs off in alternating
   windows; the median of the per-round ratios. Also the per-call cost of the watched
-  context around a 1-element all_reduce. Target: < 1% of a step.
+  context around a 1-element all_reduce, and the watchdog thread's work per poll (once a
+  second). Target: < 1% of a step.
 * detect_hang_s: the scenario of tests/dist/test_hang_torchrun.py (rank 3 skips a dp
   all_reduce and sleeps), one run: seconds from rank 3 skipping to the first rank holding
   the report. It is hang_timeout_s plus the detection latency (up to one poll, 1 s).
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                  time.gmtime())}
     section["watched_context_share_of_step"] = (
         4 * section["watched_context_s"] / section["step_plain_s"])  # 4 watched calls/step
+    section["watchdog_share_of_time"] = section["watchdog_tick_s"] / section["watchdog_poll_s"]
+    section["note"] = ("A/B step ratio is noise on a loaded 2-core VM (see loadavg); the "
+                       "bound is the per-call context cost and the watchdog's tick per poll.")
     path = Path(args.results)
     results = json.loads(path.read_text()) if path.exists() else {}
     results["observability"] = {**results.get("observability", {}), **section}

@@ -129,6 +129,9 @@ class HangWatch:
         self.groups = groups
         self.members = {d: dist.get_process_group_ranks(g) for d, g in groups.items()}
         self._backend = {d: str(dist.get_backend(g)) for d, g in groups.items()}
+        # dim name -> (label, group), so the training path does no lookups of its own.
+        self.by_dim = {name: (label, g) for label, g in groups.items()
+                       for name in label.split("=")}
         self.store = store
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
         self.poll_s = poll_s or min(1.0, self.timeout_s / 10)
@@ -150,7 +153,8 @@ class HangWatch:
         return _Watched(self, self.label_of(dim), op)
 
     def label_of(self, dim: str) -> str:
-        return next((lab for lab in self.groups if dim in lab.split("=")), dim)
+        hit = self.by_dim.get(dim)
+        return hit[0] if hit else dim
 
     def explain(self, exc: BaseException | None, wait_s: float = END_GRACE_S
                 ) -> CollectiveHangError | None:
@@ -377,10 +381,14 @@ def watched(dim: str, op: str) -> contextlib.AbstractContextManager:
 
 def all_reduce(tensor: torch.Tensor, dim: str, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
     """``dist.all_reduce`` on the mesh dim ``dim``, named in a hang report."""
-    from ray_mesh.core.bootstrap import get_mesh
+    hit = _watch.by_dim.get(dim) if _watch is not None else None
+    if hit is None:  # no watch, or a dim of size 1
+        from ray_mesh.core.bootstrap import get_mesh
 
-    with watched(dim, "all_reduce"):
         dist.all_reduce(tensor, op=op, group=get_mesh().get_group(dim))
+        return tensor
+    with _Watched(_watch, hit[0], "all_reduce"):
+        dist.all_reduce(tensor, op=op, group=hit[1])
     return tensor
 
 
