@@ -7,7 +7,7 @@ A job file::
     config: {steps: 40}                 # train_loop_config
     mesh: {dp_replicate: 2, dp_shard: -1}   # or: hsdp | fsdp | ddp
     scaling: {num_workers: 4, use_gpu: auto, resources_per_worker: {CPU: 1}}
-    network: {interface: auto, bringup_timeout_s: 120, worker_niceness: 0}
+    network: {interface: auto, bringup_timeout_s: 120, worker_niceness: 0, hang_timeout_s: 60}
     run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
     # run.min_workers: N makes the run elastic (num_workers is then the maximum);
     # run.startup_retries bounds the restarts of a group that cannot start (default 3).
@@ -90,6 +90,9 @@ class NetworkSection:
     preflight_timeout_s: float = OPTION_DEFAULTS["preflight_timeout_s"]
     nccl_vpn_defaults: bool | str = OPTION_DEFAULTS["nccl_vpn_defaults"]
     worker_niceness: int | None = OPTION_DEFAULTS["worker_niceness"]
+    hang_timeout_s: float | None = OPTION_DEFAULTS["hang_timeout_s"]
+    measure_links: bool | str = OPTION_DEFAULTS["measure_links"]
+    link_probe_s: float = OPTION_DEFAULTS["link_probe_s"]
 
     def __post_init__(self) -> None:
         try:

@@ -47,6 +47,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"ray-mesh: error: {exc}", file=sys.stderr)
         return 2
     print(format_status(status))
+    if args.html:
+        from ray_mesh.observability.html import write_html
+
+        print(f"ray-mesh: wrote {write_html(args.html, status)}")
     return 0
 
 
@@ -146,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--all", action="store_true", help="include finished runs")
     status.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for each answer (default 5)")
+    status.add_argument("--html", default=None, metavar="FILE",
+                        help="also draw nodes, ranks, links and curves into a self-contained "
+                             "HTML file (rendering into it again extends the curves)")
     status.set_defaults(func=_cmd_status)
     _add_plan_doctor(sub)
     return parser

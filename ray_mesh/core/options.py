@@ -34,6 +34,7 @@ class MeshOptions:
     worker_niceness: int | None = 0
     measure_links: bool | str = "auto"
     link_probe_s: float = 1.0
+    hang_timeout_s: float | None = 60.0
 
     def check_options(self) -> None:
         """Raise ``ValueError`` naming the option and the fix for a bad value (mesh aside)."""
@@ -68,6 +69,14 @@ def check_option_values(values: Mapping[str, Any]) -> None:
     for name in ("bringup_timeout_s", "preflight_timeout_s"):
         if name in values:
             _positive(name, values[name])
+    hang_s = values.get("hang_timeout_s")
+    if hang_s is not None:
+        try:
+            _positive("hang_timeout_s", hang_s)
+        except ValueError:
+            raise ValueError(f"hang_timeout_s must be a finite number of seconds > 0, or None "
+                             f"(null in YAML) to turn the hang watch off; got {hang_s!r}.") \
+                from None
     if "link_probe_s" in values:
         _positive("link_probe_s", values["link_probe_s"], high=30)
     if "measure_links" in values and values["measure_links"] not in (True, False, "auto"):

@@ -37,6 +37,7 @@ from ray_mesh.network.interfaces import (
     user_kept,
 )
 from ray_mesh.network.probe import node_versions
+from ray_mesh.observability import hang
 from ray_mesh.observability.layout import layout_table
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.raytrain.layout_io import save_layout
@@ -85,6 +86,11 @@ class MeshConfig(MeshOptions, TorchConfig):
         plan: what ``mesh='auto'`` plans with: a ``ray_mesh.planning.inputs.PlanInputs``
             (the YAML ``plan:`` section). With ``mesh='auto'`` the backend picks the layout
             with the lowest predicted step time on the measured links and logs why.
+        hang_timeout_s: a collective on a mesh dim's group (or the world group) that does not
+            complete within this many seconds is a hang: the run ends with a report naming
+            the dim, the collective, the ranks that did not arrive and their Python stacks
+            (``ray_mesh.observability.hang``; the groups' process-group timeout becomes
+            ``hang_timeout_s + 15``). ``None`` turns the watch off.
     """
 
     plan: PlanInputs | None = None
@@ -126,14 +132,18 @@ class MeshConfig(MeshOptions, TorchConfig):
 
 class _TrainThreadContext:
     """Entered by Ray Train in the training thread: make the mesh's device current there,
-    and give threads started since bring-up the workers' niceness."""
+    and give threads started since bring-up the workers' niceness. An error of a collective
+    the hang watch reported on becomes a ``CollectiveHangError`` carrying the report."""
 
     def __enter__(self) -> None:
         priority.reapply()
         if bootstrap.is_initialized():
             bootstrap.use_device(bootstrap.get_state().device)
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        better = hang.explain(exc)
+        if better is not None:  # Ray Train shows 1000 characters: the report, not gloo's text
+            raise better from None
         return False
 
 
@@ -170,6 +180,7 @@ class WorkerSetup:
     choice: Choice
     layout_table: str
     niceness: int | None = None
+    hang_timeout_s: float | None = None
 
 
 def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
@@ -188,12 +199,15 @@ def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
     bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force)
+    if w.hang_timeout_s:
+        hang.try_start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
     if w.rank == 0:
         print(w.layout_table, flush=True)
     return niced
 
 
 def _shutdown_on_worker() -> None:
+    hang.stop_watch()
     bootstrap.shutdown_mesh()
 
 
@@ -305,6 +319,7 @@ class _MeshBackend(Backend):
                 collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
                 backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
                 choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
+                hang_timeout_s=config.hang_timeout_s,
             ))
             for w in plan.workers
         ]
