@@ -93,11 +93,11 @@ def per_step(raw: dict) -> dict:
 
 def measure(model: dict, timeout_s: float = 600.0) -> dict:
     """Start the namespace cluster, run both fits, return figures (or why not run)."""
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
     try:
         from netns_cluster import NetnsCluster, netns_unavailable_reason
     except ImportError as exc:
-        return {"status": f"not run: tests/netns_cluster.py is not importable ({exc})"}
+        return {"status": f"not run: tests/helpers/netns_cluster.py is not importable ({exc})"}
     reason = netns_unavailable_reason()
     if reason:
         return {"status": f"not run: {reason}"}
