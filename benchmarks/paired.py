@@ -179,7 +179,10 @@ def measure(workload: str, cfg: dict, storage: str, ray_address: str,
     cpu = {n: runs[n]["cpu_s_windows"] for n in contenders}
     out: dict = {"workload": f"examples/{workload}.py", "args": {
         k: v for k, v in args.items() if k not in ("schedule", "ray_address", "baton_dir")},
-        "runs": runs}
+        "runs": runs,
+        "statistic": "X_step_s / X_cpu_s: median over X's windows; a_vs_b: median_paired = "
+                     "median of the per-round ratios a[k] / b[k], q1 / q3 their quartiles, "
+                     "rounds = n"}
     for n in contenders:
         out[f"{n}_step_s"] = median(wall[n])
         out[f"{n}_cpu_s"] = median(cpu[n])

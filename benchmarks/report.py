@@ -18,7 +18,9 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _paired(r: dict) -> str:
+def _paired(r: dict | float) -> str:
+    if not isinstance(r, dict):  # results.json files written before the quartiles were kept
+        return _fmt(r)
     return f"{r['median_paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}] n={r['rounds']}"
 
 
@@ -66,7 +68,7 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
                             row[f"{m}_ready_s"])
                 r = row["ray_mesh_vs_plain"]
                 add("a bring-up", f"{n} workers ray_mesh / plain ready s, {PAIRED}",
-                    _paired(r) if isinstance(r, dict) else r, "<= 1.10")
+                    _paired(r), "<= 1.10")
     for name, w in (results.get("steps") or {}).items():
         if status_only("b steps", w):
             continue
@@ -86,8 +88,7 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
         add("e metrics", "hsdp: StepMeter overhead us/step (difference of window medians)",
             m["overhead_us_per_step"])
         r = m["metered_vs_plain"]
-        add("e metrics", f"hsdp: metered / plain s/step, {PAIRED}",
-            _paired(r) if isinstance(r, dict) else r)
+        add("e metrics", f"hsdp: metered / plain s/step, {PAIRED}", _paired(r))
         add("e metrics", "StepMeter cost around an empty step, us (median of runs)",
             m["empty_step_us"])
     c = results.get("crossnode")
@@ -112,6 +113,8 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
     mb = results.get("meshbuild")
     if mb and not status_only("d mesh build", mb):
         for key, row in mb.items():
+            if not key.startswith("ranks_"):
+                continue
             n = key.split("_")[1]
             for variant, v in row.items():
                 add("d mesh build", f"{n} ranks {variant}: s (median) / new_group / real "

@@ -165,6 +165,7 @@ def section_scaling(cfg: dict, storage: str, bringup_runs: dict | None) -> dict:
         out[f"workers_{n}"] = {
             "ready_s": median([r["ready_s"] for r in runs]),
             "runs": len(runs),
+            "statistic": "ready_s: median over the runs",
             **{k: v for k, v in runs[0].items() if k.startswith("rank0_")},
         }
     return out
@@ -181,6 +182,7 @@ def section_meshbuild(cfg: dict) -> dict:
             row[variant] = {**{k: x for k, x in v.items() if k != "seconds"},
                             "seconds": median(v["seconds"]), "seconds_all": v["seconds"]}
         out[f"ranks_{n}"] = row
+    out["statistic"] = "seconds: median over the repeats (seconds_all: every repeat)"
     return out
 
 
