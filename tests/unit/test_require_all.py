@@ -64,6 +64,9 @@ def test_the_suite_reports_skips_and_ci_requires_everything():
     assert any(o.startswith("-r") and "s" in o for o in addopts), addopts
     ci = (REPO / ".ci" / "run").read_text()
     assert "RAY_MESH_REQUIRE_ALL=1" in ci
+    # pytest's own exit code ends the script: 5 (nothing collected) fails CI like 1 does.
+    assert "set -euo pipefail" in ci and "|| true" not in ci and "exit 0" not in ci
+    assert ci.rstrip().splitlines()[-1].endswith("python -m pytest")
     for pkg in ("shellcheck", "iproute2", "chromium"):
         assert pkg in ci, pkg
     readme = (REPO / "README.md").read_text()
