@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from netns_cluster import NetnsCluster, netns_unavailable_reason  # noqa: E402
+from netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
@@ -40,7 +40,7 @@ def cluster():
 def _driver(cluster: NetnsCluster, args: list[str], timeout: float) -> tuple[dict, str]:
     node = cluster.head
     env = cluster.node_env(node)
-    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(DRIVER.parents[1]),
+    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=f"{REPO}{os.pathsep}{DRIVER.parents[1]}",
                PYTHONUNBUFFERED="1")
     proc = subprocess.run([*node.exec_prefix(), sys.executable, str(DRIVER), *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -188,7 +188,7 @@ def test_zz_link_cut_after_join_fails_preflight_within_bound(cluster, tmp_path):
     go = tmp_path / "go"
     node = cluster.head
     env = cluster.node_env(node)
-    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(DRIVER.parents[1]),
+    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=f"{REPO}{os.pathsep}{DRIVER.parents[1]}",
                PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([*node.exec_prefix(), sys.executable, str(DRIVER), "linkcut",
                              str(go)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
