@@ -278,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     storage = os.path.join(tmp, "results")
     ray_started = False
     try:
-        if RAY_SECTIONS & set(selected):
+        ray_sections = RAY_SECTIONS - ({"recovery"} if "local" not in cfg["recovery_where"]
+                                       else set())
+        if ray_sections & set(selected):
             import ray
 
             os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if "scaling" in selected:
             runs = results.get("bringup", {}).get("runs")
             results["scaling"] = _section("scaling", section_scaling, cfg, storage, runs)
-        if "recovery" in selected:
+        if "recovery" in selected:  # its netns part runs below, with this Ray shut down
             results["recovery"] = _section("recovery", section_recovery, cfg, storage,
                                            ["local"], {})
         if ray_started:
