@@ -167,7 +167,7 @@ NOTES = """\
   `with meter.step()` around an empty step (20 000 iterations; the meter flushes every 2 s
   and 20 000 empty steps take well under that, so no flush falls in that figure, while the
   step windows above do include the flushes that fall in them). Which of the two window
-  kinds comes first alternates from run to run.
+  kinds comes first alternates from run to run (since 2026-11-23; before, plain first).
 - **c cross-node**: namespace cluster (2 nodes x 2 workers, veth + bridge, `tailscale0`);
   each node's local rank 0 reads its own `/sys/class/net/tailscale0/statistics` around the
   steps; cross-node bytes = sum of the nodes' tx deltas, minus an idle window of the same
