@@ -93,11 +93,11 @@ def per_step(raw: dict) -> dict:
 
 def measure(model: dict, timeout_s: float = 600.0) -> dict:
     """Start the namespace cluster, run both fits, return figures (or why not run)."""
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
     try:
         from netns_cluster import NetnsCluster, netns_unavailable_reason
     except ImportError as exc:
-        return {"status": f"not run: tests/netns_cluster.py is not importable ({exc})"}
+        return {"status": f"not run: tests/helpers/netns_cluster.py is not importable ({exc})"}
     reason = netns_unavailable_reason()
     if reason:
         return {"status": f"not run: {reason}"}
@@ -119,7 +119,9 @@ def measure(model: dict, timeout_s: float = 600.0) -> dict:
     minimum = minimum_bytes(params, nodes=2)
     out = {"status": "ok", "params": params, "dtype_bytes": 4,
            "minimum_bytes_per_step": minimum,
-           "minimum_formula": "2 * (nodes - 1) * params * 4 B (all-reduce lower bound, R=2)"}
+           "minimum_formula": "2 * (nodes - 1) * params * 4 B (all-reduce lower bound, R=2)",
+           "statistic": "one run: the nodes' tailscale0 tx bytes over the timed steps, minus "
+                        "an idle window of the same length, divided by the steps"}
     for name in ("hsdp", "fsdp"):
         out[name] = {**per_step(raw[name]), "raw": raw[name]}
     out["hsdp_vs_min_wire"] = out["hsdp"]["wire_bytes_per_step"] / minimum

@@ -7,6 +7,11 @@ same data) on 4 ranks each:
 * ``ray_plain``: ``TorchTrainer`` with Ray's own ``TorchConfig``; the train function calls
   ``ray_mesh.init_mesh`` on the process group Ray made (so the mesh is the same object);
 * ``ray_mesh``: ``TorchTrainer(torch_config=MeshConfig(...))``;
+* ``ray_plain_nice0`` (ablation): ``ray_plain`` whose train function first resets its
+  process to niceness 0 with ``ray_mesh.core.priority.set_niceness`` (what ``MeshConfig``
+  does). Ray starts workers at niceness 15, torchrun's ranks and ray_mesh's run at 0, so
+  ``ray_mesh / ray_plain`` mixes two things: ``ray_mesh / ray_plain_nice0`` is ray_mesh's
+  own cost at equal niceness, ``ray_plain_nice0 / ray_plain`` the niceness reset alone;
 * ``ray_mesh_nice15`` (ablation, not in the default set): ``MeshConfig(worker_niceness=None)``,
   ray_mesh with Ray's worker niceness left at 15.
 
@@ -34,9 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO, WORKER, free_port, median  # noqa: E402
 
-CONTENDERS = ["torchrun", "ray_plain", "ray_mesh"]
+CONTENDERS = ["torchrun", "ray_plain", "ray_plain_nice0", "ray_mesh"]
 KNOWN_CONTENDERS = (*CONTENDERS, "ray_mesh_nice15")
 RATIO_PAIRS = (("ray_mesh", "torchrun"), ("ray_mesh", "ray_plain"), ("ray_plain", "torchrun"),
+               ("ray_mesh", "ray_plain_nice0"), ("ray_plain_nice0", "ray_plain"),
+               ("ray_plain_nice0", "torchrun"),
                ("ray_mesh_nice15", "torchrun"), ("ray_mesh", "ray_mesh_nice15"))
 """(a, b) for every a / b figure, wherever both launchers ran (run.py's table, pool.py)."""
 
@@ -64,6 +71,12 @@ def _train(config: dict) -> None:
 
     from benchmarks.common import write_result
 
+    if config["name"] == "ray_plain_nice0":  # the ablation: MeshConfig's niceness, by hand
+        from ray_mesh.core import priority
+
+        res = priority.set_niceness(0)
+        if res.error:
+            raise RuntimeError(f"ray_plain_nice0 needs niceness 0: {res.error}")
     out = run_contender(config)
     if dist.get_rank() == 0:
         write_result(config["out"], out)
@@ -86,6 +99,7 @@ def _ray_driver(name: str, out: str, args: dict) -> None:
         "ray_mesh": lambda: MeshConfig(mesh=mesh),
         "ray_mesh_nice15": lambda: MeshConfig(mesh=mesh, worker_niceness=None),
         "ray_plain": lambda: TorchConfig(backend="gloo"),
+        "ray_plain_nice0": lambda: TorchConfig(backend="gloo"),
     }[name]()
     TorchTrainer(
         _train,
@@ -165,7 +179,10 @@ def measure(workload: str, cfg: dict, storage: str, ray_address: str,
     cpu = {n: runs[n]["cpu_s_windows"] for n in contenders}
     out: dict = {"workload": f"examples/{workload}.py", "args": {
         k: v for k, v in args.items() if k not in ("schedule", "ray_address", "baton_dir")},
-        "runs": runs}
+        "runs": runs,
+        "statistic": "X_step_s / X_cpu_s: median over X's windows; a_vs_b: median_paired = "
+                     "median of the per-round ratios a[k] / b[k], q1 / q3 their quartiles, "
+                     "rounds = n"}
     for n in contenders:
         out[f"{n}_step_s"] = median(wall[n])
         out[f"{n}_cpu_s"] = median(cpu[n])

@@ -12,9 +12,14 @@ Sections (``--only`` picks some):
   scaling    (d) MeshConfig bring-up with 4, 8, 16 workers: time and process groups.
   meshbuild  (d) torchrun only: cost of building the mesh on an existing process group,
              needed dims only vs ray_mesh vs every dim a real group; 4, 8, 16 ranks.
+  recovery   (f) a worker's SIGKILL to the first step after the resume, on local Ray and
+             on the netns virtual cluster (root), plus that cluster's bring-up.
 
-Prints a table and writes every figure to --out (JSON). Timings are only meaningful on an
-otherwise idle machine; the JSON records the load average at start and end.
+Prints a table and writes every figure to --out (JSON): benchmarks/results.json, or
+benchmarks/results_quick.json with --quick (a smoke run never overwrites the committed
+figures). Exits 1 when a requested section failed or could not run (the table and the JSON
+say which). Timings are only meaningful on an otherwise idle machine; the JSON records the
+load average at start and end.
 """
 
 from __future__ import annotations
@@ -28,15 +33,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import paired  # noqa: E402
-from benchmarks.common import REPO, median, ratio, run_torchrun  # noqa: E402
+from benchmarks import paired, report  # noqa: E402
+from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
-SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "slowlinks")
-RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling"}
+SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
+            "slowlinks")
+RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery"}
+OUT = REPO / "benchmarks" / "results.json"
+QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
 
 
 def _free_g() -> str:
@@ -48,11 +57,13 @@ def _free_g() -> str:
 
 
 def machine() -> dict:
-    from ray_mesh.network.probe import node_versions  # the versions the pre-flight compares
+    import ray
+    import torch
 
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {"nproc": os.cpu_count(), "mem_gib": round(mem_gib, 1),
-            "platform": platform.platform(), **node_versions(),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "ray": ray.__version__,
             "free_g": _free_g(), "loadavg_start": os.getloadavg()}
 
 
@@ -67,19 +78,27 @@ def section_bringup(cfg: dict, storage: str) -> dict:
     from benchmarks import bringup
 
     runs: dict[str, list[dict]] = {}
-    for _ in range(cfg["runs"]):
-        for n in cfg["sizes"]:  # interleaved, so drift hits every mode alike
-            for mode in cfg["bringup_modes"]:
+    modes = list(cfg["bringup_modes"])
+    for k in range(cfg["runs"]):
+        # Interleaved, so drift hits every mode alike; who goes first rotates every run.
+        order = modes[k % len(modes):] + modes[:k % len(modes)]
+        for n in cfg["sizes"]:
+            for mode in order:
                 r = bringup.measure(mode, n, storage)
                 runs.setdefault(f"{mode}_{n}", []).append(r)
                 log(f"bringup {mode} x{n}: ready {r['ready_s']:.1f} s")
     out: dict = {"runs": runs}
     for n in cfg["sizes"]:
-        med = {m: median([r["ready_s"] for r in runs[f"{m}_{n}"]]) for m in cfg["bringup_modes"]}
+        ready = {m: [r["ready_s"] for r in runs[f"{m}_{n}"]] for m in modes}
         out[f"workers_{n}"] = {
-            **{f"{m}_ready_s": v for m, v in med.items()},
-            "ray_mesh_vs_plain": ratio(med["ray_mesh"], med["plain"]),
-            "ray_mesh_vs_torchrun": ratio(med["ray_mesh"], med["torchrun"]),
+            **{f"{m}_ready_s": median(v) for m, v in ready.items()},
+            "ready_s_statistic": "median over the runs",
+            # run k of one mode against run k of the other (same round, minutes apart)
+            "ray_mesh_vs_plain": {**paired.paired_ratios(ready["ray_mesh"], ready["plain"]),
+                                  "statistic": report.PAIRED},
+            "ray_mesh_vs_torchrun": {**paired.paired_ratios(ready["ray_mesh"],
+                                                            ready["torchrun"]),
+                                     "statistic": report.PAIRED},
         }
     return out
 
@@ -122,16 +141,16 @@ def section_metrics(cfg: dict, storage: str) -> dict:
     if not steps.metrics_available():
         return {"status": "not run: ray_mesh.observability.metrics is not importable"}
     args = {**_step_args("hsdp", cfg), "windows": cfg["metrics_windows"], "metrics": True}
-    runs = [steps.measure_ray(args, cfg["step_workers"], storage)
-            for _ in range(cfg["metrics_runs"])]
+    # Which window kind comes first alternates from run to run.
+    runs = [steps.measure_ray({**args, "metered_first": k % 2 == 1}, cfg["step_workers"],
+                              storage) for k in range(cfg["metrics_runs"])]
     plain = [w for r in runs for w in r["step_s_windows"]]
     metered = [w for r in runs for w in r["metered_step_s_windows"]]
-    paired_ratios = [m / p for r in runs for p, m in
-                     zip(r["step_s_windows"], r["metered_step_s_windows"], strict=True)]
     return {"workload": "examples/hsdp.py", "args": args, "runs": runs,
             "plain_step_s": median(plain), "metered_step_s": median(metered),
             "overhead_us_per_step": (median(metered) - median(plain)) * 1e6,
-            "metered_vs_plain": median(paired_ratios),
+            "metered_vs_plain": {**paired.paired_ratios(metered, plain),
+                                 "statistic": report.PAIRED},
             "empty_step_us": median([r["empty_step_us"] for r in runs])}
 
 
@@ -147,6 +166,7 @@ def section_scaling(cfg: dict, storage: str, bringup_runs: dict | None) -> dict:
         out[f"workers_{n}"] = {
             "ready_s": median([r["ready_s"] for r in runs]),
             "runs": len(runs),
+            "statistic": "ready_s: median over the runs",
             **{k: v for k, v in runs[0].items() if k.startswith("rank0_")},
         }
     return out
@@ -163,6 +183,7 @@ def section_meshbuild(cfg: dict) -> dict:
             row[variant] = {**{k: x for k, x in v.items() if k != "seconds"},
                             "seconds": median(v["seconds"]), "seconds_all": v["seconds"]}
         out[f"ranks_{n}"] = row
+    out["statistic"] = "seconds: median over the repeats (seconds_all: every repeat)"
     return out
 
 
@@ -170,176 +191,58 @@ def section_crossnode(cfg: dict) -> dict:
     from benchmarks import crossnode
 
     log("crossnode: starting the namespace cluster")
-    try:
-        return crossnode.measure(cfg["crossnode_model"])
-    except Exception as exc:  # noqa: BLE001 - reported in the table, not fatal to others
-        return {"status": f"failed: {exc}"[:4000]}
+    return crossnode.measure(cfg["crossnode_model"])
+
+
+def section_recovery(cfg: dict, storage: str, parts: list[str], out: dict) -> dict:
+    """(f): ``local`` (this process's Ray) or ``netns`` (its own cluster, Ray shut down)."""
+    from benchmarks import recovery
+
+    work = Path(tempfile.mkdtemp(prefix="rmbench_recovery_"))
+    out["statistic"] = recovery.STATISTIC
+    for where in (w for w in cfg["recovery_where"] if w in parts):
+        log(f"recovery {where}: fit with a SIGKILLed worker")
+        try:
+            part = (recovery.measure_local(work / where, storage) if where == "local"
+                    else recovery.measure_netns())
+        except Exception as exc:  # noqa: BLE001 - reported; the other part still runs
+            part = {"status": f"failed: {exc}"[:4000]}
+        out[where] = part
+        out[f"{where}_s"] = part.get("recovery_s")
+        if "cluster_up_s" in part:
+            out[f"{where}_cluster_up_s"] = part["cluster_up_s"]
+        log(f"recovery {where}: {out[f'{where}_s']}")
+    return out
 
 
 def section_slowlinks(cfg: dict) -> dict:
+    """(g): every layout at each shaped link rate, measured beside the planner's prediction."""
     from benchmarks import slowlinks
 
     log("slowlinks: starting the namespace cluster")
     return slowlinks.measure(**cfg["slowlinks"])
 
 
-# ----------------------------------------------------------------------------- table
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
-    return str(v)
+def _keep_other_sections(results: dict, out: str, selected: list[str]) -> dict:
+    """With --only, the sections not run keep their figures from the file being replaced."""
+    path = Path(out)
+    if not path.exists() or set(selected) == set(SECTIONS):
+        return results
+    kept = json.loads(path.read_text())
+    runs = kept.get("partial_runs", []) + [
+        {k: results[k] for k in ("command", "started", "finished", "machine") if k in results}]
+    # ``results`` holds the sections run now and this run's own bookkeeping (command,
+    # config, failed, table); every other section keeps its figures.
+    return {**kept, **results, "partial_runs": runs}
 
 
-def table(results: dict) -> list[tuple[str, str, str, str]]:
-    rows: list[tuple[str, str, str, str]] = []
-
-    def add(section, what, value, target=""):
-        rows.append((section, what, _fmt(value), target))
-
-    b = results.get("bringup")
-    if b:
-        for key, row in b.items():
-            if key.startswith("workers_"):
-                n = key.split("_")[1]
-                for m in ("plain", "ray_mesh", "torchrun", "ray_mesh_nopf"):
-                    if f"{m}_ready_s" in row:
-                        add("a bring-up", f"{n} workers {m} ready s (median)",
-                            row[f"{m}_ready_s"])
-                add("a bring-up", f"{n} workers ray_mesh / plain", row["ray_mesh_vs_plain"],
-                    "<= 1.10")
-    for name, w in (results.get("steps") or {}).items():
-        if "status" in w:
-            add("b steps", f"{name} status", w["status"])
-            continue
-        for c in paired.KNOWN_CONTENDERS:
-            if f"{c}_step_s" in w:
-                add("b steps", f"{name}: {c} s/step (median)", w[f"{c}_step_s"])
-        for a, b in paired.RATIO_PAIRS:
-            r = w.get(f"{a}_vs_{b}")
-            if r:
-                add("b steps", f"{name}: {a} / {b} wall, paired median [q1, q3]",
-                    f"{r['median_paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]",
-                    "<= 1.03" if (a, b) == ("ray_mesh", "torchrun") else "")
-        r = w.get("ray_mesh_vs_torchrun_cpu")
-        if r:
-            add("b steps", f"{name}: ray_mesh / torchrun CPU s, paired median [q1, q3]",
-                f"{r['median_paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]")
-    m = results.get("metrics")
-    if m:
-        if "status" in m:
-            add("e metrics", "status", m["status"])
-        else:
-            add("e metrics", "hsdp: StepMeter overhead us/step", m["overhead_us_per_step"])
-            add("e metrics", "hsdp: metered / plain (paired median)", m["metered_vs_plain"])
-            add("e metrics", "StepMeter cost around an empty step, us", m["empty_step_us"])
-    c = results.get("crossnode")
-    if c:
-        if c.get("status") == "ok":
-            add("c cross-node", "params", c["params"])
-            add("c cross-node", "minimum B/step (8 x params)", c["minimum_bytes_per_step"])
-            add("c cross-node", "HSDP wire B/step", c["hsdp"]["wire_bytes_per_step"])
-            add("c cross-node", "HSDP / minimum (wire)", c["hsdp_vs_min_wire"], "<= 1.10")
-            add("c cross-node", "HSDP / minimum (headers off)", c["hsdp_vs_min_payload"])
-            add("c cross-node", "flat FSDP wire B/step", c["fsdp"]["wire_bytes_per_step"])
-            add("c cross-node", "flat FSDP / HSDP (wire)", c["fsdp_vs_hsdp_wire"])
-        else:
-            add("c cross-node", "status", c.get("status"))
-    sc = results.get("scaling")
-    if sc:
-        for key, row in sc.items():
-            n = key.split("_")[1]
-            add("d scaling", f"{n} workers MeshConfig ready s", row["ready_s"])
-            add("d scaling", f"{n} workers new_group calls / groups held (rank 0)",
-                f"{row.get('rank0_new_group_calls')} / {row.get('rank0_real_groups_held')}"
-                f" real + {row.get('rank0_fake_groups_held')} fake")
-    mb = results.get("meshbuild")
-    if mb:
-        for key, row in mb.items():
-            n = key.split("_")[1]
-            for variant, v in row.items():
-                add("d mesh build", f"{n} ranks {variant}: s / new_group / real groups",
-                    f"{v['seconds']:.3f} / {v['new_group_calls']} / {v['real_groups_held']}")
-    for rate, sec in (results.get("slowlinks") or {}).items():
-        if not isinstance(sec, dict) or "pick" not in sec:
-            continue
-        errs = [abs(v["step_error"]) for v in sec.values()
-                if isinstance(v, dict) and "step_error" in v]
-        add("g slow links", f"{rate}: pick / fastest (measured step, median)",
-            f"{sec['pick']} / {sec['fastest']} = {sec['pick_vs_fastest']:.2f}", "<= 1.05")
-        add("g slow links", f"{rate}: worst |predicted/measured - 1| over layouts",
-            max(errs), "<= 0.15")
-        if "hsdp" in sec and "hsdp+bf16" in sec:
-            add("g slow links", f"{rate}: hsdp bf16 / fp32 cross-node bytes",
-                sec["hsdp+bf16"]["cross_node_bytes_per_step"]
-                / sec["hsdp"]["cross_node_bytes_per_step"], "0.5 +- 10%")
-    return rows
-
-
-NOTES = """\
-## How each figure is measured
-
-- **a bring-up**: driver clock just before `TorchTrainer.fit()` (or the `torchrun` launch) to
-  the latest rank's clock once its mesh exists; HSDP mesh dp_replicate=2 x dp_shard=N/2 on N
-  CPU workers (gloo), one Ray logical CPU each; median over the runs, modes interleaved.
-  `plain` = Ray's `TorchConfig` + `init_device_mesh` of the two needed dims in the train
-  function; `ray_mesh` = `MeshConfig` defaults (probe, plan, pre-flight, all named dims);
-  `ray_mesh_nopf` = `MeshConfig(preflight=False)`.
-- **b steps**: seconds per training step of the example's own `build`/`train_step` (same
-  model, mesh and data), 4 ranks each, three launchers alive at once (`benchmarks/paired.py`):
-  `torchrun` + `ray_mesh.init_mesh`; `ray_plain` = `TorchTrainer` with Ray's `TorchConfig`
-  and `ray_mesh.init_mesh` in the train function; `ray_mesh` = `MeshConfig`. After a warm-up
-  they take turns (`benchmarks/baton.py`): per round one window of steps each, between
-  barriers, order rotating every round, the others idle in a barrier. Ratios are medians
-  of the per-round ratios (window k of one launcher over window k of the other), with
-  quartiles; CPU s/step sums `time.process_time()` over the 4 ranks (every thread of each
-  process, the launcher's included).
-- **e metrics**: one `MeshConfig` run per repeat, windows alternate plain / inside
-  `StepMeter.step()` (observability.metrics; paired median of metered/plain); plus the cost of
-  `with meter.step()` around an empty step (20 000 iterations, flushes included).
-- **c cross-node**: namespace cluster (2 nodes x 2 workers, veth + bridge, `tailscale0`);
-  each node's local rank 0 reads its own `/sys/class/net/tailscale0/statistics` around the
-  steps; cross-node bytes = sum of the nodes' tx deltas, minus an idle window of the same
-  length. Model: an MLP of `layers` x Linear(width, width), FSDP2 per layer + root.
-  Minimum for HSDP = 2 (R-1) x params x 4 B with R = 2 nodes: an all-reduce of G bytes
-  among R nodes must send at least 2 (R-1)/R x G bytes out of each node (reduce-scatter +
-  all-gather bound; a ring meets it, so no extra ring factor), and each node's shards
-  together hold the whole fp32 gradient G. Wire bytes include Ethernet/IP/TCP headers and
-  ACKs; "headers off" subtracts 66 B per packet.
-- **d scaling / mesh build**: `new_group calls` is torch's own counter
-  (`_world.group_count`, default group included); groups held come from
-  `_world.pg_map` on rank 0, real vs "fake" (size-1 dims). Mesh build times are on an
-  existing process group under torchrun; `all_dims_real` gives every dim a real group of
-  its own (size-1 dims and flattened dims that repeat another dim's groups included: the
-  build before those became fake / shared), `needed_dims_only` what a plain user builds.
-"""
-
-
-def markdown(results: dict, rows) -> str:
-    """RESULTS.md: the table, the machine, the command that reproduces it."""
-    m = results["machine"]
-    load0 = tuple(round(x, 2) for x in m["loadavg_start"])
-    load1 = tuple(round(x, 2) for x in m["loadavg_end"])
-    lines = ["# ray_mesh benchmark results", "",
-             f"Run {results['started']} .. {results['finished']} (UTC); quick={results['quick']}.",
-             "", "Reproduce (from the repository root, on an otherwise idle machine):", "",
-             "```", results["command"], "```", "",
-             "| section | figure | value | target |", "|---|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-    lines += ["", "## Machine", "",
-              f"- nproc: {m['nproc']}, memory: {m['mem_gib']} GiB, {m['platform']}",
-              f"- Python {m['python']}, torch {m['torch']}, ray {m['ray']}",
-              f"- load average (1, 5, 15 min) at start {load0}, at end {load1}",
-              "", "```", "$ free -g", m.get("free_g", ""), "```", "",
-              "Every figure, per run, is in `benchmarks/results.json`.", "", NOTES]
-    return "\n".join(lines)
-
-
-def print_table(rows) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(4)] if rows else [0] * 4
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+def _section(name: str, fn, *args) -> dict:
+    """One section; an exception becomes its status (the others still run; exit code 1)."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - reported in the table and the exit code
+        log(f"{name} failed")
+        return {"status": f"failed: {traceback.format_exc()}"[-4000:]}
 
 
 # ----------------------------------------------------------------------------- main
@@ -348,37 +251,41 @@ def config(quick: bool) -> dict:
         return {"runs": 1, "sizes": [4], "step_workers": 4,
                 "bringup_modes": ["plain", "ray_mesh", "torchrun"],
                 "step_workloads": ["hsdp"],
-                "step_contenders": ["torchrun", "ray_plain", "ray_mesh"],
+                "step_contenders": list(paired.CONTENDERS),
                 "steps_args": {"batch": 16, "warmup": 3, "steps_per_window": 5, "rounds": 3,
                                "timeout_s": 600},
                 "metrics_runs": 1, "metrics_windows": 2,
                 "scaling_sizes": [4], "scaling_runs": 1,
                 "meshbuild_sizes": [4], "meshbuild_repeats": 1,
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
-                "slowlinks": {"rates": [100], "steps": 2}}
+                "slowlinks": {"rates": [100], "steps": 2},
+                "recovery_where": ["local"]}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
-            "step_contenders": ["torchrun", "ray_plain", "ray_mesh"],
+            "step_contenders": list(paired.CONTENDERS),
             "steps_args": {"batch": 16, "warmup": 10, "steps_per_window": 20, "rounds": 15,
                            "timeout_s": 900},
             "metrics_runs": 2, "metrics_windows": 5,
             "scaling_sizes": [4, 8, 16], "scaling_runs": 1,
             "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
-            "slowlinks": {"rates": [1000, 100, 20], "steps": 5}}
+            "slowlinks": {"rates": [1000, 100, 20], "steps": 5},
+            "recovery_where": ["local", "netns"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smallest settings (smoke runs)")
     p.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
+    p.add_argument("--out", help=f"the JSON to write (default {OUT.relative_to(REPO)}, "
+                                 f"with --quick {QUICK_OUT.relative_to(REPO)})")
     p.add_argument("--results-md", help="also write the table as markdown (RESULTS.md)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help='override a config entry, e.g. --set runs=5 or '
                         '--set \'bringup_modes=["plain","ray_mesh"]\'')
     args = p.parse_args(argv)
+    args.out = args.out or str(QUICK_OUT if args.quick else OUT)
     selected = args.only or list(SECTIONS)
     cfg = config(args.quick)
     for item in args.set:
@@ -389,12 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"command": shlex.join(["python", "benchmarks/run.py",
                                              *(argv or sys.argv[1:])]),
                      "quick": args.quick, "config": cfg, "machine": machine(),
+                     "out": os.path.relpath(args.out, REPO),
                      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     tmp = tempfile.mkdtemp(prefix="rmbench_")
     storage = os.path.join(tmp, "results")
     ray_started = False
     try:
-        if RAY_SECTIONS & set(selected):
+        ray_sections = RAY_SECTIONS - ({"recovery"} if "local" not in cfg["recovery_where"]
+                                       else set())
+        if ray_sections & set(selected):
             import ray
 
             os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -412,48 +322,53 @@ def main(argv: list[str] | None = None) -> int:
             ray_started = True
             log("ray started")
         if "bringup" in selected:
-            results["bringup"] = section_bringup(cfg, storage)
+            results["bringup"] = _section("bringup", section_bringup, cfg, storage)
         if "steps" in selected:
-            results["steps"] = section_steps(cfg, storage)
+            results["steps"] = _section("steps", section_steps, cfg, storage)
         if "metrics" in selected:
-            results["metrics"] = section_metrics(cfg, storage)
+            results["metrics"] = _section("metrics", section_metrics, cfg, storage)
         if "scaling" in selected:
             runs = results.get("bringup", {}).get("runs")
-            results["scaling"] = section_scaling(cfg, storage, runs)
+            results["scaling"] = _section("scaling", section_scaling, cfg, storage, runs)
+        if "recovery" in selected:  # its netns part runs below, with this Ray shut down
+            results["recovery"] = _section("recovery", section_recovery, cfg, storage,
+                                           ["local"], {})
         if ray_started:
             import ray
 
             ray.shutdown()
             ray_started = False
         if "meshbuild" in selected:
-            results["meshbuild"] = section_meshbuild(cfg)
+            results["meshbuild"] = _section("meshbuild", section_meshbuild, cfg)
         if "crossnode" in selected:
-            results["crossnode"] = section_crossnode(cfg)
+            results["crossnode"] = _section("crossnode", section_crossnode, cfg)
+        if "recovery" in selected and "status" not in results["recovery"]:
+            section_recovery(cfg, storage, ["netns"], results["recovery"])
         if "slowlinks" in selected:
-            results["slowlinks"] = section_slowlinks(cfg)
+            results["slowlinks"] = _section("slowlinks", section_slowlinks, cfg)
     finally:
-        if args.only and Path(args.out).exists():
-            # A partial run updates its own sections and keeps the others' figures.
-            kept = json.loads(Path(args.out).read_text())
-            kept.setdefault("partial_runs", []).append(
-                {k: results[k] for k in ("command", "started", "machine") if k in results})
-            results = {**kept, **{k: results[k] for k in selected if k in results},
-                       "partial_runs": kept["partial_runs"]}
         if ray_started:
             import ray
 
             ray.shutdown()
         results["machine"]["loadavg_end"] = os.getloadavg()
         results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
-    rows = table(results)
-    print_table(rows)
+        Path(args.out).write_text(json.dumps(_keep_other_sections(results, args.out, selected),
+                                             indent=1, default=str))
+    rows = report.table(results)
+    report.print_table(rows)
     results["table"] = rows
+    failed = report.failures(results, selected)
+    results["failed"] = failed
+    results = _keep_other_sections(results, args.out, selected)
     Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     print(f"\nwrote {args.out}")
     if args.results_md:
-        Path(args.results_md).write_text(markdown(results, rows))
+        Path(args.results_md).write_text(report.markdown(results, rows))
         print(f"wrote {args.results_md}")
+    if failed:
+        print("\nFAILED sections (exit code 1):\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
     return 0
 
 

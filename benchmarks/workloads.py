@@ -116,12 +116,14 @@ def workload_available(name: str) -> str | None:
 
 
 def time_windows(step: Callable[[int], torch.Tensor], *, warmup: int, windows: int,
-                 steps_per_window: int, meter_factory: Callable | None = None) -> dict:
+                 steps_per_window: int, meter_factory: Callable | None = None,
+                 metered_first: bool = False) -> dict:
     """Seconds per step, per window, after ``warmup`` steps.
 
     Windows are bracketed by barriers so every rank times the same steps. With
     ``meter_factory``, windows alternate plain / inside ``StepMeter.step()`` (metrics
-    overhead side by side, same process, same warm caches).
+    overhead side by side, same process, same warm caches), plain first unless
+    ``metered_first``. A meter flush due at the end of a step runs inside its window.
     """
     i = 0
     for _ in range(warmup):
@@ -131,7 +133,7 @@ def time_windows(step: Callable[[int], torch.Tensor], *, warmup: int, windows: i
     metered: list[float] = []
     meter = meter_factory() if meter_factory else None
     for w in range(windows * (2 if meter else 1)):
-        use_meter = meter is not None and w % 2 == 1
+        use_meter = meter is not None and w % 2 == (0 if metered_first else 1)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(steps_per_window):

@@ -20,15 +20,18 @@ HELPERS_DIR = TESTS_DIR / "helpers"
 KINDS = ("unit", "dist", "ray", "netns")
 sys.path.insert(0, str(HELPERS_DIR))  # shared drivers, train functions and fixtures
 
+from require_all import (  # noqa: E402 - a hook pytest finds here; CI fails on skips
+    SLOW_ENV,
+    SLOW_REASON,
+    pytest_runtest_makereport,  # noqa: F401
+)
+
 
 def worker_runtime_env() -> dict:
     """Lets Ray workers import train functions defined in test modules (by module name)."""
     dirs = [str(TESTS_DIR / kind) for kind in KINDS] + [str(HELPERS_DIR)]
     path = os.pathsep.join(p for p in (*dirs, os.environ.get("PYTHONPATH")) if p)
     return {"env_vars": {"PYTHONPATH": path}}
-
-
-SLOW_ENV = "RAY_MESH_SLOW_TESTS"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, kind))
     if os.environ.get(SLOW_ENV) == "1":
         return
-    skip = pytest.mark.skip(reason=f"slow scenario: set {SLOW_ENV}=1 to run it")
+    skip = pytest.mark.skip(reason=SLOW_REASON)
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)

@@ -210,3 +210,25 @@ def train_all(config: dict) -> None:
     results = four_rank_checks(config)
     results |= eight_rank_checks(config)
     _save(config, results)
+
+
+def meshconfig_checks(config: dict) -> None:
+    """Ray Train entry point on 4 workers whose mesh ``MeshConfig(mesh=pp 2 x tp 2)`` built:
+    a TP layout and a pipeline, both on ``ray_mesh.get_mesh()`` itself (no mesh made here),
+    so the whole user path (MeshConfig -> get_mesh -> parallelize / Pipeline) is checked."""
+    import ray_mesh
+
+    mesh = ray_mesh.get_mesh()
+    sizes = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+    tf = load_example("fsdp_tp_transformer")
+    mlp = load_example("tp_pp_mlp")
+    # TP 2 with data parallel off: the two pp coordinates run independent TP pairs.
+    r = check("mc_tp2", mesh, "fsdp_tp_transformer",
+              lambda m, c: parallelize(tf.make_model(c), m, tp_plan=tf.tp_plan(), dp="none"),
+              shard=False)
+    # PP 2 x TP 2 (the blog layout, 1F1B) on the same mesh.
+    r |= check("mc_pp2_tp2", mesh, "tp_pp_mlp",
+               _pipeline("tp_pp_mlp", schedule="1f1b", tp_plan=mlp.TP_PLAN, dp="none"),
+               shard=False)
+    _save(config, {**r, **{f"mesh/{d}": float(n) for d, n in sizes.items()}})
+

@@ -83,7 +83,7 @@ def netns_unavailable_reason() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root (run the tests as root)"
     if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
+        return "the `ip` command is not installed (apt-get install -y iproute2)"
     name = f"rmchk{os.getpid()}"
     try:
         subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True,

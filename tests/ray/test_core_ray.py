@@ -105,12 +105,17 @@ def test_tutorial_hsdp_groups_collectives_and_env(ray_local, storage, tmp_path):
         assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(rank), "8", str(rank))
         assert r["device"] == "cpu"
         # Ray starts workers at niceness 15; MeshConfig sets every thread (gloo's and the
-        # training thread included) to 0 like torchrun's ranks. Only root may lower it.
-        assert r["niceness"] == ([0] if os.geteuid() == 0 else [15]), r["niceness"]
+        # training thread included) to 0 like torchrun's ranks. Only root may lower it
+        # (without root the check is reported as skipped below, not passed the other way).
+        if os.geteuid() == 0:
+            assert r["niceness"] == [0], r["niceness"]
     # The chosen interface is the one that holds the node's Ray IP.
     from ray_mesh.network.interfaces import local_interfaces
 
     assert rank0_ip in local_interfaces()[recs[0]["env"]["GLOO_SOCKET_IFNAME"]]
+    if os.geteuid() != 0:
+        pytest.skip("every other check passed; niceness 0 on every worker thread was not "
+                    "checked: lowering niceness needs root or CAP_SYS_NICE (run as root)")
 
 
 @pytest.mark.timeout(420)

@@ -14,6 +14,10 @@ FSDP 2 x tp 2 (transformer example), pp=2 with GPipe / 1F1B / Interleaved1F1B / 
 pp 2 x tp 2 (the blog layout, tp_pp_mlp's plan). Then on all 8: the 3-D layout pp 2 x
 dp_shard 2 x tp 2 (pp_hsdp_tp example's build, interleaved 1F1B), and pipelines with HSDP 2x2
 and with DDP 4 per stage.
+
+Those layouts build their meshes inside the workers; a second, 4-worker fit checks the
+path a user takes: ``MeshConfig(mesh=pp 2 x tp 2)`` builds the mesh, and a TP model and a
+TP+PP pipeline train on ``ray_mesh.get_mesh()`` as it comes.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ FOUR = ["tp2", "hsdp2x2", "ddp4", "ddp2_tp2", "fsdp2_tp2", "pp2_gpipe", "pp2_1f1
 EIGHT = ["pp2_fsdp2_tp2", "pp2_hsdp2x2", "pp2_ddp4"]
 
 
-def _fit(fn, workers: int, storage: str, out: Path):
+def _fit(fn, workers: int, storage: str, out: Path, mesh: dict | None = None):
     from ray import cloudpickle
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -46,7 +50,7 @@ def _fit(fn, workers: int, storage: str, out: Path):
     trainer = TorchTrainer(
         fn, train_loop_config={"out": str(out)},
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
-        torch_config=ray_mesh.MeshConfig(mesh={"dp_shard": -1}, bringup_timeout_s=240),
+        torch_config=ray_mesh.MeshConfig(mesh=mesh or {"dp_shard": -1}, bringup_timeout_s=240),
         run_config=RunConfig(name=f"parallel{workers}", storage_path=storage))
     return trainer.fit()
 
@@ -65,3 +69,17 @@ def _check(result, out: Path, workers: int, names: list[str]) -> None:
 @pytest.mark.timeout(540)
 def test_layouts_match_single_process(ray_local, storage, tmp_path):
     _check(_fit(_parallel_checks.train_all, 8, storage, tmp_path), tmp_path, 8, FOUR + EIGHT)
+
+
+@pytest.mark.timeout(420)
+def test_tp_and_pp_on_the_mesh_meshconfig_builds(ray_local, storage, tmp_path):
+    """The user's path on real Ray: MeshConfig(mesh=pp 2 x tp 2) brings the mesh up, the
+    train function takes ``ray_mesh.get_mesh()`` as is and trains a TP model and a TP+PP
+    pipeline on it (the test above builds its layouts' meshes inside the workers)."""
+    result = _fit(_parallel_checks.meshconfig_checks, 4, storage, tmp_path,
+                  mesh={"pp": 2, "tp": 2})
+    _check(result, tmp_path, 4, ["mc_tp2", "mc_pp2_tp2"])
+    rank0 = json.loads((tmp_path / "0.json").read_text())
+    assert {d: rank0[f"mesh/{d}"] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} == {
+        "pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}, rank0
+

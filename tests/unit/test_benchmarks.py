@@ -102,3 +102,66 @@ def test_pool_of_one_run_equals_that_runs_own_paired_figures(monkeypatch):
         own = steps[workload][f"{a}_vs_{b}"]
         assert n == own["rounds"]
         assert (med, q1, q3) == (own["median_paired"], own["q1"], own["q3"])
+
+
+def test_pool_writes_pooled_figures_and_each_runs_median_into_the_json(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.pool import main
+
+    runs = [REPO / "benchmarks" / n for n in ("results_steps.json", "results_steps_repeat.json")]
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"kept": 1}))
+    assert main(["--out", str(out), *map(str, runs)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kept"] == 1 and "median of paired" in doc["steps_pooled"]["statistic"]
+    row = next(r for r in doc["steps_pooled"]["rows"]
+               if (r["workload"], r["pair"]) == ("hsdp", "ray_mesh / torchrun"))
+    own = [json.loads(p.read_text())["steps"]["hsdp"]["ray_mesh_vs_torchrun"] for p in runs]
+    assert row["rounds"] == sum(o["rounds"] for o in own)
+    assert sorted(row["per_run_median"].values()) == sorted(o["median_paired"] for o in own)
+    assert row["per_run_range"] == [min(o["median_paired"] for o in own),
+                                    max(o["median_paired"] for o in own)]
+
+
+def test_a_failed_section_exits_nonzero_and_quick_keeps_the_committed_results(tmp_path):
+    """`--quick` writes results_quick.json, never results.json; a failed section is rc 1."""
+    committed = REPO / "benchmarks" / "results.json"
+    quick = REPO / "benchmarks" / "results_quick.json"
+    before = committed.read_bytes()
+    saved = quick.read_bytes() if quick.exists() else None
+    try:
+        proc = subprocess.run(  # a rank count torchrun refuses: the section fails fast
+            [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--only",
+             "meshbuild", "--set", 'meshbuild_sizes=["x"]'],
+            capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "FAILED sections" in proc.stderr and "meshbuild: failed" in proc.stderr
+        res = json.loads(quick.read_text())
+        assert res["out"] == "benchmarks/results_quick.json"
+        assert res["meshbuild"]["status"].startswith("failed: ")
+        assert res["failed"] and res["failed"][0].startswith("meshbuild: failed")
+        assert ["d mesh build", "status", res["meshbuild"]["status"], ""] in res["table"]
+        assert committed.read_bytes() == before
+    finally:
+        if saved is None:
+            quick.unlink(missing_ok=True)
+        else:
+            quick.write_bytes(saved)
+
+
+def test_failures_name_every_missing_figure_and_nothing_else(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.report import failures
+
+    results = {"steps": {"hsdp": {"ray_mesh_step_s": 0.1},
+                         "tp_pp_mlp": {"status": "failed: contenders failed"}},
+               "crossnode": {"status": "not run: network namespaces need root"},
+               "recovery": {"statistic": "x", "local": {"status": "ok", "recovery_s": 30.0},
+                            "netns": {"status": "failed: driver rc 1"}},
+               "meshbuild": {"ranks_4": {}}}
+    assert failures(results, ["steps", "crossnode", "recovery", "meshbuild", "bringup"]) == [
+        "steps.tp_pp_mlp: failed: contenders failed",
+        "crossnode: not run: network namespaces need root",
+        "recovery.netns: failed: driver rc 1",
+        "bringup: no result"]
+    assert failures({"meshbuild": {"ranks_4": {}}}, ["meshbuild"]) == []

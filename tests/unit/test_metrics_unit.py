@@ -69,22 +69,50 @@ def test_prometheus_config_follows_rays_service_discovery_file():
 
 
 # ----------------------------------------------------------------------------- meter
-def test_step_meter_window_numbers_follow_real_time():
+class FakeClock:
+    """Stands in for ``time`` inside the metrics module: the meter's arithmetic is checked
+    on exact durations, whatever the machine's load (timing claims live in benchmarks/)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from ray_mesh.observability import metrics
+
+    fake = FakeClock()
+    monkeypatch.setattr(metrics, "time", fake)
+    return fake
+
+
+def test_step_meter_window_numbers_follow_the_clock(clock):
     meter = StepMeter(samples_per_step=8, flush_every_s=1000, export=False)
+    clock.sleep(0.05)  # idle before the first step counts in the window's wall time
     for i in range(5):
         with meter.step() as s:
-            time.sleep(0.02)
+            clock.sleep(0.02 + 0.001 * i)
             with meter.collective("dp"):
-                time.sleep(0.01)
+                clock.sleep(0.01)
             s.loss = torch.tensor(0.5 + i)
     with pytest.raises(RuntimeError), meter.step():
+        clock.sleep(1.0)
         raise RuntimeError("a failed step is not counted")
     out = meter.flush()
+    steps = [0.03 + 0.001 * i for i in range(5)]
     assert out["step"] == 5
-    assert 0.03 <= out["step_time_s"] < 0.5 and out["step_time_max_s"] >= out["step_time_s"]
-    assert 0.05 <= out["collective_s/dp"] < out["step_time_s"] * 5
-    assert 0.2 < out["collective_fraction/dp"] < 0.67  # 10 of >=30 ms, sleeps overshoot
-    assert out["samples_per_s"] <= 1.01 * 8 / out["step_time_s"]
+    assert out["step_time_s"] == pytest.approx(sum(steps) / 5)
+    assert out["step_time_max_s"] == pytest.approx(max(steps))
+    assert out["collective_s/dp"] == pytest.approx(0.05)
+    assert out["collective_fraction/dp"] == pytest.approx(0.05 / sum(steps))
+    # Throughput over the window's wall time (idle and the failed step included).
+    assert out["samples_per_s"] == pytest.approx(5 * 8 / (0.05 + sum(steps) + 1.0))
     assert out["loss"] == pytest.approx(4.5)  # the last step's loss, read at flush
     assert out["rss_bytes"] > 10 * 2**20
     assert meter.summary() == out
@@ -92,31 +120,47 @@ def test_step_meter_window_numbers_follow_real_time():
     assert again["step_time_s"] == out["step_time_s"] and "collective_s/dp" not in again
 
 
-def test_step_meter_flushes_on_its_interval_and_rejects_bad_input():
+def test_step_meter_flushes_on_its_interval_and_rejects_bad_input(clock):
     meter = StepMeter(flush_every_s=0.05, export=False)
     with meter.step():
-        pass
-    assert meter.summary() == {}
-    time.sleep(0.06)
+        clock.sleep(0.01)
+    assert meter.summary() == {}  # 0.01 s into a 0.05 s window: not flushed yet
+    clock.sleep(0.04)
     with meter.step():
-        pass
-    assert meter.summary()["step"] == 2
+        clock.sleep(0.01)
+    assert meter.summary()["step"] == 2  # the step that ended past the interval flushed
+    assert meter.summary()["step_time_s"] == pytest.approx(0.01)
     with pytest.raises(ValueError, match="dp_shard"):
         meter.collective("data")
     with pytest.raises(ValueError, match="flush_every_s"):
         StepMeter(flush_every_s=0)
 
 
-def test_step_meter_per_step_cost_is_microseconds():
-    """The hot path is bookkeeping only (the benchmark suite measures it against hsdp)."""
+def test_step_meter_per_step_path_is_bookkeeping_only():
+    """Between flushes a step reads the clock and adds numbers: no flush, no export, no
+    tensor read (a device sync on GPU), no psutil. Counted by the profiler, not timed: the
+    cost in microseconds is a benchmark figure (benchmarks/run.py, section e)."""
     meter = StepMeter(samples_per_step=8, flush_every_s=3600, export=False)
-    n = 20_000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        with meter.step() as s:
-            s.loss = 1.0
-    per_step = (time.perf_counter() - t0) / n
-    assert per_step < 20e-6, f"{per_step * 1e6:.1f} us per step"
+    loss = torch.tensor(1.0)
+    calls: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+        elif event == "c_call":
+            calls.append(getattr(arg, "__qualname__", repr(arg)))
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(100):
+            with meter.step() as s:
+                s.loss = loss
+    finally:
+        sys.setprofile(None)
+    per_step = {name: calls.count(name) / 100 for name in set(calls) - {"setprofile"}}
+    assert per_step == {"step": 1, "__enter__": 1, "__exit__": 1, "record_step": 1,
+                        "perf_counter": 3}, per_step
+    assert meter.step_index == 100 and meter.summary() == {}
 
 
 # ----------------------------------------------------------------------------- failures
