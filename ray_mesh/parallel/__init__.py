@@ -11,7 +11,7 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
   ``torch.distributed.pipelining`` schedule (GPipe, 1F1B, interleaved, ...)
 - :func:`context_parallel_region` - CP where torch supports it (CUDA + NCCL), else an error
 - :func:`dp_rank`, :func:`dp_size`, :func:`dp_mean`, :func:`shard_batch`,
-  :func:`distributed_sampler` - data
+  :func:`distributed_sampler`, :func:`resumable_sampler` - data (the latter resumes mid-epoch)
 - :func:`full_parameters` - the whole parameters back from DTensors (checks, export)
 """
 
@@ -23,8 +23,10 @@ from ray_mesh.parallel.data import (
     dp_rank,
     dp_size,
     local_batch_size,
+    resumable_sampler,
     shard_batch,
 )
+from ray_mesh.parallel.data_position import ResumableSampler
 from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
 from ray_mesh.parallel.pp import Pipeline, PipelinePlan, known_hang, schedule_info
@@ -34,6 +36,7 @@ __all__ = [
     "ParallelError",
     "Pipeline",
     "PipelinePlan",
+    "ResumableSampler",
     "apply_fsdp",
     "apply_tp",
     "context_parallel_region",
@@ -51,6 +54,7 @@ __all__ = [
     "mixed_precision_policy",
     "parallelize",
     "resolve_mode",
+    "resumable_sampler",
     "schedule_info",
     "shard_batch",
     "validate_tp_plan",
