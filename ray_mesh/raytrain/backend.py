@@ -35,6 +35,7 @@ from ray_mesh.network.interfaces import (
 )
 from ray_mesh.network.preflight import check_worker_group, choose_all
 from ray_mesh.observability.layout import save_layout
+from ray_mesh.raytrain.data import install_mesh_data_config
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +275,8 @@ class _MeshBackend(Backend):
 
     def _start(self, worker_group, config: MeshConfig) -> None:
         plan, choices = plan_for(worker_group, config)
+        # Datasets split by dp rank, peers read the same batches (or a clear error, early).
+        install_mesh_data_config(worker_group, plan.spec)
         master = choices[0]
         port = worker_group.execute_single(0, free_port, master.address)
         if config.preflight:

@@ -281,6 +281,7 @@ class ResumableShard:
                   f"(some may repeat or be skipped). ray_mesh.parallel.resumable_sampler "
                   f"resumes exactly across dp sizes.", file=sys.stderr, flush=True)
             self._skip_rows = self._skip_rows * saved_dp // self.dp_size
+        self._approximate = saved_dp != self.dp_size
         self._started = False
         self._complete = False
 
@@ -305,7 +306,7 @@ class ResumableShard:
             self.rows += n
             if self.rows <= skip:
                 continue
-            if self.rows - n < skip:
+            if self.rows - n < skip and not self._approximate:
                 raise DataSplitError(
                     f"Cannot resume exactly: the checkpoint's position ends after row {skip} of "
                     f"this epoch, inside a batch of rows {self.rows - n}..{self.rows - 1}. Use the "

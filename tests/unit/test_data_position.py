@@ -147,3 +147,6 @@ def test_resumable_shard_skips_exactly_and_moves_to_the_next_epoch():
     assert len(list(resumed.iter_batches(batch_size=3))) == 4 and resumed.epoch == 1
     with pytest.raises(DataSplitError, match="batch size of the run that saved"):
         list(ResumableShard(_Batches(10, 4), pos, dp_size=2).iter_batches(batch_size=4))
+    # saved on dp=2, resumed on dp=4: the same fraction (3 of 10 rows here), with a warning
+    other = ResumableShard(_Batches(10, 3), pos, dp_size=4)
+    assert [b["id"] for b in other.iter_batches(batch_size=3)] == [[3, 4, 5], [6, 7, 8], [9]]
