@@ -58,6 +58,11 @@ def train_loop(config: dict) -> None:
             sampler.advance(len(torch_batch))
             if (step == config.get("kill_at") and rank == 1
                     and not os.path.exists(config["kill_marker"])):
+                # Rank 0 waits until Ray registered the last checkpoint, rank 1 does not:
+                # without this wait the resume may start from the one before.
+                ray.train.get_all_reported_checkpoints(
+                    consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED,
+                    timeout_s=120)
                 Path(config["kill_marker"]).write_text("killed")
                 os.kill(os.getpid(), signal.SIGKILL)
             ckpt.report(step, data_position={"ray": shard.position(),

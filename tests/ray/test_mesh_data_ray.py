@@ -111,8 +111,10 @@ def test_kill_resume_reads_what_uninterrupted_run_read(plain_run, tmp_path):
     assert (tmp_path / "killed_marker").exists()
     first = [r for r in records if r["attempt"] == 0]
     second = [r for r in records if r["attempt"] != 0]
+    # resumed from checkpoint 8: mid-epoch (6 steps per epoch), 2 batches into epoch 1
     assert {r["attempt"] for r in second} == {8}, sorted({r["attempt"] for r in records})
     assert min(r["step"] for r in second) == 9
+    assert min(r["epoch"] for r in second) == 1
     # What each rank read before the checkpoint, then after the resume, step for step:
     # exactly what the uninterrupted run read (none repeated, none skipped).
     kept = [r for r in first if r["step"] <= 8] + second
