@@ -8,6 +8,7 @@ __all__ = [
     "DIM_NAMES",
     "FLATTENED_DIMS",
     "MeshConfig",
+    "MeshDataConfig",
     "MeshSpec",
     "MeshSpecError",
     "check_cluster",
@@ -27,6 +28,10 @@ def __getattr__(name: str):
         from ray_mesh.raytrain.backend import MeshConfig
 
         return MeshConfig
+    if name == "MeshDataConfig":
+        from ray_mesh.raytrain.data import MeshDataConfig
+
+        return MeshDataConfig
     if name == "check_cluster":
         from ray_mesh.raytrain.runner import check_cluster
 

@@ -11,7 +11,7 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
   ``torch.distributed.pipelining`` schedule (GPipe, 1F1B, interleaved, ...)
 - :func:`context_parallel_region` - CP where torch supports it (CUDA + NCCL), else an error
 - :func:`dp_rank`, :func:`dp_size`, :func:`dp_mean`, :func:`shard_batch`,
-  :func:`distributed_sampler` - data
+  :func:`distributed_sampler`, :func:`resumable_sampler` - data (the latter resumes mid-epoch)
 - :func:`full_parameters` - the whole parameters back from DTensors (checks, export)
 - :func:`submesh`, :func:`dim_size`, :func:`mesh_device` - one dim of the mesh (with an error
   that names the fix when it is missing), its size, this rank's device
@@ -25,8 +25,10 @@ from ray_mesh.parallel.data import (
     dp_rank,
     dp_size,
     local_batch_size,
+    resumable_sampler,
     shard_batch,
 )
+from ray_mesh.parallel.data_position import ResumableSampler
 from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
 from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
@@ -41,6 +43,7 @@ __all__ = [
     "ParallelError",
     "Pipeline",
     "PipelinePlan",
+    "ResumableSampler",
     "apply_fsdp",
     "apply_tp",
     "context_parallel_region",
@@ -60,6 +63,7 @@ __all__ = [
     "mixed_precision_policy",
     "parallelize",
     "resolve_mode",
+    "resumable_sampler",
     "schedule_info",
     "shard_batch",
     "submesh",

@@ -9,7 +9,7 @@ ray_mesh builds on every mesh.
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Mapping, Sized
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DistributedSampler
 
+from ray_mesh.parallel.data_position import ResumableSampler
 from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.mesh import submesh
 
@@ -78,5 +79,19 @@ def distributed_sampler(dataset: Sized, mesh: DeviceMesh, **kwargs: Any) -> Dist
     return DistributedSampler(dataset, num_replicas=dp_size(mesh), rank=dp_rank(mesh), **kwargs)
 
 
+def resumable_sampler(dataset: Sized | int, mesh: DeviceMesh,
+                      position: Mapping[str, Any] | None = None,
+                      **kwargs: Any) -> ResumableSampler:
+    """A :class:`ResumableSampler` over the dp replicas, resuming at ``position``.
+
+    ``DistributedSampler``'s order (kwargs: shuffle, seed, drop_last); ``position`` is what
+    ``sampler.position()`` returned, e.g. from ``Checkpointer.restore().data_position``. A
+    position saved on another dp size resumes too: the rest of the epoch is spread over the
+    current dp ranks.
+    """
+    return ResumableSampler(dataset, num_replicas=dp_size(mesh), rank=dp_rank(mesh),
+                            position=position, **kwargs)
+
+
 __all__ = ["distributed_sampler", "dp_mean", "dp_rank", "dp_size", "local_batch_size",
-           "shard_batch"]
+           "resumable_sampler", "shard_batch"]

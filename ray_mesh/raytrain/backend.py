@@ -40,6 +40,7 @@ from ray_mesh.network.probe import node_versions
 from ray_mesh.observability import hang
 from ray_mesh.observability.layout import layout_table
 from ray_mesh.planning.inputs import PlanInputs
+from ray_mesh.raytrain.data import install_mesh_data_config
 from ray_mesh.raytrain.layout_io import save_layout
 from ray_mesh.raytrain.links import measure_worker_group, node_leaders, pick_mesh
 from ray_mesh.raytrain.preflight import check_worker_group
@@ -295,6 +296,9 @@ class _MeshBackend(Backend):
 
     def _start(self, worker_group, config: MeshConfig) -> None:
         plan, choices, reports = plan_for(worker_group, config)
+        if config.mesh != "auto":
+            # Datasets split by dp rank, peers read the same batches (or a clear error, early).
+            install_mesh_data_config(worker_group, plan.spec)
         master = choices[0]
         port = worker_group.execute_single(0, free_port, master.address)
         if config.preflight:
@@ -307,6 +311,7 @@ class _MeshBackend(Backend):
             spec = pick_mesh(config.plan, len(leaders), plan.workers_per_node, self.links,
                              config.backend or ("nccl" if gpu else "gloo"))
             plan = plan_mesh(spec, reports, allow_cross_node_inner=config.allow_cross_node_inner)
+            install_mesh_data_config(worker_group, plan.spec)
         fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
         interfaces = {i: c.interface for i, c in enumerate(choices)}
         table = layout_table(plan, interfaces)
