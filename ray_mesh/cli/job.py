@@ -9,6 +9,7 @@ A job file::
     scaling: {num_workers: 4, use_gpu: auto, resources_per_worker: {CPU: 1}}
     network: {interface: auto, bringup_timeout_s: 120}
     run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
+    data: {paths: [stdlib], seq_len: 128, batch_size: 16}   # see ray_mesh.data.spec
     # run.min_workers: N makes the run elastic (num_workers is then the maximum);
     # run.startup_retries bounds the restarts of a group that cannot start (default 3).
 
@@ -36,7 +37,7 @@ class JobError(ValueError):
     """A job file that cannot run; the message names the key and the fix."""
 
 
-TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run")
+TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data")
 SCALING_KEYS = ("num_workers", "use_gpu", "resources_per_worker", "placement_strategy")
 NETWORK_KEYS = ("interface", "bringup_timeout_s", "allow_cross_node_inner", "backend",
                 "timeout_s", "preflight", "preflight_timeout_s", "nccl_vpn_defaults")
@@ -84,6 +85,8 @@ class Job:
     network: dict = field(default_factory=dict)
     run: dict = field(default_factory=dict)
     base_dir: Path = field(default_factory=Path.cwd)
+    data: Any = None
+    """The checked ``data:`` section (a ray_mesh.data.spec.DataSpec), or None."""
 
     @classmethod
     def from_dict(cls, data: Any, base_dir: Path | None = None) -> Job:
@@ -105,6 +108,13 @@ class Job:
         use_gpu = scaling.get("use_gpu", "auto")
         if use_gpu not in (True, False, "auto"):
             raise JobError(f"scaling.use_gpu must be true, false or auto, got {use_gpu!r}.")
+        from ray_mesh.data.spec import DataSpecError, parse_job_data
+
+        try:  # files, split, batch vs dp, seq_len vs the model: all before any worker
+            data_spec = parse_job_data(top.get("data"), base_dir or Path.cwd(), mesh=mesh,
+                                  num_workers=workers, config=config)
+        except DataSpecError as exc:
+            raise JobError(str(exc)) from exc
         return cls(
             name=str(top.get("name") or Path(str(top["train"]).split(":")[0]).stem),
             train=str(top["train"]),
@@ -114,6 +124,7 @@ class Job:
             network=_check_keys("network", top.get("network"), NETWORK_KEYS),
             run=_check_run(_check_keys("run", top.get("run"), RUN_KEYS), workers),
             base_dir=base_dir or Path.cwd(),
+            data=data_spec,
         )
 
     @classmethod

@@ -174,9 +174,17 @@ def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
                                       int(run.get("startup_retries", 3))),
         checkpoint_config=CheckpointConfig(num_to_keep=run.get("num_to_keep")),
     )
+    # A data: section: its Ray Data datasets stream to the workers, and the train function
+    # finds the checked spec in its config under "data".
+    datasets, config = None, job.config
+    if job.data is not None:
+        from ray_mesh.data.text import ray_datasets
+
+        datasets, config = ray_datasets(job.data), {**job.config, "data": job.data.to_dict()}
     return TorchTrainer(
         job.load_train_fn(),
-        train_loop_config=job.config,
+        train_loop_config=config,
+        datasets=datasets,
         scaling_config=scaling,
         torch_config=mesh_config,
         run_config=run_config,
