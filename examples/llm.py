@@ -17,7 +17,6 @@ importable for tests (the same interface as the other examples).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import time
@@ -86,14 +85,17 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-@functools.lru_cache(maxsize=4)
-def _rows(spec_json: str, split: str) -> tuple[torch.Tensor, float]:
-    return load_split(DataSpec.from_dict(json.loads(spec_json)), split)
+_ROWS: dict[tuple[str, str], tuple[torch.Tensor, float]] = {}
+"""Read once per process. (A plain dict: Ray ships this file by value, and cloudpickle
+would pickle an lru_cache wrapper by reference to a module the workers cannot import.)"""
 
 
 def rows(cfg: dict, split: str) -> tuple[torch.Tensor, float]:
     """(packed rows, unigram entropy) of a split, read once per process."""
-    return _rows(json.dumps(data_spec(cfg).to_dict(), sort_keys=True), split)
+    key = (json.dumps(data_spec(cfg).to_dict(), sort_keys=True), split)
+    if key not in _ROWS:
+        _ROWS[key] = load_split(DataSpec.from_dict(json.loads(key[0])), split)
+    return _ROWS[key]
 
 
 def global_rows(step: int, cfg: dict) -> torch.Tensor:
