@@ -217,8 +217,12 @@ def _print(*args: object) -> None:
         print(*args, flush=True)
 
 
-def train_loop(config: dict | None = None) -> dict:
-    """Train; returns (and prints on rank 0) the summary: losses, bits per byte, tokens/s."""
+def train_loop(config: dict) -> dict:
+    """Train; returns (and prints on rank 0) the summary: losses, bits per byte, tokens/s.
+
+    ``config`` has no default on purpose: Ray Train 2.60 passes the config only to a train
+    function whose ``config`` parameter is required, and calls one with a default bare.
+    """
     cfg = merged(config)
     mesh = ray_mesh.get_mesh()
     spec, mcfg = data_spec(cfg), model_config(cfg)
@@ -238,7 +242,8 @@ def train_loop(config: dict | None = None) -> dict:
     tokens_per_step = spec.global_batch * spec.seq_len
     _print(f"llm: {num_params(model) / 1e6:.2f}M parameters, {dist.get_world_size()} ranks "
            f"(dp {dp_size(mesh)} x tp {mesh['tp'].size()}), {tokens_per_step} tokens/step, "
-           f"rows from {'Ray Data' if stream is not None else 'memory'}, start step {start}")
+           f"rows from {'Ray Data' if stream is not None else 'memory'}, start step {start}, "
+           f"{cfg['steps']} steps, reports every {cfg['report_every']}")
     summary: dict = {"params": num_params(model), "losses": {}}
     timer, timed_steps, window_loss = time.perf_counter(), 0, []
     for step in range(start, cfg["steps"]):
