@@ -220,6 +220,10 @@ def _print(*args: object) -> None:
 def train_loop(config: dict) -> dict:
     """Train; returns (and prints on rank 0) the summary: losses, bits per byte, tokens/s.
 
+    A resumed run continues at the checkpoint's step with the same schedule; its rows are
+    exactly an unbroken run's under torchrun (they depend on the step alone), while a Ray
+    Data stream starts over (Ray 2.60 cannot checkpoint a dataset's position).
+
     ``config`` has no default on purpose: Ray Train 2.60 passes the config only to a train
     function whose ``config`` parameter is required, and calls one with a default bare.
     """
@@ -235,8 +239,10 @@ def train_loop(config: dict) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, cfg))
     saver = Saver(model, optim, cfg)
     start = saver.restore()
-    for _ in range(start):
-        sched.step()
+    with warnings.catch_warnings():  # replaying the schedule: no optimizer step is due
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(start):
+            sched.step()
     stream = ray_batches(local) if in_ray_train() else None
     device = next(model.parameters()).device
     tokens_per_step = spec.global_batch * spec.seq_len

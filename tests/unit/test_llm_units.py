@@ -220,3 +220,26 @@ def test_bad_data_section_fails_on_the_driver_before_ray_starts(tmp_path):
     # No Ray was started: neither a local instance nor any worker.
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
     assert not (tmp_path / "ray_results").exists()
+
+
+def _example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llm_example_unit", ROOT / "examples" / "llm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_schedule_and_step_indexed_batches():
+    ex = _example()
+    cfg = ex.merged({"steps": 100, "warmup": 10, "min_lr_ratio": 0.1})
+    factors = [ex.lr_factor(s, cfg) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert factors[10] == pytest.approx(1.0) and factors[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(factors[10:-1], factors[11:], strict=True))  # cosine only decays
+    small = {"data": {"seq_len": 16, "batch_size": 4, "max_tokens": 2000, "val_tokens": 500}}
+    x0, y0 = ex.batch(0, small)
+    assert x0.shape == (4, 16) and torch.equal(x0[:, 1:], y0[:, :-1])
+    assert torch.equal(ex.batch(0, small)[0], x0)       # the step alone decides the batch
+    assert not torch.equal(ex.batch(1, small)[0], x0)
