@@ -237,7 +237,7 @@ def test_example_schedule_and_step_indexed_batches():
     factors = [ex.lr_factor(s, cfg) for s in range(100)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
     assert factors[10] == pytest.approx(1.0) and factors[-1] == pytest.approx(0.1, abs=1e-3)
-    assert all(a >= b for a, b in zip(factors[10:-1], factors[11:], strict=True))  # cosine only decays
+    assert all(a >= b for a, b in zip(factors[10:-1], factors[11:], strict=True))  # cosine decays
     small = {"data": {"seq_len": 16, "batch_size": 4, "max_tokens": 2000, "val_tokens": 500}}
     x0, y0 = ex.batch(0, small)
     assert x0.shape == (4, 16) and torch.equal(x0[:, 1:], y0[:, :-1])
