@@ -243,3 +243,17 @@ def test_example_schedule_and_step_indexed_batches():
     assert x0.shape == (4, 16) and torch.equal(x0[:, 1:], y0[:, :-1])
     assert torch.equal(ex.batch(0, small)[0], x0)       # the step alone decides the batch
     assert not torch.equal(ex.batch(1, small)[0], x0)
+
+
+def test_data_job_needs_a_cpu_left_for_ray_data():
+    from ray.train import ScalingConfig
+
+    from ray_mesh.raytrain.runner import check_data_resources
+
+    job = Job.from_dict(_job(batch_size=8))
+    scaling = ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1})
+    with pytest.raises(JobError, match=r"Ray Data.*4 workers take 4 of the cluster's 4 CPUs"
+                                       r".*resources_per_worker.CPU"):
+        check_data_resources(job, scaling, {"CPU": 4})
+    check_data_resources(job, scaling, {"CPU": 6})
+    check_data_resources(Job.from_dict({"train": "a:b"}), scaling, {"CPU": 4})  # no data:
