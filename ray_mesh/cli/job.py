@@ -105,16 +105,16 @@ class Job:
         workers = scaling.get("num_workers", 4)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise JobError(f"scaling.num_workers must be a positive int, got {workers!r}.")
-        use_gpu = scaling.get("use_gpu", "auto")
-        if use_gpu not in (True, False, "auto"):
-            raise JobError(f"scaling.use_gpu must be true, false or auto, got {use_gpu!r}.")
         from ray_mesh.data.spec import DataSpecError, parse_job_data
 
         try:  # files, split, batch vs dp, seq_len vs the model: all before any worker
             data_spec = parse_job_data(top.get("data"), base_dir or Path.cwd(), mesh=mesh,
-                                  num_workers=workers, config=config)
+                                       num_workers=workers, config=config)
         except DataSpecError as exc:
             raise JobError(str(exc)) from exc
+        use_gpu = scaling.get("use_gpu", "auto")
+        if use_gpu not in (True, False, "auto"):
+            raise JobError(f"scaling.use_gpu must be true, false or auto, got {use_gpu!r}.")
         return cls(
             name=str(top.get("name") or Path(str(top["train"]).split(":")[0]).stem),
             train=str(top["train"]),
