@@ -193,7 +193,10 @@ class Saver:
             return self.ckpt.restore().step
         if self.dir is None or not self.dir.is_dir():
             return 0
-        path, _ = sharded.newest_complete(sorted(self.dir.glob("checkpoint_*")))
+        newest_first = sorted(self.dir.glob("checkpoint_*"), reverse=True)
+        path, skipped = sharded.newest_complete(newest_first)
+        for why in skipped:
+            _print(why)
         if path is None:
             return 0
         return sharded.load(path, self.model, self.optim, group=self.group).step
