@@ -28,12 +28,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(mode: str, tmp_path: Path) -> str:
+def _torchrun(mode: str, tmp_path: Path, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT), mode],
+         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT), mode, *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -47,6 +47,12 @@ def test_llm_fsdp_tp_matches_one_process(tmp_path):
     for name in ("llm_fsdp2_tp2_sp", "llm_fsdp2_tp2_no_sp", "llm_fsdp2_tp2_tied_ac",
                  "llm_ddp2_tp2", "tp_peer_guard"):
         assert f"PASS {name}" in out, (name, out[-4000:])
+
+
+@pytest.mark.timeout(360)
+def test_llm_torchrun_checkpoints_resume_exactly_from_the_newest(tmp_path):
+    out = _torchrun("resume", tmp_path, str(tmp_path / "ckpt"))
+    assert "PASS llm_resume_repeats_steps" in out and "PASS llm_resume_takes_newest" in out
 
 
 @pytest.mark.timeout(360)

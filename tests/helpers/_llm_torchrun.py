@@ -5,6 +5,8 @@ its variants, against a one-process run of the same model on the same batches of
 library text (3 SGD steps, float32; see ``_parallel_checks``). Also the tp-peer batch guard:
 equal batches pass, different ones raise on every rank.
 
+``resume``: the torchrun checkpoints of the example resume exactly, from the newest.
+
 ``train``: the example's own train loop (AdamW, warm-up + cosine, grad clipping) on a tiny
 model and a small slice of the standard library; rank 0 prints its summary as JSON.
 
@@ -82,11 +84,36 @@ def train() -> None:
         print("SUMMARY " + json.dumps(summary), flush=True)
 
 
+def resume(out: Path) -> None:
+    """Checkpoints under torchrun: a run resumed from step 4 repeats steps 5..8 exactly, and
+    with checkpoints at 4 and 8 on disk the newest one is taken."""
+    ray_mesh.init_mesh(ray_mesh.MeshSpec(dp_shard=-1, tp=2))
+    ex = checks.load_example("llm")
+    cfg = {"model": TINY, "steps": 8, "warmup": 2, "report_every": 1, "eval_every": 100,
+           "checkpoint_every": 4, "checkpoint_dir": str(out), "data": DATA}
+    first = ex.train_loop(cfg)["losses"]
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(out / "checkpoint_00000008")
+    dist.barrier()
+    again = ex.train_loop(cfg)["losses"]
+    assert sorted(again) == [5, 6, 7, 8], again
+    for step in again:
+        assert abs(again[step] - first[step]) <= 1e-6 * abs(first[step]), (step, again, first)
+    _pass("llm_resume_repeats_steps", json.dumps({"first": first, "resumed": again}))
+    more = ex.train_loop({**cfg, "steps": 10})["losses"]
+    assert sorted(more) == [9, 10], more  # started from checkpoint 8, not 4
+    _pass("llm_resume_takes_newest")
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "numerics":
         ray_mesh.init_mesh(ray_mesh.MeshSpec(dp_shard=-1))
         numerics()
+    elif mode == "resume":
+        resume(Path(sys.argv[2]))
     else:
         train()
     dist.barrier()
