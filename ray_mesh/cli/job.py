@@ -9,6 +9,7 @@ A job file::
     scaling: {num_workers: 4, use_gpu: auto, resources_per_worker: {CPU: 1}}
     network: {interface: auto, bringup_timeout_s: 120, worker_niceness: 0, hang_timeout_s: 60}
     run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
+    data: {paths: [stdlib], seq_len: 128, batch_size: 16}   # see ray_mesh.data.spec
     # run.min_workers: N makes the run elastic (num_workers is then the maximum);
     # run.startup_retries bounds the restarts of a group that cannot start (default 3).
 
@@ -141,7 +142,7 @@ def _keys(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
-TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run")
+TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data")
 SCALING_KEYS = _keys(ScalingSection)
 NETWORK_KEYS = _keys(NetworkSection)
 RUN_KEYS = _keys(RunSection)
@@ -172,6 +173,8 @@ class Job:
     network: NetworkSection = field(default_factory=NetworkSection)
     run: RunSection = field(default_factory=RunSection)
     base_dir: Path = field(default_factory=Path.cwd)
+    data: Any = None
+    """The checked ``data:`` section (a ray_mesh.data.spec.DataSpec), or None."""
 
     def __post_init__(self) -> None:
         if self.run.min_workers is not None and self.run.min_workers > self.scaling.num_workers:
@@ -200,15 +203,24 @@ class Job:
             raise JobError(f"name: {name!r} cannot be a run name: {why}. The run directory is "
                            f"<storage_path>/<name>: use one plain path component such as "
                            f"'hsdp_run1'; to write elsewhere, set run.storage_path.")
+        scaling = ScalingSection(**_check_keys("scaling", top.get("scaling"), SCALING_KEYS))
+        from ray_mesh.data.spec import DataSpecError, parse_job_data
+
+        try:  # files, split, batch vs dp, seq_len vs the model: all before any worker
+            data_spec = parse_job_data(top.get("data"), base_dir or Path.cwd(), mesh=mesh,
+                                       num_workers=scaling.num_workers, config=config)
+        except DataSpecError as exc:
+            raise JobError(str(exc)) from exc
         return cls(
             name=name,
             train=str(top["train"]),
             config=config,
             mesh=mesh,
-            scaling=ScalingSection(**_check_keys("scaling", top.get("scaling"), SCALING_KEYS)),
+            scaling=scaling,
             network=NetworkSection(**_check_keys("network", top.get("network"), NETWORK_KEYS)),
             run=RunSection(**_check_keys("run", top.get("run"), RUN_KEYS)),
             base_dir=base_dir or Path.cwd(),
+            data=data_spec,
         )
 
     @classmethod

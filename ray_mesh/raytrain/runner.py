@@ -23,6 +23,9 @@ from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failur
 
 logger = logging.getLogger(__name__)
 
+DATA_CPUS = 2
+"""CPUs an embedded Ray adds for Ray Data's read and pack tasks when the job has ``data:``."""
+
 
 def connect(address: str | None, num_cpus_needed: float) -> bool:
     """Join ``address`` (or RAY_ADDRESS); with neither, start an embedded local Ray.
@@ -158,6 +161,21 @@ def check_cluster(scaling: ScalingConfig) -> None:
     check_resources(scaling, ray.cluster_resources())
 
 
+def check_data_resources(job: Job, scaling: ScalingConfig, cluster: dict[str, float]) -> None:
+    """A ``data:`` job streams through Ray Data tasks, which need CPUs the workers leave free:
+    without one the read waits for resources forever and the first step never comes."""
+    if job.data is None:
+        return
+    per = dict(scaling.resources_per_worker or {}).get("CPU", 0 if scaling.use_gpu else 1)
+    free = cluster.get("CPU", 0) - per * scaling.max_workers
+    if free < 1:
+        raise JobError(
+            f"The job's data: section streams through Ray Data, whose read tasks need a free "
+            f"CPU, but the {scaling.max_workers} workers take {per * scaling.max_workers:g} of "
+            f"the cluster's {cluster.get('CPU', 0):g} CPUs. Lower scaling.resources_per_worker"
+            f".CPU (e.g. 0.5) or num_workers, or add a node with CPUs.")
+
+
 def build_trainer(job: Job, scaling: ScalingConfig,
                   storage_path: str | None = None) -> TorchTrainer:
     """The trainer for ``job``; ``storage_path`` is the checked one (default: the job's)."""
@@ -168,9 +186,17 @@ def build_trainer(job: Job, scaling: ScalingConfig,
         failure_config=failure_config(run.max_failures, run.startup_retries),
         checkpoint_config=CheckpointConfig(num_to_keep=run.num_to_keep),
     )
+    # A data: section: its Ray Data datasets stream to the workers, and the train function
+    # finds the checked spec in its config under "data".
+    datasets, config = None, job.config
+    if job.data is not None:
+        from ray_mesh.data.text import ray_datasets
+
+        datasets, config = ray_datasets(job.data), {**job.config, "data": job.data.to_dict()}
     return TorchTrainer(
         job.load_train_fn(),
-        train_loop_config=job.config,
+        train_loop_config=config,
+        datasets=datasets,
         scaling_config=scaling,
         torch_config=MeshConfig(mesh=job.mesh, **job.network.mesh_config_kwargs()),
         run_config=run_config,
@@ -182,6 +208,7 @@ def run_job(job: Job, address: str | None = None) -> Result:
     job.load_train_fn()  # a train function that cannot be imported fails before Ray starts
     cpus = job.scaling.num_workers * float(
         (job.scaling.resources_per_worker or {}).get("CPU", 1))
+    cpus += DATA_CPUS if job.data is not None else 0  # room for Ray Data's tasks
     # Ray Train's run state API (what `ray-mesh status` reads) is off unless this is set
     # before the driver connects; an embedded Ray's processes inherit it too.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
@@ -190,6 +217,7 @@ def run_job(job: Job, address: str | None = None) -> Result:
         cluster = ray.cluster_resources()
         scaling = scaling_for(job, cluster)
         check_resources(scaling, cluster)
+        check_data_resources(job, scaling, cluster)
         # A storage_path that is not writable, or node-local on a multi-node cluster, fails
         # here rather than at the first checkpoint.
         storage_path = check_storage(job.run.storage_path, name=job.name)

@@ -85,10 +85,10 @@ class FakeClock:
 
 @pytest.fixture
 def clock(monkeypatch):
-    from ray_mesh.observability import metrics
+    from ray_mesh.observability import meter
 
     fake = FakeClock()
-    monkeypatch.setattr(metrics, "time", fake)
+    monkeypatch.setattr(meter, "time", fake)
     return fake
 
 

@@ -1,0 +1,317 @@
+"""A byte-level Llama language model on the standard library's own sources.
+
+FSDP2 over dp x tensor parallel with sequence parallel over tp (default: dp_shard 2 x tp 2
+on 4 CPU workers), optional activation checkpointing, AdamW with warm-up and a cosine
+decay. Reports training loss, validation loss in bits per byte next to the text's unigram
+(byte frequency) entropy, tokens/s per rank and in total, and writes sharded checkpoints.
+
+    ray-mesh run examples/llm.yaml                       # Ray Data streams the training rows
+    torchrun --nproc-per-node 4 examples/llm.py [examples/llm.yaml] [--config '{"steps": 50}']
+
+Under Ray Train the training rows come from ``ray.train.get_dataset_shard("train")`` (the
+job's ``data:`` section); under torchrun from memory, sharded by dp rank. Validation is in
+memory on every rank either way. ``make_model``/``build``/``batch``/``loss_fn`` are
+importable for tests (the same interface as the other examples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ray_mesh
+from ray_mesh.checkpointing import sharded
+from ray_mesh.core.spec import load_yaml
+from ray_mesh.data.checks import check_same_batch
+from ray_mesh.data.spec import DataSpec
+from ray_mesh.data.text import bits_per_byte, load_split
+from ray_mesh.models import Llama, LlamaConfig, num_params, parallelize_llama
+from ray_mesh.observability.progress import in_ray_train
+from ray_mesh.parallel import dp_mean, dp_size, local_batch_size, shard_batch
+
+# TP hands FSDP2 the local view of its DTensor outputs; this model adds out of place only.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+DEFAULTS: dict = {
+    "model": {"preset": "small", "max_seq_len": 256},
+    "data": {"paths": ["stdlib"], "seq_len": 128, "batch_size": 16, "validation": 0.05,
+             "max_tokens": 2_000_000, "val_tokens": 32_768},
+    "steps": 200, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup": 20, "weight_decay": 0.1,
+    "grad_clip": 1.0, "seed": 0, "sequence_parallel": True, "activation_checkpointing": False,
+    "mixed_precision": None, "report_every": 10, "eval_every": 100, "checkpoint_every": 100,
+    "check_peer_batches": 10, "checkpoint_dir": None,
+}
+
+
+def merged(config: dict | None) -> dict:
+    cfg = {**DEFAULTS, **(config or {})}
+    cfg["model"] = {**DEFAULTS["model"], **(cfg.get("model") or {})}
+    return cfg
+
+
+def model_config(cfg: dict) -> LlamaConfig:
+    return LlamaConfig.from_dict(merged(cfg)["model"])
+
+
+def data_spec(cfg: dict) -> DataSpec:
+    return DataSpec.from_dict(merged(cfg)["data"])
+
+
+def make_model(cfg: dict | None = None) -> Llama:
+    cfg = merged(cfg)
+    torch.manual_seed(cfg["seed"])  # every rank builds the same weights
+    return Llama(model_config(cfg))
+
+
+def build(mesh, cfg: dict | None = None) -> nn.Module:
+    """TP with sequence parallel on ``tp``, then FSDP2 per block over the dp dims."""
+    cfg = merged(cfg)
+    return parallelize_llama(make_model(cfg), mesh, sequence_parallel=cfg["sequence_parallel"],
+                             activation_checkpointing=cfg["activation_checkpointing"],
+                             mixed_precision=cfg["mixed_precision"])
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+_ROWS: dict[tuple[str, str], tuple[torch.Tensor, float]] = {}
+"""Read once per process. (A plain dict: Ray ships this file by value, and cloudpickle
+would pickle an lru_cache wrapper by reference to a module the workers cannot import.)"""
+
+
+def rows(cfg: dict, split: str) -> tuple[torch.Tensor, float]:
+    """(packed rows, unigram entropy) of a split, read once per process."""
+    key = (json.dumps(data_spec(cfg).to_dict(), sort_keys=True), split)
+    if key not in _ROWS:
+        _ROWS[key] = load_split(DataSpec.from_dict(json.loads(key[0])), split)
+    return _ROWS[key]
+
+
+def global_rows(step: int, cfg: dict) -> torch.Tensor:
+    """The global batch of ``step`` from memory: a fresh seeded permutation every epoch, so
+    the batch depends on the step alone and a resumed run reads what an unbroken one would."""
+    spec = data_spec(cfg)
+    data, _ = rows(cfg, "train")
+    per = spec.global_batch
+    per_epoch = len(data) // per
+    if per_epoch == 0:
+        raise ValueError(f"llm: {len(data)} training rows hold no global batch of {per}; add "
+                         f"data (data.max_tokens) or lower data.batch_size.")
+    epoch, index = divmod(step, per_epoch)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(
+        spec.shuffle_seed * 1_000_003 + epoch))
+    return data[order[index * per:(index + 1) * per]]
+
+
+def batch(step: int, cfg: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of the global batch of ``step``."""
+    tokens = global_rows(step, merged(cfg))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def ray_batches(local: int) -> Iterator[torch.Tensor] | None:
+    """This rank's rows from the job's Ray Data ``train`` shard, epoch after epoch."""
+    import ray.train
+
+    try:
+        shard = ray.train.get_dataset_shard("train")
+    except (KeyError, ValueError, RuntimeError):
+        shard = None
+    if shard is None:
+        return None
+
+    def gen() -> Iterator[torch.Tensor]:
+        while True:
+            got = 0
+            for b in shard.iter_torch_batches(batch_size=local, drop_last=True,
+                                              dtypes=torch.int64):
+                got += 1
+                yield b["tokens"]
+            if not got:
+                raise ValueError(f"llm: this rank's Ray Data shard holds no batch of {local} "
+                                 f"rows; add data (data.max_tokens) or lower data.batch_size.")
+    return gen()
+
+
+def lr_factor(step: int, cfg: dict) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine down to ``min_lr_ratio``."""
+    warm, total, low = cfg["warmup"], cfg["steps"], cfg["min_lr_ratio"]
+    if step < warm:
+        return (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, mesh, cfg: dict, local: int) -> tuple[float, float]:
+    """(mean validation loss in nats per byte, unigram entropy of the validation bytes)."""
+    data, entropy = rows(cfg, "validation")
+    dp = dp_size(mesh)
+    usable = (len(data) // dp) * dp
+    mine = shard_batch(data[:usable], mesh)
+    device = next(model.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    for start in range(0, len(mine), local):
+        chunk = mine[start:start + local].to(device)
+        loss = loss_fn(model(chunk[:, :-1]), chunk[:, 1:])
+        total += torch.stack([loss.double() * chunk[:, 1:].numel(),
+                              torch.tensor(float(chunk[:, 1:].numel()), device=device)])
+    model.train()
+    dist.all_reduce(total, group=mesh.get_group("dp"))
+    return (total[0] / total[1]).item(), entropy
+
+
+class Saver:
+    """Sharded checkpoints: Ray Train's Checkpointer in Ray, plain DCP under torchrun."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer, cfg: dict) -> None:
+        self.model, self.optim, self.cfg = model, optim, cfg
+        self.every = cfg["checkpoint_every"]
+        self.ray = in_ray_train()
+        if self.ray:
+            from ray_mesh.checkpointing import Checkpointer
+
+            self.ckpt = Checkpointer(model, optim, every=self.every)
+        else:
+            self.dir = Path(cfg["checkpoint_dir"]) if cfg["checkpoint_dir"] else None
+            self.group = sharded.checkpoint_group()
+
+    def restore(self) -> int:
+        if self.ray:
+            return self.ckpt.restore().step
+        if self.dir is None or not self.dir.is_dir():
+            return 0
+        newest_first = sorted(self.dir.glob("checkpoint_*"), reverse=True)
+        path, skipped = sharded.newest_complete(newest_first)
+        for why in skipped:
+            _print(why)
+        if path is None:
+            return 0
+        return sharded.load(path, self.model, self.optim, group=self.group).step
+
+    def step(self, done: int, metrics: dict | None) -> None:
+        """After step ``done``: report (Ray, when there are metrics) and save when due."""
+        due = bool(self.every) and (done % self.every == 0 or done == self.cfg["steps"])
+        if self.ray:
+            if metrics is not None or due:
+                self.ckpt.report(done, metrics or {}, data_position={"next_step": done},
+                                 save=due)
+            return
+        if due and self.dir is not None:
+            path = sharded.prepare_dir(self.dir / sharded.dir_name(done), self.group)
+            sharded.save(path, self.model, self.optim, group=self.group)
+            sharded.mark_complete(path, sharded.Progress(step=done), group=self.group)
+
+
+def _print(*args: object) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def train_loop(config: dict) -> dict:
+    """Train; returns (and prints on rank 0) the summary: losses, bits per byte, tokens/s.
+
+    A resumed run continues at the checkpoint's step with the same schedule; its rows are
+    exactly an unbroken run's under torchrun (they depend on the step alone), while a Ray
+    Data stream starts over (Ray 2.60 cannot checkpoint a dataset's position).
+
+    ``config`` has no default on purpose: Ray Train 2.60 passes the config only to a train
+    function whose ``config`` parameter is required, and calls one with a default bare.
+    """
+    cfg = merged(config)
+    mesh = ray_mesh.get_mesh()
+    spec, mcfg = data_spec(cfg), model_config(cfg)
+    spec.check_values()
+    mcfg.check_seq_len(spec.seq_len, "data.seq_len")
+    local = local_batch_size(spec.global_batch, mesh)
+    model = build(mesh, cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
+                              weight_decay=cfg["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, cfg))
+    saver = Saver(model, optim, cfg)
+    start = saver.restore()
+    with warnings.catch_warnings():  # replaying the schedule: no optimizer step is due
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(start):
+            sched.step()
+    stream = ray_batches(local) if in_ray_train() else None
+    device = next(model.parameters()).device
+    tokens_per_step = spec.global_batch * spec.seq_len
+    _print(f"llm: {num_params(model) / 1e6:.2f}M parameters, {dist.get_world_size()} ranks "
+           f"(dp {dp_size(mesh)} x tp {mesh['tp'].size()}), {tokens_per_step} tokens/step, "
+           f"rows from {'Ray Data' if stream is not None else 'memory'}, start step {start}, "
+           f"{cfg['steps']} steps, reports every {cfg['report_every']}")
+    summary: dict = {"params": num_params(model), "losses": {}}
+    timer, timed_steps, window_loss = time.perf_counter(), 0, []
+    for step in range(start, cfg["steps"]):
+        tokens = next(stream) if stream is not None else shard_batch(global_rows(step, cfg),
+                                                                     mesh)
+        every = cfg["check_peer_batches"]
+        if every and step % every == 0:
+            check_same_batch(tokens, mesh, step=step)
+        tokens = tokens.to(device)
+        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        if cfg["grad_clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        optim.step()
+        optim.zero_grad()
+        sched.step()
+        window_loss.append(dp_mean(loss, mesh).item())
+        timed_steps += 1
+        done = step + 1
+        metrics = None
+        if done % cfg["report_every"] == 0 or done == cfg["steps"] or step == start:
+            took = time.perf_counter() - timer
+            total_tps = tokens_per_step * timed_steps / took
+            metrics = {"loss": sum(window_loss) / len(window_loss), "lr": sched.get_last_lr()[0],
+                       "tokens_per_s": total_tps,
+                       "tokens_per_s_per_rank": total_tps / dist.get_world_size()}
+            summary["losses"][done] = metrics["loss"]
+            _print(f"llm: step {done}/{cfg['steps']} loss {metrics['loss']:.4f} lr "
+                   f"{metrics['lr']:.2e} tokens/s {total_tps:.0f} "
+                   f"({metrics['tokens_per_s_per_rank']:.0f}/rank)")
+            summary["tokens_per_s"] = total_tps
+        if done % cfg["eval_every"] == 0 or done == cfg["steps"]:
+            val, entropy = evaluate(model, mesh, cfg, local)
+            metrics = {**(metrics or {}), "val_loss": val, "val_bpb": bits_per_byte(val),
+                       "unigram_entropy_bpb": entropy}
+            _print(f"llm: eval at step {done}: val loss {val:.4f}, val bits/byte "
+                   f"{bits_per_byte(val):.3f} (unigram entropy {entropy:.3f} bits/byte)")
+            summary.update(val_loss=val, val_bpb=bits_per_byte(val), unigram_bpb=entropy)
+        saver.step(done, metrics)
+        if metrics is not None:
+            timer, timed_steps, window_loss = time.perf_counter(), 0, []
+    return summary
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description="torchrun entry point of the llm example")
+    parser.add_argument("job", nargs="?", help="a job YAML (its config, data and mesh)")
+    parser.add_argument("--config", default="{}", help="JSON merged over the config")
+    args = parser.parse_args()
+    job = load_yaml(Path(args.job)) if args.job else {}
+    cfg = {**(job.get("config") or {}), **json.loads(args.config)}
+    if job.get("data") or "data" in json.loads(args.config):
+        cfg["data"] = {**(job.get("data") or {}), **json.loads(args.config).get("data", {})}
+    ray_mesh.init_mesh(ray_mesh.MeshSpec.from_dict(job.get("mesh") or
+                                                   {"dp_shard": -1, "tp": 2}))
+    summary = train_loop(cfg)
+    _print("llm: summary " + json.dumps(summary))
+    ray_mesh.shutdown_mesh()
+
+
+if __name__ == "__main__":
+    _main()
