@@ -1,5 +1,14 @@
 """The ``ray-mesh`` command (driver side): argument parsing and YAML job files."""
 
-from ray_mesh.cli.main import main
+from __future__ import annotations
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ray-mesh``; imported lazily so ``python -m ray_mesh.cli.main``
+    does not load the module twice (runpy warns when a package pre-imports it)."""
+    from ray_mesh.cli.main import main as _main
+
+    return _main(argv)
+
 
 __all__ = ["main"]

@@ -17,12 +17,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DistributedSampler
 
+from ray_mesh.core.bootstrap import submesh
 from ray_mesh.parallel.errors import ParallelError
 
 
 def _dp(mesh: DeviceMesh) -> DeviceMesh:
     try:
-        return mesh["dp"]
+        return submesh(mesh, "dp")
     except (KeyError, RuntimeError, ValueError) as exc:
         raise ParallelError(
             f"The mesh has no flattened 'dp' dim (dims: {mesh.mesh_dim_names}); use the mesh "

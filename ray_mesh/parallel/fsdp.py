@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ray_mesh.core.bootstrap import submesh
 from ray_mesh.parallel.errors import ParallelError
 
 Mode = Literal["auto", "fsdp", "hsdp", "ddp", "none"]
@@ -64,7 +65,7 @@ def mixed_precision_policy(spec: str | MixedPrecisionPolicy | None) -> MixedPrec
 
 def _size(mesh: DeviceMesh, name: str) -> int:
     try:
-        return mesh[name].size()
+        return submesh(mesh, name).size()
     except (KeyError, RuntimeError, ValueError) as exc:
         raise ParallelError(
             f"The mesh has no {name!r} dim (dims: {mesh.mesh_dim_names}). Data parallel needs "
@@ -157,8 +158,9 @@ def apply_fsdp(
         device = mesh.device_type
         ids = [torch.cuda.current_device()] if device == "cuda" else None
         return nn.parallel.DistributedDataParallel(module, device_ids=ids,
-                                                   device_mesh=mesh["dp_cp"])
-    dp_mesh = mesh["dp_shard_cp"] if mode == "fsdp" else mesh["dp_replicate", "dp_shard_cp"]
+                                                   device_mesh=submesh(mesh, "dp_cp"))
+    dp_mesh = (submesh(mesh, "dp_shard_cp") if mode == "fsdp"
+               else submesh(mesh, "dp_replicate", "dp_shard_cp"))
     policy = mixed_precision_policy(mixed_precision)
     for block in find_blocks(module, blocks):
         if block is module:

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ from ray_mesh.network.interfaces import (
 )
 from ray_mesh.network.preflight import check_worker_group, choose_all
 from ray_mesh.observability.layout import save_layout
+from ray_mesh.observability.report import wrap_train_report
+from ray_mesh.raytrain.driver import quiet_report_lines
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,11 @@ class MeshConfig(TorchConfig):
         worker_niceness: CPU niceness of the training workers' every thread. Ray starts
             workers at 15 (``RAY_worker_niceness``); torchrun ranks run at 0, and so do
             ray_mesh's by default (see ``ray_mesh.core.priority``). ``None`` keeps Ray's.
+        verbose: every rank logs its environment line (interface, MASTER_*, NCCL_/GLOO_*);
+            by default rank 0 logs the layout and one interface line per node.
+
+    Inside the train function, ``ray.train.report`` also feeds ray_mesh's metrics (see
+    ``ray_mesh.observability.report``): every number reported becomes a mesh-tagged metric.
     """
 
     mesh: Any = None
@@ -75,6 +83,7 @@ class MeshConfig(TorchConfig):
     preflight_timeout_s: float = 20.0
     nccl_vpn_defaults: bool | str = "auto"
     worker_niceness: int | None = 0
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
@@ -104,6 +113,10 @@ class MeshConfig(TorchConfig):
 
     @property
     def train_func_context(self):
+        # Ray Train 2.60 (V2) reads this on the driver when fit() starts
+        # (DataParallelTrainer._get_train_func), before the controller exists: the one
+        # driver-side moment a BackendConfig gets. Run-state tracking is decided there.
+        _on_driver_at_fit()
         return _TrainThreadContext
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,20 +126,35 @@ class MeshConfig(TorchConfig):
                    bringup_timeout_s=self.bringup_timeout_s, preflight=self.preflight,
                    preflight_timeout_s=self.preflight_timeout_s,
                    nccl_vpn_defaults=self.nccl_vpn_defaults,
-                   worker_niceness=self.worker_niceness)
+                   worker_niceness=self.worker_niceness, verbose=self.verbose)
         return out
+
+
+def _on_driver_at_fit() -> None:
+    """Driver-side set-up a ``MeshConfig`` run gets without extra calls (see driver.py)."""
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is not None:
+        return  # not a connected driver (Ray not started yet, or inside an actor)
+    from ray_mesh.raytrain.driver import enable_state_tracking
+
+    enable_state_tracking()
 
 
 class _TrainThreadContext:
     """Entered by Ray Train in the training thread: make the mesh's device current there,
-    and give threads started since bring-up the workers' niceness."""
+    give threads started since bring-up the workers' niceness, and let ``ray.train.report``
+    feed ray_mesh's metrics for the duration of the train function."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
 
     def __enter__(self) -> None:
         priority.reapply()
         if bootstrap.is_initialized():
             bootstrap.use_device(bootstrap.get_state().device)
+        self._stack.enter_context(wrap_train_report())
 
     def __exit__(self, *exc: object) -> bool:
+        self._stack.close()
         return False
 
 
@@ -165,8 +193,9 @@ class WorkerSetup:
     device: str
     timeout_s: float
     choice: Choice
-    layout_table: str
+    layout_table: str  # rank 0 logs it, with the per-node interface lines
     niceness: int | None = None
+    verbose: bool = False
 
 
 def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
@@ -180,13 +209,16 @@ def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
     in_force = {**w.fixed_env, **applied}
     line = rank_env_line(w.rank, w.node_rank, w.choice, in_force,
                          user_kept(w.collective_env, applied))
-    logger.info("%s", line)
-    print(line, flush=True)  # worker stdout reaches the driver; logging.INFO may not
+    # Logging, not print: Ray Train shows a worker's INFO line once on the driver's console
+    # (a print would show twice). Only rank 0 speaks unless MeshConfig(verbose=True).
+    logger.log(logging.INFO if w.verbose else logging.DEBUG, "%s", line)
+    if not w.verbose:
+        quiet_report_lines()  # Ray Train's INFO line per report (not under its log level)
     bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force)
     if w.rank == 0:
-        print(w.layout_table, flush=True)
+        logger.info("%s", w.layout_table)
     return niced
 
 
@@ -246,6 +278,18 @@ def plan_for(worker_group, config: MeshConfig) -> tuple[MeshPlan, list[Choice]]:
     return plan, choices
 
 
+def node_lines(plan: MeshPlan, choices: list[Choice]) -> str:
+    """One line per node: the interface its ranks use, why, and which ranks sit there."""
+    lines = []
+    for node in range(plan.num_nodes):
+        ranks = [w.rank for w in plan.workers if plan.node_rank(w.rank) == node]
+        c, ip = choices[ranks[0]], plan.workers[ranks[0]].node_ip
+        span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+        lines.append(f"ray_mesh: node {node} ({ip}): ranks {span} use interface "
+                     f"{c.interface} [{c.reason}], address {c.address}")
+    return "\n".join(lines)
+
+
 def _warn_niceness(plan: MeshPlan, results: list, target: int | None) -> None:
     """One warning naming the nodes whose workers kept Ray's niceness, and the fix."""
     failed = {plan.workers[i].node_ip: r for i, r in enumerate(results)
@@ -280,8 +324,7 @@ class _MeshBackend(Backend):
             check_worker_group(worker_group, plan, choices, port, config.preflight_timeout_s)
         fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
         interfaces = {i: c.interface for i, c in enumerate(choices)}
-        table = plan.layout_table(interfaces)
-        logger.info("%s", table)
+        table = plan.layout_table(interfaces) + "\n" + node_lines(plan, choices)
         refs = [
             worker_group.execute_single_async(w.rank, _setup_on_worker, WorkerSetup(
                 spec=plan.spec, rank=w.rank, world_size=len(plan.workers),
@@ -290,6 +333,7 @@ class _MeshBackend(Backend):
                 collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
                 backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
                 choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
+                verbose=config.verbose,
             ))
             for w in plan.workers
         ]
