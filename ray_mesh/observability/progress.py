@@ -109,4 +109,5 @@ def log_step(name: str, step: int, steps: int, loss: float, every: int,
         say(progress_line(name, done, steps, loss, speed))
     if done == steps:
         metrics.update(speed)
+        recorder().latest.update(speed)  # for the run's summary (report.save_summary)
     report(metrics)

@@ -266,8 +266,6 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
             job.run["storage_path"] = check_cluster(scaling, trainer_mesh,
                                                     job.run.get("storage_path"),
                                                     check_store=True)
-            if not scaling.elasticity_enabled and NODES not in job.mesh.shape:
-                job.mesh.resolve(scaling.num_workers)
             trainer = build_trainer(job, scaling, verbose)
             url = metrics_url()
             t0 = time.monotonic()
