@@ -75,8 +75,8 @@ def rates(done: int, samples_per_step: float | None = None) -> dict[str, float]:
 
 def progress_line(name: str, done: int, steps: int, loss: float,
                   speed: dict[str, float]) -> str:
-    """``name: step 10/40  loss 0.4053  12.1 steps/s  194 samples/s  ETA 2s``."""
-    parts = [f"{name}: step {done}/{steps}", f"loss {loss:.4f}"]
+    """``name: step 10/40 loss 0.4053  12.1 steps/s  194 samples/s  ETA 2s``."""
+    parts = [f"{name}: step {done}/{steps} loss {loss:.4f}"]
     if "steps_per_s" in speed:
         parts.append(f"{speed['steps_per_s']:.3g} steps/s")
         if "samples_per_s" in speed:
