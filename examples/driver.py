@@ -10,7 +10,7 @@ import argparse
 import os
 
 import ray
-from ray.train import RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import ray_mesh
@@ -36,15 +36,19 @@ def main() -> None:
     from hsdp import train_loop  # noqa: E402  (importable once working_dir is on the path)
 
     scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.gpu)
-    # Ray would wait forever for GPUs a CPU-only cluster does not have: fail now instead.
-    ray_mesh.check_cluster(scaling)
+    # Replicate across nodes, shard inside a node: resolved on the real topology.
+    mesh_config = ray_mesh.MeshConfig(mesh=ray_mesh.MeshSpec(dp_replicate=2, dp_shard=-1))
+    # What only the driver can check (it needs the ScalingConfig): resources (Ray would wait
+    # forever for GPUs a CPU-only cluster lacks) and the mesh against the worker count.
+    ray_mesh.check_cluster(scaling, mesh_config)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"steps": args.steps},
         scaling_config=scaling,
-        # Replicate across nodes, shard inside a node: resolved on the real topology.
-        torch_config=ray_mesh.MeshConfig(mesh=ray_mesh.MeshSpec(dp_replicate=2, dp_shard=-1)),
-        run_config=RunConfig(name="hsdp-driver"),
+        torch_config=mesh_config,
+        # Bounded start-up retries: Ray retries a group that cannot start forever by default.
+        run_config=RunConfig(name="hsdp-driver",
+                             failure_config=FailureConfig(controller_failure_limit=3)),
     )
     result = trainer.fit()
     print(f"driver: finished, results in {result.path}")

@@ -93,7 +93,8 @@ def train_loop(config: dict) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     for step in range(steps):
         avg = train_step(model, optim, *batch(step, cfg, dp_size(mesh)), mesh).item()
-        log_step("hsdp", step, steps, avg, cfg["report_every"])
+        log_step("hsdp", step, steps, avg, cfg["report_every"],
+                 samples_per_step=cfg["batch_size"] * dp_size(mesh))
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node 4 examples/hsdp.py

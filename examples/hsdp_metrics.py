@@ -54,7 +54,8 @@ def train_loop(config: dict) -> None:
     meter = StepMeter(samples_per_step=batch, flush_every_s=float(config.get("flush_s", 2.0)))
     probe_dims(meter=meter)  # each dim's all-reduce latency and bandwidth, once
 
-    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh.get_group("dp")
+    # dp_rank/dp_size read the flattened dp dim ray_mesh keeps (no root-mesh slicing).
+    dp_rank, dp_group = ray_mesh.parallel.dp_rank(mesh), mesh.get_group("dp")
     for step in range(steps):
         with meter.step() as s:
             x, y = _batch(step, dp_rank, batch, device)
@@ -65,7 +66,7 @@ def train_loop(config: dict) -> None:
             avg = loss.detach().clone()
             with meter.collective("dp"):
                 dist.all_reduce(avg, group=dp_group)
-            s.loss = avg / mesh["dp"].size()
+            s.loss = avg / ray_mesh.parallel.dp_size(mesh)
             if step_sleep_s:
                 time.sleep(step_sleep_s)
         last = step + 1 == steps

@@ -18,6 +18,7 @@ __all__ = [
     "init_mesh",
     "is_initialized",
     "parallel",
+    "report",
     "shutdown_mesh",
 ]
 
@@ -40,6 +41,10 @@ def __getattr__(name: str):
         from ray_mesh import checkpointing
 
         return getattr(checkpointing, name)
+    if name == "report":  # metrics every step; ray.train.report every N-th call
+        from ray_mesh.observability.report import report
+
+        return report
     if name == "parallel":  # TP/FSDP/PP helpers: torch-only, loaded on first use
         import importlib
 

@@ -48,6 +48,32 @@ def flatten_mesh(mesh: Any, name: str, backend_override: Any = None) -> Any:
     return mesh._flatten(mesh_dim_name=name, backend_override=backend_override)
 
 
+def concatenate_meshes(parts: list[Any]) -> Any:
+    """One DeviceMesh whose dims are the 1-D meshes ``parts`` (of one root), in order.
+
+    Internal: ``DeviceMesh._concatenate`` (torch 2.13.0), what slicing several dims does
+    inside torch; it reuses the parts' process groups. ray_mesh needs it to join a kept
+    flattened mesh with a named dim without slicing the flattened dim from the root mesh
+    (deprecated since torch 2.11). Public replacement: none in torch 2.13.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(parts)
+
+
+def group_sequence_number(group: Any) -> int | None:
+    """torch's count of collectives issued on ``group`` (None where a backend keeps none).
+
+    Internal: ``ProcessGroup._get_sequence_number_for_group`` (torch 2.13.0, gloo and NCCL):
+    the hang watch compares it across ranks to name who did not arrive. Public replacement:
+    the flight recorder's dumps (NCCL) hold the same counters; none for gloo in torch 2.13.
+    """
+    try:
+        return int(group._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - fake groups and backends without a counter
+        return None
+
+
 def can_set_mesh_group(mesh: Any) -> bool:
     """True when this torch's DeviceMesh finds its groups by ``_dim_group_names``."""
     return hasattr(mesh, "_dim_group_names")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``ray-mesh`` (imported lazily: ``python -m ray_mesh.cli.main`` works)."""
+    """Entry point of ``ray-mesh``; imported lazily so ``python -m ray_mesh.cli.main``
+    does not load the module twice (runpy warns when a package pre-imports it)."""
     from ray_mesh.cli.main import main as _main
 
     return _main(argv)

@@ -19,23 +19,82 @@ from ray_mesh.planning.cost import PlanError
 
 USER_ERRORS = (JobError, MeshSpecError, TopologyError, NetworkError, PlanError)
 
+# Help text is plain text (the module docstring is for readers of the code).
+DESCRIPTION = """\
+Train on a named torch DeviceMesh across a Ray cluster.
+
+  ray-mesh run JOB.yaml [--address ADDR]   run a job (an embedded local Ray without --address)
+  ray-mesh status [--address ADDR]         nodes, runs, layout and metrics
+  ray-mesh plan [--address ADDR]           the mesh and rank -> node table for the cluster
+  ray-mesh doctor [--address ADDR]         network pre-flight on every live node
+
+ADDR is the head's address and GCS port, e.g. 100.64.0.1:6379; RAY_ADDRESS works too."""
+
+RUN_DESCRIPTION = """\
+Run the YAML job file JOB: its train function on the mesh it names.
+
+Without --address (and without RAY_ADDRESS) the job runs on an embedded local Ray that
+stops when the job ends. The console shows the mesh layout, the interface each node uses,
+a progress line every few steps and a summary at the end; add -v for every
+rank's environment line and Ray Train's own log lines."""
+
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ray_mesh.raytrain.runner import run_job
+    from ray_mesh.raytrain.runner import run_job_outcome
 
     job = Job.from_yaml(args.job)
     if args.num_workers is not None:
         job = job.with_num_workers(args.num_workers)
-    result = run_job(job, address=args.address)
+    outcome = run_job_outcome(job, address=args.address, verbose=args.verbose)
+    result = outcome.result
     if result.error is not None:
         print(f"ray-mesh: the run failed: {result.error}", file=sys.stderr)
         return 1
-    print(f"ray-mesh: run {job.name!r} finished; results in {result.path}")
-    if result.metrics:
-        print("ray-mesh: last metrics: " + ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in result.metrics.items()))
+    print("\n".join(summary_lines(job.name, outcome)))
     return 0
+
+
+def _number(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def summary_lines(name: str, outcome) -> list[str]:
+    """The final summary: steps, wall time, throughput, checkpoint, results, metrics."""
+    from ray_mesh.observability.report import read_summary
+
+    result = outcome.result
+    saved = read_summary(str(result.path)) if result.path else {}
+    # Ray Train keeps a report's metrics in Result only with a checkpoint; rank 0's last
+    # report is in the summary it saved.
+    metrics = {**saved.get("last", {}), **dict(result.metrics or {})}
+    steps = metrics.get("step")
+    wall = outcome.wall_s
+    head = f"ray-mesh: run {name!r} finished"
+    if isinstance(steps, int | float) and steps:
+        head += f": {int(steps)} steps in {wall:.1f} s (start-up included)"
+    else:
+        head += f" in {wall:.1f} s"
+    lines = [head]
+    rates = [f"{_number(metrics[k])} {unit}" for k, unit in (
+        ("steps_per_s", "steps/s"), ("samples_per_s", "samples/s"),
+        ("tokens_per_s", "tokens/s")) if k in metrics]
+    if rates:
+        lines.append("  throughput:  " + ", ".join(rates) + " (training steps only)")
+    shown = {k: v for k, v in metrics.items()
+             if k not in ("step", "steps_per_s", "samples_per_s", "tokens_per_s")}
+    if shown:
+        lines.append("  last report: " + ", ".join(f"{k}={_number(v)}" for k, v in shown.items()))
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else "none saved"
+    lines.append(f"  checkpoint:  {checkpoint}")
+    lines.append(f"  results:     {result.path}")
+    if outcome.metrics_url and outcome.embedded:
+        lines.append(f"  metrics:     were served at {outcome.metrics_url} while the embedded "
+                     f"Ray ran (it stops with the job); run on a cluster (--address) to keep "
+                     f"them for Prometheus and `ray-mesh status`")
+    elif outcome.metrics_url:
+        lines.append(f"  metrics:     {outcome.metrics_url} (Prometheus; series ray_mesh_*), "
+                     f"or `ray-mesh status`")
+    return lines
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -101,7 +160,9 @@ def _add_plan_doctor(sub) -> None:
     from ray_mesh.planning.cluster import STRATEGIES
 
     address_help = "Ray cluster address (else RAY_ADDRESS, else the cluster on this machine)"
-    plan = sub.add_parser("plan", help="propose a mesh and rank -> node table for the cluster")
+    plan = sub.add_parser("plan", help="propose a mesh and rank -> node table for the cluster",
+                          description="Propose a mesh for the live cluster and print the "
+                                      "rank -> node table it would give. Starts nothing.")
     plan.add_argument("--address", default=None, help=address_help)
     plan.add_argument("--strategy", choices=STRATEGIES, default="hsdp",
                       help="hsdp (default), tp-dp, tp-pp or pp-hsdp-tp")
@@ -121,7 +182,10 @@ def _add_plan_doctor(sub) -> None:
     plan.set_defaults(func=_cmd_plan)
 
     doc = sub.add_parser("doctor", help="check interfaces, versions and connectivity of "
-                                        "every live node (bounded)")
+                                        "every live node (bounded)",
+                         description="Check every live node's network interfaces, Ray and "
+                                     "torch versions, and that the nodes reach each other "
+                                     "over the chosen interface. Every wait is bounded.")
     doc.add_argument("--address", default=None, help=address_help)
     doc.add_argument("--interface", default="auto",
                      help="'auto' (default) or an interface name to check on every node")
@@ -133,17 +197,27 @@ def _add_plan_doctor(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ray-mesh", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser = argparse.ArgumentParser(prog="ray-mesh", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="more output: every rank's network environment line, Ray "
+                             "Train's own log lines, debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a YAML job (embedded local Ray without --address)")
+    run = sub.add_parser("run", help="run a YAML job (embedded local Ray without --address)",
+                         description=RUN_DESCRIPTION,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("job", help="path to the job's YAML file")
     run.add_argument("--address", default=None,
                      help="Ray cluster address (else RAY_ADDRESS, else an embedded local Ray)")
     run.add_argument("--num-workers", type=int, default=None,
                      help="override scaling.num_workers")
+    run.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                     help="more output (as ray-mesh -v)")
     run.set_defaults(func=_cmd_run)
-    status = sub.add_parser("status", help="nodes, running ray_mesh runs, layout, metrics")
+    status = sub.add_parser("status", help="nodes, running ray_mesh runs, layout, metrics",
+                            description="Show the cluster's nodes, the ray_mesh runs on it "
+                                        "(running, or all with --all), each run's layout "
+                                        "and its latest metrics.")
     status.add_argument("--address", default=None,
                         help="GCS address (<head>:6379) or dashboard URL (http://<head>:8265);"
                              " else RAY_ADDRESS, else the local dashboard")

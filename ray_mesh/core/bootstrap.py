@@ -198,13 +198,46 @@ def build_device_mesh(spec: MeshSpec, device_type: str, *,
                             backend_override=named or None)
     # Sharing also needs torch's group-name field (the placeholder is a fake group).
     twins = twin_dims(spec) if share and private_apis.can_set_mesh_group(mesh) else {}
+    flats: dict[str, DeviceMesh] = {}
     for flat, parts in FLATTENED_DIMS.items():
         twin = twins.get(flat)
         flat_mesh = private_apis.flatten_mesh(mesh[parts], flat,
                                               "fake" if twin else fake.get(flat))
         if twin:
             _share_group(flat_mesh, mesh.get_group(twin), flat)
+        flats[flat] = flat_mesh
+    # torch (2.11+) warns when a flattened dim is sliced from the root mesh and asks callers
+    # to keep the flattened meshes themselves: keep them on the mesh for submesh().
+    setattr(mesh, _FLAT_ATTR, flats)
     return mesh
+
+
+_FLAT_ATTR = "_ray_mesh_flattened"
+
+
+def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """``mesh[names]`` without slicing a flattened dim from the root mesh.
+
+    For a mesh built by :func:`build_device_mesh`, a flattened dim (``dp``, ``dp_shard_cp``,
+    ``dp_cp``) comes from the meshes ``_flatten`` returned; several dims are joined with
+    :func:`_concatenate_meshes`. Any other mesh is sliced as usual.
+    """
+    flats: dict[str, DeviceMesh] = getattr(mesh, _FLAT_ATTR, {})
+    if not any(n in flats for n in names):
+        return mesh[names[0] if len(names) == 1 else names]
+    if len(names) == 1:
+        return flats[names[0]]
+    return _concatenate_meshes([flats[n] if n in flats else mesh[n] for n in names])
+
+
+def _concatenate_meshes(parts: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are ``parts`` (1-D meshes of one root), in order.
+
+    Through ``private_apis.concatenate_meshes`` (``DeviceMesh._concatenate``): what slicing
+    several dims does inside torch, and the only way to join a kept flattened mesh with a
+    named dim without the root-slicing deprecation. It reuses the parts' process groups.
+    """
+    return private_apis.concatenate_meshes(parts)
 
 
 def init_process_group(

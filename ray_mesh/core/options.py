@@ -35,6 +35,7 @@ class MeshOptions:
     measure_links: bool | str = "auto"
     link_probe_s: float = 1.0
     hang_timeout_s: float | None = 60.0
+    verbose: bool = False
 
     def check_options(self) -> None:
         """Raise ``ValueError`` naming the option and the fix for a bad value (mesh aside)."""
@@ -82,7 +83,7 @@ def check_option_values(values: Mapping[str, Any]) -> None:
     if "measure_links" in values and values["measure_links"] not in (True, False, "auto"):
         raise ValueError(f"measure_links must be True, False or 'auto', got "
                          f"{values['measure_links']!r}.")
-    for name in ("allow_cross_node_inner", "preflight"):
+    for name in ("allow_cross_node_inner", "preflight", "verbose"):
         if name in values and not isinstance(values[name], bool):
             raise ValueError(f"{name} must be true or false, got {values[name]!r}.")
     if "nccl_vpn_defaults" in values and values["nccl_vpn_defaults"] not in (True, False, "auto"):

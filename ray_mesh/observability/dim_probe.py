@@ -30,12 +30,12 @@ def probe_dims(
 
     state = bootstrap.get_state()
     mesh = state.mesh
-    dims = dims or tuple(d for d in MESH_DIMS if mesh[d].size() > 1)
+    dims = dims or tuple(d for d in MESH_DIMS if bootstrap.submesh(mesh, d).size() > 1)
     numel = max(1, nbytes // 4)
     buf = torch.ones(numel, dtype=torch.float32, device=state.device)
     results: dict[str, tuple[float, float]] = {}
     for dim in dims:
-        n = mesh[dim].size()
+        n = bootstrap.submesh(mesh, dim).size()
         if n < 2:
             continue
         group = mesh.get_group(dim)

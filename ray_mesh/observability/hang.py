@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 from ray_mesh.observability.hang_report import P2P_DIM, format_report
 
@@ -65,15 +66,8 @@ class CollectiveHangError(RuntimeError):
 
 
 def _group_seq(group: dist.ProcessGroup) -> int | None:
-    """torch's count of collectives issued on ``group``.
-
-    Internal API (``ProcessGroup._get_sequence_number_for_group``), checked on torch 2.6
-    and 2.13 (gloo and NCCL); None where a backend does not keep one.
-    """
-    try:
-        return int(group._get_sequence_number_for_group())
-    except Exception:  # noqa: BLE001 - fake groups and old backends
-        return None
+    """torch's count of collectives issued on ``group`` (``private_apis``), or None."""
+    return private_apis.group_sequence_number(group)
 
 
 def mesh_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:

@@ -163,9 +163,9 @@ def apply_fsdp(
         device = mesh.device_type
         ids = [torch.cuda.current_device()] if device == "cuda" else None
         return nn.parallel.DistributedDataParallel(module, device_ids=ids,
-                                                   device_mesh=mesh["dp_cp"])
-    dp_mesh = (mesh["dp_shard_cp"] if mode in ("fsdp", "replica")
-               else mesh["dp_replicate", "dp_shard_cp"])
+                                                   device_mesh=submesh(mesh, "dp_cp"))
+    dp_mesh = (submesh(mesh, "dp_shard_cp") if mode in ("fsdp", "replica")
+               else submesh(mesh, "dp_replicate", "dp_shard_cp"))
     policy = mixed_precision_policy(mixed_precision)
     for block in find_blocks(module, blocks):
         if block is module:

@@ -12,24 +12,28 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_mesh.core import bootstrap
 from ray_mesh.parallel.errors import ParallelError
 
 GET_MESH_HINT = ("Use the mesh from ray_mesh.get_mesh() (Ray Train, MeshConfig) or "
                  "ray_mesh.init_mesh() (torchrun), which has every ray_mesh dim.")
 
 
-def submesh(mesh: DeviceMesh, name: str, *, hint: str = GET_MESH_HINT) -> DeviceMesh:
-    """``mesh[name]`` for a named or flattened dim, or a ParallelError naming the fix.
+def submesh(mesh: DeviceMesh, *names: str, hint: str = GET_MESH_HINT) -> DeviceMesh:
+    """``mesh[names]`` for named or flattened dims, or a ParallelError naming the fix.
 
-    Flattened dims (``dp``, ``dp_shard_cp``, ``dp_cp``) are not in ``mesh_dim_names``, so the
+    Through :func:`ray_mesh.core.bootstrap.submesh`, which hands out the flattened dims
+    (``dp``, ``dp_shard_cp``, ``dp_cp``) the mesh kept when it was built instead of slicing
+    them from the root (deprecated in torch). They are not in ``mesh_dim_names``, so the
     lookup itself is the test; torch raises KeyError, RuntimeError or ValueError depending on
     the version and on whether the name is unknown or the mesh is not a root mesh.
     """
     try:
-        return mesh[name]
+        return bootstrap.submesh(mesh, *names)
     except (KeyError, RuntimeError, ValueError) as exc:
         raise ParallelError(
-            f"The mesh has no {name!r} dim (dims: {mesh.mesh_dim_names}). {hint}"
+            f"The mesh has no {' x '.join(map(repr, names))} dim (dims: "
+            f"{mesh.mesh_dim_names}). {hint}"
         ) from exc
 
 

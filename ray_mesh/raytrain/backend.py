@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,10 @@ from ray_mesh.network.interfaces import (
 from ray_mesh.network.probe import node_versions
 from ray_mesh.observability import hang
 from ray_mesh.observability.layout import layout_table
+from ray_mesh.observability.report import wrap_train_report
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.raytrain.data import install_mesh_data_config
+from ray_mesh.raytrain.driver import quiet_report_lines
 from ray_mesh.raytrain.layout_io import save_layout
 from ray_mesh.raytrain.links import measure_worker_group, node_leaders, pick_mesh
 from ray_mesh.raytrain.preflight import check_worker_group
@@ -92,6 +95,11 @@ class MeshConfig(MeshOptions, TorchConfig):
             the dim, the collective, the ranks that did not arrive and their Python stacks
             (``ray_mesh.observability.hang``; the groups' process-group timeout becomes
             ``hang_timeout_s + 15``). ``None`` turns the watch off.
+        verbose: every rank logs its environment line (interface, MASTER_*, NCCL_/GLOO_*);
+            by default rank 0 logs the layout and one interface line per node.
+
+    Inside the train function, ``ray.train.report`` also feeds ray_mesh's metrics (see
+    ``ray_mesh.observability.report``): every number reported becomes a mesh-tagged metric.
     """
 
     plan: PlanInputs | None = None
@@ -123,6 +131,10 @@ class MeshConfig(MeshOptions, TorchConfig):
 
     @property
     def train_func_context(self):
+        # Ray Train 2.60 (V2) reads this on the driver when fit() starts
+        # (DataParallelTrainer._get_train_func), before the controller exists: the one
+        # driver-side moment a BackendConfig gets. Run-state tracking is decided there.
+        _on_driver_at_fit()
         return _TrainThreadContext
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,17 +143,32 @@ class MeshConfig(MeshOptions, TorchConfig):
         return out
 
 
+def _on_driver_at_fit() -> None:
+    """Driver-side set-up a ``MeshConfig`` run gets without extra calls (see driver.py)."""
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is not None:
+        return  # not a connected driver (Ray not started yet, or inside an actor)
+    from ray_mesh.raytrain.driver import enable_state_tracking
+
+    enable_state_tracking()
+
+
 class _TrainThreadContext:
     """Entered by Ray Train in the training thread: make the mesh's device current there,
-    and give threads started since bring-up the workers' niceness. An error of a collective
-    the hang watch reported on becomes a ``CollectiveHangError`` carrying the report."""
+    give threads started since bring-up the workers' niceness, let ``ray.train.report`` feed
+    ray_mesh's metrics for the duration of the train function, and turn an error of a
+    collective the hang watch reported on into a ``CollectiveHangError`` carrying the report."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
 
     def __enter__(self) -> None:
         priority.reapply()
         if bootstrap.is_initialized():
             bootstrap.use_device(bootstrap.get_state().device)
+        self._stack.enter_context(wrap_train_report())
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._stack.close()
         better = hang.explain(exc)
         if better is not None:  # Ray Train shows 1000 characters: the report, not gloo's text
             raise better from None
@@ -179,9 +206,10 @@ class WorkerSetup:
     device: str
     timeout_s: float
     choice: Choice
-    layout_table: str
+    layout_table: str  # rank 0 logs it, with the per-node interface lines
     niceness: int | None = None
     hang_timeout_s: float | None = None
+    verbose: bool = False
 
 
 def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
@@ -195,15 +223,18 @@ def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
     in_force = {**w.fixed_env, **applied}
     line = rank_env_line(w.rank, w.node_rank, w.choice, in_force,
                          user_kept(w.collective_env, applied))
-    logger.info("%s", line)
-    print(line, flush=True)  # worker stdout reaches the driver; logging.INFO may not
+    # Logging, not print: Ray Train shows a worker's INFO line once on the driver's console
+    # (a print would show twice). Only rank 0 speaks unless MeshConfig(verbose=True).
+    logger.log(logging.INFO if w.verbose else logging.DEBUG, "%s", line)
+    if not w.verbose:
+        quiet_report_lines()  # Ray Train's INFO line per report (not under its log level)
     bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force)
     if w.hang_timeout_s:
         hang.try_start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
     if w.rank == 0:
-        print(w.layout_table, flush=True)
+        logger.info("%s", w.layout_table)
     return niced
 
 
@@ -268,6 +299,18 @@ def plan_for(worker_group, config: MeshConfig
     return plan, choices, reports
 
 
+def node_lines(plan: MeshPlan, choices: list[Choice]) -> str:
+    """One line per node: the interface its ranks use, why, and which ranks sit there."""
+    lines = []
+    for node in range(plan.num_nodes):
+        ranks = [w.rank for w in plan.workers if plan.node_rank(w.rank) == node]
+        c, ip = choices[ranks[0]], plan.workers[ranks[0]].node_ip
+        span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+        lines.append(f"ray_mesh: node {node} ({ip}): ranks {span} use interface "
+                     f"{c.interface} [{c.reason}], address {c.address}")
+    return "\n".join(lines)
+
+
 def _warn_niceness(plan: MeshPlan, results: list, target: int | None) -> None:
     """One warning naming the nodes whose workers kept Ray's niceness, and the fix."""
     failed = {plan.workers[i].node_ip: r for i, r in enumerate(results)
@@ -314,8 +357,7 @@ class _MeshBackend(Backend):
             install_mesh_data_config(worker_group, plan.spec)
         fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
         interfaces = {i: c.interface for i, c in enumerate(choices)}
-        table = layout_table(plan, interfaces)
-        logger.info("%s", table)
+        table = layout_table(plan, interfaces) + "\n" + node_lines(plan, choices)
         refs = [
             worker_group.execute_single_async(w.rank, _setup_on_worker, WorkerSetup(
                 spec=plan.spec, rank=w.rank, world_size=len(plan.workers),
@@ -325,6 +367,7 @@ class _MeshBackend(Backend):
                 backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
                 choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
                 hang_timeout_s=config.hang_timeout_s,
+                verbose=config.verbose,
             ))
             for w in plan.workers
         ]

@@ -5,10 +5,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.train import CheckpointConfig, Result, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, LoggingConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import ray_mesh.private_apis as private_apis
@@ -19,6 +23,7 @@ from ray_mesh.core.spec import NODES
 from ray_mesh.network.interfaces import host_port, split_host_port
 from ray_mesh.raytrain.auth import secure_token_file
 from ray_mesh.raytrain.backend import MeshConfig
+from ray_mesh.raytrain.driver import CLI_ENV, EMBEDDED_ENV
 from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 
 logger = logging.getLogger(__name__)
@@ -57,18 +62,28 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
     # Its workers run this job only: start them at niceness 0 like torchrun's ranks (Ray's
     # default is 15; see ray_mesh.core.priority). They inherit it from raylet, which inherits
     # this process's environment; an unprivileged worker could not lower it later.
-    saved = os.environ.get(RAY_NICENESS_ENV)
-    os.environ.setdefault(RAY_NICENESS_ENV, "0")
     # A new local Ray writes ~/.ray/auth_token with the umask (0644): create it first, 0600.
     secure_token_file(create=True)
-    try:
-        ray.init(address="local",
-                 num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)))
-    finally:
-        if saved is None:
-            os.environ.pop(RAY_NICENESS_ENV, None)
+    with env_defaults({RAY_NICENESS_ENV: "0"}):
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)),
+                 runtime_env={"worker_process_setup_hook":
+                              "ray_mesh.raytrain.driver.embedded_worker_setup"})
     secure_token_file(create=False)
+    # This driver's own state-API calls go to this instance too (see driver.py).
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     return True
+
+
+@contextmanager
+def env_defaults(values: dict[str, str]) -> Iterator[None]:
+    """Set each variable the user did not set, for the duration of the block."""
+    added = [k for k in values if k not in os.environ]
+    os.environ.update({k: values[k] for k in added})
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -151,14 +166,31 @@ def check_resources(scaling: ScalingConfig, cluster: dict[str, float]) -> None:
             )
 
 
-def check_cluster(scaling: ScalingConfig) -> None:
-    """Driver-side check of ``scaling`` against the connected cluster's total resources.
+def check_cluster(scaling: ScalingConfig, torch_config: MeshConfig | None = None,
+                  storage_path: str | None = None, *, check_store: bool = False,
+                  name: str | None = None) -> str | None:
+    """Driver-side checks before ``fit()``; ``ray-mesh run`` makes the same ones.
 
     Ray Train 2.60 waits forever ("worker group startup timed out", retried) when a
     ScalingConfig asks for resources the cluster does not have, e.g. GPUs on a CPU-only
-    cluster, and no backend hook runs before that wait. Call this before ``fit()``.
+    cluster, and no backend hook runs before that wait: these checks need the
+    ScalingConfig and RunConfig, which a ``BackendConfig`` never sees on the driver.
+
+    Checks ``scaling`` against the connected cluster's resources; with ``torch_config``, that
+    its mesh can be laid out on the worker count (elastic ranges included); with
+    ``check_store`` (or a ``storage_path``), that the storage path is writable and shared by
+    every node (and ``name``, the run name, that it stays inside it). Returns the checked
+    storage path.
     """
     check_resources(scaling, ray.cluster_resources())
+    if torch_config is not None and torch_config.mesh != "auto":  # auto: planned at bring-up
+        if scaling.elasticity_enabled:
+            check_elastic_mesh(torch_config.mesh, scaling.min_workers, scaling.max_workers)
+        elif NODES not in torch_config.mesh.shape:
+            torch_config.mesh.resolve(scaling.num_workers)
+    if check_store or storage_path is not None:
+        return check_storage(storage_path, name=name)
+    return storage_path
 
 
 def check_data_resources(job: Job, scaling: ScalingConfig, cluster: dict[str, float]) -> None:
@@ -176,8 +208,13 @@ def check_data_resources(job: Job, scaling: ScalingConfig, cluster: dict[str, fl
             f".CPU (e.g. 0.5) or num_workers, or add a node with CPUs.")
 
 
-def build_trainer(job: Job, scaling: ScalingConfig,
-                  storage_path: str | None = None) -> TorchTrainer:
+def mesh_config(job: Job, verbose: bool = False) -> MeshConfig:
+    """The job's ``mesh`` and ``network`` sections as a :class:`MeshConfig`."""
+    return MeshConfig(mesh=job.mesh, verbose=verbose, **job.network.mesh_config_kwargs())
+
+
+def build_trainer(job: Job, scaling: ScalingConfig, storage_path: str | None = None,
+                  verbose: bool = False) -> TorchTrainer:
     """The trainer for ``job``; ``storage_path`` is the checked one (default: the job's)."""
     run = job.run
     run_config = RunConfig(
@@ -185,6 +222,8 @@ def build_trainer(job: Job, scaling: ScalingConfig,
         storage_path=storage_path if storage_path is not None else run.storage_path,
         failure_config=failure_config(run.max_failures, run.startup_retries),
         checkpoint_config=CheckpointConfig(num_to_keep=run.num_to_keep),
+        # Ray Train's own INFO lines (state transitions, every report) only with -v.
+        logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING"),
     )
     # A data: section: its Ray Data datasets stream to the workers, and the train function
     # finds the checked spec in its config under "data".
@@ -198,44 +237,71 @@ def build_trainer(job: Job, scaling: ScalingConfig,
         train_loop_config=config,
         datasets=datasets,
         scaling_config=scaling,
-        torch_config=MeshConfig(mesh=job.mesh, **job.network.mesh_config_kwargs()),
+        torch_config=mesh_config(job, verbose),
         run_config=run_config,
     )
 
 
-def run_job(job: Job, address: str | None = None) -> Result:
+@dataclass
+class RunOutcome:
+    """A finished run and what the console summary says about it."""
+
+    result: Result
+    wall_s: float
+    metrics_url: str | None  # the Prometheus endpoint of the driver's node
+    embedded: bool  # the endpoint went away with the embedded Ray
+
+
+def metrics_url() -> str | None:
+    """``http://<ip>:<port>/metrics`` of this driver's Ray node, or None."""
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
+                where = host_port(node["NodeManagerAddress"], node["MetricsExportPort"])
+                return f"http://{where}/metrics"
+    except Exception:  # noqa: BLE001 - a summary line is not worth failing for
+        pass
+    return None
+
+
+def run_job(job: Job, address: str | None = None, verbose: bool = False) -> Result:
     """Check the job, connect to Ray and run it to the end."""
+    return run_job_outcome(job, address, verbose).result
+
+
+def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False) -> RunOutcome:
+    """:func:`run_job`, with the wall time and where the metrics were served."""
     job.load_train_fn()  # a train function that cannot be imported fails before Ray starts
     cpus = job.scaling.num_workers * float(
         (job.scaling.resources_per_worker or {}).get("CPU", 1))
     cpus += DATA_CPUS if job.data is not None else 0  # room for Ray Data's tasks
-    # Ray Train's run state API (what `ray-mesh status` reads) is off unless this is set
-    # before the driver connects; an embedded Ray's processes inherit it too.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
-    started = connect(address, cpus)
-    try:
-        cluster = ray.cluster_resources()
-        scaling = scaling_for(job, cluster)
-        check_resources(scaling, cluster)
-        check_data_resources(job, scaling, cluster)
-        # A storage_path that is not writable, or node-local on a multi-node cluster, fails
-        # here rather than at the first checkpoint.
-        storage_path = check_storage(job.run.storage_path, name=job.name)
-        # Resolve the mesh against the worker count now: a product that cannot match fails
-        # here, not after the workers started.
-        if scaling.elasticity_enabled:
-            check_elastic_mesh(job.mesh, scaling.min_workers, scaling.max_workers)
-        elif NODES not in job.mesh.shape:
-            job.mesh.resolve(scaling.num_workers)
-        trainer = build_trainer(job, scaling, storage_path)
+    embedded = not (address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized()
+    saved_address = os.environ.get("RAY_ADDRESS")  # connect() sets it for an embedded Ray
+    with env_defaults({**CLI_ENV, **(EMBEDDED_ENV if embedded else {})}):
+        started = connect(address, cpus)
         try:
-            return trainer.fit()
-        except Exception as exc:
-            # A group that cannot start again (a node lost, a fixed-size run) -> say so.
-            why = explain_startup_failure(exc, scaling.num_workers)
-            if why:
-                raise JobError(why) from exc
-            raise
-    finally:
-        if started:
-            ray.shutdown()
+            cluster = ray.cluster_resources()
+            scaling = scaling_for(job, cluster)
+            check_data_resources(job, scaling, cluster)
+            # Resources, the mesh against the worker count, and a storage_path that is not
+            # writable or node-local on a multi-node cluster: all fail here, not later.
+            storage_path = check_cluster(scaling, mesh_config(job), job.run.storage_path,
+                                         check_store=True, name=job.name)
+            trainer = build_trainer(job, scaling, storage_path, verbose)
+            url = metrics_url()
+            t0 = time.monotonic()
+            try:
+                result = trainer.fit()
+            except Exception as exc:
+                # A group that cannot start again (a node lost, a fixed-size run) -> say so.
+                why = explain_startup_failure(exc, scaling.num_workers)
+                if why:
+                    raise JobError(why) from exc
+                raise
+            return RunOutcome(result, time.monotonic() - t0, url, started)
+        finally:
+            if started:
+                ray.shutdown()
+                if saved_address is None:
+                    os.environ.pop("RAY_ADDRESS", None)

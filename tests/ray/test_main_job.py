@@ -1,4 +1,5 @@
-"""The README's main job, `ray-mesh run examples/hsdp.yaml`, on an embedded local Ray."""
+"""The README's main job, `ray-mesh run examples/hsdp.yaml`, on an embedded local Ray: it
+trains, and its console reads like one: no tracebacks, no line twice, progress and a summary."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.ray
+
+# Ray's log prefix, e.g. "(RayTrainWorker pid=504) "; its colour codes are stripped first.
+PREFIX = re.compile(r"^\(\w+ pid=\d+(?:, ip=[^)]*)?\)\s?")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _lines(out: str) -> list[str]:
+    """The console's lines without colour and without Ray's per-process prefix."""
+    return [PREFIX.sub("", ANSI.sub("", line)).rstrip() for line in out.splitlines()]
 
 
 @pytest.mark.timeout(600)
@@ -32,9 +43,27 @@ def test_ray_mesh_run_hsdp_example(tmp_path):
         shutil.rmtree(ray_tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "ray-mesh: run 'hsdp' finished" in out
-    # Rank 0 printed the layout table once (Ray may echo a line twice; the header is unique).
-    assert re.search(r"ray_mesh: MeshSpec\(pp=1, dp_replicate=2, dp_shard=2, cp=1, tp=1\)", out)
-    losses = [float(x) for x in re.findall(r"hsdp: step \d+/\d+ loss ([0-9.]+)", out)]
-    assert len(losses) >= 2, out[-4000:]
+    lines = _lines(out)
+    # The layout table and the interface line, once each.
+    assert sum("ray_mesh: MeshSpec(pp=1, dp_replicate=2, dp_shard=2, cp=1, tp=1)" in x
+               for x in lines) == 1, out[-4000:]
+    assert sum(re.search(r"ray_mesh: node 0 \(.*\): ranks 0-3 use interface", x) is not None
+               for x in lines) == 1, out[-4000:]
+    # Progress lines: step/total, loss, rate and ETA; the loss goes down.
+    progress = [x for x in lines if re.match(r"hsdp: step \d+/40 ", x)]
+    assert len(progress) >= 4, out[-4000:]
+    assert all("ETA" in x and "samples/s" in x for x in progress[1:]), progress
+    losses = [float(re.search(r"loss ([0-9.]+)", x).group(1)) for x in progress]
     assert losses[-1] < 0.5 * losses[0], losses
+    # The final summary.
+    assert re.search(r"ray-mesh: run 'hsdp' finished: 40 steps in [0-9.]+ s", out), out[-3000:]
+    assert re.search(r"throughput: +[0-9.]+ steps/s, [0-9.]+ samples/s", out), out[-3000:]
+    assert "checkpoint:" in out and "results:" in out and "metrics:" in out
+    # A console a person reads: no tracebacks, nothing twice, no deprecation from our calls.
+    assert "Traceback" not in out, out
+    assert "will be deprecated" not in out, out
+    assert "Failed to query" not in out, out
+    twice = {x: n for x, n in Counter(x for x in lines if x.strip()).items() if n > 1}
+    assert not twice, twice
+    # Verbose-only lines stay out by default.
+    assert not any(x.startswith("ray_mesh rank ") for x in lines), out

@@ -258,6 +258,31 @@ def test_prometheus_series_carry_mesh_tags_and_plausible_values(cluster):
         assert 0 < coll_total[r] < time_total[r]
 
 
+def test_numbers_passed_to_ray_train_report_become_mesh_tagged_series(cluster):
+    """examples/hsdp_metrics.py calls plain ray.train.report; MeshConfig's training-thread
+    context turns each number into ray_mesh_report_<key>, plus a derived step rate."""
+
+    def ready():
+        s = _samples(cluster)
+        want = ("ray_mesh_report_loss", "ray_mesh_report_step",
+                "ray_mesh_report_steps_per_second")
+        return s if all(len(_by(s, n)) == 4 for n in want) else None
+
+    samples = _wait(ready, METRICS_TIMEOUT_S, "ray_mesh_report_* series of 4 ranks",
+                    interval_s=3)
+    for name, labels, _ in samples:
+        if name.startswith("ray_mesh_report_"):
+            coord = SPEC.coordinate(int(labels["rank"]))
+            assert {d: labels[d] for d in DIM_NAMES} == {d: str(coord[d]) for d in DIM_NAMES}
+            assert labels["node_ip"] == cluster.node_ip
+    loss, rate = _by(samples, "ray_mesh_report_loss"), _by(samples,
+                                                           "ray_mesh_report_steps_per_second")
+    for r in range(4):
+        assert 0 < loss[r] < 5, loss
+        assert 0 < rate[r] <= 1.01 / SLEEP, rate  # a step sleeps SLEEP at least
+        assert _by(samples, "ray_mesh_report_step")[r] >= 1
+
+
 def test_prometheus_recipe_targets_are_in_rays_service_discovery_file(cluster):
     """deploy/monitoring/prometheus.yml reads this file: it must list the endpoint we scrape."""
     sd = json.loads((cluster.tmp / "h" / "prom_metrics_service_discovery.json").read_text())

@@ -96,6 +96,25 @@ print(dist.get_backend(mesh.get_group("ac")))
     assert out.strip() == "fake", out
 
 
+def test_concatenate_meshes():
+    out = run_python(FAKE_WORLD + """
+flat = pa.flatten_mesh(mesh[("b", "c")], "bc")
+both = pa.concatenate_meshes([mesh["a"], flat])
+assert both.mesh_dim_names == ("a", "bc"), both.mesh_dim_names
+assert tuple(both.mesh.shape) == (mesh["a"].size(), 2), both.mesh.shape
+print("ok")
+""")
+    assert out.strip() == "ok", out
+
+
+def test_group_sequence_number():
+    out = run_python(FAKE_WORLD + """
+g = mesh.get_group("b")
+print(pa.group_sequence_number(g) is not None or dist.get_backend(g) == "fake")
+""")
+    assert out.strip() == "True", out
+
+
 def test_set_mesh_group():
     out = run_python(FAKE_WORLD + """
 assert pa.can_set_mesh_group(mesh), "DeviceMesh has no _dim_group_names any more"
