@@ -9,6 +9,7 @@ A job file::
     scaling: {num_workers: 4, use_gpu: auto, resources_per_worker: {CPU: 1}}
     network: {interface: auto, bringup_timeout_s: 120}
     run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
+    replicate: {mode: diloco, every: 50, compress: int8}  # default mode: sync (HSDP)
     # run.min_workers: N makes the run elastic (num_workers is then the maximum);
     # run.startup_retries bounds the restarts of a group that cannot start (default 3).
 
@@ -31,13 +32,16 @@ from ray import cloudpickle
 
 from ray_mesh.checkpointing.storage import run_name_problem
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
+from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
+from ray_mesh.parallel.replicate import parse_replicate
 
 
 class JobError(ValueError):
     """A job file that cannot run; the message names the key and the fix."""
 
 
-TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run")
+TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "replicate")
 SCALING_KEYS = ("num_workers", "use_gpu", "resources_per_worker", "placement_strategy")
 NETWORK_KEYS = ("interface", "bringup_timeout_s", "allow_cross_node_inner", "backend",
                 "timeout_s", "preflight", "preflight_timeout_s", "nccl_vpn_defaults")
@@ -84,6 +88,7 @@ class Job:
     scaling: dict = field(default_factory=dict)
     network: dict = field(default_factory=dict)
     run: dict = field(default_factory=dict)
+    replicate: Any = None  # a DiLoCoConfig (replicate: {mode: diloco, ...}) or None (sync)
     base_dir: Path = field(default_factory=Path.cwd)
 
     @classmethod
@@ -114,7 +119,13 @@ class Job:
             raise JobError(f"name: {name!r} cannot be a run name: {why}. The run directory is "
                            f"<storage_path>/<name>: use one plain path component such as "
                            f"'hsdp_run1'; to write elsewhere, set run.storage_path.")
+        try:
+            replicate = parse_replicate(top.get("replicate"))
+            check_replicate_mesh(replicate, mesh.dp_replicate)
+        except ParallelError as exc:
+            raise JobError(str(exc)) from exc
         return cls(
+            replicate=replicate,
             name=name,
             train=str(top["train"]),
             config=config,

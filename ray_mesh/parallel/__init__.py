@@ -13,6 +13,8 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
 - :func:`dp_rank`, :func:`dp_size`, :func:`dp_mean`, :func:`shard_batch`,
   :func:`distributed_sampler` - data
 - :func:`full_parameters` - the whole parameters back from DTensors (checks, export)
+- :func:`replicate_config`, :func:`wrap_replicate` - the replicate dim's mode (sync HSDP or
+  DiLoCo, :mod:`ray_mesh.parallel.diloco`): the run's settings and the outer loop, or None
 """
 
 from ray_mesh.parallel.compose import full_parameters, gather_over, parallelize
@@ -28,6 +30,9 @@ from ray_mesh.parallel.data import (
 from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
 from ray_mesh.parallel.pp import Pipeline, PipelinePlan, known_hang, schedule_info
+from ray_mesh.parallel.replicate import dp_mode as replicate_dp_mode
+from ray_mesh.parallel.replicate import replicate_config
+from ray_mesh.parallel.replicate import wrap as wrap_replicate
 from ray_mesh.parallel.tp import apply_tp, make_style, validate_tp_plan
 
 __all__ = [
@@ -50,8 +55,11 @@ __all__ = [
     "make_style",
     "mixed_precision_policy",
     "parallelize",
+    "replicate_config",
+    "replicate_dp_mode",
     "resolve_mode",
     "schedule_info",
     "shard_batch",
     "validate_tp_plan",
+    "wrap_replicate",
 ]

@@ -35,6 +35,8 @@ from ray_mesh.network.interfaces import (
 )
 from ray_mesh.network.preflight import check_worker_group, choose_all
 from ray_mesh.observability.layout import save_layout
+from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
+from ray_mesh.parallel.replicate import parse_replicate, set_replicate_config
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.raytrain.links import measure_worker_group, node_leaders, pick_mesh
 
@@ -75,6 +77,11 @@ class MeshConfig(TorchConfig):
         plan: what ``mesh='auto'`` plans with: a ``ray_mesh.planning.inputs.PlanInputs``
             (the YAML ``plan:`` section). With ``mesh='auto'`` the backend picks the layout
             with the lowest predicted step time on the measured links and logs why.
+        replicate: how replicas keep together over ``dp_replicate``: None / ``'sync'`` (HSDP,
+            the default), or a ``DiLoCoConfig`` / mapping like ``{'mode': 'diloco', 'every':
+            50, 'compress': 'int8'}`` (the YAML ``replicate:`` section). Every worker can read
+            it with ``ray_mesh.parallel.replicate_config()``; ``wrap_replicate(model)`` builds
+            the outer loop (see ``ray_mesh.parallel.replicate``).
     """
 
     mesh: Any = None
@@ -88,6 +95,7 @@ class MeshConfig(TorchConfig):
     measure_links: bool | str = "auto"
     link_probe_s: float = 1.0
     plan: PlanInputs | None = None
+    replicate: Any = None
 
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
@@ -98,6 +106,9 @@ class MeshConfig(TorchConfig):
                                  "section) to predict each layout's step time")
         else:
             self.mesh = MeshSpec.from_dict(self.mesh)
+        self.replicate = parse_replicate(self.replicate)
+        if self.mesh != "auto":
+            check_replicate_mesh(self.replicate, self.mesh.dp_replicate)
         if self.measure_links not in (True, False, "auto"):
             raise ValueError(f"measure_links must be True, False or 'auto', got "
                              f"{self.measure_links!r}.")
@@ -140,7 +151,8 @@ class MeshConfig(TorchConfig):
                    bringup_timeout_s=self.bringup_timeout_s, preflight=self.preflight,
                    preflight_timeout_s=self.preflight_timeout_s,
                    nccl_vpn_defaults=self.nccl_vpn_defaults,
-                   worker_niceness=self.worker_niceness)
+                   worker_niceness=self.worker_niceness,
+                   replicate=None if self.replicate is None else vars(self.replicate))
         return out
 
 
@@ -194,6 +206,7 @@ class WorkerSetup:
     choice: Choice
     layout_table: str
     niceness: int | None = None
+    replicate: Any = None  # a DiLoCoConfig, or None (sync)
 
 
 def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
@@ -209,6 +222,7 @@ def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
                          user_kept(w.collective_env, applied))
     logger.info("%s", line)
     print(line, flush=True)  # worker stdout reaches the driver; logging.INFO may not
+    set_replicate_config(w.replicate)
     bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force)
@@ -330,6 +344,7 @@ class _MeshBackend(Backend):
                 collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
                 backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
                 choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
+                replicate=config.replicate,
             ))
             for w in plan.workers
         ]

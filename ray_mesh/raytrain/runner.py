@@ -170,6 +170,7 @@ def build_trainer(job: Job, scaling: ScalingConfig) -> TorchTrainer:
         preflight=bool(net.get("preflight", True)),
         preflight_timeout_s=float(net.get("preflight_timeout_s", 20.0)),
         nccl_vpn_defaults=net.get("nccl_vpn_defaults", "auto"),
+        replicate=job.replicate,
     )
     run = job.run
     run_config = RunConfig(
