@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import paired  # noqa: E402
 from benchmarks.common import REPO, median, ratio, run_torchrun  # noqa: E402
 
-SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "slowlinks")
+SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "slowlinks",
+            "diloco")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling"}
 
 
@@ -186,6 +187,17 @@ def section_slowlinks(cfg: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- table
+def section_diloco(cfg: dict) -> dict:
+    from benchmarks import diloco
+
+    log("diloco: starting the namespace cluster")
+    out = diloco.measure(**cfg["diloco"])
+    if "status" not in out:
+        out["plot"] = str(diloco.plot(out, REPO / "benchmarks" / "diloco_loss.png")
+                          .relative_to(REPO))
+    return out
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"
@@ -276,6 +288,18 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
             add("g slow links", f"{rate}: hsdp bf16 / fp32 cross-node bytes",
                 sec["hsdp+bf16"]["cross_node_bytes_per_step"]
                 / sec["hsdp"]["cross_node_bytes_per_step"], "0.5 +- 10%")
+    for rate, sec in (results.get("diloco") or {}).items():
+        if not isinstance(sec, dict) or "diloco_tokens_s" not in sec:
+            continue
+        tag = f"{rate}, H={sec['every']} {sec['compress']}"
+        add("h diloco", f"{tag}: tokens/s diloco / sync / unshaped sync",
+            f"{sec['diloco_tokens_s']:.0f} / {sec['sync_tokens_s']:.0f} / "
+            f"{sec['unshaped_tokens_s']:.0f}")
+        add("h diloco", f"{tag}: cross-node bytes/step diloco / sync",
+            f"{sec['diloco_cross_node_bytes_per_step']:.3g} / "
+            f"{sec['sync_cross_node_bytes_per_step']:.3g}")
+        add("h diloco", f"{tag}: val loss diloco / sync (same tokens)",
+            f"{sec['diloco_val_loss']:.3f} / {sec['sync_val_loss']:.3f}")
     return rows
 
 
@@ -357,7 +381,8 @@ def config(quick: bool) -> dict:
                 "scaling_sizes": [4], "scaling_runs": 1,
                 "meshbuild_sizes": [4], "meshbuild_repeats": 1,
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
-                "slowlinks": {"rates": [100], "steps": 2}}
+                "slowlinks": {"rates": [100], "steps": 2},
+                "diloco": {"rates": [20], "steps": 12, "every": 4}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
@@ -368,7 +393,8 @@ def config(quick: bool) -> dict:
             "scaling_sizes": [4, 8, 16], "scaling_runs": 1,
             "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
-            "slowlinks": {"rates": [1000, 100, 20], "steps": 5}}
+            "slowlinks": {"rates": [1000, 100, 20], "steps": 5},
+            "diloco": {"rates": [100, 20], "steps": 40, "every": 10, "compress": "int8"}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             results["crossnode"] = section_crossnode(cfg)
         if "slowlinks" in selected:
             results["slowlinks"] = section_slowlinks(cfg)
+        if "diloco" in selected:
+            results["diloco"] = section_diloco(cfg)
     finally:
         if args.only and Path(args.out).exists():
             # A partial run updates its own sections and keeps the others' figures.
