@@ -394,7 +394,8 @@ def config(quick: bool) -> dict:
             "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
             "slowlinks": {"rates": [1000, 100, 20], "steps": 5},
-            "diloco": {"rates": [100, 20], "steps": 40, "every": 10, "compress": "int8"}}
+            "diloco": {"rates": [100, 20], "steps": 30, "every": 10, "compress": "int8",
+                       "model": {"layers": 2}}}
 
 
 def main(argv: list[str] | None = None) -> int:

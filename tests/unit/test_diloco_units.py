@@ -110,3 +110,19 @@ def test_plan_replicate_section():
                        ({"evry": 3}, "plan.replicate"), ({"mode": "sync"}, "only diloco")):
         with pytest.raises(PlanError, match=match):
             PlanInputs.from_dict({**base, "replicate": bad}, load_factory=lambda ref: None)
+
+
+def test_benchmark_plot_and_table(tmp_path):
+    from benchmarks import diloco
+    from benchmarks.run import table
+
+    sec = {"every": 10, "compress": "int8", "unshaped_tokens_s": 900.0,
+           "diloco_tokens_s": 800.0, "sync_tokens_s": 300.0, "diloco_val_loss": 1.2,
+           "sync_val_loss": 1.1, "diloco_cross_node_bytes_per_step": 1e5,
+           "sync_cross_node_bytes_per_step": 2e6, "diloco_losses": [3.0, 2.0, 1.5],
+           "sync_losses": [3.0, 1.8, 1.2]}
+    path = diloco.plot({"20mbit": sec}, tmp_path / "loss.png")
+    assert path.exists() and path.stat().st_size > 100
+    rows = [r for r in table({"diloco": {"20mbit": sec}}) if r[0] == "h diloco"]
+    assert len(rows) == 3 and "800 / 300 / 900" in rows[0][2], rows
+    assert diloco.rate_key(None) == "unshaped" and diloco.rate_key(20) == "20mbit"
