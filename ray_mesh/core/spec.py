@@ -146,6 +146,10 @@ class MeshSpec:
     def coordinate(self, rank: int) -> dict[str, int]:
         """This rank's index on every named and flattened dim (row-major, like DeviceMesh)."""
         self._require_resolved()
+        world = self.world_size
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise MeshSpecError(f"rank {rank!r} is not a rank of {self} ({world} ranks): "
+                                f"give an int from 0 to {world - 1}.")
         coord: dict[str, int] = {}
         rest = rank
         for name in reversed(DIM_NAMES):
@@ -169,8 +173,9 @@ class MeshSpec:
     # ----------------------------------------------------------------- resolution
     def resolve(self, world_size: int, num_nodes: int | None = None) -> MeshSpec:
         """Fill in ``'nodes'`` and ``-1`` and check that the sizes multiply to the world size."""
-        if world_size < 1:
-            raise MeshSpecError(f"world_size must be >= 1, got {world_size}.")
+        _check_count("world_size", world_size, "the number of workers")
+        if num_nodes is not None:
+            _check_count("num_nodes", num_nodes, "the number of nodes")
         values = {n: getattr(self, n) for n in DIM_NAMES}
         for name, v in values.items():
             if v == NODES:
@@ -253,6 +258,12 @@ class MeshSpec:
 
     def __str__(self) -> str:
         return "MeshSpec(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in DIM_NAMES) + ")"
+
+
+def _check_count(name: str, value: Any, what: str) -> None:
+    """A count must be a real int >= 1 (not a bool, float, string or NaN)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshSpecError(f"{name} must be an int >= 1 ({what}), got {value!r}.")
 
 
 def _describe(values: dict[str, Any], skip: str | None = None) -> str:

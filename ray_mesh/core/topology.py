@@ -88,6 +88,9 @@ def plan_mesh(
     allow_cross_node_inner: bool = False,
 ) -> MeshPlan:
     """Resolve ``spec`` on ``workers`` (ordered by rank) and check node alignment."""
+    if not workers:
+        raise TopologyError("No workers to plan the mesh on: the worker group is empty. Ask "
+                            "for at least one worker (ScalingConfig(num_workers=...)).")
     workers = sorted(workers, key=lambda w: w.rank)
     if [w.rank for w in workers] != list(range(len(workers))):
         raise TopologyError(f"Worker ranks must be 0..{len(workers) - 1}, got "
