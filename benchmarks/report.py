@@ -147,6 +147,18 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
             add("g slow links", f"{rate}: hsdp bf16 / fp32 cross-node bytes per step",
                 sec["hsdp+bf16"]["cross_node_bytes_per_step"]
                 / sec["hsdp"]["cross_node_bytes_per_step"], "0.5 +- 10%")
+    for rate, sec in (results.get("diloco") or {}).items():
+        if not isinstance(sec, dict) or "diloco_tokens_s" not in sec:
+            continue
+        tag = f"{rate}, H={sec['every']} {sec['compress']}"
+        add("h diloco", f"{tag}: tokens/s diloco / sync / unshaped sync",
+            f"{sec['diloco_tokens_s']:.0f} / {sec['sync_tokens_s']:.0f} / "
+            f"{sec['unshaped_tokens_s']:.0f}")
+        add("h diloco", f"{tag}: cross-node bytes/step diloco / sync",
+            f"{sec['diloco_cross_node_bytes_per_step']:.3g} / "
+            f"{sec['sync_cross_node_bytes_per_step']:.3g}")
+        add("h diloco", f"{tag}: val loss diloco / sync (same tokens)",
+            f"{sec['diloco_val_loss']:.3f} / {sec['sync_val_loss']:.3f}")
     return rows
 
 

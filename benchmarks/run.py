@@ -42,7 +42,7 @@ from benchmarks import paired, report  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
-            "slowlinks")
+            "slowlinks", "diloco")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
@@ -223,6 +223,17 @@ def section_slowlinks(cfg: dict) -> dict:
     return slowlinks.measure(**cfg["slowlinks"])
 
 
+def section_diloco(cfg: dict) -> dict:
+    from benchmarks import diloco
+
+    log("diloco: starting the namespace cluster")
+    out = diloco.measure(**cfg["diloco"])
+    if "status" not in out:
+        out["plot"] = str(diloco.plot(out, REPO / "benchmarks" / "diloco_loss.png")
+                          .relative_to(REPO))
+    return out
+
+
 def _keep_other_sections(results: dict, out: str, selected: list[str]) -> dict:
     """With --only, the sections not run keep their figures from the file being replaced."""
     path = Path(out)
@@ -259,7 +270,8 @@ def config(quick: bool) -> dict:
                 "meshbuild_sizes": [4], "meshbuild_repeats": 1,
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
                 "slowlinks": {"rates": [100], "steps": 2},
-                "recovery_where": ["local"]}
+                "recovery_where": ["local"],
+                "diloco": {"rates": [20], "steps": 12, "every": 4}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
@@ -271,7 +283,9 @@ def config(quick: bool) -> dict:
             "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
             "slowlinks": {"rates": [1000, 100, 20], "steps": 5},
-            "recovery_where": ["local", "netns"]}
+            "recovery_where": ["local", "netns"],
+            "diloco": {"rates": [100, 20], "steps": 30, "every": 10, "compress": "int8",
+                       "model": {"layers": 2}}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             section_recovery(cfg, storage, ["netns"], results["recovery"])
         if "slowlinks" in selected:
             results["slowlinks"] = _section("slowlinks", section_slowlinks, cfg)
+        if "diloco" in selected:
+            results["diloco"] = _section("diloco", section_diloco, cfg)
     finally:
         if ray_started:
             import ray

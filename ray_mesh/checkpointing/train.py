@@ -81,6 +81,11 @@ class Checkpointer:
         data_seed: a data-order seed (e.g. your sampler's) saved with every checkpoint;
             ``restore()`` hands back the saved one as ``Progress.data_seed`` (this one on a
             fresh start).
+        diloco: the run's :class:`~ray_mesh.parallel.diloco.DiLoCo` (from
+            ``ray_mesh.parallel.wrap_replicate``), or None in sync mode: each replica's model
+            and optimizer state is then saved under its own key with the outer state
+            (:mod:`ray_mesh.checkpointing.replicas`); a replica the checkpoint lacks (the run
+            grew) starts from the global parameters.
 
     Each rank's random state (torch, CUDA, Python ``random``, NumPy) is saved with every
     checkpoint and restored by :meth:`restore`, so a resumed run draws the same dropout
@@ -100,11 +105,19 @@ class Checkpointer:
         wait_committed: bool = True,
         check_finite: bool = True,
         data_seed: int | None = None,
+        diloco: Any = None,
     ) -> None:
         check_args(model, optimizers, every=every, async_save=async_save, upload=upload,
                     timeout_s=timeout_s, wait_committed=wait_committed,
                     check_finite=check_finite, data_seed=data_seed, resume_from=resume_from)
         ctx = train_context()
+        if diloco is not None:
+            from ray_mesh.parallel.diloco import DiLoCo
+
+            if not isinstance(diloco, DiLoCo):
+                raise TypeError(f"Checkpointer(diloco=...) takes a DiLoCo (from "
+                                f"ray_mesh.parallel.wrap_replicate) or None, not {diloco!r}")
+        self.diloco = diloco
         self.model = model
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
@@ -230,8 +243,14 @@ class Checkpointer:
             )
         chosen = Checkpoint(chosen_path, filesystem=candidates[0].filesystem)
         # Rank 0 verified the checksums while choosing: the others only check sizes.
-        progress = sharded.load(self._local_dir(chosen), self.model, self.optimizers,
-                                group=self.group, verify=False)
+        if self.diloco is not None:
+            from ray_mesh.checkpointing import replicas
+
+            progress = replicas.load(self._local_dir(chosen), self.diloco, self.model,
+                                     self.optimizers, group=self.group, verify=False)
+        else:
+            progress = sharded.load(self._local_dir(chosen), self.model, self.optimizers,
+                                    group=self.group, verify=False)
         progress.path = chosen_path
         for w in progress.warnings:
             _warn(f"ray_mesh: {w}.")
@@ -255,8 +274,15 @@ class Checkpointer:
     def _start_save(self, progress: Progress) -> None:
         path = sharded.prepare_dir(self._target(progress.step), self.group,
                                    shared=not self.upload)
-        future = sharded.save(path, self.model, self.optimizers, group=self.group,
-                              async_save=self.async_save, check_finite=self.check_finite)
+        if self.diloco is not None:
+            from ray_mesh.checkpointing import replicas
+
+            future = replicas.save(path, self.diloco, self.model, self.optimizers,
+                                   group=self.group, async_save=self.async_save,
+                                   check_finite=self.check_finite)
+        else:
+            future = sharded.save(path, self.model, self.optimizers, group=self.group,
+                                  async_save=self.async_save, check_finite=self.check_finite)
         self._pending = (path, progress, future)
 
     def _finish_save(self) -> tuple[Checkpoint, Progress]:

@@ -10,6 +10,7 @@ A job file::
     network: {interface: auto, bringup_timeout_s: 120, worker_niceness: 0, hang_timeout_s: 60}
     run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
     data: {paths: [stdlib], seq_len: 128, batch_size: 16}   # see ray_mesh.data.spec
+    replicate: {mode: diloco, every: 50, compress: int8}  # default mode: sync (HSDP)
     # run.min_workers: N makes the run elastic (num_workers is then the maximum);
     # run.startup_retries bounds the restarts of a group that cannot start (default 3).
 
@@ -36,6 +37,9 @@ from typing import Any
 from ray_mesh.checkpointing.names import run_name_problem
 from ray_mesh.core.options import OPTION_DEFAULTS, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
+from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
+from ray_mesh.parallel.replicate import parse_replicate
 from ray_mesh.raytrain.elastic import STARTUP_RETRIES
 
 
@@ -142,7 +146,7 @@ def _keys(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
-TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data")
+TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data", "replicate")
 SCALING_KEYS = _keys(ScalingSection)
 NETWORK_KEYS = _keys(NetworkSection)
 RUN_KEYS = _keys(RunSection)
@@ -172,6 +176,7 @@ class Job:
     scaling: ScalingSection = field(default_factory=ScalingSection)
     network: NetworkSection = field(default_factory=NetworkSection)
     run: RunSection = field(default_factory=RunSection)
+    replicate: Any = None  # a DiLoCoConfig (replicate: {mode: diloco, ...}) or None (sync)
     base_dir: Path = field(default_factory=Path.cwd)
     data: Any = None
     """The checked ``data:`` section (a ray_mesh.data.spec.DataSpec), or None."""
@@ -211,7 +216,13 @@ class Job:
                                        num_workers=scaling.num_workers, config=config)
         except DataSpecError as exc:
             raise JobError(str(exc)) from exc
+        try:
+            replicate = parse_replicate(top.get("replicate"))
+            check_replicate_mesh(replicate, mesh.dp_replicate)
+        except ParallelError as exc:
+            raise JobError(str(exc)) from exc
         return cls(
+            replicate=replicate,
             name=name,
             train=str(top["train"]),
             config=config,

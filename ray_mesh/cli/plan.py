@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = plan_inputs(args.job)
     links = links_for(args, inputs)
     ranked = rank_layouts(inputs.stats, links, inputs.work, inputs.memory_bytes,
-                          inputs.layouts, inputs.bf16_grads)
+                          inputs.layouts, inputs.bf16_grads, inputs.diloco)
     if args.json:
         print(json.dumps({"links": {"nodes": links.nodes, "per_node": links.per_node,
                                     "cross_mbit": links.cross_mbit},

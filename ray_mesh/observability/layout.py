@@ -15,6 +15,7 @@ from typing import Any
 
 from ray_mesh.core.spec import DIM_NAMES
 from ray_mesh.core.topology import MeshPlan
+from ray_mesh.network.interfaces import Choice
 from ray_mesh.observability.table import markdown_table, text_table
 
 LAYOUT_JSON = "ray_mesh_layout.json"
@@ -64,6 +65,18 @@ def to_markdown(doc: dict[str, Any]) -> str:
     if doc.get("warnings"):
         lines += ["", "Warnings:", *(f"- {w}" for w in doc["warnings"])]
     return "\n".join(lines) + "\n"
+
+
+def node_lines(plan: MeshPlan, choices: list[Choice]) -> str:
+    """One line per node: the interface its ranks use, why, and which ranks sit there."""
+    lines = []
+    for node in range(plan.num_nodes):
+        ranks = [w.rank for w in plan.workers if plan.node_rank(w.rank) == node]
+        c, ip = choices[ranks[0]], plan.workers[ranks[0]].node_ip
+        span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+        lines.append(f"ray_mesh: node {node} ({ip}): ranks {span} use interface "
+                     f"{c.interface} [{c.reason}], address {c.address}")
+    return "\n".join(lines)
 
 
 def read_layout(storage_path: str, run: str) -> dict[str, Any] | None:

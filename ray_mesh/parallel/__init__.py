@@ -15,6 +15,8 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
 - :func:`full_parameters` - the whole parameters back from DTensors (checks, export)
 - :func:`submesh`, :func:`dim_size`, :func:`mesh_device` - one dim of the mesh (with an error
   that names the fix when it is missing), its size, this rank's device
+- :func:`replicate_config`, :func:`wrap_replicate` - the replicate dim's mode (sync HSDP or
+  DiLoCo, :mod:`ray_mesh.parallel.diloco`): the run's settings and the outer loop, or None
 """
 
 from ray_mesh.parallel.compose import full_parameters, gather_over, parallelize
@@ -33,6 +35,9 @@ from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
 from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
 from ray_mesh.parallel.pp import Pipeline, PipelinePlan, known_hang, schedule_info
+from ray_mesh.parallel.replicate import dp_mode as replicate_dp_mode
+from ray_mesh.parallel.replicate import replicate_config
+from ray_mesh.parallel.replicate import wrap as wrap_replicate
 from ray_mesh.parallel.tp import apply_tp, make_style, validate_tp_plan
 
 # The pipeline's default per-stage step (TP then data parallel). Given here, where both
@@ -62,10 +67,13 @@ __all__ = [
     "mesh_device",
     "mixed_precision_policy",
     "parallelize",
+    "replicate_config",
+    "replicate_dp_mode",
     "resolve_mode",
     "resumable_sampler",
     "schedule_info",
     "shard_batch",
     "submesh",
     "validate_tp_plan",
+    "wrap_replicate",
 ]

@@ -202,6 +202,30 @@ class DiLoCo:
 
         return dequantize_int8(*quantize_int8(delta), delta)
 
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict[str, float | int]:
+        """Numbers to pass to ``ray.train.report`` (or any logger), all plain scalars:
+
+        - ``diloco/inner_step``, ``diloco/outer_step``: counters (an outer step per fragment
+          sync with streaming);
+        - ``diloco/bytes_sent``: bytes this rank put on the cross-node link for all syncs so
+          far (compressed size), ``diloco/bytes_per_outer_step`` their mean per outer step;
+        - ``diloco/sync_s``: seconds spent in syncs so far (the time the link was busy, as
+          this rank saw it), ``diloco/sync_s_per_outer_step`` their mean;
+        - ``diloco/drift``: L2 norm of this rank's shard of ``global - local`` just before
+          the last sync, i.e. how far the replica had moved in its H steps.
+        """
+        n = max(self.outer_steps, 1)
+        return {
+            "diloco/inner_step": self.inner_steps,
+            "diloco/outer_step": self.outer_steps,
+            "diloco/bytes_sent": int(self.stats["bytes_sent"]),
+            "diloco/bytes_per_outer_step": self.stats["bytes_sent"] / n,
+            "diloco/sync_s": self.stats["sync_s"],
+            "diloco/sync_s_per_outer_step": self.stats["sync_s"] / n,
+            "diloco/drift": self.stats["drift"],
+        }
+
     # ------------------------------------------------------------------ checkpoints
     def _as_param_layout(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []
@@ -233,40 +257,58 @@ class DiLoCo:
     def _replica_key(self) -> str:
         return f"replica{dist.get_group_rank(self.group, dist.get_rank())}"
 
+    def checkpoint_state(self, model: torch.nn.Module, optimizers: list,
+                         saved_keys: Iterable[str] | None = None) -> tuple[dict[str, Any], bool]:
+        """The DCP state to save or load: this replica's model and optimizer under
+        ``replica<r>``, the shared outer state under ``diloco``.
+
+        For a load, ``saved_keys`` are the checkpoint's keys: the second value says whether
+        this replica is in it (the ``replica<r>`` part is left out when it is not).
+        """
+        key = self._replica_key()
+        mine = saved_keys is None or any(k.startswith(key + ".") for k in saved_keys)
+        state: dict[str, Any] = {"diloco": self.state_dict()}
+        if mine:
+            state[key] = self._replica_state(model, optimizers)
+        return state, mine
+
+    def apply_checkpoint_state(self, state: dict[str, Any], model: torch.nn.Module,
+                               optimizers: list, mine: bool) -> None:
+        """Put a state loaded by DCP (from :meth:`checkpoint_state`) into model, optimizers
+        and self; a replica that was not saved starts from the global parameters."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        self.load_state_dict(state["diloco"])
+        if mine:
+            own = state[self._replica_key()]
+            set_state_dict(model, optimizers, model_state_dict=own["model"],
+                           optim_state_dict=own["optim"])
+            for dst, src in zip(self.error or [], own.get("error", []), strict=False):
+                dst.copy_(_local(src))
+        else:
+            with torch.no_grad():
+                for p, g in zip(self.params, self.global_params, strict=True):
+                    _local(p).copy_(g)
+
     def save(self, path: str, model: torch.nn.Module,
              optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
         """Model, inner optimizer and outer state into ``path`` (DCP; collective)."""
         import torch.distributed.checkpoint as dcp
 
         optims = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
-        dcp.save({self._replica_key(): self._replica_state(model, optims),
-                  "diloco": self.state_dict()}, checkpoint_id=str(path))
+        dcp.save(self.checkpoint_state(model, optims)[0], checkpoint_id=str(path))
 
     def load(self, path: str, model: torch.nn.Module,
              optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> bool:
         """Restore what :meth:`save` wrote; False when this replica was not in it (it then
         starts from the global parameters with a fresh inner optimizer)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         optims = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
-        key = self._replica_key()
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        mine = any(k.startswith(key + ".") for k in saved)
-        state: dict[str, Any] = {"diloco": self.state_dict()}
-        if mine:
-            state[key] = self._replica_state(model, optims)
+        state, mine = self.checkpoint_state(model, optims, saved)
         dcp.load(state, checkpoint_id=str(path))
-        self.load_state_dict(state["diloco"])
-        if mine:
-            set_state_dict(model, optims, model_state_dict=state[key]["model"],
-                           optim_state_dict=state[key]["optim"])
-            for dst, src in zip(self.error or [], state[key].get("error", []), strict=False):
-                dst.copy_(_local(src))
-        else:
-            with torch.no_grad():
-                for p, g in zip(self.params, self.global_params, strict=True):
-                    _local(p).copy_(g)
+        self.apply_checkpoint_state(state, model, optims, mine)
         return mine
 
     @torch.no_grad()

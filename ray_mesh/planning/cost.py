@@ -13,6 +13,15 @@ with NCCL, milliseconds with gloo on a busy CPU (tensor parallelism makes ~8 cal
 per step, so it decides TP on CPU). The benchmark calibrates it with a one-element
 all-reduce inside a node.
 
+DiLoCo layouts (``replicate`` mode diloco, every H steps, pseudo-gradients compressed as
+none/bf16/int8): the replicate dim carries no gradients; every H steps it averages one
+parameter-sized pseudo-gradient (fp32, bf16: half, int8: a quarter plus per-chunk scales,
+all-gathered), so per inner step the cross-node bytes are sync HSDP's / H x the ratio, and
+the sync's collective calls and latency are amortised over H. The outer state (global
+params, momentum, int8 error feedback) adds 2-3 fp32 copies of a rank's shard to memory.
+What the model cannot say: the loss reached per token, usually somewhat worse than sync's
+(``benchmarks/diloco.py`` measures both).
+
 No overlap of communication with compute is assumed (an upper bound for FSDP's prefetch).
 Ring volumes, per rank, for a collective over k ranks of a buffer of B bytes:
 
@@ -146,10 +155,12 @@ class Layout:
     name: str
     mesh: dict[str, int]
     reduce: str = "fp32"
+    diloco: tuple[int, str] | None = None  # (every H, compress) of replicate mode diloco
 
     @property
     def label(self) -> str:
-        return self.name + ("+bf16" if self.reduce == "bf16" else "")
+        tail = f"+diloco{self.diloco[0]}/{self.diloco[1]}" if self.diloco else ""
+        return self.name + ("+bf16" if self.reduce == "bf16" else "") + tail
 
 
 @dataclass
@@ -164,8 +175,12 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
+        replicate = ({"mode": "diloco", "every": self.layout.diloco[0],
+                      "compress": self.layout.diloco[1]} if self.layout.diloco
+                     else {"mode": "sync"})
         return {"layout": self.layout.label, "mesh": self.layout.mesh,
-                "reduce_dtype": self.layout.reduce, "predicted_step_s": self.step_s,
+                "reduce_dtype": self.layout.reduce, "replicate": replicate,
+                "predicted_step_s": self.step_s,
                 "compute_s": self.compute_s, "cross_s": self.cross_s, "intra_s": self.intra_s,
                 "cross_node_bytes_per_step": self.cross_node_bytes_per_step,
                 "memory_bytes_per_rank": self.memory_bytes_per_rank}
@@ -183,6 +198,14 @@ def _rs(k: int, backend: str) -> float:
     return _ar(k) if backend == "gloo" else _ag(k)
 
 
+def diloco_sync_bytes(rep: int, param_bytes: float, compress: str) -> float:
+    """Bytes one rank (one node) sends in a DiLoCo sync of ``param_bytes`` fp32 over ``rep``
+    replicas: a ring all-reduce (fp32, bf16), or int8 codes + scales all-gathered."""
+    if compress == "int8":
+        return (rep - 1) * param_bytes / FP32 * (1 + FP32 / 1024)
+    return _ar(rep) * param_bytes * (0.5 if compress == "bf16" else 1.0)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -196,12 +219,13 @@ def family(layout: Layout) -> str:
 
 
 def candidates(stats: ModelStats, links: Links, families: tuple[str, ...] = FAMILIES,
-               bf16: bool = True) -> list[Layout]:
+               bf16: bool = True, diloco: tuple[int, str] | None = None) -> list[Layout]:
     """Every layout of the families below that fits the cluster and the model.
 
     ddp, fsdp (flat), hsdp, tp_hsdp (tp inside a node), pp (stages across nodes, FSDP
     inside), tp_pp (stages across nodes, TP inside: the seed blog's layout); fsdp and the
-    hsdp family also with gradients reduced in bf16 (their reduction is what crosses).
+    hsdp family also with gradients reduced in bf16 (their reduction is what crosses);
+    with ``diloco=(H, compress)`` the hsdp and tp_hsdp layouts also in replicate mode diloco.
     """
     n, g = links.nodes, links.per_node
     world = n * g
@@ -224,6 +248,10 @@ def candidates(stats: ModelStats, links: Links, families: tuple[str, ...] = FAMI
     if bf16:  # bf16 gradient reduction where the reduction is what crosses nodes
         out += [Layout(lay.name, lay.mesh, "bf16") for lay in out
                 if lay.name == "fsdp" or lay.name.endswith("hsdp")]
+    if diloco:
+        out += [Layout(lay.name, lay.mesh, "fp32", diloco) for lay in out
+                if lay.name.endswith("hsdp") and lay.reduce == "fp32"
+                and lay.mesh.get("dp_replicate", 1) > 1]
     return out
 
 
@@ -258,7 +286,18 @@ def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> 
             msgs += stats.layers * 3 * (shard - 1)
         else:
             intra += shard_vol * g / shard
-    if rep > 1:  # DDP, or HSDP's all-reduce of each node's shard
+    if rep > 1 and layout.diloco:  # one sync every H inner steps, amortised per step
+        every, compress = layout.diloco
+        calls += (2 if compress == "int8" else 1) * blocks / every
+        volume = diloco_sync_bytes(rep, stage_p, compress) / every  # the node's shards
+        if tp * shard * rep > g:
+            cross += volume
+            msgs += stats.layers * 2 * (rep - 1) / every
+        else:
+            intra += volume * g / (rep * shard)
+        notes.append(f"DiLoCo every {every} ({compress}): fewer bytes, loss per token may "
+                     "be worse than sync")
+    elif rep > 1:  # DDP, or HSDP's all-reduce of each node's shard
         calls += blocks if shard > 1 else 2  # per FSDP unit; DDP: a couple of buckets
         if tp * shard * rep > g:
             cross += _ar(rep) * stage_g
@@ -288,6 +327,8 @@ def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> 
         intra_s += cross / intra_Bps
         cross = 0.0
     state = STATE_BYTES_PER_PARAM * stats.params / (pp * shard * tp)
+    if layout.diloco:  # global params, outer momentum, int8 error feedback
+        state *= 1 + (3 if layout.diloco[1] == "int8" else 2) * FP32 / STATE_BYTES_PER_PARAM
     act_mem = tokens_dp / tp * stats.hidden * FP32 * ACT_FACTOR * stats.layers / pp
     return Prediction(layout, compute + cross_s + intra_s, compute, cross_s, intra_s,
                       cross * n, state + act_mem, notes)
@@ -295,13 +336,13 @@ def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> 
 
 def rank_layouts(stats: ModelStats, links: Links, work: Workload,
                  memory_limit_bytes: float | None = None, families: tuple[str, ...] = FAMILIES,
-                 bf16: bool = True) -> list[Prediction]:
+                 bf16: bool = True, diloco: tuple[int, str] | None = None) -> list[Prediction]:
     """Every candidate's prediction, fastest first; those over the memory limit left out.
 
     Raises :class:`PlanError` when no layout fits the memory limit.
     """
     preds = [predict(lay, stats, links, work)
-             for lay in candidates(stats, links, families, bf16)]
+             for lay in candidates(stats, links, families, bf16, diloco)]
     if not preds:
         raise PlanError(f"no layout of the families {list(families)} fits {links.nodes} "
                         f"node(s) x {links.per_node} worker(s) and this model; allow more "
@@ -342,5 +383,5 @@ def format_ranked(ranked: list[Prediction]) -> str:
 
 
 __all__ = ["DATA_PARALLEL", "FAMILIES", "Layout", "Links", "ModelStats", "PlanError",
-           "Prediction", "Workload", "candidates", "explain_pick", "family", "format_ranked",
-           "predict", "rank_layouts"]
+           "Prediction", "Workload", "candidates", "diloco_sync_bytes", "explain_pick", "family",
+           "format_ranked", "predict", "rank_layouts"]

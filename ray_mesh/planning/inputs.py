@@ -15,6 +15,8 @@ plan:
                             # any loop that calls ray_mesh.parallel.parallelize / apply_fsdp);
                             # add tp_hsdp, pp, tp_pp when it handles tp / pipeline stages
   bf16_grads: false         # true: also consider reducing gradients in bf16
+  replicate: {every: 50, compress: int8}  # optional: also rank hsdp/tp_hsdp with DiLoCo
+                            # on the replicate dim (the job's replicate: section)
 ```
 
 ``mesh: auto`` picks only among ``layouts``, fp32 reduction unless ``bf16_grads``: the
@@ -33,7 +35,7 @@ from typing import Any
 from ray_mesh.planning.cost import DATA_PARALLEL, FAMILIES, ModelStats, PlanError, Workload
 
 KEYS = ("model", "tokens_per_step", "compute_s", "microbatches", "link_mbit", "latency_ms",
-        "memory_gb", "backend", "layouts", "bf16_grads")
+        "memory_gb", "backend", "layouts", "bf16_grads", "replicate")
 
 
 def _number(section: str, key: str, value: Any, *, low: float, high: float = math.inf,
@@ -59,6 +61,7 @@ class PlanInputs:
     backend: str | None = None
     layouts: tuple[str, ...] = DATA_PARALLEL
     bf16_grads: bool = False
+    diloco: tuple[int, str] | None = None  # plan.replicate: (every, compress)
 
     @classmethod
     def from_dict(cls, data: Any, load_factory: Callable[[str], Callable[..., Any]],
@@ -102,7 +105,23 @@ class PlanInputs:
                                  high=10_000)) / 1e3,
                    None if mem is None else float(_number("plan", "memory_gb", mem,
                                                           low=1e-3)) * 2**30,
-                   backend, tuple(layouts), bf16)
+                   backend, tuple(layouts), bf16, _diloco(data.get("replicate")))
+
+
+def _diloco(value: Any) -> tuple[int, str] | None:
+    """``plan.replicate: {every: H, compress: none|bf16|int8}`` -> (H, compress)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) - {"every", "compress", "mode"}:
+        raise PlanError(f"plan.replicate: {value!r}; give {{every: 50, compress: int8}} to "
+                        "also rank DiLoCo layouts (compress: none, bf16 or int8)")
+    if value.get("mode", "diloco") != "diloco":
+        raise PlanError("plan.replicate.mode: only diloco (sync layouts are always ranked)")
+    every = int(_number("plan.replicate", "every", value.get("every", 50), low=1, integer=True))
+    compress = value.get("compress", "none")
+    if compress not in ("none", "bf16", "int8"):
+        raise PlanError(f"plan.replicate.compress: {compress!r}; use none, bf16 or int8")
+    return every, compress
 
 
 def _model_stats(value: Any, load_factory: Callable[[str], Callable[..., Any]],

@@ -39,8 +39,10 @@ from ray_mesh.network.interfaces import (
 )
 from ray_mesh.network.probe import node_versions
 from ray_mesh.observability import hang
-from ray_mesh.observability.layout import layout_table
+from ray_mesh.observability.layout import layout_table, node_lines
 from ray_mesh.observability.report import wrap_train_report
+from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
+from ray_mesh.parallel.replicate import parse_replicate, set_replicate_config
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.raytrain.data import install_mesh_data_config
 from ray_mesh.raytrain.driver import quiet_report_lines
@@ -97,12 +99,18 @@ class MeshConfig(MeshOptions, TorchConfig):
             ``hang_timeout_s + 15``). ``None`` turns the watch off.
         verbose: every rank logs its environment line (interface, MASTER_*, NCCL_/GLOO_*);
             by default rank 0 logs the layout and one interface line per node.
+        replicate: how replicas keep together over ``dp_replicate``: None / ``'sync'`` (HSDP,
+            the default), or a ``DiLoCoConfig`` / mapping like ``{'mode': 'diloco', 'every':
+            50, 'compress': 'int8'}`` (the YAML ``replicate:`` section). Every worker can read
+            it with ``ray_mesh.parallel.replicate_config()``; ``wrap_replicate(model)`` builds
+            the outer loop (see ``ray_mesh.parallel.replicate``).
 
     Inside the train function, ``ray.train.report`` also feeds ray_mesh's metrics (see
     ``ray_mesh.observability.report``): every number reported becomes a mesh-tagged metric.
     """
 
     plan: PlanInputs | None = None
+    replicate: Any = None
 
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
@@ -121,6 +129,9 @@ class MeshConfig(MeshOptions, TorchConfig):
                 or not 0 < self.timeout_s < float("inf")):
             raise ValueError(f"timeout_s (the collective timeout) must be a finite number of "
                              f"seconds > 0, got {self.timeout_s!r}.")
+        self.replicate = parse_replicate(self.replicate)
+        if self.mesh != "auto":
+            check_replicate_mesh(self.replicate, self.mesh.dp_replicate)
         if self.init_method != "env":
             raise ValueError("MeshConfig sets MASTER_ADDR/MASTER_PORT itself: use "
                              f"init_method='env' (got {self.init_method!r}).")
@@ -140,6 +151,7 @@ class MeshConfig(MeshOptions, TorchConfig):
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out.update(self.options_dict())
+        out["replicate"] = None if self.replicate is None else vars(self.replicate)
         return out
 
 
@@ -210,6 +222,7 @@ class WorkerSetup:
     niceness: int | None = None
     hang_timeout_s: float | None = None
     verbose: bool = False
+    replicate: Any = None  # a DiLoCoConfig, or None (sync)
 
 
 def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
@@ -228,6 +241,7 @@ def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
     logger.log(logging.INFO if w.verbose else logging.DEBUG, "%s", line)
     if not w.verbose:
         quiet_report_lines()  # Ray Train's INFO line per report (not under its log level)
+    set_replicate_config(w.replicate)
     bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force)
@@ -299,18 +313,6 @@ def plan_for(worker_group, config: MeshConfig
     return plan, choices, reports
 
 
-def node_lines(plan: MeshPlan, choices: list[Choice]) -> str:
-    """One line per node: the interface its ranks use, why, and which ranks sit there."""
-    lines = []
-    for node in range(plan.num_nodes):
-        ranks = [w.rank for w in plan.workers if plan.node_rank(w.rank) == node]
-        c, ip = choices[ranks[0]], plan.workers[ranks[0]].node_ip
-        span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
-        lines.append(f"ray_mesh: node {node} ({ip}): ranks {span} use interface "
-                     f"{c.interface} [{c.reason}], address {c.address}")
-    return "\n".join(lines)
-
-
 def _warn_niceness(plan: MeshPlan, results: list, target: int | None) -> None:
     """One warning naming the nodes whose workers kept Ray's niceness, and the fix."""
     failed = {plan.workers[i].node_ip: r for i, r in enumerate(results)
@@ -368,6 +370,7 @@ class _MeshBackend(Backend):
                 choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
                 hang_timeout_s=config.hang_timeout_s,
                 verbose=config.verbose,
+                replicate=config.replicate,
             ))
             for w in plan.workers
         ]

@@ -1,0 +1,281 @@
+"""DiLoCo vs sync HSDP on shaped links: tokens/s, cross-node bytes and loss, same tokens.
+
+The host starts the virtual Tailscale cluster (``tests/helpers/netns_cluster.py``, 2 nodes x
+2 workers) and runs this module as a driver in the head namespace: ONE Ray Train fit whose
+train function runs every phase on the same process group, in turn:
+
+- for each link rate (``None``: unshaped, the link-free ideal), each node's local rank 0
+  caps its own ``tailscale0`` egress with ``tc ... tbf`` (so each direction of the node
+  link carries at most the rate; the namespaces run as root);
+- for each mode (``sync``: HSDP, the replicate dim all-reduces every step; ``diloco``:
+  FSDP inside each node, DiLoCo every ``every`` steps with ``compress``), a fresh model from
+  the same seed trains ``steps`` steps on the same global batches (so the same tokens); the
+  wall time of the steps gives tokens/s, each node's ``tailscale0`` tx counters around them
+  the cross-node bytes (minus Ray's idle traffic, measured first), and the mean loss over
+  ``val_batches`` held-out batches the validation loss; per-step losses give the curves.
+
+DiLoCo phases also check that the replicas are bitwise equal after every sync (outside the
+timed region) and measure the cross-node bytes of inner steps alone (between syncs).
+
+The model is a parameter: a module (file path) with ``DEFAULTS``, ``make_model(cfg)``,
+``batch(step, cfg)`` and ``loss_fn(logits, targets)``, by default
+``examples/fsdp_tp_transformer.py``. Figures go to ``results.json['diloco']`` via
+``benchmarks/run.py --only diloco`` (keys ``diloco.<rate>``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, read_result, write_result
+
+MODEL = {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "ffn": 512, "seq": 64,
+         "batch_size": 16, "lr": 0.003, "seed": 0, "mixed_precision": None}
+DEFAULT_MODULE = "examples/fsdp_tp_transformer.py"
+
+
+def rate_key(mbit: float | None) -> str:
+    if mbit is None:
+        return "unshaped"
+    return f"{mbit / 1000:g}gbit" if mbit >= 1000 else f"{mbit:g}mbit"
+
+
+def _module(path: str):
+    spec = importlib.util.spec_from_file_location("diloco_bench_model", REPO / path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _shape(mbit: float | None) -> None:
+    """Cap (or uncap) this namespace's tailscale0 egress: run on one rank per node."""
+    if mbit is None:
+        subprocess.run(["tc", "qdisc", "del", "dev", "tailscale0", "root"],
+                       capture_output=True, check=False)
+        return
+    subprocess.run(["tc", "qdisc", "replace", "dev", "tailscale0", "root", "tbf", "rate",
+                    f"{mbit:g}mbit", "burst", "64kb", "latency", "400ms"], check=True,
+                   capture_output=True)
+
+
+def run_phase(mode: str, config: dict, mesh, cross_bytes) -> dict:
+    """Train one fresh model ``steps`` steps in ``mode``; figures for results.json."""
+    import torch
+    import torch.distributed as dist
+
+    from ray_mesh.parallel import dp_mean, parallelize, shard_batch
+    from ray_mesh.parallel.diloco import DiLoCo, DiLoCoConfig, replicas_equal
+
+    ex = _module(config["module"])
+    cfg = {**ex.DEFAULTS, **config["model"]}
+    model = parallelize(ex.make_model(cfg), mesh, dp="replica" if mode == "diloco" else "hsdp")
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    dl = (DiLoCo(model, mesh, DiLoCoConfig(**config["replicate"])) if mode == "diloco"
+          else None)
+    rep_group = mesh.get_group("dp_replicate")
+    h = dl.config.every if dl is not None else 0
+    losses, equal, elapsed, excluded = [], [], 0.0, 0.0
+    inner_bytes, inner_steps, w0 = 0.0, 0, (0, 0.0)
+    t_start, b0 = time.perf_counter(), cross_bytes()
+    for step in range(config["steps"]):
+        if h >= 3 and step % h == 1:  # inner steps only: from the 2nd of a block ...
+            w0 = (cross_bytes(), time.perf_counter())
+        dist.barrier()
+        t = time.perf_counter()
+        x, y = shard_batch(ex.batch(step, cfg), mesh)
+        loss = ex.loss_fn(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        synced = dl.step() if dl is not None else False
+        dist.barrier()
+        elapsed += time.perf_counter() - t
+        losses.append(loss.detach())
+        if h >= 3 and step % h == h - 2:  # ... to the one before the sync
+            moved = cross_bytes() - w0[0]
+            inner_bytes += moved - config["background"] * (time.perf_counter() - w0[1])
+            inner_steps += h - 2
+        if synced:  # the check's all-gather crosses nodes too: not counted
+            c0 = cross_bytes()
+            equal.append(replicas_equal(model, rep_group))
+            excluded += cross_bytes() - c0
+    moved = (cross_bytes() - b0 - excluded
+             - config["background"] * (time.perf_counter() - t_start))
+    losses = dp_mean(torch.stack(losses), mesh).tolist()  # one collective, after the timing
+    with torch.no_grad():
+        val = [float(dp_mean(ex.loss_fn(model(xv), yv), mesh)) for xv, yv in
+               (shard_batch(ex.batch(100_000 + i, cfg), mesh)
+                for i in range(config["val_batches"]))]
+    tokens = cfg["batch_size"] * cfg["seq"] * config["steps"]
+    out = {"tokens_s": tokens / elapsed, "seconds": elapsed, "losses": losses,
+           "val_loss": sum(val) / len(val), "cross_node_bytes_per_step": moved / len(losses)}
+    if dl is not None:
+        out.update(replicas_equal_after_syncs=equal, metrics=dl.metrics(),
+                   inner_cross_node_bytes_per_step=inner_bytes / max(inner_steps, 1))
+    return out
+
+
+def _train(config: dict) -> None:
+    import ray.train
+    import torch.distributed as dist
+
+    import ray_mesh
+    from benchmarks.workloads import read_counters
+
+    mesh = ray_mesh.get_mesh()
+    world = dist.get_world_size()
+    local0 = ray.train.get_context().get_local_rank() == 0
+
+    def cross_bytes() -> int:
+        mine = read_counters("tailscale0")["tx_bytes"] if local0 else 0
+        total = [0] * world
+        dist.all_gather_object(total, mine)
+        return sum(total)
+
+    b0, t0 = cross_bytes(), time.perf_counter()
+    time.sleep(2.0)
+    config["background"] = (cross_bytes() - b0) / (time.perf_counter() - t0)
+    out: dict = {"background_bytes_per_s": config["background"], "phases": {}}
+    try:
+        for mbit in config["rates"]:
+            if local0:
+                _shape(mbit)
+            dist.barrier()
+            for mode in config["modes"]:
+                out["phases"][f"{rate_key(mbit)}/{mode}"] = run_phase(mode, config, mesh,
+                                                                      cross_bytes)
+                if dist.get_rank() == 0:
+                    print(f"diloco bench {rate_key(mbit)}/{mode}: "
+                          f"{out['phases'][f'{rate_key(mbit)}/{mode}']['tokens_s']:.0f} "
+                          "tokens/s", flush=True)
+    finally:
+        if local0:
+            _shape(None)
+    if dist.get_rank() == 0:
+        write_result(config["out"], out)
+    ray.train.report({"done": 1})
+
+
+def _driver(args: dict) -> None:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_mesh import MeshConfig
+
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    TorchTrainer(
+        _train, train_loop_config=args,
+        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 0.5,
+                                                                          "slot": 1}),
+        torch_config=MeshConfig(mesh={"dp_replicate": "nodes", "dp_shard": -1},
+                                bringup_timeout_s=240, measure_links=False),
+        run_config=RunConfig(name=f"diloco_{time.time_ns()}", storage_path=args["storage"]),
+    ).fit()
+
+
+def run_on_cluster(cluster, args: dict, timeout_s: float) -> dict:
+    """Run the phases in ``args`` on a started NetnsCluster; the train function's figures."""
+    env = cluster.node_env(cluster.head)
+    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    args = {"storage": str(cluster.root / "results"),
+            "out": str(cluster.root / f"diloco_{time.time_ns()}.json"), **args}
+    proc = subprocess.run([*cluster.head.exec_prefix(), sys.executable, "-m",
+                           "benchmarks.diloco", json.dumps(args)],
+                          capture_output=True, text=True, timeout=timeout_s, env=env,
+                          cwd=str(REPO))
+    if proc.returncode != 0:
+        raise RuntimeError(f"diloco driver failed (rc {proc.returncode}):\n"
+                           f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return read_result(args["out"])
+
+
+def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "int8",
+            module: str = DEFAULT_MODULE, model: dict | None = None, val_batches: int = 4,
+            timeout_s: float = 1500.0) -> dict:
+    """Both modes at every rate and unshaped; the figures for ``results.json['diloco']``."""
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from netns_cluster import NetnsCluster, netns_unavailable_reason
+
+    if reason := netns_unavailable_reason():
+        return {"status": f"not run: {reason}"}
+    replicate = {"every": every, "compress": compress, "outer_lr": 0.7,
+                 "outer_momentum": 0.9}
+    args = {"rates": [None, *rates], "modes": ["sync", "diloco"], "steps": steps,
+            "module": module, "model": {**MODEL, **(model or {})}, "replicate": replicate,
+            "val_batches": val_batches}
+    t0 = time.monotonic()
+    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
+        raw = run_on_cluster(cluster, args, timeout_s)
+    phases = raw["phases"]
+    out: dict = {"module": module, "model": args["model"], "steps": steps,
+                 "replicate": replicate, "wall_s": time.monotonic() - t0,
+                 "background_bytes_per_s": raw["background_bytes_per_s"],
+                 "note": "2 nodes x 2 CPU workers on one shared 2-core machine; egress "
+                         "of each node's tailscale0 capped with tc tbf"}
+    free = phases["unshaped/sync"]
+    for mbit in [None, *rates]:
+        key = rate_key(mbit)
+        s, d = phases[f"{key}/sync"], phases[f"{key}/diloco"]
+        out[key] = {
+            "every": every, "compress": compress,
+            "unshaped_tokens_s": free["tokens_s"],
+            "diloco_tokens_s": d["tokens_s"], "sync_tokens_s": s["tokens_s"],
+            "diloco_val_loss": d["val_loss"], "sync_val_loss": s["val_loss"],
+            "diloco_cross_node_bytes_per_step": d["cross_node_bytes_per_step"],
+            "sync_cross_node_bytes_per_step": s["cross_node_bytes_per_step"],
+            "diloco_inner_cross_node_bytes_per_step": d["inner_cross_node_bytes_per_step"],
+            "diloco_replicas_equal_after_syncs": d["replicas_equal_after_syncs"],
+            "diloco_losses": d["losses"], "sync_losses": s["losses"],
+        }
+    return out
+
+
+def plot(results: dict, path: Path) -> Path:
+    """Loss curves (sync vs DiLoCo, per step; identical tokens) into ``path`` (PNG or SVG)."""
+    keys = [k for k, v in results.items() if isinstance(v, dict) and "sync_losses" in v]
+    sec = results[keys[0]]
+    curves = {"sync (HSDP)": sec["sync_losses"],
+              f"DiLoCo H={sec['every']} {sec['compress']}": sec["diloco_losses"]}
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        path = path.with_suffix(".svg")
+        path.write_text(_svg(curves))
+        return path
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=label)
+    ax.set_xlabel("step (same tokens per step)")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _svg(curves: dict[str, list[float]], w: int = 600, h: int = 300) -> str:
+    top = max(max(ys) for ys in curves.values())
+    n = max(len(ys) for ys in curves.values())
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}">',
+             f'<rect width="{w}" height="{h}" fill="white"/>']
+    for i, (label, ys) in enumerate(curves.items()):
+        color = ("#1f77b4", "#d62728")[i % 2]
+        pts = " ".join(f"{40 + (w - 60) * j / max(n - 1, 1):.1f},"
+                       f"{h - 30 - (h - 60) * y / top:.1f}" for j, y in enumerate(ys))
+        parts += [f'<polyline fill="none" stroke="{color}" points="{pts}"/>',
+                  f'<text x="{w - 220}" y="{20 + 16 * i}" fill="{color}">{label}</text>']
+    parts.append(f'<text x="40" y="{h - 8}">step 1..{n}; loss 0..{top:.2f}</text></svg>')
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    _driver(json.loads(sys.argv[1]))

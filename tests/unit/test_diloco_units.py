@@ -1,0 +1,128 @@
+"""Replicate mode on the driver (job section, MeshConfig) and DiLoCo in the cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_mesh.cli.job import Job, JobError
+from ray_mesh.parallel.diloco import DiLoCoConfig
+from ray_mesh.parallel.replicate import parse_replicate
+from ray_mesh.planning.cost import (
+    Layout,
+    Links,
+    ModelStats,
+    PlanError,
+    Workload,
+    candidates,
+    diloco_sync_bytes,
+    predict,
+    rank_layouts,
+)
+from ray_mesh.planning.inputs import PlanInputs
+
+STATS = ModelStats(params=10_000_000, layers=4, hidden=256, heads=4)
+LINKS = Links(nodes=2, per_node=2, cross_mbit=20.0)
+WORK = Workload(tokens=4096, compute_s=4.0)
+HSDP = {"dp_replicate": 2, "dp_shard": 2}
+
+
+def _job(replicate, mesh="hsdp"):
+    return Job.from_dict({"train": "x.py:f", "mesh": mesh, "replicate": replicate})
+
+
+def test_replicate_section_parsed():
+    job = _job({"mode": "diloco", "every": 50, "outer_lr": 0.7, "outer_momentum": 0.9,
+                "compress": "int8", "streaming": 4})
+    assert job.replicate == DiLoCoConfig(every=50, compress="int8", streaming=4)
+    assert _job(None).replicate is None
+    assert _job({"mode": "sync"}).replicate is None
+    assert _job("diloco").replicate == DiLoCoConfig()
+    assert _job({"mode": "diloco"}, {"dp_replicate": 2, "dp_shard": 2}).replicate.every == 50
+
+
+@pytest.mark.parametrize(("replicate", "mesh", "match"), [
+    ({"mode": "diloco", "every": 0}, "hsdp", "replicate.every=0"),
+    ({"mode": "dilco"}, "hsdp", "use 'sync'"),
+    ({"every": 5}, "hsdp", "only apply to mode: diloco"),
+    ({"mode": "diloco", "compres": "int8"}, "hsdp", "unknown key"),
+    ({"mode": "diloco", "compress": "fp8"}, "hsdp", "replicate.compress"),
+    ({"mode": "diloco", "every": 4, "streaming": 8}, "hsdp", "replicate.streaming"),
+    ({"mode": "diloco"}, "fsdp", "dp_replicate: nodes"),
+    ({"mode": "diloco"}, {"dp_replicate": 1, "dp_shard": 4}, "dp_replicate=1"),
+    ([1, 2], "hsdp", "must be a mapping"),
+])
+def test_replicate_section_errors(replicate, mesh, match):
+    with pytest.raises(JobError, match=match):
+        _job(replicate, mesh)
+
+
+def test_meshconfig_carries_replicate():
+    from ray_mesh.raytrain.backend import MeshConfig
+
+    cfg = MeshConfig(mesh=HSDP, replicate={"mode": "diloco", "every": 8, "compress": "bf16"})
+    assert cfg.replicate == DiLoCoConfig(every=8, compress="bf16")
+    assert cfg.to_dict()["replicate"]["every"] == 8
+    assert MeshConfig(mesh=HSDP).replicate is None
+    with pytest.raises(ValueError, match="dp_replicate"):
+        MeshConfig(mesh="fsdp", replicate="diloco")
+    assert parse_replicate(DiLoCoConfig(every=3)).every == 3
+
+
+def test_diloco_cross_bytes_are_sync_over_h_times_ratio():
+    sync = predict(Layout("hsdp", HSDP), STATS, LINKS, WORK)
+    for compress, ratio in (("none", 1.0), ("bf16", 0.5), ("int8", 0.25 * (1 + 4 / 1024))):
+        dl = predict(Layout("hsdp", HSDP, diloco=(50, compress)), STATS, LINKS, WORK)
+        assert dl.cross_node_bytes_per_step == pytest.approx(
+            sync.cross_node_bytes_per_step / 50 * ratio), compress
+        assert dl.cross_s < sync.cross_s / 50 * 1.01
+        assert dl.memory_bytes_per_rank > sync.memory_bytes_per_rank  # outer state
+    # on 2 replicas the int8 all-gather moves the same as an all-reduce of a quarter size
+    assert diloco_sync_bytes(2, 4000.0, "int8") == pytest.approx(1000 * (1 + 4 / 1024))
+    assert diloco_sync_bytes(4, 4000.0, "none") == pytest.approx(6000.0)
+
+
+def test_diloco_layouts_listed_and_win_on_a_slow_link():
+    lays = candidates(STATS, LINKS, ("hsdp", "tp_hsdp", "fsdp"), bf16=False,
+                      diloco=(50, "int8"))
+    labels = [lay.label for lay in lays]
+    assert "hsdp+diloco50/int8" in labels and "tp_hsdp+diloco50/int8" in labels
+    assert not any(lab.startswith("fsdp+diloco") for lab in labels)  # no replicate dim
+    ranked = rank_layouts(STATS, LINKS, WORK, families=("hsdp", "fsdp"), bf16=False,
+                          diloco=(50, "int8"))
+    assert ranked[0].layout.diloco == (50, "int8")
+    assert ranked[0].to_json()["replicate"] == {"mode": "diloco", "every": 50,
+                                                "compress": "int8"}
+    # without plan.replicate nothing changes
+    assert all(p.layout.diloco is None for p in rank_layouts(STATS, LINKS, WORK))
+    # one node: no replicate dim, no DiLoCo layout
+    one = Links(nodes=1, per_node=4, cross_mbit=20.0)
+    assert not any(lay.diloco for lay in candidates(STATS, one, diloco=(50, "none")))
+
+
+def test_plan_replicate_section():
+    base = {"model": {"params": 1000, "layers": 2, "hidden": 8}, "tokens_per_step": 64,
+            "compute_s": 1.0}
+    inputs = PlanInputs.from_dict({**base, "replicate": {"every": 20, "compress": "bf16"}},
+                                  load_factory=lambda ref: None)
+    assert inputs.diloco == (20, "bf16")
+    assert PlanInputs.from_dict(base, load_factory=lambda ref: None).diloco is None
+    for bad, match in (({"every": 0}, "every"), ({"compress": "zip"}, "compress"),
+                       ({"evry": 3}, "plan.replicate"), ({"mode": "sync"}, "only diloco")):
+        with pytest.raises(PlanError, match=match):
+            PlanInputs.from_dict({**base, "replicate": bad}, load_factory=lambda ref: None)
+
+
+def test_benchmark_plot_and_table(tmp_path):
+    from benchmarks import diloco
+    from benchmarks.report import table
+
+    sec = {"every": 10, "compress": "int8", "unshaped_tokens_s": 900.0,
+           "diloco_tokens_s": 800.0, "sync_tokens_s": 300.0, "diloco_val_loss": 1.2,
+           "sync_val_loss": 1.1, "diloco_cross_node_bytes_per_step": 1e5,
+           "sync_cross_node_bytes_per_step": 2e6, "diloco_losses": [3.0, 2.0, 1.5],
+           "sync_losses": [3.0, 1.8, 1.2]}
+    path = diloco.plot({"20mbit": sec}, tmp_path / "loss.png")
+    assert path.exists() and path.stat().st_size > 100
+    rows = [r for r in table({"diloco": {"20mbit": sec}}) if r[0] == "h diloco"]
+    assert len(rows) == 3 and "800 / 300 / 900" in rows[0][2], rows
+    assert diloco.rate_key(None) == "unshaped" and diloco.rate_key(20) == "20mbit"
