@@ -86,7 +86,9 @@ def _fit(name: str, storage: str, mesh, interface: str = "auto",
             train_loop_config={"out": out_file},
             scaling_config=ScalingConfig(num_workers=workers, resources_per_worker=resources
                                          or {"CPU": 0.5, "slot": 1}),
-            torch_config=MeshConfig(mesh=mesh, interface=interface, bringup_timeout_s=120),
+            # verbose: every rank logs its environment line (the test reads all four).
+            torch_config=MeshConfig(mesh=mesh, interface=interface, bringup_timeout_s=120,
+                                    verbose=True),
             run_config=RunConfig(name=name, storage_path=storage),
         ).fit()
         with open(out_file) as f:
