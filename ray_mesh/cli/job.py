@@ -47,6 +47,31 @@ class JobError(ValueError):
     """A job file that cannot run; the message names the key and the fix."""
 
 
+def _mesh_and_plan(top: dict, base_dir: Path, config: dict) -> tuple[MeshSpec | str, Any]:
+    """``mesh:`` and ``plan:``: ``mesh: auto`` needs a plan (the planner's inputs); a plan
+    with a fixed mesh is still checked, for ``ray-mesh plan JOB.yaml``."""
+    from ray_mesh.planning.cost import PlanError
+    from ray_mesh.planning.inputs import PlanInputs
+
+    plan = None
+    if "plan" in top:
+        try:
+            plan = PlanInputs.from_dict(top["plan"], lambda ref: load_function(ref, base_dir),
+                                        config)
+        except PlanError as exc:
+            raise JobError(str(exc)) from exc
+    if top.get("mesh") == "auto":
+        if plan is None:
+            raise JobError("mesh: auto needs a plan: section (model, tokens_per_step, "
+                           "compute_s) so the planner can predict each layout's step time; or "
+                           "give the mesh, e.g. mesh: hsdp")
+        return "auto", plan
+    try:
+        return MeshSpec.from_dict(top.get("mesh")), plan
+    except MeshSpecError as exc:
+        raise JobError(f"mesh: {exc}") from exc
+
+
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
@@ -146,7 +171,8 @@ def _keys(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
-TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data", "replicate")
+TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data", "replicate",
+            "plan")
 SCALING_KEYS = _keys(ScalingSection)
 NETWORK_KEYS = _keys(NetworkSection)
 RUN_KEYS = _keys(RunSection)
@@ -172,11 +198,12 @@ class Job:
     name: str
     train: str
     config: dict = field(default_factory=dict)
-    mesh: MeshSpec = field(default_factory=MeshSpec)
+    mesh: MeshSpec | str = field(default_factory=MeshSpec)  # "auto": planned at bring-up
     scaling: ScalingSection = field(default_factory=ScalingSection)
     network: NetworkSection = field(default_factory=NetworkSection)
     run: RunSection = field(default_factory=RunSection)
     replicate: Any = None  # a DiLoCoConfig (replicate: {mode: diloco, ...}) or None (sync)
+    plan: Any = None  # a ray_mesh.planning.inputs.PlanInputs (the plan: section), or None
     base_dir: Path = field(default_factory=Path.cwd)
     data: Any = None
     """The checked ``data:`` section (a ray_mesh.data.spec.DataSpec), or None."""
@@ -193,13 +220,10 @@ class Job:
         if "train" not in top:
             raise JobError("The job has no 'train' key: name the train function as "
                            "'path/to/file.py:function' or 'package.module:function'.")
-        try:
-            mesh = MeshSpec.from_dict(top.get("mesh"))
-        except MeshSpecError as exc:
-            raise JobError(f"mesh: {exc}") from exc
         config = top.get("config") or {}
         if not isinstance(config, dict):
             raise JobError(f"'config' must be a mapping, got {config!r}.")
+        mesh, plan = _mesh_and_plan(top, base_dir or Path.cwd(), config)
         name = top.get("name") or Path(str(top["train"]).split(":")[0]).stem
         if isinstance(name, int) and not isinstance(name, bool):
             name = str(name)  # `name: 2024` in YAML
@@ -212,13 +236,15 @@ class Job:
         from ray_mesh.data.spec import DataSpecError, parse_job_data
 
         try:  # files, split, batch vs dp, seq_len vs the model: all before any worker
-            data_spec = parse_job_data(top.get("data"), base_dir or Path.cwd(), mesh=mesh,
+            data_spec = parse_job_data(top.get("data"), base_dir or Path.cwd(),
+                                       mesh=None if mesh == "auto" else mesh,
                                        num_workers=scaling.num_workers, config=config)
         except DataSpecError as exc:
             raise JobError(str(exc)) from exc
         try:
             replicate = parse_replicate(top.get("replicate"))
-            check_replicate_mesh(replicate, mesh.dp_replicate)
+            if mesh != "auto":
+                check_replicate_mesh(replicate, mesh.dp_replicate)
         except ParallelError as exc:
             raise JobError(str(exc)) from exc
         return cls(
@@ -232,6 +258,7 @@ class Job:
             run=RunSection(**_check_keys("run", top.get("run"), RUN_KEYS)),
             base_dir=base_dir or Path.cwd(),
             data=data_spec,
+            plan=plan,
         )
 
     @classmethod

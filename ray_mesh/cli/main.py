@@ -8,6 +8,7 @@ pre-flight on every live node).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -149,9 +150,20 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     nodes = live_nodes()
     print(describe_nodes(nodes, "GPU"))
     print()
-    report = doctor(nodes, interface=args.interface, timeout_s=args.timeout,
-                    rendezvous_port=args.port)
+    if not 0 < args.link_probe <= 30 and not args.no_links:
+        raise JobError(f"--link-probe {args.link_probe}: give seconds in (0, 30]")
+    report, links = doctor(nodes, interface=args.interface, timeout_s=args.timeout,
+                           rendezvous_port=args.port,
+                           link_probe_s=None if args.no_links else args.link_probe)
+    if args.json:
+        print(json.dumps({"ok": report.ok, "problems": report.problems,
+                          "links": links.to_json() if links else [],
+                          "verdict": links.verdict() if links else None}, indent=2))
+        return 0 if report.ok else 1
     print(report.format())
+    if links is not None:
+        print("\nLink bandwidth, Mbit/s (row sends to column; the diagonal is within a node):")
+        print(links.format())
     return 0 if report.ok else 1
 
 
@@ -193,6 +205,12 @@ def _add_plan_doctor(sub) -> None:
                      help=f"bound on the whole check in seconds (default {DEFAULT_TIMEOUT_S:g})")
     doc.add_argument("--port", type=int, default=None,
                      help="also check this fixed rendezvous port (MASTER_PORT) on the head")
+    doc.add_argument("--json", action="store_true",
+                     help="machine-readable: ok, problems, links [{a, b, mbit_s}], verdict")
+    doc.add_argument("--no-links", action="store_true",
+                     help="skip the link bandwidth measurement after the pre-flight")
+    doc.add_argument("--link-probe", type=float, default=1.0, metavar="S",
+                     help="bound on each link transfer in seconds (default 1)")
     doc.set_defaults(func=_cmd_doctor)
 
 

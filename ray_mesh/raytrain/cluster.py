@@ -13,6 +13,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_mesh.network.links import LinkMatrix, measure_links
 from ray_mesh.network.probe import node_versions
 from ray_mesh.network.report import DEFAULT_TIMEOUT_S, NodeTarget, PreflightReport
 from ray_mesh.planning.cluster import NodeInfo, nodes_from_ray
@@ -62,6 +63,18 @@ class NodeAgents:
                                         for n in self.nodes],
                              rendezvous_port=rendezvous_port, timeout_s=timeout_s)
 
+    def links(self, report: PreflightReport, max_s: float = 1.0) -> LinkMatrix | None:
+        """Link bandwidth between the nodes (and each to itself) over the interfaces the
+        pre-flight chose; None when the pre-flight failed (no pair to trust)."""
+        if not report.ok or not self.nodes:
+            return None
+        addresses = [report.choice(i).address for i in range(len(self.nodes))]
+
+        def run_on(i: int, fn: Callable[..., Any], *args: Any) -> Any:
+            return ray.get(self.agents[i].call.remote(fn, *args), timeout=max_s + 20.0)
+
+        return measure_links(addresses, run_on, max_s=max_s)
+
     def close(self) -> None:
         for a in self.agents:
             ray.kill(a, no_restart=True)
@@ -80,16 +93,20 @@ def doctor(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     rendezvous_port: int | None = None,
     startup_timeout_s: float = 60.0,
-) -> PreflightReport:
-    """Run the pre-flight on every live node through short-lived node agents.
+    link_probe_s: float | None = 1.0,
+) -> tuple[PreflightReport, LinkMatrix | None]:
+    """Run the pre-flight on every live node through short-lived node agents, then (when it
+    passed and ``link_probe_s`` is not None) measure the links between them.
 
     A run's rendezvous port is a random free one, which the matrix's random listener
     ports already stand for; pass ``rendezvous_port`` to check a fixed MASTER_PORT too.
     """
     with NodeAgents(nodes if nodes is not None else live_nodes(),
                     startup_timeout_s) as agents:
-        return agents.preflight(interface=interface, timeout_s=timeout_s,
-                                rendezvous_port=rendezvous_port)
+        report = agents.preflight(interface=interface, timeout_s=timeout_s,
+                                  rendezvous_port=rendezvous_port)
+        links = agents.links(report, link_probe_s) if link_probe_s else None
+        return report, links
 
 
 __all__ = ["NodeAgent", "NodeAgents", "doctor", "live_nodes"]

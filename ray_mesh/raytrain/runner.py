@@ -210,7 +210,7 @@ def check_data_resources(job: Job, scaling: ScalingConfig, cluster: dict[str, fl
 
 def mesh_config(job: Job, verbose: bool = False) -> MeshConfig:
     """The job's ``mesh`` and ``network`` sections as a :class:`MeshConfig`."""
-    return MeshConfig(mesh=job.mesh, verbose=verbose, replicate=job.replicate,
+    return MeshConfig(mesh=job.mesh, plan=job.plan, verbose=verbose, replicate=job.replicate,
                       **job.network.mesh_config_kwargs())
 
 

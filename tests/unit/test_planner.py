@@ -156,3 +156,24 @@ def test_plan_cli_without_a_link_rate_says_how_to_get_one():
     proc = _cli("plan", "examples/plan_demo.yaml", "--nodes", "2", "--per-node", "2")
     assert proc.returncode == 2
     assert "--link-mbit" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_job_file_mesh_auto_needs_a_plan_and_carries_it():
+    from ray_mesh.cli.job import Job, JobError
+
+    base = {"train": "fsdp_tp_transformer.py:train_loop", "config": {"heads": 4}}
+    with pytest.raises(JobError, match="mesh: auto needs a plan"):
+        Job.from_dict({**base, "mesh": "auto"}, base_dir=ROOT / "examples")
+    with pytest.raises(JobError, match="plan.compute_s"):
+        Job.from_dict({**base, "mesh": "auto", "plan": {"model": "fsdp_tp_transformer.py:"
+                       "make_model", "tokens_per_step": 64, "compute_s": "soon"}},
+                      base_dir=ROOT / "examples")
+    job = Job.from_dict({**base, "mesh": "auto", "plan": {
+        "model": "fsdp_tp_transformer.py:make_model", "tokens_per_step": 64,
+        "compute_s": 0.5, "layouts": ["ddp", "fsdp", "hsdp", "tp_hsdp"]}},
+        base_dir=ROOT / "examples")
+    assert job.mesh == "auto" and job.plan.stats.heads == 4 and job.plan.work.tokens == 64
+    from ray_mesh.raytrain.runner import mesh_config
+
+    cfg = mesh_config(job)
+    assert cfg.mesh == "auto" and cfg.plan is job.plan
