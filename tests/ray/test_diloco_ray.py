@@ -66,6 +66,7 @@ def _steps(lines: list[str]) -> list[int]:
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # ~3 fits of 4-6 workers (4-10 min on 2 cores): the opt-in tier
 @pytest.mark.timeout(1500)
 def test_diloco_kill_resume_and_grow(ray_local, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")

@@ -93,6 +93,7 @@ def test_default_data_config_follows_mesh(plain_run):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # 8 workers on 2 cores (2-4 min); the 4-worker cases stay in the default suite
 def test_explicit_mesh_data_config_pp_tp(ray_local, tmp_path):
     import ray_mesh
 
