@@ -10,7 +10,8 @@ writes every 2 s); the every-N-th ``ray.train.report`` is Ray Train's cost, see 
 Statistic ``overhead_fraction``: mean cost of one call over 20000 calls / median plain step
 time. Cross-check ``paired_median_fraction``: steps alternate with and without a report, the
 ratio of their medians - 1 (on a loaded host it is noise of a few %). Written to
-``benchmarks/results.json`` under ``observability.report_overhead``.
+``benchmarks/results.json`` under ``observability.report_overhead`` (the fraction of a step)
+and ``observability.report_overhead_detail`` (every figure and the statistic).
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def main() -> int:
                loadavg=os.getloadavg(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                            time.gmtime()))
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
-    data.setdefault("observability", {})["report_overhead"] = res
+    obs = data.setdefault("observability", {})
+    obs["report_overhead"] = res["overhead_fraction"]  # the issue's key: a fraction of a step
+    obs["report_overhead_detail"] = res
     args.out.write_text(json.dumps(data, indent=1, default=str))  # as benchmarks/run.py
     print(f"ray_mesh.report every step: one call {1e6 * res['report_call_s_mean']:.1f} us = "
           f"{100 * res['overhead_fraction']:.2f}% of a {1e3 * res['plain_step_s_median']:.2f} "
