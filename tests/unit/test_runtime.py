@@ -26,9 +26,10 @@ def test_answers_no_without_importing_ray():
 
 
 def test_no_when_ray_is_imported_but_not_a_train_worker(monkeypatch):
-    import ray
+    # Ray may or may not be initialized in this process (the suite's shared Ray instance
+    # lives on between tests): either way a driver is not a Train worker.
+    import ray  # noqa: F401
 
-    assert not ray.is_initialized()
     assert runtime.train_context() is None and not runtime.in_ray_train()
     monkeypatch.setenv(runtime.TORCHRUN_ENV, "some-run")
     assert not runtime.in_ray_train()
