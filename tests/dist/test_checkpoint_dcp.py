@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ray_mesh.checkpointing import sharded
+from ports import free_port
 
 WORLD = 4
 TRAIN_STEPS = 3
@@ -130,14 +131,9 @@ def _checks(rank: int, root: Path) -> None:
         print(f"4-rank checks took {time.monotonic() - t0:.1f} s", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_save_reshard_async_and_mismatch(tmp_path):
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD,
+    ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=5):

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from ray_mesh.checkpointing import integrity, sharded
+from ports import free_port
 
 WORLD = 2
 STEPS = 6
@@ -101,14 +102,9 @@ def _worker(rank: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_rng_resume_checksums_and_nan_guard(tmp_path):
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD,
+    ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=5):

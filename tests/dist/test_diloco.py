@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "_diloco_torchrun.py"
 CHECKS = ["h1_lr1_m0_equals_sync_hsdp", "no_sync_before_h", "outer_step_equals_formula",
@@ -23,18 +24,13 @@ CHECKS = ["h1_lr1_m0_equals_sync_hsdp", "no_sync_before_h", "outer_step_equals_f
           "refuses_hsdp_model", "refuses_size1_replicate_dim"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.timeout(400)
 def test_diloco_checks_under_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT)],
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

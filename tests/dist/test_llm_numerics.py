@@ -17,15 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "_llm_torchrun.py"
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(mode: str, tmp_path: Path, *args: str) -> str:
@@ -33,7 +29,7 @@ def _torchrun(mode: str, tmp_path: Path, *args: str) -> str:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT), mode, *args],
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), mode, *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "_parallel_torchrun.py"
 CHECKS = ["hsdp_example_under_torchrun", "tp_indivisible_hidden", "tp_plan_typo",
@@ -28,11 +29,6 @@ CHECKS = ["hsdp_example_under_torchrun", "tp_indivisible_hidden", "tp_plan_typo"
           "data_by_dp_rank"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.timeout(400)
 def test_bad_inputs_raise_on_every_rank_without_hanging(tmp_path):
@@ -40,7 +36,7 @@ def test_bad_inputs_raise_on_every_rank_without_hanging(tmp_path):
     env["MASTER_ADDR"] = "127.0.0.1"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT)],
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

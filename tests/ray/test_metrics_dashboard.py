@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.observability.metrics import METRICS
@@ -42,16 +42,11 @@ START_TIMEOUT_S = 120
 METRICS_TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _ports(*flags: str) -> list[str]:
     out = []
     for flag in flags:
-        out += [flag, str(_free_port())]
+        out += [flag, str(free_port())]
     return out
 
 
@@ -103,7 +98,7 @@ class Cluster:
         self.tmp = Path(tempfile.mkdtemp(prefix="rm6_", dir="/tmp"))  # short: socket paths
         self.env = {**os.environ, "RAY_AUTH_MODE": "token",
                     "RAY_TRAIN_ENABLE_STATE_TRACKING": "1", "PYTHONUNBUFFERED": "1"}
-        self.gcs, self.dash, self.metrics = _free_port(), _free_port(), _free_port()
+        self.gcs, self.dash, self.metrics = free_port(), free_port(), free_port()
         self.storage = self.tmp / "results"
         self.stop_file = self.tmp / "stop"
         self.procs: dict[str, subprocess.Popen] = {}

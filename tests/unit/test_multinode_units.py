@@ -11,6 +11,7 @@ import os
 import socket
 
 import pytest
+from ports import free_port
 
 from ray_mesh.core.topology import TopologyError, WorkerReport
 from ray_mesh.network import interfaces as network
@@ -206,14 +207,9 @@ class SilentNodeExecutor(ThreadExecutor):
         return super().submit(node, fn, *args)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_preflight_passes_on_reachable_addresses_and_frees_the_rendezvous_port():
-    port = _free_port()
+    port = free_port()
     nodes = [NodeTarget("127.0.0.1", "lo"), NodeTarget("127.0.0.1", "auto")]
     report = run_preflight(ThreadExecutor(), nodes, rendezvous_port=port, timeout_s=10)
     assert report.ok, report.format()
@@ -229,7 +225,7 @@ def test_preflight_names_a_silent_node_within_the_bound():
     nodes = [NodeTarget("127.0.0.1", "lo"), NodeTarget("127.0.0.2", "lo", "gone")]
     # Node 1's future never completes, so returning at all means the 3 s deadline ended
     # the wait (the message names it); pytest-timeout fails a wait without one.
-    report = run_preflight(SilentNodeExecutor(), nodes, rendezvous_port=_free_port(),
+    report = run_preflight(SilentNodeExecutor(), nodes, rendezvous_port=free_port(),
                            timeout_s=3)
     assert not report.ok
     assert "node 1 (127.0.0.2, gone) did not answer within the 3 s" in report.error_message()
@@ -238,7 +234,7 @@ def test_preflight_names_a_silent_node_within_the_bound():
 def test_preflight_missing_interface_on_one_node_still_checks_the_rest():
     nodes = [NodeTarget("127.0.0.1", "lo"), NodeTarget("127.0.0.1", "wlan9"),
              NodeTarget("127.0.0.1", "lo")]
-    report = run_preflight(ThreadExecutor(), nodes, rendezvous_port=_free_port(),
+    report = run_preflight(ThreadExecutor(), nodes, rendezvous_port=free_port(),
                            timeout_s=10)
     msg = report.error_message()
     assert "node 1 (127.0.0.1" in msg and "'wlan9' does not exist" in msg
@@ -246,7 +242,7 @@ def test_preflight_missing_interface_on_one_node_still_checks_the_rest():
 
 
 def test_connect_refused_is_reported_as_a_blocked_port():
-    res = probe_peers("127.0.0.1", [Target(1, "127.0.0.1", _free_port())], 2.0)
+    res = probe_peers("127.0.0.1", [Target(1, "127.0.0.1", free_port())], 2.0)
     assert not res[1].ok and "refused" in res[1].error
 
 
