@@ -32,6 +32,23 @@ def write_result(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def fit_netns_workers(train, args: dict, mesh_config, tag: str) -> None:
+    """One fit of ``train`` on the virtual cluster's 4 workers (2 per node: the ``slot``
+    resource), run from a driver inside the head namespace; figures come back by file."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    TorchTrainer(
+        train, train_loop_config=args,
+        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 0.5,
+                                                                          "slot": 1}),
+        torch_config=mesh_config,
+        run_config=RunConfig(name=f"{tag}_{time.time_ns()}", storage_path=args["storage"]),
+    ).fit()
+
+
 def result_path(tag: str) -> str:
     return os.path.join(tempfile.mkdtemp(prefix=f"rmbench_{tag}_"), "result.json")
 

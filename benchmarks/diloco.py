@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, read_result, write_result
+from benchmarks.common import REPO, fit_netns_workers, read_result, write_result
 
 MODEL = {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "ffn": 512, "seq": 64,
          "batch_size": 16, "lr": 0.003, "seed": 0, "mixed_precision": None}
@@ -162,21 +162,11 @@ def _train(config: dict) -> None:
 
 
 def _driver(args: dict) -> None:
-    import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     from ray_mesh import MeshConfig
 
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    TorchTrainer(
-        _train, train_loop_config=args,
-        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 0.5,
-                                                                          "slot": 1}),
-        torch_config=MeshConfig(mesh={"dp_replicate": "nodes", "dp_shard": -1},
-                                bringup_timeout_s=240, measure_links=False),
-        run_config=RunConfig(name=f"diloco_{time.time_ns()}", storage_path=args["storage"]),
-    ).fit()
+    mesh = MeshConfig(mesh={"dp_replicate": "nodes", "dp_shard": -1}, bringup_timeout_s=240,
+                      measure_links=False)
+    fit_netns_workers(_train, args, mesh, "diloco")
 
 
 def run_on_cluster(cluster, args: dict, timeout_s: float) -> dict:

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import REPO, read_result, write_result
+from benchmarks.common import REPO, fit_netns_workers, read_result, write_result
 
 MODEL = {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "ffn": 512, "seq": 64,
          "batch_size": 16, "lr": 0.01, "seed": 0, "mixed_precision": None}
@@ -182,21 +182,10 @@ def _train(config: dict) -> None:
 
 
 def _driver(args: dict) -> None:
-    import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     from ray_mesh import MeshConfig
 
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    TorchTrainer(
-        _train, train_loop_config=args,
-        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 0.5,
-                                                                          "slot": 1}),
-        torch_config=MeshConfig(mesh="fsdp", bringup_timeout_s=180, measure_links=True,
-                                link_probe_s=2.0),
-        run_config=RunConfig(name=f"slowlinks_{time.time_ns()}", storage_path=args["storage"]),
-    ).fit()
+    mesh = MeshConfig(mesh="fsdp", bringup_timeout_s=180, measure_links=True, link_probe_s=2.0)
+    fit_netns_workers(_train, args, mesh, "slowlinks")
 
 
 def _measured_links(addresses: list[str]) -> dict:
