@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+from torchrun import torchrun
+
 import ray_mesh
 from ray_mesh.core.bootstrap import BootstrapError
 
@@ -35,11 +37,8 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 def run_torchrun(tmp_path, spec: dict, nproc: int = 4, nnodes_env: dict | None = None):
     script = tmp_path / "script.py"
     script.write_text(TORCHRUN_SCRIPT)
-    env = {**os.environ, **(nnodes_env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         "--standalone", str(script), json.dumps(spec), str(tmp_path)],
-        capture_output=True, text=True, timeout=240, env=env)
+    proc = torchrun(script, json.dumps(spec), str(tmp_path), nproc=nproc, timeout=240,
+                    env=nnodes_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(nproc)}
 

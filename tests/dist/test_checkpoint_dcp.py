@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from ray_mesh.checkpointing import sharded
 from ports import free_port
+from torchrun import spawn_ranks
 
 WORLD = 4
 TRAIN_STEPS = 3
@@ -133,14 +134,7 @@ def _checks(rank: int, root: Path) -> None:
 
 
 def test_save_reshard_async_and_mismatch(tmp_path):
-    ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("4-rank checkpoint test did not finish in 240 s")
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, 240, "4-rank checkpoint test")
 
     # Partial and corrupt directories, found by the checker and skipped in favour of the
     # previous complete one, each with a reason.

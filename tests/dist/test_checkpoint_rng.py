@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from ray_mesh.checkpointing import integrity, sharded
 from ports import free_port
+from torchrun import spawn_ranks
 
 WORLD = 2
 STEPS = 6
@@ -104,14 +105,7 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 
 def test_rng_resume_checksums_and_nan_guard(tmp_path):
-    ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("2-rank checkpoint test did not finish in 240 s")
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, 240, "2-rank checkpoint test")
 
     older, newer = tmp_path / sharded.dir_name(SAVE_AT), tmp_path / sharded.dir_name(STEPS)
     files = json.loads((newer / integrity.MANIFEST).read_text())["files"]

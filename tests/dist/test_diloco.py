@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ports import free_port
+from torchrun import assert_checks, torchrun
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "_diloco_torchrun.py"
 CHECKS = ["h1_lr1_m0_equals_sync_hsdp", "no_sync_before_h", "outer_step_equals_formula",
@@ -27,13 +27,5 @@ CHECKS = ["h1_lr1_m0_equals_sync_hsdp", "no_sync_before_h", "outer_step_equals_f
 
 @pytest.mark.timeout(400)
 def test_diloco_checks_under_torchrun(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    for name in CHECKS:
-        assert f"PASS {name}" in proc.stdout, (name, out[-6000:])
-    assert "ALL_DONE" in proc.stdout
+    proc = torchrun(SCRIPT, cwd=tmp_path, timeout=360)
+    assert_checks(proc, CHECKS)

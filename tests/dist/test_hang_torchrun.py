@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from torchrun import torchrun
+
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "_hang_train.py"
 HANG_TIMEOUT_S = 8.0
 
@@ -16,13 +18,8 @@ HANG_TIMEOUT_S = 8.0
 def test_skipped_collective_is_named_with_stacks(tmp_path):
     config = {"hang_timeout_s": HANG_TIMEOUT_S, "skip_step": 3, "skip_rank": 3,
               "out_dir": str(tmp_path), "sleep_s": 300}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(HELPER.parents[2]), os.environ.get("PYTHONPATH")) if p)}
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
-         str(HELPER), json.dumps(config)],
-        capture_output=True, text=True, timeout=HANG_TIMEOUT_S + 120, env=env)
+    proc = torchrun(HELPER, json.dumps(config), timeout=HANG_TIMEOUT_S + 120)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, "a hung run must fail, not finish"
     # Bound: the hang starts after bring-up (a few s); the run ends at the process-group

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ports import free_port
+from torchrun import assert_checks, torchrun
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "_llm_torchrun.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,15 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(mode: str, tmp_path: Path, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), mode, *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert "ALL_DONE" in proc.stdout, out[-6000:]
+    proc = torchrun(SCRIPT, mode, *args, cwd=tmp_path, timeout=300)
+    assert_checks(proc, [])
     return proc.stdout
 
 

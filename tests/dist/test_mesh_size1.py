@@ -14,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 
+from torchrun import torchrun
+
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as dist, torch.nn as nn
@@ -98,12 +100,8 @@ def _torchrun_4(script_text: str, tmp_path) -> list[dict]:
     """Run a script on 4 local ranks with ray_mesh's defaults; each rank's JSON record."""
     script = tmp_path / "script.py"
     script.write_text(script_text)
-    env = {**os.environ}
-    env.pop("RAY_MESH_REAL_SIZE1_GROUPS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
-         str(script), str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=env)
+    proc = torchrun(script, str(tmp_path), timeout=300,
+                    env={"RAY_MESH_REAL_SIZE1_GROUPS": None})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(4)]
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ports import free_port
+from torchrun import assert_checks, torchrun
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "_parallel_torchrun.py"
 CHECKS = ["hsdp_example_under_torchrun", "tp_indivisible_hidden", "tp_plan_typo",
@@ -32,15 +32,6 @@ CHECKS = ["hsdp_example_under_torchrun", "tp_indivisible_hidden", "tp_plan_typo"
 
 @pytest.mark.timeout(400)
 def test_bad_inputs_raise_on_every_rank_without_hanging(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
-    env["MASTER_ADDR"] = "127.0.0.1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    for name in CHECKS:
-        assert f"PASS {name}" in proc.stdout, (name, out[-6000:])
-    assert "ALL_DONE" in proc.stdout
+    proc = torchrun(SCRIPT, cwd=tmp_path, timeout=360)
+    assert_checks(proc, CHECKS)
     assert "hsdp: step 3/3 loss" in proc.stdout

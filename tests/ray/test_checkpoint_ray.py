@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 from _ckpt_train import attempts, steps
+from ray_fit import fit
 
 from ray_mesh.checkpointing import StorageError, check_storage, sharded
-from ray_mesh.cli.job import Job, load_function
+from ray_mesh.cli.job import Job
 
 TRAIN = str(Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_train.py") + ":train_loop"
 STEPS = 12
@@ -33,24 +34,11 @@ EVERY = 3
 
 
 def _fit(name: str, storage: str, config: dict, max_failures: int = 0):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     import ray_mesh
 
-    trainer = TorchTrainer(
-        load_function(TRAIN),
-        train_loop_config={"steps": STEPS, "every": EVERY, **config},
-        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
-        torch_config=ray_mesh.MeshConfig(mesh={"dp_replicate": 2, "dp_shard": 2}),
-        run_config=RunConfig(name=name, storage_path=storage,
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=3)),
-    )
-    t0 = time.monotonic()
-    result = trainer.fit()
-    print(f"fit {name}: {time.monotonic() - t0:.1f} s")
-    return result
+    return fit(TRAIN, name, storage, {"steps": STEPS, "every": EVERY, **config}, workers=4,
+               mesh_config=ray_mesh.MeshConfig(mesh={"dp_replicate": 2, "dp_shard": 2}),
+               max_failures=max_failures)
 
 
 

@@ -15,14 +15,14 @@ fall between syncs, when the replicas differ). Three fits of ``tests/helpers/_di
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_train import attempts, steps
+from ray_fit import fit
 
 from ray_mesh.checkpointing import sharded
-from ray_mesh.cli.job import load_function
 
 TRAIN = str(Path(__file__).resolve().parents[1] / "helpers" / "_diloco_train.py") + ":train_loop"
 STEPS = 8
@@ -32,37 +32,12 @@ REPLICATE = {"mode": "diloco", "every": 3, "outer_lr": 0.7, "outer_momentum": 0.
 
 def _fit(name: str, storage: str, config: dict, mesh: dict, workers: int,
          max_failures: int = 0):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     import ray_mesh
 
-    trainer = TorchTrainer(
-        load_function(TRAIN),
-        train_loop_config={"steps": STEPS, "every": 2, **config},
-        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
-        torch_config=ray_mesh.MeshConfig(mesh=mesh, replicate=REPLICATE, measure_links=False),
-        run_config=RunConfig(name=name, storage_path=storage,
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=4)),
-    )
-    t0 = time.monotonic()
-    result = trainer.fit()
-    print(f"fit {name}: {time.monotonic() - t0:.1f} s")
-    return result
-
-
-def _attempts(log: Path) -> list[list[str]]:
-    out: list[list[str]] = []
-    for line in log.read_text().splitlines():
-        if line.startswith("start"):
-            out.append([])
-        out[-1].append(line)
-    return out
-
-
-def _steps(lines: list[str]) -> list[int]:
-    return [int(x.split()[1]) for x in lines if x.startswith("step")]
+    return fit(TRAIN, name, storage, {"steps": STEPS, "every": 2, **config}, workers=workers,
+               mesh_config=ray_mesh.MeshConfig(mesh=mesh, replicate=REPLICATE,
+                                               measure_links=False),
+               max_failures=max_failures, num_to_keep=4)
 
 
 @pytest.mark.ray
@@ -77,9 +52,9 @@ def test_diloco_kill_resume_and_grow(ray_local, tmp_path, monkeypatch):
     ref = _fit("reference", storage, {"log": str(tmp_path / "ref.log"),
                                       "final": str(tmp_path / "ref")}, hsdp, 4)
     assert ref.error is None
-    (run,) = _attempts(tmp_path / "ref.log")
+    (run,) = attempts(tmp_path / "ref.log")
     assert run[0].startswith("start 0 - replicas=2 inner=0 outer=0"), run[0]
-    assert _steps(run) == list(range(1, STEPS + 1))
+    assert steps(run) == list(range(1, STEPS + 1))
     syncs = [line for line in run if " sync " in line]
     assert [int(s.split()[1]) for s in syncs] == [3, 6], syncs
     assert all("equal=True" in s for s in syncs), syncs
@@ -96,11 +71,11 @@ def test_diloco_kill_resume_and_grow(ray_local, tmp_path, monkeypatch):
                                    "log": str(log), "final": str(tmp_path / "kill")},
                hsdp, 4, max_failures=1)
     assert res.error is None
-    first, second = _attempts(log)
-    assert _steps(first)[:4] == list(range(1, 5)), first  # step 5 may be logged or not
+    first, second = attempts(log)
+    assert steps(first)[:4] == list(range(1, 5)), first  # step 5 may be logged or not
     assert second[0].startswith("start 4 checkpoint_00000004_"), second[0]
     assert "inner=4 outer=1" in second[0], second[0]
-    assert _steps(second) == list(range(5, STEPS + 1)), second
+    assert steps(second) == list(range(5, STEPS + 1)), second
     for rank in range(4):
         a = torch.load(tmp_path / f"ref.{rank}")
         b = torch.load(tmp_path / f"kill.{rank}")
@@ -113,7 +88,7 @@ def test_diloco_kill_resume_and_grow(ray_local, tmp_path, monkeypatch):
                                     "final": str(tmp_path / "grow")},
                  {"dp_replicate": 3, "dp_shard": 1}, 3)
     assert grown.error is None
-    (run,) = _attempts(glog)
+    (run,) = attempts(glog)
     assert run[0].startswith("start 4 checkpoint_00000004_") and "replicas=3" in run[0], run[0]
     syncs = [line for line in run if " sync " in line]
     assert [int(s.split()[1]) for s in syncs] == [6], syncs
