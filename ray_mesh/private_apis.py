@@ -201,6 +201,62 @@ def gcs_ping(channel: Any, timeout_s: float) -> None:
     channel.unary_unary(GCS_CLUSTER_ID_METHOD)(b"", timeout=timeout_s)
 
 
+def data_config_settings(config: Any) -> tuple[Any, Any, bool]:
+    """A ``ray.train.DataConfig``'s constructor arguments back (datasets_to_split,
+    execution options, shard locality), to rebuild it as a mesh-aware one.
+
+    Internal: the private attributes ``DataConfig.__init__`` stores them in (Ray 2.60.0,
+    ``ray/train/_internal/data_config.py``). Public replacement: none (no getters).
+    """
+    return (config._datasets_to_split, config._user_execution_options,
+            config._enable_shard_locality)
+
+
+def _set_manager_config(manager: Any, config: Any) -> bool:
+    """Runs inside Ray Train's DatasetManager actor: use ``config`` for its first split."""
+    if manager._dataset_iterators:
+        return False
+    manager._data_config = config
+    return True
+
+
+def replace_run_data_config(worker_group: Any, decide: Any, timeout_s: float = 60) -> str:
+    """Replace the ``DataConfig`` of the running trainer by ``decide(current)``.
+
+    Returns ``"none"`` when the group has no datasets to split, ``"kept"`` when ``decide``
+    returned the current config, ``"replaced"`` when it was swapped in time, ``"late"`` when
+    the datasets were already split (too late to change).
+
+    Internal (Ray 2.60.0, Train V2): the controller's ``DatasetsCallback`` (found in the
+    worker group's ``_callbacks``) keeps the trainer's ``DataConfig`` in ``_data_config`` and,
+    before the backend's ``on_start``, has already started a ``DatasetManager`` actor
+    (``_dataset_shard_provider._dataset_manager``) holding a copy; that actor calls
+    ``configure`` lazily, at the first ``get_dataset_shard``, i.e. after ``on_start``. Both
+    are updated: the actor through ``__ray_call__`` (the current group), the callback for
+    the groups of later restarts. Public replacement: a mesh-aware ``DataConfig`` in Ray
+    itself (Ray PR #60439, ``DeviceMeshConfig``), or a backend hook that sees the datasets;
+    until then ``dataset_config=ray_mesh.MeshDataConfig(mesh=...)`` needs none of this.
+    """
+    import ray
+
+    callbacks = [cb for cb in getattr(worker_group, "_callbacks", ())
+                 if type(cb).__name__ == "DatasetsCallback"]
+    if not callbacks or not getattr(callbacks[0], "_datasets", None):
+        return "none"
+    callback = callbacks[0]
+    new = decide(callback._data_config)
+    if new is callback._data_config:
+        return "kept"
+    callback._data_config = new
+    provider = callback._dataset_shard_provider
+    if provider is not None:
+        manager = provider._dataset_manager
+        if not ray.get(manager.__ray_call__.remote(_set_manager_config, new),
+                       timeout=timeout_s):
+            return "late"
+    return "replaced"
+
+
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 """The resource Ray puts on the head node only (``ray._common.constants``, Ray 2.60.0)."""
 
@@ -223,12 +279,14 @@ __all__ = [
     "auth_headers",
     "can_set_mesh_group",
     "dashboard_url_from_gcs",
+    "data_config_settings",
     "enable_token_auth",
     "flatten_mesh",
     "gcs_ping",
     "has_batch_p2p_wait_fix",
     "is_head_node",
     "register_fake_pg_backend",
+    "replace_run_data_config",
     "set_mesh_group",
     "startup_timeout_error_type",
     "v2_worker_group_type",

@@ -28,12 +28,13 @@ from __future__ import annotations
 import copy
 import logging
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ray
 from ray.train import DataConfig
 
+from ray_mesh import private_apis
 from ray_mesh.core.spec import MeshSpec
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def mesh_data_config(current: DataConfig, spec: MeshSpec) -> DataConfig:
             )
         return current.with_mesh(spec)
     if type(current) is DataConfig:
-        return MeshDataConfig(spec, *_data_config_settings(current))
+        return MeshDataConfig(spec, *private_apis.data_config_settings(current))
     if peer_count(spec) == 1:
         return current
     raise DataSplitError(
@@ -163,60 +164,6 @@ def mesh_data_config(current: DataConfig, spec: MeshSpec) -> DataConfig:
     )
 
 
-# ----------------------------------------------------------------------------- Ray internals
-def _data_config_settings(config: DataConfig) -> tuple[Any, Any, bool]:
-    """``DataConfig``'s constructor arguments back (datasets_to_split, options, locality).
-
-    Internal: the private attributes ``DataConfig.__init__`` stores them in (Ray 2.60.0,
-    ``ray/train/_internal/data_config.py``). Public replacement: none (no getters).
-    """
-    return (config._datasets_to_split, config._user_execution_options,
-            config._enable_shard_locality)
-
-
-def _set_manager_config(manager: Any, config: DataConfig) -> bool:
-    """Runs inside Ray Train's DatasetManager actor: use ``config`` for its first split."""
-    if manager._dataset_iterators:
-        return False
-    manager._data_config = config
-    return True
-
-
-def _replace_run_data_config(worker_group: Any,
-                             decide: Callable[[DataConfig], DataConfig]) -> bool:
-    """Replace the ``DataConfig`` of the running trainer by ``decide(current)``.
-
-    Internal (Ray 2.60.0, Train V2): the controller's ``DatasetsCallback`` (found in the
-    worker group's ``_callbacks``) keeps the trainer's ``DataConfig`` in ``_data_config`` and,
-    before the backend's ``on_start``, has already started a ``DatasetManager`` actor
-    (``_dataset_shard_provider._dataset_manager``) holding a copy; that actor calls
-    ``configure`` lazily, at the first ``get_dataset_shard``, i.e. after ``on_start``. Both
-    are updated: the actor through ``__ray_call__`` (the current group), the callback for
-    the groups of later restarts. Public replacement: a mesh-aware ``DataConfig`` in Ray
-    itself (Ray PR #60439, ``DeviceMeshConfig``), or a backend hook that sees the datasets;
-    until then ``dataset_config=ray_mesh.MeshDataConfig(mesh=...)`` needs none of this.
-    Returns False when the group has no datasets to split.
-    """
-    callbacks = [cb for cb in getattr(worker_group, "_callbacks", ())
-                 if type(cb).__name__ == "DatasetsCallback"]
-    if not callbacks or not getattr(callbacks[0], "_datasets", None):
-        return False
-    callback = callbacks[0]
-    new = decide(callback._data_config)
-    if new is callback._data_config:
-        return True
-    callback._data_config = new
-    provider = callback._dataset_shard_provider
-    if provider is not None:
-        ok = ray.get(provider._dataset_manager.__ray_call__.remote(_set_manager_config, new),
-                     timeout=60)
-        if not ok:
-            raise DataSplitError("The datasets were split before the mesh was up; this is a "
-                                 "ray_mesh bug: pass dataset_config=ray_mesh.MeshDataConfig("
-                                 "mesh=...) explicitly.")
-    return True
-
-
 def install_mesh_data_config(worker_group: Any, spec: MeshSpec) -> None:
     """Called by ``MeshConfig``'s backend: make the run's datasets follow ``spec``.
 
@@ -224,7 +171,8 @@ def install_mesh_data_config(worker_group: Any, spec: MeshSpec) -> None:
     that cannot be made right.
     """
     try:
-        found = _replace_run_data_config(worker_group, lambda cfg: mesh_data_config(cfg, spec))
+        outcome = private_apis.replace_run_data_config(
+            worker_group, lambda cfg: mesh_data_config(cfg, spec))
     except DataSplitError:
         raise
     except Exception as exc:  # an internal that moved: say how to do without it
@@ -234,7 +182,11 @@ def install_mesh_data_config(worker_group: Any, spec: MeshSpec) -> None:
             f"dataset_config=ray_mesh.MeshDataConfig(mesh=<the MeshConfig's mesh>) to the "
             f"trainer."
         ) from exc
-    if found and peer_count(spec) > 1:
+    if outcome == "late":
+        raise DataSplitError("The datasets were split before the mesh was up; this is a "
+                             "ray_mesh bug: pass dataset_config=ray_mesh.MeshDataConfig("
+                             "mesh=...) explicitly.")
+    if outcome != "none" and peer_count(spec) > 1:
         logger.info("ray_mesh: datasets split over dp=%d, each split read by %d peers",
                     spec.size("dp"), peer_count(spec))
 

@@ -212,6 +212,43 @@ def test_gcs_ping():
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+def test_data_config_settings():
+    from ray.data import ExecutionOptions
+    from ray.train import DataConfig
+
+    options = ExecutionOptions(preserve_order=True)
+    split, opts, locality = pa.data_config_settings(
+        DataConfig(datasets_to_split=["train"], execution_options=options,
+                   enable_shard_locality=False))
+    assert split == ["train"] and opts is options and locality is False, (
+        f"{UPGRADE}: DataConfig stores its arguments elsewhere")
+
+
+def test_replace_run_data_config():
+    """The attributes it reaches are where Ray 2.60 keeps them. The swap itself, on a live
+    trainer, is tests/ray/test_mesh_data_ray.py."""
+    from ray.train import DataConfig
+    from ray.train.v2._internal.callbacks.datasets import (
+        DatasetsCallback,
+        RayDatasetShardProvider,
+    )
+    from ray.train.v2._internal.data_integration.dataset_manager import DatasetManager
+
+    for cls, attrs in ((DatasetsCallback, ("_datasets", "_data_config",
+                                           "_dataset_shard_provider")),
+                       (RayDatasetShardProvider, ("_dataset_manager",)),
+                       (DatasetManager, ("_data_config", "_dataset_iterators"))):
+        source = inspect.getsource(cls.__init__)
+        for attr in attrs:
+            assert f"self.{attr} =" in source or f"self.{attr}:" in source, (
+                f"{UPGRADE}: {cls.__name__}.{attr} is gone")
+
+    class Group:  # a worker group with no datasets callback: nothing to replace
+        _callbacks = ()
+
+    assert pa.replace_run_data_config(Group(), lambda cfg: DataConfig()) == "none"
+
+
 def test_is_head_node():
     constants = importlib.import_module("ray._common.constants")
     assert constants.HEAD_NODE_RESOURCE_NAME == pa.HEAD_NODE_RESOURCE, (
