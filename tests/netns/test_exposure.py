@@ -1,0 +1,232 @@
+"""What listens where on a deploy-script node, and the firewall recipe (issue #18 item 5).
+
+A virtual Tailscale cluster (2 namespaces, Ray started by deploy/tailscale/ray-head.sh and
+ray-worker.sh, dashboard on) is listed with ``ss -ltnp`` in each namespace:
+
+* what the scripts bind (the dashboard) is on the tailnet address only, and nothing is on
+  the decoy ``eth0`` address alone;
+* every (component, bound-to) pair seen equals the "What is exposed" table in
+  deploy/README.md, so the table cannot go stale silently when Ray changes;
+* torch's rendezvous store and gloo, as Ray Train starts them (MASTER_ADDR = the tailnet
+  address, GLOO_SOCKET_IFNAME=tailscale0), are listed the same way;
+* deploy/tailscale/firewall.sh (nft and iptables) applied inside a namespace refuses a
+  client on the decoy network while the tailnet peer still connects; apply is idempotent.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
+from ports import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.netns]
+
+_REASON = netns_unavailable_reason()
+FIREWALL = REPO / "deploy" / "tailscale" / "firewall.sh"
+README = REPO / "deploy" / "README.md"
+# Fixed ports every head has once it has settled: dashboard, its /metrics, the autoscaler's.
+HEAD_PORTS = {8265, 44227, 44217, 6379}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if _REASON:
+        pytest.skip(f"virtual Tailscale cluster unavailable: {_REASON}")
+    with NetnsCluster([{"slot": 2}, {"slot": 2}], dashboard=True) as c:
+        yield c
+
+
+def _component(pid: int) -> str:
+    """The README's name for the Ray/torch process ``pid`` (from its command line)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "gone"
+    # Ray's agents and workers rename themselves (setproctitle): "ray::DashboardAgent",
+    # "ray::IDLE", "ray::TrainController", ...; every other ray:: process is a core worker.
+    rules = [("_torch_rendezvous", "torch"), ("gcs_server", "GCS"),
+             ("/raylet/raylet ", "raylet"), ("ray::DashboardAgent", "dashboard agent"),
+             ("dashboard/agent.py", "dashboard agent"),
+             ("ray::RuntimeEnvAgent", "runtime env agent"),
+             ("runtime_env/agent/main.py", "runtime env agent"),
+             ("dashboard/dashboard.py", "dashboard"), ("monitor.py", "autoscaler monitor"),
+             ("ray.util.client.server", "Ray Client server"), ("ray::", "core worker"),
+             ("default_worker.py", "core worker")]
+    return next((name for key, name in rules if key in cmd), f"unknown: {cmd[:120]}")
+
+
+def _scope(addr: str, node_ip: str) -> str:
+    addr = addr.strip("[]").removeprefix("::ffff:")
+    if addr in ("0.0.0.0", "*", "::"):
+        return "all interfaces"
+    if addr == node_ip:
+        return "tailnet address"
+    if addr in ("127.0.0.1", "::1"):
+        return "127.0.0.1"
+    return f"other ({addr})"
+
+
+def listeners(cluster: NetnsCluster, index: int) -> list[tuple[str, int, str, str]]:
+    """``(component, port, scope, raw address)`` of every TCP listener in node ``index``."""
+    out = cluster.run_in(index, ["ss", "-Hltnp"]).stdout
+    found = []
+    for line in out.splitlines():
+        parts = line.split()
+        addr, _, port = parts[3].rpartition(":")
+        pid = re.search(r"pid=(\d+)", line)
+        comp = _component(int(pid.group(1))) if pid else "no pid"
+        found.append((comp, int(port), _scope(addr, cluster.nodes[index].ip), addr))
+    return found
+
+
+def readme_table() -> set[tuple[str, str]]:
+    """(component, bound to) of each row of deploy/README.md's "What is exposed" table."""
+    text = README.read_text()
+    section = text.split("### What is exposed", 1)[1].split("\n#", 1)[0]
+    rows = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and not set(cells[0]) <= {"-", " "} and cells[0] != "Component":
+            for scope in cells[2].split(" + "):
+                rows.add((cells[0], scope.strip()))
+    return rows
+
+
+def _settled(cluster: NetnsCluster, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ports = {p for _, p, _, _ in listeners(cluster, 0)}
+        if ports >= HEAD_PORTS:
+            return
+        time.sleep(1)
+    raise AssertionError(f"the head never listened on all of {sorted(HEAD_PORTS)}: "
+                         f"{sorted(ports)}")
+
+
+def test_listeners_match_the_readme_table(cluster):
+    _settled(cluster)
+    seen: set[tuple[str, str]] = set()
+    for i in range(len(cluster.nodes)):
+        rows = listeners(cluster, i)
+        print(f"node {i} ({cluster.nodes[i].ip}):")
+        for comp, port, scope, addr in sorted(rows):
+            print(f"  {port:>5}  {comp:<20} {scope:<16} {addr}")
+        for comp, port, scope, addr in rows:
+            assert not comp.startswith(("unknown", "gone", "no pid")), (comp, port, addr)
+            assert not scope.startswith("other"), f"{comp} on {addr}:{port}: not documented"
+            seen.add((comp, scope))
+        # What the scripts bind: the dashboard (head) on the tailnet address only.
+        if i == 0:
+            assert {s for c, p, s, _ in rows if p == 8265} == {"tailnet address"}, rows
+    # The documented table and the listeners seen are the same set (the head and a worker
+    # together have every component the table names).
+    documented = {r for r in readme_table() if r[0] != "torch"}
+    assert seen == documented, (f"seen but not in deploy/README.md: {sorted(seen - documented)}"
+                                f"; documented but not seen: {sorted(documented - seen)}")
+
+
+_TORCH = """
+import os, sys, time, datetime
+import torch.distributed as dist
+# _torch_rendezvous: this marker in the command line names the process "torch" in listeners()
+dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+dist.barrier()
+print("READY", flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+    time.sleep(0.2)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_torch_rendezvous_and_gloo_listeners(cluster, tmp_path):
+    """torch as Ray Train starts it: TCPStore on rank 0, gloo pairs, over tailscale0."""
+    port = free_port()
+    go = tmp_path / "go"
+    procs = []
+    for rank in (0, 1):
+        node = cluster.nodes[rank]
+        env = cluster.node_env(node)
+        env.update(MASTER_ADDR=cluster.head.ip, MASTER_PORT=str(port),
+                   GLOO_SOCKET_IFNAME="tailscale0", PYTHONPATH=str(REPO))
+        procs.append(subprocess.Popen(
+            [*node.exec_prefix(), sys.executable, "-c", _TORCH, str(rank), str(go)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            seen_lines = []
+            for line in p.stdout:  # torch may warn first
+                seen_lines.append(line)
+                if line.startswith("READY"):
+                    break
+            assert seen_lines and seen_lines[-1].startswith("READY"), "".join(seen_lines)
+        rows0 = [r for r in listeners(cluster, 0) if r[0] == "torch"]
+        rows1 = [r for r in listeners(cluster, 1) if r[0] == "torch"]
+    finally:
+        go.touch()
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    print("torch rank 0:", rows0, "\ntorch rank 1:", rows1)
+    store = [r for r in rows0 if r[1] == port]
+    assert store and {r[2] for r in store} == {"all interfaces"}, rows0  # TCPStore: *:PORT
+    documented = {s for c, s in readme_table() if c == "torch"}
+    seen = {r[2] for r in rows0 + rows1}
+    assert seen == documented, (seen, documented)
+
+
+def _connect(prefix: list[str], address: str, port: int) -> str:
+    """'ok', 'refused' or 'timeout': a TCP connect to address:port from ``prefix``'s netns."""
+    code = ("import socket,sys\ns=socket.socket();s.settimeout(3)\n"
+            "try:\n s.connect((sys.argv[1], int(sys.argv[2])));print('ok')\n"
+            "except ConnectionRefusedError: print('refused')\n"
+            "except OSError as e: print('timeout', e)\n")
+    out = subprocess.run([*prefix, sys.executable, "-c", code, address, str(port)],
+                         capture_output=True, text=True, timeout=30)
+    return out.stdout.split()[0] if out.stdout else f"error {out.stderr}"
+
+
+@pytest.mark.parametrize("backend", ["nft", "iptables"])
+def test_firewall_admits_only_the_tailnet(cluster, backend):
+    if shutil.which(backend) is None:
+        pytest.skip(f"{backend} is not installed (apt-get install -y nftables iptables)")
+    _settled(cluster)
+    head = cluster.head
+    # A client on the decoy network: the host namespace gets an address next to eth0's.
+    host_ip = f"{cluster.decoy_subnet}.254"
+    subprocess.run(["ip", "addr", "replace", f"{host_ip}/24", "dev", head.decoy_host],
+                   check=True, timeout=10)
+    env = {"RAY_MESH_FW_BACKEND": backend}
+    # GCS (token), the dashboard's /metrics (no token): both on all interfaces.
+    before = {p: _connect([], head.decoy_ip, p) for p in (6379, 44227)}
+    assert before == {6379: "ok", 44227: "ok"}, before  # reachable off the tailnet
+    try:
+        for _ in range(2):  # twice: the second apply replaces the first
+            res = cluster.run_in(0, ["bash", str(FIREWALL), "apply"], env=env)
+            assert res.returncode == 0, res.stderr
+        status = cluster.run_in(0, ["bash", str(FIREWALL), "status"], env=env).stdout
+        assert status.count("reject") == (1 if backend == "nft" else 2), status
+        after = {p: _connect([], head.decoy_ip, p) for p in (6379, 44227)}
+        assert after == {6379: "refused", 44227: "refused"}, after
+        peer = {p: _connect(cluster.nodes[1].exec_prefix(), head.ip, p) for p in (6379, 44227)}
+        assert peer == {6379: "ok", 44227: "ok"}, peer  # the tailnet still gets in
+        # Ray itself still works behind it: a driver in the head namespace sees both nodes.
+        cluster.wait_for_nodes(2, timeout_s=60)
+    finally:
+        res = cluster.run_in(0, ["bash", str(FIREWALL), "remove"], env=env)
+    assert res.returncode == 0, res.stderr
+    assert _connect([], head.decoy_ip, 6379) == "ok"
