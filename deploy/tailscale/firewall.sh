@@ -45,7 +45,7 @@ check_inputs() {
     local p
     for p in $open_ports; do
         if ! [[ "$p" =~ ^[0-9]+$ ]] || ((p < 1 || p > 65535)); then
-            die "RAY_MESH_FW_OPEN has '$p', not a port number (space-separated, e.g. \"8888 9090\")."
+            die "RAY_MESH_FW_OPEN='$open_ports': '$p' is not a port number (space-separated, e.g. \"8888 9090\")."
         fi
     done
     [[ "$v4" =~ ^[0-9.]+/[0-9]+$ ]] || die "RAY_MESH_FW_V4='$v4' is not an IPv4 CIDR (e.g. 100.64.0.0/10)."
