@@ -90,17 +90,27 @@ def listeners(cluster: NetnsCluster, index: int) -> list[tuple[str, int, str, st
     return found
 
 
-def readme_table() -> set[tuple[str, str]]:
-    """(component, bound to) of each row of deploy/README.md's "What is exposed" table."""
+def readme_table() -> set[tuple[str, str, str]]:
+    """(component, port, bound to) of each row of deploy/README.md's "What is exposed" table.
+
+    The port is the row's fixed port number (8265, 44227, ...) or "any" for a random one.
+    """
     text = README.read_text()
     section = text.split("### What is exposed", 1)[1].split("\n#", 1)[0]
     rows = set()
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 4 and not set(cells[0]) <= {"-", " "} and cells[0] != "Component":
+            fixed = re.match(r"(\d{2,5})\b", cells[1])
             for scope in cells[2].split(" + "):
-                rows.add((cells[0], scope.strip()))
+                rows.add((cells[0], fixed.group(1) if fixed else "any", scope.strip()))
     return rows
+
+
+def _keyed(rows, documented) -> set[tuple[str, str, str]]:
+    """Listeners as (component, port, bound to), a port kept only where the table fixes it."""
+    fixed = {(c, p) for c, p, _ in documented if p != "any"}
+    return {(c, str(p) if (c, str(p)) in fixed else "any", s) for c, p, s, _ in rows}
 
 
 def _settled(cluster: NetnsCluster, timeout_s: float = 90.0) -> None:
@@ -116,7 +126,8 @@ def _settled(cluster: NetnsCluster, timeout_s: float = 90.0) -> None:
 
 def test_listeners_match_the_readme_table(cluster):
     _settled(cluster)
-    seen: set[tuple[str, str]] = set()
+    documented = {r for r in readme_table() if r[0] != "torch"}
+    seen: set[tuple[str, str, str]] = set()
     for i in range(len(cluster.nodes)):
         rows = listeners(cluster, i)
         print(f"node {i} ({cluster.nodes[i].ip}):")
@@ -125,13 +136,12 @@ def test_listeners_match_the_readme_table(cluster):
         for comp, port, scope, addr in rows:
             assert not comp.startswith(("unknown", "gone", "no pid")), (comp, port, addr)
             assert not scope.startswith("other"), f"{comp} on {addr}:{port}: not documented"
-            seen.add((comp, scope))
+        seen |= _keyed(rows, documented)
         # What the scripts bind: the dashboard (head) on the tailnet address only.
         if i == 0:
             assert {s for c, p, s, _ in rows if p == 8265} == {"tailnet address"}, rows
     # The documented table and the listeners seen are the same set (the head and a worker
     # together have every component the table names).
-    documented = {r for r in readme_table() if r[0] != "torch"}
     assert seen == documented, (f"seen but not in deploy/README.md: {sorted(seen - documented)}"
                                 f"; documented but not seen: {sorted(documented - seen)}")
 
@@ -186,8 +196,8 @@ def test_torch_rendezvous_and_gloo_listeners(cluster, tmp_path):
     print("torch rank 0:", rows0, "\ntorch rank 1:", rows1)
     store = [r for r in rows0 if r[1] == port]
     assert store and {r[2] for r in store} == {"all interfaces"}, rows0  # TCPStore: *:PORT
-    documented = {s for c, s in readme_table() if c == "torch"}
-    seen = {r[2] for r in rows0 + rows1}
+    documented = {r for r in readme_table() if r[0] == "torch"}
+    seen = _keyed(rows0 + rows1, documented)
     assert seen == documented, (seen, documented)
 
 
