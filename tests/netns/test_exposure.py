@@ -9,6 +9,8 @@ ray-worker.sh, dashboard on) is listed with ``ss -ltnp`` in each namespace:
   deploy/README.md, so the table cannot go stale silently when Ray changes;
 * torch's rendezvous store and gloo, as Ray Train starts them (MASTER_ADDR = the tailnet
   address, GLOO_SOCKET_IFNAME=tailscale0), are listed the same way;
+* the table's "Token" column for the HTTP endpoints: the three /metrics answer a tailnet
+  peer without a token, the dashboard and the agent's HTTP answer 401;
 * deploy/tailscale/firewall.sh (nft and iptables) applied inside a namespace refuses a
   client on the decoy network while the tailnet peer still connects; apply is idempotent.
 """
@@ -292,3 +294,33 @@ def test_firewall_keeps_ray_working(cluster):
     finally:
         res = cluster.run_in(0, ["bash", str(FIREWALL), "remove"])
     assert res.returncode == 0, res.stderr
+
+
+_HTTP = """
+import sys, urllib.request, urllib.error
+for url in sys.argv[1:]:
+    try:
+        code = urllib.request.urlopen(url, timeout=10).status
+    except urllib.error.HTTPError as e:
+        code = e.code
+    except Exception as e:  # the agent's gRPC port speaks HTTP/2 only
+        code = type(e).__name__
+    print(code, url)
+"""
+
+
+def test_token_column_of_the_http_endpoints(cluster):
+    """From the tailnet peer without a token: /metrics answer (200), the dashboard does not."""
+    _settled(cluster)
+    head = cluster.head
+    agent_metrics = sorted(p for c, p, s, _ in listeners(cluster, 0)
+                           if c == "dashboard agent" and s == "all interfaces")
+    urls = [f"http://{head.ip}:{p}/metrics" for p in (44227, 44217, *agent_metrics)]
+    urls += [f"http://{head.ip}:8265/api/jobs/", f"http://{head.ip}:52365/api/job_agent/jobs/"]
+    out = cluster.run_in(1, [sys.executable, "-c", _HTTP, *urls], timeout=120).stdout
+    print(out)
+    codes = {url: code for code, url in (ln.split(" ", 1) for ln in out.splitlines())}
+    assert codes[urls[0]] == "200" and codes[urls[1]] == "200", codes  # no token needed
+    assert "200" in {codes[u] for u in urls[2:2 + len(agent_metrics)]}, codes
+    assert codes[f"http://{head.ip}:8265/api/jobs/"] == "401", codes  # the token guards
+    assert codes[f"http://{head.ip}:52365/api/job_agent/jobs/"] == "401", codes
