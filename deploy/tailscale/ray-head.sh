@@ -31,7 +31,10 @@ args=(
     start --head
     --node-ip-address="$node_ip"
     --port="$port"
-    # The dashboard accepts jobs: bind it to the tailnet address, not 0.0.0.0.
+    # The dashboard accepts jobs: bind it to the tailnet address, not 0.0.0.0. The Ray
+    # Client server and the agents' HTTP servers follow --node-ip-address by themselves;
+    # GCS, raylet, workers and the /metrics endpoints have no bind option in Ray 2.60 and
+    # listen on all interfaces: firewall.sh (README "What is exposed") closes them.
     --dashboard-host="$node_ip"
     --dashboard-port="${RAY_DASHBOARD_PORT:-8265}"
     --disable-usage-stats

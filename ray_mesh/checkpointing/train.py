@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
@@ -42,6 +41,7 @@ import ray_mesh.checkpointing.integrity as integrity
 import ray_mesh.checkpointing.sharded as sharded
 from ray_mesh.checkpointing.guards import check_args, check_report, train_context
 from ray_mesh.checkpointing.sharded import CheckpointError, Progress
+from ray_mesh.checkpointing.staging import StagingDir
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,9 @@ class Checkpointer:
         self._storage = ctx.get_storage()
         self.upload = (not isinstance(self._storage.storage_filesystem, LocalFileSystem)
                        if upload is None else bool(upload))
-        self._staging = Path(tempfile.gettempdir()) / "ray_mesh_staging" / \
-            ctx.get_experiment_name() / f"rank{self._rank}"
+        # Private (0700, unpredictable name), per run and rank; removed by close() or when
+        # this object goes away -- never a shared, guessable /tmp path (see staging.py).
+        self._staging = StagingDir(ctx.get_experiment_name(), self._rank)
         self._pending: tuple[Path, Progress, Future | None] | None = None
         self._downloaded: dict[str, Path] = {}
         # One tag per attempt (rank 0's, broadcast): see sharded.dir_name.
@@ -168,8 +169,7 @@ class Checkpointer:
         if isinstance(checkpoint.filesystem, LocalFileSystem):
             return Path(checkpoint.path)
         if checkpoint.path not in self._downloaded:
-            target = self._staging.parent / f"download_rank{self._rank}" / \
-                Path(checkpoint.path).name
+            target = self._staging.path / "download" / Path(checkpoint.path).name
             if target.exists():
                 shutil.rmtree(target)
             checkpoint.to_directory(str(target))
@@ -268,7 +268,7 @@ class Checkpointer:
     def _target(self, step: int) -> Path:
         name = sharded.dir_name(step, self._tag)
         if self.upload:
-            return self._staging / name
+            return self._staging.path / name
         return Path(self._storage.build_checkpoint_path_from_name(name))
 
     def _start_save(self, progress: Progress) -> None:
@@ -360,11 +360,15 @@ class Checkpointer:
                   f"{self.last_reported_checkpoint}: {type(exc).__name__}: {exc}")
 
     def close(self, metrics: Mapping[str, Any] | None = None) -> None:
-        """Finish a pending async save and report it (one more ``report`` call, every rank)."""
+        """Finish a pending async save and report it (one more ``report`` call, every rank).
+
+        Then this rank's private staging directory (upload mode, downloads) is removed.
+        """
         if self._pending is not None:
             step = self._pending[1].step
             attach = self._finish_save()
             self._report(dict(metrics or {}), step, attach)
+        self._staging.cleanup()
 
 
 __all__ = ["Checkpointer"]

@@ -26,14 +26,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import secrets
 import socket
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+
+from ray_mesh.network.gate import GatedListener, new_nonce, read_line, send_nonce
 
 CHUNK = 64 * 1024
 DEFAULT_MAX_S = 1.0
@@ -84,74 +84,33 @@ class BandwidthServer:
     """Receives transfers on ``address`` and answers each sender with what arrived.
 
     Lives until :meth:`close` or ``lifetime_s``, whichever comes first, so an orchestrator
-    that dies cannot leave a listener behind.
+    that dies cannot leave a listener behind. Only senders with ``nonce`` are served, at
+    most :data:`MAX_CLIENTS` at once (``ray_mesh.network.gate``).
     """
 
     def __init__(self, address: str, nonce: str, lifetime_s: float = 30.0) -> None:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((address, 0))
-        self.sock.listen(MAX_CLIENTS)
-        self.sock.settimeout(0.2)
-        self.port: int = self.sock.getsockname()[1]
-        self.nonce = nonce.encode()
-        self.deadline = time.monotonic() + lifetime_s
-        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True,
-                                        name="ray_mesh-bandwidth")
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set() and time.monotonic() < self.deadline:
-            try:
-                conn, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # over the cap: the sender sees a reset and reports it
-                continue
-            threading.Thread(target=self._receive, args=(conn,), daemon=True).start()
-        self.sock.close()
+        self._listener = GatedListener(address, 0, nonce, self._receive,
+                                       lifetime_s=lifetime_s, max_clients=MAX_CLIENTS,
+                                       name="ray_mesh-bandwidth")
+        self.port: int = self._listener.port
 
     def _receive(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(max(1.0, self.deadline - time.monotonic()))
-            head = _read_line(conn, len(self.nonce) + 1)
-            if head != self.nonce:
-                return  # not one of this run's senders
-            total, first, last = 0, 0.0, 0.0
-            while True:
-                data = conn.recv(CHUNK * 4)
-                if not data:
-                    break
-                now = time.perf_counter()
-                if not first:
-                    first = now  # the first chunk starts the clock and is not counted
-                else:
-                    total += len(data)
-                last = now
-            conn.sendall(f"{total} {max(last - first, 0.0):.9f}\n".encode())
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            self._slots.release()
+        conn.settimeout(max(1.0, self._listener.deadline - time.monotonic()))
+        total, first, last = 0, 0.0, 0.0
+        while True:
+            data = conn.recv(CHUNK * 4)
+            if not data:
+                break
+            now = time.perf_counter()
+            if not first:
+                first = now  # the first chunk starts the clock and is not counted
+            else:
+                total += len(data)
+            last = now
+        conn.sendall(f"{total} {max(last - first, 0.0):.9f}\n".encode())
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-
-
-def _read_line(conn: socket.socket, limit: int) -> bytes:
-    buf = b""
-    while not buf.endswith(b"\n") and len(buf) <= limit:
-        data = conn.recv(1)
-        if not data:
-            break
-        buf += data
-    return buf.rstrip(b"\n")
+        self._listener.close()
 
 
 def send_to(src: str, dst: str, port: int, nonce: str, max_s: float = DEFAULT_MAX_S,
@@ -169,13 +128,13 @@ def send_to(src: str, dst: str, port: int, nonce: str, max_s: float = DEFAULT_MA
             sock.settimeout(max_s + 5.0)
             sock.bind((src, 0))
             sock.connect((dst, port))
-            sock.sendall(nonce.encode() + b"\n")
+            send_nonce(sock, nonce)
             sent, end = 0, time.monotonic() + max_s
             while sent < max_bytes and time.monotonic() < end:
                 sock.sendall(payload)
                 sent += CHUNK
             sock.shutdown(socket.SHUT_WR)
-            answer = _read_line(sock, 64).decode()
+            answer = read_line(sock, 64).decode()
     except OSError as exc:
         raise LinkError(f"bandwidth probe {src} -> {dst}:{port} failed: {exc}; check that "
                         f"{dst} is reachable from {src} over the chosen interface "
@@ -190,11 +149,6 @@ def send_to(src: str, dst: str, port: int, nonce: str, max_s: float = DEFAULT_MA
         raise LinkError(f"bandwidth probe {src} -> {dst}: too little data arrived to measure "
                         f"({received_b} bytes in {seconds_f:.3f} s); raise max_s")
     return received_b * 8 / seconds_f / 1e6
-
-
-def new_nonce() -> str:
-    """A per-measurement secret: only the orchestrator's senders are answered."""
-    return secrets.token_hex(16)
 
 
 @dataclass

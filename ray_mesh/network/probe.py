@@ -10,6 +10,10 @@ test's namespace agent), called by the orchestration in ``ray_mesh.raytrain.pref
    and to rank 0's rendezvous port, all at once, each connect with a short timeout;
 3. :func:`close_listeners` stops them, so torch's TCPStore can bind the port at once.
 
+The listeners answer only connections that open with the run's nonce, which the
+orchestrator passes to steps 1 and 2, and serve at most :data:`MAX_CLIENTS` at once with
+as many threads (``ray_mesh.network.gate``, shared with the link bandwidth probe).
+
 Nothing here raises on a network problem: every failure is data (:class:`NodeFacts`,
 :class:`ConnectResult`) for the report in ``ray_mesh.network.report``.
 """
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 
+from ray_mesh.network.gate import GatedListener, send_nonce
 from ray_mesh.network.interfaces import (
     Choice,
     NetworkError,
@@ -102,63 +107,34 @@ class ConnectResult:
     ms: float = 0.0
 
 
-class _Listener:
-    """Accepts connections on one address:port until stopped or its lifetime ends."""
-
-    def __init__(self, address: str, port: int, lifetime_s: float) -> None:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        # The rendezvous port is taken over by torch's TCPStore right after the pre-flight.
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((address, port))
-            self.sock.listen(128)
-        except OSError:
-            self.sock.close()
-            raise
-        self.sock.settimeout(0.2)
-        self.port: int = self.sock.getsockname()[1]
-        self.deadline = time.monotonic() + lifetime_s
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True,
-                                       name=f"ray_mesh-preflight-{self.port}")
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stopped.is_set() and time.monotonic() < self.deadline:
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            threading.Thread(target=self._greet, args=(conn,), daemon=True).start()
-        self.sock.close()
-
-    @staticmethod
-    def _greet(conn: socket.socket) -> None:
-        # Send the greeting, then wait for the client to close first, so TIME_WAIT stays on
-        # the client side and the rendezvous port is free to bind again at once.
-        with conn:
-            conn.settimeout(3.0)
-            try:
-                conn.sendall(GREETING)
-                conn.recv(16)
-            except OSError:
-                pass
-
-    def stop(self) -> None:
-        self.stopped.set()
+MAX_CLIENTS = 16
+"""Pre-flight connections served at once per listener (peers are served in milliseconds)."""
 
 
-_listeners: dict[str, list[_Listener]] = {}
+def _greet(conn: socket.socket) -> None:
+    # Send the greeting, then wait for the client to close first, so TIME_WAIT stays on
+    # the client side and the rendezvous port is free to bind again at once.
+    conn.settimeout(3.0)
+    conn.sendall(GREETING)
+    conn.recv(16)
+
+
+def _listen(address: str, port: int, lifetime_s: float, nonce: str) -> GatedListener:
+    """A pre-flight listener: answers only clients with this run's nonce (``gate``)."""
+    return GatedListener(address, port, nonce, _greet, lifetime_s=lifetime_s,
+                         max_clients=MAX_CLIENTS, name="ray_mesh-preflight")
+
+
+_listeners: dict[str, list[GatedListener]] = {}
 _listeners_lock = threading.Lock()
 
 
 def open_listeners(index: int, node_ip: str, interface: str, rendezvous_port: int | None,
-                   lifetime_s: float) -> NodeFacts:
+                   lifetime_s: float, nonce: str) -> NodeFacts:
     """Step 1 on node ``index``: choose the interface, listen on its address, report facts.
 
+    The listeners answer only clients that send ``nonce`` (the run's, from
+    :func:`ray_mesh.network.gate.new_nonce`), at most :data:`MAX_CLIENTS` at once.
     Never raises: every problem is a field of the returned :class:`NodeFacts`.
     """
     facts = NodeFacts(index=index, node_ip=node_ip, hostname=socket.gethostname(),
@@ -170,16 +146,16 @@ def open_listeners(index: int, node_ip: str, interface: str, rendezvous_port: in
         facts.choice_error = str(exc)
         return facts
     facts.choice = choice
-    opened: list[_Listener] = []
+    opened: list[GatedListener] = []
     try:
-        main = _Listener(choice.address, 0, lifetime_s)
+        main = _listen(choice.address, 0, lifetime_s, nonce)
         opened.append(main)
         facts.port = main.port
     except OSError as exc:
         facts.bind_error = f"cannot listen on {choice.address} ({choice.interface}): {exc}"
     if rendezvous_port:
         try:
-            opened.append(_Listener(choice.address, rendezvous_port, lifetime_s))
+            opened.append(_listen(choice.address, rendezvous_port, lifetime_s, nonce))
         except OSError as exc:
             facts.rendezvous_error = (f"cannot listen on the rendezvous port "
                                       f"{host_port(choice.address, rendezvous_port)}: {exc}")
@@ -198,7 +174,8 @@ def close_listeners(token: str) -> None:
         listener.thread.join(timeout=1.0)
 
 
-def _connect_once(source: str, address: str, port: int, timeout_s: float) -> ConnectResult:
+def _connect_once(source: str, address: str, port: int, timeout_s: float,
+                  nonce: str) -> ConnectResult:
     start = time.monotonic()
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     ok, error = False, ""
@@ -208,6 +185,7 @@ def _connect_once(source: str, address: str, port: int, timeout_s: float) -> Con
             if source:
                 s.bind((source, 0))  # leave from the chosen address, as NCCL will
             s.connect((address, port))
+            send_nonce(s, nonce)
             data = b""
             while not data.endswith(b"\n") and len(data) < 64:
                 chunk = s.recv(64)
@@ -234,14 +212,17 @@ def _connect_once(source: str, address: str, port: int, timeout_s: float) -> Con
     return ConnectResult(ok, error, round((time.monotonic() - start) * 1000, 1))
 
 
-def probe_peers(source: str, targets: Sequence[Target],
-                timeout_s: float) -> dict[int, ConnectResult]:
-    """Step 2 on one node: connect to every target at once; keyed by :attr:`Target.node`."""
+def probe_peers(source: str, targets: Sequence[Target], timeout_s: float,
+                nonce: str) -> dict[int, ConnectResult]:
+    """Step 2 on one node: connect to every target at once; keyed by :attr:`Target.node`.
+
+    Each connection opens with ``nonce``, as the listeners of :func:`open_listeners` expect.
+    """
     results: dict[int, ConnectResult] = {}
     threads = []
     for target in targets:
         def run(t: Target = target) -> None:
-            results[t.node] = _connect_once(source, t.address, t.port, timeout_s)
+            results[t.node] = _connect_once(source, t.address, t.port, timeout_s, nonce)
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
@@ -254,6 +235,7 @@ def probe_peers(source: str, targets: Sequence[Target],
 
 
 __all__ = [
+    "MAX_CLIENTS",
     "RENDEZVOUS",
     "VERSION_KEYS",
     "ConnectResult",

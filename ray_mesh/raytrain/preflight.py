@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import ray
 
 from ray_mesh.core.topology import MeshPlan
+from ray_mesh.network.gate import new_nonce
 from ray_mesh.network.interfaces import Choice
 from ray_mesh.network.probe import (
     RENDEZVOUS,
@@ -101,11 +102,15 @@ def _left(deadline: float) -> float:
     return deadline - time.monotonic()
 
 
-def listen_step(executor: Executor, report: PreflightReport, deadline: float) -> list[int]:
-    """Step 1: choose + listen + facts on every node; returns the nodes that did not answer."""
+def listen_step(executor: Executor, report: PreflightReport, deadline: float,
+                nonce: str) -> list[int]:
+    """Step 1: choose + listen + facts on every node; returns the nodes that did not answer.
+
+    The listeners answer only clients that send ``nonce`` (the run's secret).
+    """
     rdv = report.rendezvous_port
     handles = [executor.submit(i, open_listeners, i, node.node_ip, node.interface,
-                               rdv if i == 0 else None, report.timeout_s + 5.0)
+                               rdv if i == 0 else None, report.timeout_s + 5.0, nonce)
                for i, node in enumerate(report.nodes)]
     silent: list[int] = []
     for i, outcome in enumerate(executor.wait(handles, _left(deadline) * 0.6)):
@@ -133,7 +138,7 @@ def _targets(report: PreflightReport, i: int) -> list[Target]:
 
 
 def connect_step(executor: Executor, report: PreflightReport, deadline: float,
-                 silent: list[int]) -> None:
+                 silent: list[int], nonce: str) -> None:
     """Step 2: the matrix, from every node that chose an interface to every listener.
 
     A node that does not answer is added to ``silent``.
@@ -145,7 +150,7 @@ def connect_step(executor: Executor, report: PreflightReport, deadline: float,
         targets = _targets(report, i) if choice else []
         if choice and targets:
             probes.append((i, executor.submit(i, probe_peers, choice.address, targets,
-                                              connect_timeout)))
+                                              connect_timeout, nonce)))
     outcomes = executor.wait([h for _, h in probes], _left(deadline))
     for (i, _), outcome in zip(probes, outcomes, strict=True):
         if outcome.ok:
@@ -187,8 +192,11 @@ def run_preflight(
     deadline = start + timeout_s
     report = PreflightReport(list(nodes), [None] * len(nodes), rendezvous_port=rendezvous_port,
                              timeout_s=timeout_s)
-    silent = listen_step(executor, report, deadline)
-    connect_step(executor, report, deadline, silent)
+    # One secret per run, sent to the nodes through the executor (Ray's authenticated
+    # calls): the listeners answer only this run's probes.
+    nonce = new_nonce()
+    silent = listen_step(executor, report, deadline, nonce)
+    connect_step(executor, report, deadline, silent, nonce)
     close_step(executor, report, deadline)
     report.elapsed_s = time.monotonic() - start
     report.problems += find_problems(report, sorted(silent))

@@ -45,5 +45,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     rep.longrepr = (
         f"{item.nodeid} was skipped ({reason}), but this run must run every test "
         f"(CI=true or {REQUIRE_ALL_ENV}=1). Provide what the reason names (.ci/run runs as "
-        f"root and installs shellcheck, iproute2 and chromium with apt-get), or unset CI and "
-        f"{REQUIRE_ALL_ENV} for a local run that may skip.")
+        f"root and installs shellcheck, iproute2, chromium, nftables and iptables with "
+        f"apt-get), or unset CI and {REQUIRE_ALL_ENV} for a local run that may skip.")

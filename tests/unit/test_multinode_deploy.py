@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-SCRIPTS = [DEPLOY / "tailscale" / n for n in ("ray-head.sh", "ray-worker.sh", "common.sh")]
+SCRIPTS = [DEPLOY / "tailscale" / n
+           for n in ("ray-head.sh", "ray-worker.sh", "common.sh", "firewall.sh")]
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
@@ -98,3 +99,40 @@ def test_env_file_and_manifest_parse():
         assert "ExecStart=/opt/ray-mesh/deploy/tailscale/ray-" in text
         assert "After=network-online.target tailscaled.service" in text
     assert os.access(DEPLOY / "tailscale" / "ray-head.sh", os.X_OK)
+
+
+def _firewall(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # Stand-in nft/iptables that only record calls: print mode must never run them.
+    bin_dir = tmp_path / "fwbin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("nft", "iptables"):
+        (bin_dir / name).write_text(f'#!/usr/bin/env bash\necho "{name} $*" >> {tmp_path}/calls\n')
+        (bin_dir / name).chmod(0o755)
+    return subprocess.run(["bash", str(DEPLOY / "tailscale" / "firewall.sh"), *args],
+                          capture_output=True, text=True, timeout=30,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", **(env or {})})
+
+
+def test_firewall_print_mode_changes_nothing(tmp_path):
+    p = _firewall(tmp_path, env={"RAY_MESH_FW_OPEN": "8888 9090"})
+    assert p.returncode == 0, p.stderr
+    assert 'iifname "tailscale0" ip saddr 100.64.0.0/10 accept' in p.stdout
+    assert "tcp dport { 8888, 9090 } accept" in p.stdout
+    assert "tcp dport 1024-65535" in p.stdout and "reject with tcp reset" in p.stdout
+    p = _firewall(tmp_path, "print", env={"RAY_MESH_FW_BACKEND": "iptables",
+                                          "RAY_MESH_FW_IFACE": "wg0"})
+    assert p.returncode == 0, p.stderr
+    assert "ip6tables -w -A RAY_MESH -i wg0 -s fd7a:115c:a1e0::/48 -j RETURN" in p.stdout
+    assert "--syn --dport 1024:65535 -j REJECT --reject-with tcp-reset" in p.stdout
+    assert not (tmp_path / "calls").exists()  # printed, never run
+
+
+def test_firewall_refuses_bad_settings_with_the_fix(tmp_path):
+    bad = {"RAY_MESH_FW_PORTS": "abc", "RAY_MESH_FW_OPEN": "22 x", "RAY_MESH_FW_V4": "x",
+           "RAY_MESH_FW_IFACE": "bad iface!", "RAY_MESH_FW_BACKEND": "pf"}
+    for key, value in bad.items():
+        p = _firewall(tmp_path, "print", env={key: value})
+        assert p.returncode == 2 and f"{key}=" in p.stderr, (key, p.stderr)
+    p = _firewall(tmp_path, "frobnicate")
+    assert p.returncode == 2 and "use print (default), apply, remove or status" in p.stderr
+    assert not (tmp_path / "calls").exists()

@@ -242,7 +242,7 @@ def test_preflight_missing_interface_on_one_node_still_checks_the_rest():
 
 
 def test_connect_refused_is_reported_as_a_blocked_port():
-    res = probe_peers("127.0.0.1", [Target(1, "127.0.0.1", free_port())], 2.0)
+    res = probe_peers("127.0.0.1", [Target(1, "127.0.0.1", free_port())], 2.0, "n" * 32)
     assert not res[1].ok and "refused" in res[1].error
 
 

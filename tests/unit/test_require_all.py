@@ -67,7 +67,7 @@ def test_the_suite_reports_skips_and_ci_requires_everything():
     # pytest's own exit code ends the script: 5 (nothing collected) fails CI like 1 does.
     assert "set -euo pipefail" in ci and "|| true" not in ci and "exit 0" not in ci
     assert ci.rstrip().splitlines()[-1].endswith("python -m pytest")
-    for pkg in ("shellcheck", "iproute2", "chromium"):
+    for pkg in ("shellcheck", "iproute2", "chromium", "nftables", "iptables"):
         assert pkg in ci, pkg
     readme = (REPO / "README.md").read_text()
     test_cmd = next(ln for ln in ci.splitlines() if "python -m pytest" in ln)
