@@ -4,7 +4,7 @@ The host starts the virtual Tailscale cluster (``tests/helpers/netns_cluster.py`
 2 workers), and for each link rate shapes both nodes' links (``tc ... tbf``) and runs this
 module as a driver inside the head namespace. One ``fit`` per rate; its train function:
 
-1. calibrates on one node, all nodes at once (so they share cores as in the real runs),
+1. (once per run, in the first rate's fit) calibrates on one node, all nodes at once (so they share cores as in the real runs),
    nothing crossing nodes (:mod:`ray_mesh.planning.calibrate`): the arithmetic (an unsharded
    copy per rank), the local shape of each layout family (its step with ``dp="replica"``),
    gloo's fixed cost per call and bytes per second, one microbatch's send;
@@ -147,7 +147,8 @@ def _calibration(config: dict, world: int) -> dict:
     from ray_mesh.planning.calibrate import measure_collectives, median_everywhere
     from ray_mesh.planning.cost import Layout
 
-    cfg, per_node, steps = config["model"], config["per_node"], config["steps"]
+    cfg, per_node = config["model"], config["per_node"]
+    steps = max(config["steps"], 5)  # medians of at least 5
     out = {"compute_s": _calibrate(cfg, world, steps, per_node),
            "tp_compute_s": [[t, _calibrate(cfg, world, steps, per_node, t)]
                             for t in config["tp_degrees"]],
@@ -173,7 +174,7 @@ def _train(config: dict) -> None:
 
     cfg, world = config["model"], dist.get_world_size()
     local0 = ray.train.get_context().get_local_rank() == 0
-    out = {**_calibration(config, world), "layouts": {}}
+    out = {**(_calibration(config, world) if config["calibrate"] else {}), "layouts": {}}
 
     def cross_bytes() -> int:
         mine = read_counters("tailscale0")["tx_bytes"] if local0 else 0
@@ -243,6 +244,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                  "statistic": "median of the timed steps per layout; bytes: mean per step",
                  "prediction": "ray_mesh.planning.calibrate.predict_calibrated: one-node "
                                "calibration (nothing crossing nodes) + modelled link time"}
+    calibrated: dict = {}
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
         env = cluster.node_env(cluster.head)
         env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
@@ -254,6 +256,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
             shapes = local_shapes(layouts, Links(2, 2, float(mbit)))
             load_before = os.getloadavg()
             args = {"model": cfg, "steps": steps, "out": path, "per_node": 2,
+                    "calibrate": mbit == rates[0],  # once per run, before any layout
                     "reduce_bytes": stats.params * 4 // 2,  # hsdp's replicate all-reduce
                     "p2p_bytes": tokens // 2 // 4 * stats.hidden * 4,  # pp: one microbatch
                     "local_shapes": {k: {"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
@@ -271,6 +274,9 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                    f"(rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
                                    f"{proc.stderr[-4000:]}")
             raw = read_result(path)
+            if mbit == rates[0]:
+                calibrated = raw
+            raw = {**calibrated, **raw}  # this rate's layouts, the run's one calibration
             rates_seen = _measured_links([n.ip for n in cluster.nodes])
             links = Links(2, 2, rates_seen["cross_mbit"], rates_seen["intra_mbit"],
                           collective_s=raw["collective_s"])

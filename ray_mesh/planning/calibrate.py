@@ -11,7 +11,8 @@ each node, alone and all nodes at once (so they share cores as in the real run),
   taken out (``parallelize(..., dp="replica")``: FSDP over the node's ranks, or TP over
   them), the per-rank batch unchanged; for ``fsdp``/``hsdp`` one shape, for ``tp_hsdp`` one
   per tp degree, each in the reduce dtype the layout uses;
-* an unsharded copy of the model per rank (``Workload.compute_s``, the arithmetic);
+* the arithmetic: the same step with no data parallel at all, each rank alone on its share
+  of the batch (``Workload.compute_s / world`` when not measured);
 * one-element all-reduces inside the node (a collective's fixed cost), an all-reduce of a
   buffer the size of the replicate reduction (gloo's CPU bytes per second), and a
   point-to-point send of one microbatch's activations (the pipeline's per-microbatch cost).
@@ -27,8 +28,10 @@ reduces, whatever the link); ``cross_calls`` the collectives the cross dim adds.
 rule: none. On CPU the cores that compute are the ones that run gloo's copies and
 reductions, and a link slower than the CPU keeps the step waiting on the wire: the terms add.
 Pipeline layouts (not runnable inside one node with FSDP beside them) use the arithmetic
-times the bubble, plus FSDP's measured overhead for one stage's share of the parameters,
-plus two sends per microbatch.
+times the bubble, plus two sends per microbatch, plus for pp FSDP's measured overhead (its
+local step less the arithmetic) for one stage's share of the parameters (the pipeline keeps
+parameters gathered across microbatches), for tp_pp TP's measured overhead per microbatch
+for a stage's share of the layers (TP's collectives run for every microbatch).
 
 The calibration never runs a cross-node layout, so it never sees the step times it predicts.
 :func:`measure_collectives` runs on a live process group (torch only, no Ray); the local
@@ -85,8 +88,12 @@ class Calibration:
                 "p2p_s": self.p2p_s, "local_s": dict(self.local_s)}
 
 
+ARITHMETIC = "none/fp32"  # the local shape without any data parallel: the arithmetic
+
+
 def local_key(layout: Layout) -> str | None:
-    """The one-node shape whose step a layout's prediction starts from (None: arithmetic)."""
+    """The one-node shape whose step a layout's prediction starts from (besides the
+    arithmetic, :data:`ARITHMETIC`, which ddp and the pipeline layouts use)."""
     fam, tp = family(layout), layout.mesh.get("tp", 1)
     if fam in ("fsdp", "hsdp") or (fam == "pp" and layout.mesh.get("dp_shard", 1) > 1):
         return f"fsdp/{layout.reduce}"
@@ -99,9 +106,12 @@ def local_shapes(layouts: list[Layout], links: Links) -> dict[str, Layout]:
     """``{key: layout to run with dp="replica"}``: one node-local shape per key.
 
     fsdp and hsdp (and pp's in-stage FSDP) share FSDP over a node's ranks, run as the HSDP
-    mesh in replica mode; tp layouts run their tp_hsdp mesh in replica mode (TP only).
+    mesh in replica mode; tp layouts run their tp_hsdp mesh in replica mode (TP only); the
+    arithmetic is the DDP mesh in replica mode (each rank alone on its share of the batch).
     """
     out: dict[str, Layout] = {}
+    if any(family(lay) in ("ddp", "pp", "tp_pp") for lay in layouts):
+        out[ARITHMETIC] = Layout("local", {"dp_replicate": links.nodes * links.per_node})
     for lay in layouts:
         key = local_key(lay)
         if key is None or key in out:
@@ -125,7 +135,7 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
     p_b = stats.params * FP32 / pp
     g_b = stats.params * (BF16 if layout.reduce == "bf16" else FP32) / pp
     blocks = stats.layers / pp + 1
-    arithmetic = work.compute_s / world
+    arithmetic = cal.local_s.get(ARITHMETIC, work.compute_s / world)  # one rank, its share
     fam = family(layout)
     calls = 1.0  # the step's loss mean over dp
     if fam == "ddp":
@@ -144,8 +154,10 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
     else:  # pp, tp_pp: stages across nodes
         bubble = (work.microbatches + pp - 1) / work.microbatches
         key = local_key(layout)
-        if fam == "tp_pp":
-            local = cal.local(key or "") * bubble
+        if fam == "tp_pp":  # TP's calls (its overhead over the arithmetic) run once per
+            # microbatch on a stage's share of the layers
+            tp_over = max(0.0, cal.local(key or "") - arithmetic)
+            local = arithmetic * bubble + tp_over * work.microbatches / pp
         else:
             fsdp_over = max(0.0, cal.local(key) - arithmetic) if key else 0.0
             local = arithmetic * bubble + fsdp_over / pp
@@ -220,5 +232,5 @@ def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
             "p2p_s": median_everywhere(p2p)}
 
 
-__all__ = ["Calibration", "local_key", "local_shapes", "measure_collectives", "median_everywhere",
-           "predict_calibrated"]
+__all__ = ["ARITHMETIC", "Calibration", "local_key", "local_shapes", "measure_collectives",
+           "median_everywhere", "predict_calibrated"]

@@ -105,6 +105,11 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
     assert got.cross_node_bytes_per_step == base.cross_node_bytes_per_step
     ddp = predict_calibrated(Layout("ddp", {"dp_replicate": 4}), STATS, links, WORK, CAL)
     assert ddp.compute_s == pytest.approx(WORK.compute_s / 4)  # arithmetic only
+    measured = Calibration(0.001, 200e6, 0.002, {"none/fp32": 0.2, "tp2/fp32": 0.6})
+    ddp = predict_calibrated(Layout("ddp", {"dp_replicate": 4}), STATS, links, WORK, measured)
+    assert ddp.compute_s == pytest.approx(0.2)
+    tp_pp = predict_calibrated(Layout("tp_pp", {"pp": 2, "tp": 2}), STATS, links, WORK, measured)
+    assert tp_pp.compute_s == pytest.approx(0.2 * 5 / 4 + 0.4 * 4 / 2 + 2 * 4 * 0.002)
     cal = Calibration(0.001, 200e6, 0.002, {"fsdp/fp32": 1.3})
     pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK, cal)
     over = 1.3 - WORK.compute_s / 4  # FSDP's overhead, half of it per stage
@@ -121,7 +126,8 @@ def test_local_shapes_and_missing_calibration():
             Layout("tp_hsdp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
             Layout("ddp", {"dp_replicate": 4})]
     shapes = local_shapes(lays, Links(2, 2, 100.0))
-    assert set(shapes) == {"fsdp/fp32", "fsdp/bf16", "tp2/fp32"}
+    assert set(shapes) == {"fsdp/fp32", "fsdp/bf16", "tp2/fp32", "none/fp32"}
+    assert shapes["none/fp32"].mesh == {"dp_replicate": 4}
     assert shapes["tp2/fp32"].mesh == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
     assert local_key(lays[-1]) is None
     with pytest.raises(PlanError, match="no local step for 'tp2/bf16'"):
