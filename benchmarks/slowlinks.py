@@ -4,9 +4,10 @@ The host starts the virtual Tailscale cluster (``tests/helpers/netns_cluster.py`
 2 workers), and for each link rate shapes both nodes' links (``tc ... tbf``) and runs this
 module as a driver inside the head namespace. One ``fit`` per rate; its train function:
 
-1. (once per run, in the first rate's fit) calibrates on one node, all nodes at once (so they share cores as in the real runs),
-   nothing crossing nodes (:mod:`ray_mesh.planning.calibrate`): the arithmetic (an unsharded
-   copy per rank), the local shape of each layout family (its step with ``dp="replica"``),
+1. (once per run, in the first rate's fit) calibrates on one node, all nodes at once (so
+   they share cores as in the real runs), nothing crossing nodes
+   (:mod:`ray_mesh.planning.calibrate`): the arithmetic (an unsharded copy per rank), the
+   local shape of each layout family (its step with ``dp="replica"``),
    gloo's fixed cost per call and bytes per second, one microbatch's send;
 2. for each layout of the planner's candidates (``ray_mesh.planning.cost.candidates``)
    builds that mesh on the same process group, trains ``steps`` steps after a warm-up, and
