@@ -152,8 +152,6 @@ def apply_fsdp(
     ``mixed_precision=None`` follows ``mesh="auto"``'s pick (:mod:`ray_mesh.parallel.picked`).
     """
     mode = resolve_mode(mesh, mode)
-    if mixed_precision is None and mode != "ddp":
-        mixed_precision = picked_precision()
     if mode == "replica" and _size(mesh, "dp_shard_cp") == 1:
         mode = "none"  # a replica of one rank (or one tp group): nothing to shard
     if mode == "none":
@@ -170,7 +168,8 @@ def apply_fsdp(
                                                    device_mesh=submesh(mesh, "dp_cp"))
     dp_mesh = (submesh(mesh, "dp_shard_cp") if mode in ("fsdp", "replica")
                else submesh(mesh, "dp_replicate", "dp_shard_cp"))
-    policy = mixed_precision_policy(mixed_precision)
+    policy = mixed_precision_policy(picked_precision() if mixed_precision is None
+                                    else mixed_precision)
     for block in find_blocks(module, blocks):
         if block is module:
             continue
