@@ -27,11 +27,14 @@ moves beyond what its local shape already moved (gloo spends CPU on every byte i
 reduces, whatever the link); ``cross_calls`` the collectives the cross dim adds. Overlap
 rule: none. On CPU the cores that compute are the ones that run gloo's copies and
 reductions, and a link slower than the CPU keeps the step waiting on the wire: the terms add.
-Pipeline layouts (not runnable inside one node with FSDP beside them) use the arithmetic
-times the bubble, plus two sends per microbatch, plus for pp FSDP's measured overhead (its
-local step less the arithmetic) for one stage's share of the parameters (the pipeline keeps
-parameters gathered across microbatches), for tp_pp TP's measured overhead per microbatch
-for a stage's share of the layers (TP's collectives run for every microbatch).
+Pipeline layouts are not runnable inside one node with FSDP beside them; a stage's rank
+does its share of the work in microbatches, so their local shapes run with gradient
+accumulation over ``microbatches / pp`` chunks (``/mbK`` in the key): per rank that is the
+same tokens per call and the same number of calls as one stage's share of the layers over
+all microbatches. tp_pp = TP's local shape so run x the bubble; pp = the arithmetic so run
+x the bubble + FSDP's overhead (its local step less the arithmetic) for one stage's share of
+the parameters (the pipeline keeps them gathered across microbatches); both + two sends per
+microbatch.
 
 The calibration never runs a cross-node layout, so it never sees the step times it predicts.
 :func:`measure_collectives` runs on a live process group (torch only, no Ray); the local
@@ -91,18 +94,30 @@ class Calibration:
 ARITHMETIC = "none/fp32"  # the local shape without any data parallel: the arithmetic
 
 
-def local_key(layout: Layout) -> str | None:
-    """The one-node shape whose step a layout's prediction starts from (besides the
-    arithmetic, :data:`ARITHMETIC`, which ddp and the pipeline layouts use)."""
-    fam, tp = family(layout), layout.mesh.get("tp", 1)
-    if fam in ("fsdp", "hsdp") or (fam == "pp" and layout.mesh.get("dp_shard", 1) > 1):
+def local_key(layout: Layout, microbatches: int = 4) -> str | None:
+    """The one-node shape whose step a layout's prediction starts from; None: ddp (the
+    arithmetic, :data:`ARITHMETIC`)."""
+    fam, tp, pp = family(layout), layout.mesh.get("tp", 1), layout.mesh.get("pp", 1)
+    chunks = f"/mb{max(1, microbatches // pp)}"
+    if fam in ("fsdp", "hsdp"):
         return f"fsdp/{layout.reduce}"
-    if fam in ("tp_hsdp", "tp_pp"):
+    if fam == "tp_hsdp":
         return f"tp{tp}/{layout.reduce}"
+    if fam == "tp_pp":
+        return f"tp{tp}/{layout.reduce}{chunks}"
+    if fam == "pp":
+        return ARITHMETIC + chunks
     return None
 
 
-def local_shapes(layouts: list[Layout], links: Links) -> dict[str, Layout]:
+def accumulation(key: str) -> int:
+    """How many chunks a local shape's step splits its batch into (``/mbK``; else 1)."""
+    tail = key.rsplit("/", 1)[-1]
+    return int(tail[2:]) if tail.startswith("mb") else 1
+
+
+def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
+                 ) -> dict[str, Layout]:
     """``{key: layout to run with dp="replica"}``: one node-local shape per key.
 
     fsdp and hsdp (and pp's in-stage FSDP) share FSDP over a node's ranks, run as the HSDP
@@ -110,16 +125,19 @@ def local_shapes(layouts: list[Layout], links: Links) -> dict[str, Layout]:
     arithmetic is the DDP mesh in replica mode (each rank alone on its share of the batch).
     """
     out: dict[str, Layout] = {}
-    if any(family(lay) in ("ddp", "pp", "tp_pp") for lay in layouts):
-        out[ARITHMETIC] = Layout("local", {"dp_replicate": links.nodes * links.per_node})
+    keys = [ARITHMETIC] if any(family(x) == "ddp" for x in layouts) else []
     for lay in layouts:
-        key = local_key(lay)
-        if key is None or key in out:
-            continue
-        tp = lay.mesh.get("tp", 1)
-        mesh = {"dp_replicate": links.nodes, "dp_shard": links.per_node // tp,
-                **({"tp": tp} if tp > 1 else {})}
-        out[key] = Layout("local", mesh, key.split("/")[1])
+        key = local_key(lay, microbatches)
+        keys += [key] if key else []
+        if family(lay) == "pp" and lay.mesh.get("dp_shard", 1) > 1:
+            keys += [ARITHMETIC, "fsdp/fp32"]  # FSDP's overhead: the two of them
+    for key in dict.fromkeys(keys):
+        kind, reduce = key.split("/")[:2]
+        tp = int(kind[2:]) if kind.startswith("tp") else 1
+        mesh = ({"dp_replicate": links.nodes * links.per_node} if kind == "none" else
+                {"dp_replicate": links.nodes, "dp_shard": links.per_node // tp,
+                 **({"tp": tp} if tp > 1 else {})})
+        out[key] = Layout("local", mesh, reduce)
     return out
 
 
@@ -153,14 +171,9 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
             calls += blocks
     else:  # pp, tp_pp: stages across nodes
         bubble = (work.microbatches + pp - 1) / work.microbatches
-        key = local_key(layout)
-        if fam == "tp_pp":  # TP's calls (its overhead over the arithmetic) run once per
-            # microbatch on a stage's share of the layers
-            tp_over = max(0.0, cal.local(key or "") - arithmetic)
-            local = arithmetic * bubble + tp_over * work.microbatches / pp
-        else:
-            fsdp_over = max(0.0, cal.local(key) - arithmetic) if key else 0.0
-            local = arithmetic * bubble + fsdp_over / pp
+        local = cal.local(local_key(layout, work.microbatches) or "") * bubble
+        if fam == "pp" and shard > 1:
+            local += max(0.0, cal.local("fsdp/fp32") - arithmetic) / pp
         local += 2 * work.microbatches * (2 if pp > 2 else 1) * cal.p2p_s
         volume = base.cross_node_bytes_per_step / n
     if layout.diloco:  # the replicate dim syncs once every H steps (the local shape is
@@ -232,5 +245,5 @@ def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
             "p2p_s": median_everywhere(p2p)}
 
 
-__all__ = ["ARITHMETIC", "Calibration", "local_key", "local_shapes", "measure_collectives",
-           "median_everywhere", "predict_calibrated"]
+__all__ = ["ARITHMETIC", "Calibration", "accumulation", "local_key", "local_shapes",
+           "measure_collectives", "median_everywhere", "predict_calibrated"]

@@ -9,6 +9,7 @@ from ray_mesh.parallel.diloco import DiLoCoConfig
 from ray_mesh.parallel.picked import PickedPlan, picked_precision, set_picked_plan
 from ray_mesh.planning.calibrate import (
     Calibration,
+    accumulation,
     local_key,
     local_shapes,
     predict_calibrated,
@@ -105,15 +106,16 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
     assert got.cross_node_bytes_per_step == base.cross_node_bytes_per_step
     ddp = predict_calibrated(Layout("ddp", {"dp_replicate": 4}), STATS, links, WORK, CAL)
     assert ddp.compute_s == pytest.approx(WORK.compute_s / 4)  # arithmetic only
-    measured = Calibration(0.001, 200e6, 0.002, {"none/fp32": 0.2, "tp2/fp32": 0.6})
+    measured = Calibration(0.001, 200e6, 0.002, {"none/fp32": 0.2, "tp2/fp32/mb2": 0.6,
+                                                  "none/fp32/mb2": 0.3, "fsdp/fp32": 0.5})
     ddp = predict_calibrated(Layout("ddp", {"dp_replicate": 4}), STATS, links, WORK, measured)
     assert ddp.compute_s == pytest.approx(0.2)
     tp_pp = predict_calibrated(Layout("tp_pp", {"pp": 2, "tp": 2}), STATS, links, WORK, measured)
-    assert tp_pp.compute_s == pytest.approx(0.2 * 5 / 4 + 0.4 * 4 / 2 + 2 * 4 * 0.002)
-    cal = Calibration(0.001, 200e6, 0.002, {"fsdp/fp32": 1.3})
-    pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK, cal)
-    over = 1.3 - WORK.compute_s / 4  # FSDP's overhead, half of it per stage
-    assert pp.compute_s == pytest.approx(1.0 * 5 / 4 + over / 2 + 2 * 4 * 0.002)
+    assert tp_pp.compute_s == pytest.approx(0.6 * 5 / 4 + 2 * 4 * 0.002)
+    pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK,
+                            measured)
+    # the arithmetic in 2 chunks x bubble + half of FSDP's overhead + the sends
+    assert pp.compute_s == pytest.approx(0.3 * 5 / 4 + (0.5 - 0.2) / 2 + 2 * 4 * 0.002)
     # slower links only add wire time
     slow = predict_calibrated(hsdp, STATS, Links(2, 2, 20.0), WORK, CAL)
     assert slow.step_s - got.step_s == pytest.approx(
@@ -124,12 +126,15 @@ def test_local_shapes_and_missing_calibration():
     lays = [Layout("fsdp", {"dp_shard": 4}), Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}),
             Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}, "bf16"),
             Layout("tp_hsdp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
-            Layout("ddp", {"dp_replicate": 4})]
+            Layout("ddp", {"dp_replicate": 4}), Layout("pp", {"pp": 2, "dp_shard": 2}),
+            Layout("tp_pp", {"pp": 2, "tp": 2})]
     shapes = local_shapes(lays, Links(2, 2, 100.0))
-    assert set(shapes) == {"fsdp/fp32", "fsdp/bf16", "tp2/fp32", "none/fp32"}
-    assert shapes["none/fp32"].mesh == {"dp_replicate": 4}
+    assert set(shapes) == {"fsdp/fp32", "fsdp/bf16", "tp2/fp32", "none/fp32", "none/fp32/mb2",
+                           "tp2/fp32/mb2"}
+    assert shapes["none/fp32/mb2"].mesh == {"dp_replicate": 4}
+    assert accumulation("tp2/fp32/mb2") == 2 and accumulation("fsdp/bf16") == 1
     assert shapes["tp2/fp32"].mesh == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
-    assert local_key(lays[-1]) is None
+    assert local_key(lays[4]) is None
     with pytest.raises(PlanError, match="no local step for 'tp2/bf16'"):
         predict_calibrated(Layout("tp_hsdp", lays[3].mesh, "bf16"), STATS, Links(2, 2, 100.0),
                            WORK, CAL)
