@@ -4,15 +4,17 @@ The host starts the virtual Tailscale cluster (``tests/helpers/netns_cluster.py`
 2 workers), and for each link rate shapes both nodes' links (``tc ... tbf``) and runs this
 module as a driver inside the head namespace. One ``fit`` per rate; its train function:
 
-1. calibrates compute: every rank trains its own unsharded copy of the model on its share
-   of the global batch, no collectives, all ranks at once (so the cores the virtual nodes
-   share are shared as in the real runs); one rank's time x world size is the planner's
-   ``compute_s``;
+1. (once per run, in the first rate's fit) calibrates on one node, all nodes at once (so
+   they share cores as in the real runs), nothing crossing nodes
+   (:mod:`ray_mesh.planning.calibrate`): the arithmetic (an unsharded copy per rank), the
+   local shape of each layout family (its step with ``dp="replica"``),
+   gloo's fixed cost per call and bytes per second, one microbatch's send;
 2. for each layout of the planner's candidates (``ray_mesh.planning.cost.candidates``)
    builds that mesh on the same process group, trains ``steps`` steps after a warm-up, and
    reads each node's ``tailscale0`` counters around them (every byte that crosses nodes
    leaves exactly one node's interface, so the sum of tx deltas is the cross-node traffic);
-3. predicts each layout with the link rate the backend measured at bring-up.
+3. predicts each layout from the calibration and the link rate the backend measured at
+   bring-up (``predict_calibrated``; the analytic ``predict`` is kept beside it).
 
 The model is ``examples/fsdp_tp_transformer.py`` (flat ``nn.Sequential``: its pipeline
 stages cut it). Statistic: median of the timed steps per layout.
@@ -21,6 +23,7 @@ stages cut it). Statistic: median of the timed steps per layout.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,8 +40,10 @@ def _rate_key(mbit: float) -> str:
     return f"{mbit / 1000:g}gbit" if mbit >= 1000 else f"{mbit:g}mbit"
 
 
-def _step_fn(layout, mesh, cfg):
-    """(model parameters, step()) for one layout on ``mesh``."""
+def _step_fn(layout, mesh, cfg, dp: str = "auto", chunks: int = 1):
+    """step() for one layout on ``mesh``; ``dp="replica"``: its one-node local shape (no
+    data parallel across replicas, no loss mean over them), its batch in ``chunks``
+    accumulated microbatches."""
     import torch
 
     sys.path.insert(0, str(REPO / "examples"))
@@ -63,8 +68,17 @@ def _step_fn(layout, mesh, cfg):
             optim.zero_grad()
         return step
     model = parallelize(ex.make_model(cfg), mesh, tp_plan=ex.tp_plan() if tp > 1 else None,
-                        mixed_precision=precision)
+                        mixed_precision=precision, dp=dp)
     optim = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+    if dp == "replica":
+        xs, ys = shard_batch((x, y), mesh)
+
+        def local_step() -> None:
+            for xc, yc in zip(xs.chunk(chunks), ys.chunk(chunks), strict=True):
+                (ex.loss_fn(model(xc), yc) / chunks).backward()
+            optim.step()
+            optim.zero_grad()
+        return local_step
 
     def step() -> None:
         ex.train_step(model, optim, x, y, mesh)
@@ -111,24 +125,51 @@ def _calibrate(cfg: dict, world: int, steps: int, per_node: int, tp: int = 1) ->
     return statistics.median(everyone)
 
 
-def _call_cost(world: int, per_node: int, calls: int = 30) -> float:
-    """Median time of a one-element all-reduce inside a node: a collective's fixed cost."""
-    import torch
+def _timed(step, steps: int, warmup: bool = True) -> list[float]:
+    """Seconds of ``steps`` calls of ``step`` (after a warm-up), each between barriers."""
     import torch.distributed as dist
 
-    groups = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
-    mine = groups[dist.get_rank() // per_node]
-    t = torch.zeros(1)
+    if warmup:
+        step()  # lazy init, first all-gathers
     times = []
-    for _ in range(calls):
+    for _ in range(steps):
         dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t, group=mine)
-        times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
-    everyone = [0.0] * world
-    dist.all_gather_object(everyone, med)
-    return statistics.median(everyone)
+        t = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _calibration(config: dict, world: int) -> dict:
+    """Everything the calibrated prediction needs, measured with nothing crossing nodes."""
+    import torch.distributed as dist
+
+    from ray_mesh.core.bootstrap import build_device_mesh
+    from ray_mesh.core.spec import MeshSpec
+    from ray_mesh.planning.calibrate import (
+        accumulation,
+        measure_collectives,
+        median_everywhere,
+    )
+    from ray_mesh.planning.cost import Layout
+
+    cfg, per_node = config["model"], config["per_node"]
+    steps = max(config["steps"], 5)  # medians of at least 5
+    out = {"compute_s": _calibrate(cfg, world, steps, per_node),
+           "tp_compute_s": [[t, _calibrate(cfg, world, steps, per_node, t)]
+                            for t in config["tp_degrees"]],
+           **measure_collectives(per_node, config["reduce_bytes"], config["p2p_bytes"]),
+           "local_s": {}, "local_min_s": {}}
+    for key, raw in config["local_shapes"].items():
+        layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
+        mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
+        times = _timed(_step_fn(layout, mesh, cfg, dp="replica", chunks=accumulation(key)),
+                       steps)
+        out["local_s"][key] = median_everywhere(statistics.median(times))
+        out["local_min_s"][key] = median_everywhere(min(times))
+        dist.barrier()
+    return out
 
 
 def _train(config: dict) -> None:
@@ -142,11 +183,7 @@ def _train(config: dict) -> None:
 
     cfg, world = config["model"], dist.get_world_size()
     local0 = ray.train.get_context().get_local_rank() == 0
-    per_node = config["per_node"]
-    out = {"compute_s": _calibrate(cfg, world, config["steps"], per_node),
-           "tp_compute_s": [[t, _calibrate(cfg, world, config["steps"], per_node, t)]
-                            for t in config["tp_degrees"]],
-           "collective_s": _call_cost(world, config["per_node"]), "layouts": {}}
+    out = {**(_calibration(config, world) if config["calibrate"] else {}), "layouts": {}}
 
     def cross_bytes() -> int:
         mine = read_counters("tailscale0")["tx_bytes"] if local0 else 0
@@ -163,15 +200,9 @@ def _train(config: dict) -> None:
         layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
         mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
         step = _step_fn(layout, mesh, cfg)
-        step()  # warm-up: lazy init, first all-gathers
-        times = []
+        step()  # warm-up outside the byte count
         b0 = cross_bytes()
-        for _ in range(config["steps"]):
-            dist.barrier()
-            t = time.perf_counter()
-            step()
-            dist.barrier()
-            times.append(time.perf_counter() - t)
+        times = _timed(step, config["steps"], warmup=False)
         moved = cross_bytes() - b0 - background * sum(times)
         out["layouts"][layout.label] = {"measured_step_s": statistics.median(times),
                                         "step_s_all": times,
@@ -207,6 +238,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
     sys.path.insert(0, str(REPO / "tests" / "helpers"))
     from netns_cluster import NetnsCluster, netns_unavailable_reason
 
+    from ray_mesh.planning.calibrate import Calibration, local_shapes, predict_calibrated
     from ray_mesh.planning.cost import Links, ModelStats, Workload, candidates, predict
 
     if reason := netns_unavailable_reason():
@@ -218,7 +250,10 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
     stats = ModelStats.from_module(ex.make_model(cfg), heads=cfg["heads"])
     tokens = cfg["batch_size"] * cfg["seq"]
     out: dict = {"model": {**stats.__dict__, "tokens_per_step": tokens}, "steps": steps,
-                 "statistic": "median of the timed steps per layout; bytes: mean per step"}
+                 "statistic": "median of the timed steps per layout; bytes: mean per step",
+                 "prediction": "ray_mesh.planning.calibrate.predict_calibrated: one-node "
+                               "calibration (nothing crossing nodes) + modelled link time"}
+    calibrated: dict = {}
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
         env = cluster.node_env(cluster.head)
         env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
@@ -227,7 +262,14 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                 cluster.shape_link(node.index, mbit)
             layouts = candidates(stats, Links(2, 2, float(mbit)))
             path = str(cluster.root / f"slowlinks_{mbit}.json")
+            shapes = local_shapes(layouts, Links(2, 2, float(mbit)))
+            load_before = os.getloadavg()
             args = {"model": cfg, "steps": steps, "out": path, "per_node": 2,
+                    "calibrate": mbit == rates[0],  # once per run, before any layout
+                    "reduce_bytes": stats.params * 4 // 2,  # hsdp's replicate all-reduce
+                    "p2p_bytes": tokens // 2 // 4 * stats.hidden * 4,  # pp: one microbatch
+                    "local_shapes": {k: {"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
+                                     for k, x in shapes.items()},
                     "tp_degrees": sorted({x.mesh.get("tp", 1) for x in layouts} - {1}),
                     "storage": str(cluster.root / "results"),
                     "layouts": [{"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
@@ -241,21 +283,36 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                    f"(rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
                                    f"{proc.stderr[-4000:]}")
             raw = read_result(path)
+            if mbit == rates[0]:
+                calibrated = raw
+            raw = {**calibrated, **raw}  # this rate's layouts, the run's one calibration
             rates_seen = _measured_links([n.ip for n in cluster.nodes])
             links = Links(2, 2, rates_seen["cross_mbit"], rates_seen["intra_mbit"],
                           collective_s=raw["collective_s"])
             work = Workload(tokens, raw["compute_s"],
                             tp_compute_s=tuple((int(t), float(c)) for t, c in raw["tp_compute_s"]))
+            cal = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"], raw["local_s"])
+            cal_min = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"],
+                                  raw["local_min_s"])
             key = _rate_key(mbit)
             section: dict = {"set_mbit": mbit, "measured_links": rates_seen,
-                             "compute_s": raw["compute_s"],
-                             "collective_s": raw["collective_s"],
-                             "tp_compute_s": raw["tp_compute_s"]}
+                             "compute_s": raw["compute_s"], "calibration": cal.to_json(),
+                             "calibration_min_s": raw["local_min_s"],
+                             "tp_compute_s": raw["tp_compute_s"],
+                             "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
             for lay in layouts:
-                pred = predict(lay, stats, links, work)
+                pred = predict_calibrated(lay, stats, links, work, cal)
                 got = raw["layouts"][lay.label]
                 section[lay.label] = {
                     "mesh": lay.mesh, "predicted_step_s": pred.step_s,
+                    "analytic_step_s": predict(lay, stats, links, work).step_s,
+                    "step_s_all": got["step_s_all"],
+                    # least-disturbed: the fastest calibration steps against the fastest
+                    "predicted_min_step_s": predict_calibrated(lay, stats, links, work,
+                                                               cal_min).step_s,
+                    "step_error_min": predict_calibrated(lay, stats, links, work,
+                                                         cal_min).step_s
+                    / min(got["step_s_all"]) - 1,
                     "measured_step_s": got["measured_step_s"],
                     "predicted_cross_node_bytes_per_step": pred.cross_node_bytes_per_step,
                     "cross_node_bytes_per_step": got["cross_node_bytes_per_step"],

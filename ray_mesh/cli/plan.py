@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ray_mesh.core.spec import load_yaml
-from ray_mesh.planning.cost import Links, PlanError, explain_pick, format_ranked, rank_layouts
+from ray_mesh.planning.cost import Links, PlanError, explain_pick, format_ranked
 from ray_mesh.planning.inputs import PlanInputs
 
 
@@ -45,8 +45,7 @@ def links_for(args: argparse.Namespace, inputs: PlanInputs) -> Links:
 def run(args: argparse.Namespace) -> int:
     inputs = plan_inputs(args.job)
     links = links_for(args, inputs)
-    ranked = rank_layouts(inputs.stats, links, inputs.work, inputs.memory_bytes,
-                          inputs.layouts, inputs.bf16_grads, inputs.diloco)
+    ranked = inputs.rank(links)
     if args.json:
         print(json.dumps({"links": {"nodes": links.nodes, "per_node": links.per_node,
                                     "cross_mbit": links.cross_mbit},

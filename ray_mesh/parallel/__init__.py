@@ -17,6 +17,8 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
   that names the fix when it is missing), its size, this rank's device
 - :func:`replicate_config`, :func:`wrap_replicate` - the replicate dim's mode (sync HSDP or
   DiLoCo, :mod:`ray_mesh.parallel.diloco`): the run's settings and the outer loop, or None
+- :func:`picked_plan` - what ``mesh="auto"`` picked (layout, gradient precision, replicate
+  mode) and why; ``parallelize`` and the replicate helpers follow it by themselves
 """
 
 from ray_mesh.parallel.compose import full_parameters, gather_over, parallelize
@@ -34,6 +36,7 @@ from ray_mesh.parallel.data_position import ResumableSampler
 from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
 from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
+from ray_mesh.parallel.picked import picked_plan
 from ray_mesh.parallel.pp import Pipeline, PipelinePlan, known_hang, schedule_info
 from ray_mesh.parallel.replicate import dp_mode as replicate_dp_mode
 from ray_mesh.parallel.replicate import replicate_config
@@ -67,6 +70,7 @@ __all__ = [
     "mesh_device",
     "mixed_precision_policy",
     "parallelize",
+    "picked_plan",
     "replicate_config",
     "replicate_dp_mode",
     "resolve_mode",

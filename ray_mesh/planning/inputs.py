@@ -14,13 +14,18 @@ plan:
   layouts: [ddp, fsdp, hsdp]  # the families the train function can run (this default:
                             # any loop that calls ray_mesh.parallel.parallelize / apply_fsdp);
                             # add tp_hsdp, pp, tp_pp when it handles tp / pipeline stages
-  bf16_grads: false         # true: also consider reducing gradients in bf16
-  replicate: {every: 50, compress: int8}  # optional: also rank hsdp/tp_hsdp with DiLoCo
-                            # on the replicate dim (the job's replicate: section)
+  precisions: [fp32, bf16_grads]  # gradient reductions it accepts (default [fp32];
+                            # `bf16_grads: true` is the same as this list)
+  replicate: [sync, diloco] # replicate modes it accepts (default [sync]); or a mapping
+                            # {every: 50, compress: int8}: sync + DiLoCo with these settings
 ```
 
-``mesh: auto`` picks only among ``layouts``, fp32 reduction unless ``bf16_grads``: the
-planner chooses the mesh, the train function chooses precision and parallel style.
+``mesh: auto`` picks among ``layouts`` x ``precisions`` x ``replicate`` and hands the pick
+to the workers: ``parallelize``/``apply_fsdp`` (``mixed_precision`` left unset) reduce in
+the picked dtype, ``ray_mesh.parallel.replicate_config()``/``wrap_replicate()``/``dp_mode()``
+follow the picked replicate mode, so a train function written with them follows the pick
+with no code change. A list without ``fp32`` (or ``sync``) drops the layouts that have a
+bf16 (or DiLoCo) variant in favour of it.
 
 Every key is checked here, on the driver, with the key and the fix in the message.
 """
@@ -32,10 +37,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ray_mesh.planning.cost import DATA_PARALLEL, FAMILIES, ModelStats, PlanError, Workload
+from ray_mesh.planning.cost import (
+    DATA_PARALLEL,
+    FAMILIES,
+    Links,
+    ModelStats,
+    PlanError,
+    Prediction,
+    Workload,
+    rank_layouts,
+)
 
 KEYS = ("model", "tokens_per_step", "compute_s", "microbatches", "link_mbit", "latency_ms",
-        "memory_gb", "backend", "layouts", "bf16_grads", "replicate")
+        "memory_gb", "backend", "layouts", "bf16_grads", "precisions", "replicate")
+PRECISIONS = ("fp32", "bf16_grads")
+REPLICATE_MODES = ("sync", "diloco")
+DILOCO_DEFAULT = (50, "none")  # DiLoCoConfig's every and compress
 
 
 def _number(section: str, key: str, value: Any, *, low: float, high: float = math.inf,
@@ -60,8 +77,34 @@ class PlanInputs:
     memory_bytes: float | None = None
     backend: str | None = None
     layouts: tuple[str, ...] = DATA_PARALLEL
-    bf16_grads: bool = False
-    diloco: tuple[int, str] | None = None  # plan.replicate: (every, compress)
+    precisions: tuple[str, ...] = ("fp32",)
+    diloco: tuple[int, str] | None = None  # DiLoCo allowed: (every, compress)
+    sync: bool = True  # sync replication allowed (False: only DiLoCo layouts)
+
+    def __post_init__(self) -> None:
+        if not self.precisions or set(self.precisions) - set(PRECISIONS):
+            raise PlanError(f"plan.precisions: {list(self.precisions)!r}; give a non-empty list "
+                            f"from {', '.join(PRECISIONS)}")
+        if not self.sync and self.diloco is None:
+            raise PlanError("plan.replicate allows no mode: list sync, diloco or both")
+
+    @property
+    def bf16_grads(self) -> bool:
+        return "bf16_grads" in self.precisions
+
+    def rank(self, links: Links) -> list[Prediction]:
+        """The allowed layouts for ``links``, fastest predicted first."""
+        ranked = rank_layouts(self.stats, links, self.work, self.memory_bytes, self.layouts,
+                              self.bf16_grads, self.diloco)
+        labels = {p.layout.label for p in ranked}
+        kept = [p for p in ranked if (self.sync or p.layout.diloco) and (
+            "fp32" in self.precisions or p.layout.reduce == "bf16"
+            or f"{p.layout.label}+bf16" not in labels)]
+        if not kept:
+            raise PlanError(f"no layout of {list(self.layouts)} runs with precisions "
+                            f"{list(self.precisions)} and replicate "
+                            f"{'sync' if self.sync else 'diloco'} only; allow more in plan:")
+        return kept
 
     @classmethod
     def from_dict(cls, data: Any, load_factory: Callable[[str], Callable[..., Any]],
@@ -98,6 +141,11 @@ class PlanInputs:
         bf16 = data.get("bf16_grads", False)
         if not isinstance(bf16, bool):
             raise PlanError(f"plan.bf16_grads: {bf16!r} must be true or false")
+        precisions = data.get("precisions", ["fp32", "bf16_grads"] if bf16 else ["fp32"])
+        if not isinstance(precisions, list):
+            raise PlanError(f"plan.precisions: {precisions!r}; give a list like "
+                            "[fp32, bf16_grads]")
+        sync, diloco = _replicate(data.get("replicate"))
         return cls(stats, work,
                    None if link is None else float(_number("plan", "link_mbit", link,
                                                            low=1e-3)),
@@ -105,7 +153,17 @@ class PlanInputs:
                                  high=10_000)) / 1e3,
                    None if mem is None else float(_number("plan", "memory_gb", mem,
                                                           low=1e-3)) * 2**30,
-                   backend, tuple(layouts), bf16, _diloco(data.get("replicate")))
+                   backend, tuple(layouts), tuple(precisions), diloco, sync)
+
+
+def _replicate(value: Any) -> tuple[bool, tuple[int, str] | None]:
+    """``plan.replicate`` -> (sync allowed, DiLoCo's (every, compress) if allowed)."""
+    if isinstance(value, list):
+        if not value or set(value) - set(REPLICATE_MODES):
+            raise PlanError(f"plan.replicate: {value!r}; give a list from sync, diloco, or a "
+                            "mapping {every: 50, compress: int8} (sync + DiLoCo so set)")
+        return "sync" in value, DILOCO_DEFAULT if "diloco" in value else None
+    return True, _diloco(value)
 
 
 def _diloco(value: Any) -> tuple[int, str] | None:

@@ -41,6 +41,7 @@ from ray_mesh.network.probe import node_versions
 from ray_mesh.observability import hang
 from ray_mesh.observability.layout import layout_table, node_lines
 from ray_mesh.observability.report import wrap_train_report
+from ray_mesh.parallel.picked import PickedPlan, set_picked_plan
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
 from ray_mesh.parallel.replicate import parse_replicate, set_replicate_config
 from ray_mesh.planning.inputs import PlanInputs
@@ -223,6 +224,7 @@ class WorkerSetup:
     hang_timeout_s: float | None = None
     verbose: bool = False
     replicate: Any = None  # a DiLoCoConfig, or None (sync)
+    picked: PickedPlan | None = None  # mesh="auto"'s pick (precision, replicate mode)
 
 
 def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
@@ -242,6 +244,7 @@ def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
     if not w.verbose:
         quiet_report_lines()  # Ray Train's INFO line per report (not under its log level)
     set_replicate_config(w.replicate)
+    set_picked_plan(w.picked)
     bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force)
@@ -351,11 +354,13 @@ class _MeshBackend(Backend):
         leaders = node_leaders([plan.node_rank(w.rank) for w in plan.workers])
         self.links = measure_worker_group(worker_group, leaders, choices,
                                           config.measure_links, config.link_probe_s)
+        pick = None
         if config.mesh == "auto":
             gpu = any(r.device.startswith("cuda") for r in reports)
-            spec = pick_mesh(config.plan, len(leaders), plan.workers_per_node, self.links,
-                             config.backend or ("nccl" if gpu else "gloo"))
-            plan = plan_mesh(spec, reports, allow_cross_node_inner=config.allow_cross_node_inner)
+            pick = pick_mesh(config.plan, len(leaders), plan.workers_per_node, self.links,
+                             config.backend or ("nccl" if gpu else "gloo"), config.replicate)
+            plan = plan_mesh(pick.spec, reports,
+                             allow_cross_node_inner=config.allow_cross_node_inner)
             install_mesh_data_config(worker_group, plan.spec)
         fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
         interfaces = {i: c.interface for i, c in enumerate(choices)}
@@ -370,7 +375,8 @@ class _MeshBackend(Backend):
                 choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
                 hang_timeout_s=config.hang_timeout_s,
                 verbose=config.verbose,
-                replicate=config.replicate,
+                replicate=pick.replicate if pick else config.replicate,
+                picked=pick.plan if pick else None,
             ))
             for w in plan.workers
         ]

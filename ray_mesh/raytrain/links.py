@@ -18,14 +18,18 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import ray
 
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.network.interfaces import Choice
 from ray_mesh.network.links import LinkMatrix, measure_links
-from ray_mesh.planning.cost import Links, explain_pick, format_ranked, rank_layouts
+from ray_mesh.parallel.diloco import DiLoCoConfig
+from ray_mesh.parallel.picked import PickedPlan
+from ray_mesh.planning.cost import Links, Prediction, explain_pick, format_ranked
 from ray_mesh.planning.inputs import PlanInputs
 
 logger = logging.getLogger(__name__)
@@ -110,17 +114,52 @@ def export(matrix: LinkMatrix) -> None:
         logger.debug("ray_mesh: link metrics not exported: %s", exc)
 
 
+class Pick(NamedTuple):
+    """``mesh="auto"``'s choice: the mesh, what the workers are told, the replicate mode."""
+
+    spec: MeshSpec
+    plan: PickedPlan
+    replicate: DiLoCoConfig | None
+
+
 def pick_mesh(inputs: PlanInputs, nodes: int, per_node: int, matrix: LinkMatrix | None,
-              backend: str) -> MeshSpec:
-    """The fastest predicted layout for this cluster; logs the ranking and why."""
+              backend: str, replicate: DiLoCoConfig | None = None) -> Pick:
+    """The fastest predicted layout the plan allows on this cluster; logs the ranking and why.
+
+    ``replicate``: the job's own DiLoCo settings (its ``replicate:`` section), which make
+    DiLoCo the only replicate mode allowed and set its every/compress for the prediction.
+    """
+    if replicate is not None:
+        inputs = replace(inputs, diloco=(replicate.every, replicate.compress), sync=False)
     mbit = inputs.link_mbit or (matrix.cross_node_mbit() if matrix else None)
     if mbit is None or mbit == float("inf"):
         mbit = 1e5  # one node: nothing crosses, the rate does not matter
     links = Links(nodes, per_node, float(mbit), latency_s=inputs.latency_s,
                   backend=inputs.backend or backend)
-    ranked = rank_layouts(inputs.stats, links, inputs.work, inputs.memory_bytes,
-                          inputs.layouts, inputs.bf16_grads)
+    ranked = inputs.rank(links)
+    best = ranked[0].layout
+    why = "; ".join([explain_pick(ranked), *_variant_lines(ranked)])
     logger.info("ray_mesh: mesh=auto on %d node(s) x %d worker(s), node link %.0f Mbit/s:\n%s"
-                "\n%s", nodes, per_node, mbit, format_ranked(ranked), explain_pick(ranked))
-    print(f"ray_mesh: mesh=auto {explain_pick(ranked)}", flush=True)
-    return MeshSpec.from_dict(ranked[0].layout.mesh)
+                "\n%s", nodes, per_node, mbit, format_ranked(ranked), why)
+    print(f"ray_mesh: mesh=auto {why}", flush=True)
+    if best.diloco and replicate is None:
+        replicate = DiLoCoConfig(every=best.diloco[0], compress=best.diloco[1])
+    picked = PickedPlan(best.label, dict(best.mesh),
+                        "bf16_grads" if best.reduce == "bf16" else "fp32",
+                        "diloco" if best.diloco else "sync", why)
+    return Pick(MeshSpec.from_dict(best.mesh), picked, replicate if best.diloco else None)
+
+
+def _variant_lines(ranked: list[Prediction]) -> list[str]:
+    """Why the pick's gradient precision and replicate mode beat the same mesh's others."""
+    best = ranked[0].layout
+    same = [p for p in ranked[1:] if p.layout.mesh == best.mesh]
+    lines = []
+    mode = "diloco" if best.diloco else "sync"
+    for what, differs in ((f"gradient reduction {best.reduce}", lambda x: x.reduce != best.reduce),
+                          (f"replicate {mode}", lambda x: bool(x.diloco) != bool(best.diloco))):
+        other = next((p for p in same if differs(p.layout)), None)
+        if other is not None:
+            lines.append(f"{what}: {ranked[0].step_s:.3g} s/step vs {other.layout.label} "
+                         f"{other.step_s:.3g} s/step")
+    return lines

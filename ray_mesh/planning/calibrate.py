@@ -1,0 +1,249 @@
+"""Step time from a one-node calibration plus modelled cross-node communication.
+
+:func:`ray_mesh.planning.cost.predict` counts bytes well (2-8% off the interface counters)
+but prices time as arithmetic plus wire time. On CPU with gloo, and on any small model,
+what a step costs beyond its arithmetic is mostly fixed per call or per byte on the CPU:
+FSDP2's all-gather copies, casts and per-unit hooks, gloo's reduce-scatter run as an
+all-reduce, the pipeline schedule's per-microbatch sends. Those are measured, not modelled:
+each node, alone and all nodes at once (so they share cores as in the real run), runs
+
+* the **local shape** of each layout family: the very same step with every cross-node dim
+  taken out (``parallelize(..., dp="replica")``: FSDP over the node's ranks, or TP over
+  them), the per-rank batch unchanged; for ``fsdp``/``hsdp`` one shape, for ``tp_hsdp`` one
+  per tp degree, each in the reduce dtype the layout uses;
+* the arithmetic: the same step with no data parallel at all, each rank alone on its share
+  of the batch (``Workload.compute_s / world`` when not measured);
+* one-element all-reduces inside the node (a collective's fixed cost), an all-reduce of a
+  buffer the size of the replicate reduction (gloo's CPU bytes per second), and a
+  point-to-point send of one microbatch's activations (the pipeline's per-microbatch cost).
+
+The prediction of a layout is then::
+
+    step_s = local_s + link_s + cross_volume / gloo_Bps + cross_calls * collective_s
+
+``link_s`` is :func:`~ray_mesh.planning.cost.predict`'s wire time for the bytes that cross
+nodes (plus link latency per message); ``cross_volume`` is what one rank's cross-node ring
+moves beyond what its local shape already moved (gloo spends CPU on every byte it sends and
+reduces, whatever the link); ``cross_calls`` the collectives the cross dim adds. Overlap
+rule: none. On CPU the cores that compute are the ones that run gloo's copies and
+reductions, and a link slower than the CPU keeps the step waiting on the wire: the terms add.
+Pipeline layouts are not runnable inside one node with FSDP beside them; a stage's rank
+does its share of the work in microbatches, so their local shapes run with gradient
+accumulation over ``microbatches / pp`` chunks (``/mbK`` in the key): per rank that is the
+same tokens per call and the same number of calls as one stage's share of the layers over
+all microbatches. tp_pp = TP's local shape so run x the bubble; pp = the arithmetic so run
+x the bubble + FSDP's overhead (its local step less the arithmetic) for one stage's share of
+the parameters (the pipeline keeps them gathered across microbatches); both + two sends per
+microbatch.
+
+The calibration never runs a cross-node layout, so it never sees the step times it predicts.
+:func:`measure_collectives` runs on a live process group (torch only, no Ray); the local
+shapes need the train step, so their runner lives beside it (``benchmarks/slowlinks.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from ray_mesh.planning.cost import (
+    BF16,
+    FP32,
+    Layout,
+    Links,
+    ModelStats,
+    PlanError,
+    Prediction,
+    Workload,
+    family,
+    predict,
+)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one node measured; every figure is a median over repeats and ranks."""
+
+    collective_s: float  # one tiny all-reduce inside a node: the fixed cost of a call
+    gloo_Bps: float  # ring volume per second of a large all-reduce inside a node
+    p2p_s: float  # one microbatch's activations sent to the next rank inside a node
+    local_s: dict[str, float] = field(default_factory=dict)  # local shape -> step seconds
+
+    def __post_init__(self) -> None:
+        for name in ("collective_s", "p2p_s"):
+            v = getattr(self, name)
+            if not 0 <= v < 60:
+                raise PlanError(f"calibration {name}={v!r}: give seconds in [0, 60)")
+        if not 0 < self.gloo_Bps < math.inf:
+            raise PlanError(f"calibration gloo_Bps={self.gloo_Bps!r}: give bytes/s above 0")
+
+    def local(self, key: str) -> float:
+        if key not in self.local_s:
+            raise PlanError(f"the calibration has no local step for {key!r} (it has "
+                            f"{sorted(self.local_s)}); calibrate the layouts you predict "
+                            "(local_shapes() lists the ones they need)")
+        return self.local_s[key]
+
+    def to_json(self) -> dict[str, object]:
+        return {"collective_s": self.collective_s, "gloo_Bps": self.gloo_Bps,
+                "p2p_s": self.p2p_s, "local_s": dict(self.local_s)}
+
+
+ARITHMETIC = "none/fp32"  # the local shape without any data parallel: the arithmetic
+
+
+def local_key(layout: Layout, microbatches: int = 4) -> str | None:
+    """The one-node shape whose step a layout's prediction starts from; None: ddp (the
+    arithmetic, :data:`ARITHMETIC`)."""
+    fam, tp, pp = family(layout), layout.mesh.get("tp", 1), layout.mesh.get("pp", 1)
+    chunks = f"/mb{max(1, microbatches // pp)}"
+    if fam in ("fsdp", "hsdp"):
+        return f"fsdp/{layout.reduce}"
+    if fam == "tp_hsdp":
+        return f"tp{tp}/{layout.reduce}"
+    if fam == "tp_pp":
+        return f"tp{tp}/{layout.reduce}{chunks}"
+    if fam == "pp":
+        return ARITHMETIC + chunks
+    return None
+
+
+def accumulation(key: str) -> int:
+    """How many chunks a local shape's step splits its batch into (``/mbK``; else 1)."""
+    tail = key.rsplit("/", 1)[-1]
+    return int(tail[2:]) if tail.startswith("mb") else 1
+
+
+def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
+                 ) -> dict[str, Layout]:
+    """``{key: layout to run with dp="replica"}``: one node-local shape per key.
+
+    fsdp and hsdp (and pp's in-stage FSDP) share FSDP over a node's ranks, run as the HSDP
+    mesh in replica mode; tp layouts run their tp_hsdp mesh in replica mode (TP only); the
+    arithmetic is the DDP mesh in replica mode (each rank alone on its share of the batch).
+    """
+    out: dict[str, Layout] = {}
+    keys = [ARITHMETIC] if any(family(x) == "ddp" for x in layouts) else []
+    for lay in layouts:
+        key = local_key(lay, microbatches)
+        keys += [key] if key else []
+        if family(lay) == "pp" and lay.mesh.get("dp_shard", 1) > 1:
+            keys += [ARITHMETIC, "fsdp/fp32"]  # FSDP's overhead: the two of them
+    for key in dict.fromkeys(keys):
+        kind, reduce = key.split("/")[:2]
+        tp = int(kind[2:]) if kind.startswith("tp") else 1
+        mesh = ({"dp_replicate": links.nodes * links.per_node} if kind == "none" else
+                {"dp_replicate": links.nodes, "dp_shard": links.per_node // tp,
+                 **({"tp": tp} if tp > 1 else {})})
+        out[key] = Layout("local", mesh, reduce)
+    return out
+
+
+def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Workload,
+                       cal: Calibration) -> Prediction:
+    """:func:`predict`'s bytes and memory with the step time of the module docstring."""
+    base = predict(layout, stats, links, work)
+    m = layout.mesh
+    pp, rep, shard, tp = (m.get("pp", 1), m.get("dp_replicate", 1), m.get("dp_shard", 1),
+                          m.get("tp", 1))
+    n, g = links.nodes, links.per_node
+    world = n * g
+    p_b = stats.params * FP32 / pp
+    g_b = stats.params * (BF16 if layout.reduce == "bf16" else FP32) / pp
+    blocks = stats.layers / pp + 1
+    arithmetic = cal.local_s.get(ARITHMETIC, work.compute_s / world)  # one rank, its share
+    fam = family(layout)
+    calls = 1.0  # the step's loss mean over dp
+    if fam == "ddp":
+        local = arithmetic
+        volume = 2 * (rep - 1) / rep * g_b
+        calls += max(1, math.ceil(g_b / 25e6))  # DDP's 25 MB buckets
+    elif fam in ("fsdp", "hsdp", "tp_hsdp"):
+        local = cal.local(local_key(layout) or "")
+        if fam == "fsdp":  # gloo: all-gather twice + reduce-scatter as an all-reduce
+            def ring(k: int) -> float:
+                return (k - 1) / k * (2 * p_b + 2 * g_b)
+            volume = ring(world) - ring(g)
+        else:  # each rank all-reduces its shard over the replicas
+            volume = 2 * (rep - 1) / rep * g_b / (shard * tp)
+            calls += blocks
+    else:  # pp, tp_pp: stages across nodes
+        bubble = (work.microbatches + pp - 1) / work.microbatches
+        local = cal.local(local_key(layout, work.microbatches) or "") * bubble
+        if fam == "pp" and shard > 1:
+            local += max(0.0, cal.local("fsdp/fp32") - arithmetic) / pp
+        local += 2 * work.microbatches * (2 if pp > 2 else 1) * cal.p2p_s
+        volume = base.cross_node_bytes_per_step / n
+    if layout.diloco:  # the replicate dim syncs once every H steps (the local shape is
+        every = layout.diloco[0]  # DiLoCo's inner step itself)
+        volume, calls = volume / every, 1 + (calls - 1) / every
+    comm = base.cross_s + volume / cal.gloo_Bps + calls * cal.collective_s
+    return Prediction(layout, local + comm, local, base.cross_s, comm - base.cross_s,
+                      base.cross_node_bytes_per_step, base.memory_bytes_per_rank,
+                      base.notes + ["calibrated on one node"])
+
+
+def median_everywhere(value: float) -> float:
+    import torch.distributed as dist
+
+    everyone: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return float(statistics.median(everyone))
+
+
+def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
+                        repeats: int = 20) -> dict[str, float]:
+    """``collective_s``, ``gloo_Bps`` and ``p2p_s`` on the live process group, inside nodes.
+
+    Every node's ranks form a group (consecutive ranks, as ray_mesh places them) and all
+    nodes measure at once. A collective; every rank must call it. ``per_node`` must divide
+    the world size and be >= 2 for the point-to-point figure (else it is 0).
+    """
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if per_node < 1 or world % per_node:
+        raise PlanError(f"per_node={per_node} must divide the world size {world}")
+    groups = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
+    mine = groups[rank // per_node]
+
+    def timed(fn, n: int) -> float:
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    tiny, big = torch.zeros(1), torch.zeros(max(1, reduce_bytes // FP32))
+    call = timed(lambda: dist.all_reduce(tiny, group=mine), repeats)
+    big_s = timed(lambda: dist.all_reduce(big, group=mine), max(3, repeats // 4))
+    volume = 2 * (per_node - 1) / per_node * big.numel() * FP32
+    p2p = 0.0
+    if per_node >= 2:
+        buf = torch.zeros(max(1, p2p_bytes // FP32))
+        local = rank % per_node
+        peer = rank + 1 if local % 2 == 0 else rank - 1
+
+        def exchange() -> None:  # there and back: a forward send and a backward send
+            if peer >= (rank // per_node + 1) * per_node:
+                return  # odd rank count in a node: the last rank sits out
+            if local % 2 == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+        p2p = timed(exchange, repeats) / 2
+    call = median_everywhere(call)
+    return {"collective_s": call,
+            "gloo_Bps": volume / max(median_everywhere(big_s) - call, 1e-6),
+            "p2p_s": median_everywhere(p2p)}
+
+
+__all__ = ["ARITHMETIC", "Calibration", "accumulation", "local_key", "local_shapes",
+           "measure_collectives", "median_everywhere", "predict_calibrated"]

@@ -1,0 +1,142 @@
+"""``mesh: auto`` picks gradient precision and replicate mode among what the plan allows;
+the calibrated step-time model adds up its measured parts."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_mesh.parallel.diloco import DiLoCoConfig
+from ray_mesh.parallel.picked import PickedPlan, picked_precision, set_picked_plan
+from ray_mesh.planning.calibrate import (
+    Calibration,
+    accumulation,
+    local_key,
+    local_shapes,
+    predict_calibrated,
+)
+from ray_mesh.planning.cost import Layout, Links, ModelStats, PlanError, Workload, predict
+from ray_mesh.planning.inputs import PlanInputs
+from ray_mesh.raytrain.links import pick_mesh
+
+STATS = ModelStats(params=10_000_000, layers=4, hidden=256, heads=4)
+WORK = Workload(tokens=4096, compute_s=4.0)
+BASE = {"model": {"params": 10_000_000, "layers": 4, "hidden": 256, "heads": 4},
+        "tokens_per_step": 4096, "compute_s": 4.0, "layouts": ["hsdp", "fsdp", "ddp"]}
+
+
+def inputs(**extra) -> PlanInputs:
+    return PlanInputs.from_dict({**BASE, **extra}, load_factory=lambda ref: None)
+
+
+def pick(plan: PlanInputs, mbit: float, replicate: DiLoCoConfig | None = None):
+    return pick_mesh(plan, 2, 2, None, "gloo", replicate) if mbit is None else pick_mesh(
+        PlanInputs(**{**plan.__dict__, "link_mbit": mbit}), 2, 2, None, "gloo", replicate)
+
+
+def test_diloco_allowed_on_a_slow_link_is_picked_and_handed_to_the_workers():
+    chosen = pick(inputs(replicate=["sync", "diloco"]), 20)
+    assert chosen.plan.replicate == "diloco" and "diloco" in chosen.plan.layout
+    assert isinstance(chosen.replicate, DiLoCoConfig) and chosen.replicate.every == 50
+    assert chosen.spec.dp_replicate == 2
+    assert "replicate diloco" in chosen.plan.why  # logged against the sync twin
+    # the mapping form carries the settings into the prediction and the workers
+    chosen = pick(inputs(replicate={"every": 20, "compress": "int8"}), 20)
+    assert (chosen.replicate.every, chosen.replicate.compress) == (20, "int8")
+
+
+def test_bf16_allowed_on_a_slow_link_is_picked():
+    for extra in ({"precisions": ["fp32", "bf16_grads"]}, {"bf16_grads": True}):
+        chosen = pick(inputs(**extra), 20)
+        assert chosen.plan.precision == "bf16_grads" and chosen.plan.layout.endswith("+bf16")
+        assert chosen.replicate is None and chosen.plan.replicate == "sync"
+        assert "gradient reduction bf16" in chosen.plan.why
+
+
+def test_nothing_not_allowed_is_ever_picked():
+    for mbit in (1, 20, 100, 10_000):
+        chosen = pick(inputs(), mbit)
+        assert (chosen.plan.precision, chosen.plan.replicate, chosen.replicate) == (
+            "fp32", "sync", None)
+        assert chosen.plan.layout in ("hsdp", "fsdp", "ddp")
+    # bf16 only: fsdp/hsdp always in bf16 (ddp has no bf16 variant and may stay)
+    ranked = inputs(precisions=["bf16_grads"]).rank(Links(2, 2, 20.0))
+    assert all(p.layout.reduce == "bf16" or p.layout.name == "ddp" for p in ranked)
+    # diloco only (the job's own replicate: section under mesh auto): only DiLoCo layouts
+    chosen = pick(inputs(), 10_000, DiLoCoConfig(every=10))
+    assert chosen.plan.replicate == "diloco" and chosen.replicate.every == 10
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"precisions": ["fp16"]}, "plan.precisions"),
+    ({"precisions": []}, "plan.precisions"),
+    ({"precisions": "bf16_grads"}, "plan.precisions"),
+    ({"replicate": ["async"]}, "plan.replicate"),
+    ({"replicate": []}, "plan.replicate"),
+])
+def test_bad_allowed_lists_name_the_key(extra, match):
+    with pytest.raises(PlanError, match=match):
+        inputs(**extra)
+
+
+def test_apply_fsdp_default_precision_follows_the_pick():
+    try:
+        set_picked_plan(PickedPlan("hsdp+bf16", {"dp_replicate": 2, "dp_shard": 2},
+                                   "bf16_grads"))
+        assert picked_precision() == "bf16_grads"
+        set_picked_plan(PickedPlan("hsdp", {"dp_replicate": 2, "dp_shard": 2}))
+        assert picked_precision() is None
+    finally:
+        set_picked_plan(None)
+    assert picked_precision() is None
+
+
+CAL = Calibration(collective_s=0.001, gloo_Bps=200e6, p2p_s=0.002,
+                  local_s={"fsdp/fp32": 0.3, "fsdp/bf16": 0.25, "tp2/fp32": 0.6})
+
+
+def test_calibrated_prediction_is_local_step_plus_modelled_communication():
+    links = Links(2, 2, 100.0)
+    hsdp = Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2})
+    got = predict_calibrated(hsdp, STATS, links, WORK, CAL)
+    base = predict(hsdp, STATS, links, WORK)
+    # the shard's all-reduce over 2 replicas: one rank moves its shard (half of 40 MB)
+    volume = STATS.params * 4 / 2
+    calls = 1 + STATS.layers + 1
+    assert got.step_s == pytest.approx(0.3 + base.cross_s + volume / 200e6 + calls * 0.001)
+    assert got.cross_node_bytes_per_step == base.cross_node_bytes_per_step
+    ddp = predict_calibrated(Layout("ddp", {"dp_replicate": 4}), STATS, links, WORK, CAL)
+    assert ddp.compute_s == pytest.approx(WORK.compute_s / 4)  # arithmetic only
+    measured = Calibration(0.001, 200e6, 0.002, {"none/fp32": 0.2, "tp2/fp32/mb2": 0.6,
+                                                  "none/fp32/mb2": 0.3, "fsdp/fp32": 0.5})
+    ddp = predict_calibrated(Layout("ddp", {"dp_replicate": 4}), STATS, links, WORK, measured)
+    assert ddp.compute_s == pytest.approx(0.2)
+    tp_pp = predict_calibrated(Layout("tp_pp", {"pp": 2, "tp": 2}), STATS, links, WORK, measured)
+    assert tp_pp.compute_s == pytest.approx(0.6 * 5 / 4 + 2 * 4 * 0.002)
+    pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK,
+                            measured)
+    # the arithmetic in 2 chunks x bubble + half of FSDP's overhead + the sends
+    assert pp.compute_s == pytest.approx(0.3 * 5 / 4 + (0.5 - 0.2) / 2 + 2 * 4 * 0.002)
+    # slower links only add wire time
+    slow = predict_calibrated(hsdp, STATS, Links(2, 2, 20.0), WORK, CAL)
+    assert slow.step_s - got.step_s == pytest.approx(
+        predict(hsdp, STATS, Links(2, 2, 20.0), WORK).cross_s - base.cross_s)
+
+
+def test_local_shapes_and_missing_calibration():
+    lays = [Layout("fsdp", {"dp_shard": 4}), Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}),
+            Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}, "bf16"),
+            Layout("tp_hsdp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
+            Layout("ddp", {"dp_replicate": 4}), Layout("pp", {"pp": 2, "dp_shard": 2}),
+            Layout("tp_pp", {"pp": 2, "tp": 2})]
+    shapes = local_shapes(lays, Links(2, 2, 100.0))
+    assert set(shapes) == {"fsdp/fp32", "fsdp/bf16", "tp2/fp32", "none/fp32", "none/fp32/mb2",
+                           "tp2/fp32/mb2"}
+    assert shapes["none/fp32/mb2"].mesh == {"dp_replicate": 4}
+    assert accumulation("tp2/fp32/mb2") == 2 and accumulation("fsdp/bf16") == 1
+    assert shapes["tp2/fp32"].mesh == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
+    assert local_key(lays[4]) is None
+    with pytest.raises(PlanError, match="no local step for 'tp2/bf16'"):
+        predict_calibrated(Layout("tp_hsdp", lays[3].mesh, "bf16"), STATS, Links(2, 2, 100.0),
+                           WORK, CAL)
+    with pytest.raises(PlanError, match="gloo_Bps"):
+        Calibration(0.001, 0.0, 0.0)
