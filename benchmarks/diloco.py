@@ -156,6 +156,10 @@ def _train(config: dict) -> None:
     local0 = ray.train.get_context().get_local_rank() == 0
 
     def cross_bytes() -> int:
+        # Every rank's collectives done first: local rank 1's replica group may still be
+        # sending when local rank 0 reads its node's counter (bytes then land in the wrong
+        # interval, e.g. the uncounted replicas_equal check into the counted steps).
+        dist.barrier()
         mine = read_counters("tailscale0")["tx_bytes"] if local0 else 0
         total = [0] * world
         dist.all_gather_object(total, mine)

@@ -29,8 +29,9 @@ from ray_mesh.models import Llama, LlamaConfig, parallelize_llama
 DEFAULTS: dict = {
     "preset": "tiny", "seq": 128, "batch_size": 16, "lr": 3e-3, "warmup": 10,
     "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0,
-    "validation": 0.05, "max_tokens": 1_000_000, "val_tokens": 32_768, "steps": 100,
+    "validation": 0.05, "max_tokens": 1_000_000, "val_tokens": 32_768,
 }
+"""``steps`` (the schedule's length) comes from the benchmark's own ``steps``."""
 
 
 def data_spec(cfg: dict) -> DataSpec:
