@@ -310,15 +310,16 @@ def plot(results: dict, path: Path) -> Path:
 
 def _svg(curves: dict[str, list[float]], title: str = "", w: int = 640,
          h: int = 320) -> str:
-    """Polylines on a y axis from the lowest to the highest loss, with 5 labelled ticks."""
+    """Polylines on a y axis from the lowest loss to the highest after the first tenth of
+    the steps (earlier points are clipped to the top: the start says little), 5 ticks."""
     lo = min(min(ys) for ys in curves.values())
-    hi = max(max(ys) for ys in curves.values())
+    hi = max(max(ys[len(ys) // 10:]) for ys in curves.values())
     span, n = (hi - lo) or 1.0, max(len(ys) for ys in curves.values())
     left, right, top, bottom = 50, 15, 30, 35
 
     def xy(j: int, y: float) -> str:
         return (f"{left + (w - left - right) * j / max(n - 1, 1):.1f},"
-                f"{h - bottom - (h - top - bottom) * (y - lo) / span:.1f}")
+                f"{h - bottom - (h - top - bottom) * (min(y, hi) - lo) / span:.1f}")
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
              'font-family="sans-serif" font-size="11">',
@@ -335,7 +336,7 @@ def _svg(curves: dict[str, list[float]], title: str = "", w: int = 640,
         parts += [f'<polyline fill="none" stroke="{color}" points="{pts}"/>',
                   f'<text x="{w - 300}" y="{top + 16 + 14 * i}" fill="{color}">{label}</text>']
     parts.append(f'<text x="{left}" y="{h - 8}">training loss (nats) per step, steps 1..{n}, '
-                 'the same tokens in both runs</text></svg>')
+                 f'the same tokens in both runs (clipped at {hi:.2f})</text></svg>')
     return "\n".join(parts)
 
 
