@@ -17,10 +17,13 @@ train function runs every phase on the same process group, in turn:
 DiLoCo phases also check that the replicas are bitwise equal after every sync (outside the
 timed region) and measure the cross-node bytes of inner steps alone (between syncs).
 
-The model is a parameter: a module (file path) with ``DEFAULTS``, ``make_model(cfg)``,
-``batch(step, cfg)`` and ``loss_fn(logits, targets)``, by default
-``examples/fsdp_tp_transformer.py``. Figures go to ``results.json['diloco']`` via
-``benchmarks/run.py --only diloco`` (keys ``diloco.<rate>``).
+The model is a parameter: a module (file path, or a name in :data:`MODULES`) with
+``DEFAULTS``, ``make_model(cfg)``, ``batch(step, cfg)`` and ``loss_fn(logits, targets)``, and
+optionally ``place(model, mesh, dp)``, ``optimizer(params, cfg)``, ``lr_factor(step, cfg)``
+and ``val_batch(i, cfg)``. The default is the LM job, ``benchmarks/diloco_lm.py``; ``toy``
+is ``examples/fsdp_tp_transformer.py``. Figures go to ``results.json['diloco']`` via
+``benchmarks/run.py --only diloco`` (keys ``diloco.<rate>``, the issue's targets under
+``diloco.<rate>.checks``).
 """
 
 from __future__ import annotations
@@ -215,7 +218,7 @@ def run_on_cluster(cluster, args: dict, timeout_s: float) -> dict:
 
 def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "int8",
             module: str = "lm", model: dict | None = None, val_batches: int = 4,
-            outer_lr: float = 0.7, outer_momentum: float = 0.9,
+            outer_lr: float = 0.7, outer_momentum: float = 0.5,
             timeout_s: float = 1500.0) -> dict:
     """Both modes at every rate and unshaped; the figures for ``results.json['diloco']``."""
     sys.path.insert(0, str(REPO / "tests" / "helpers"))
