@@ -17,16 +17,20 @@ train function runs every phase on the same process group, in turn:
 DiLoCo phases also check that the replicas are bitwise equal after every sync (outside the
 timed region) and measure the cross-node bytes of inner steps alone (between syncs).
 
-The model is a parameter: a module (file path) with ``DEFAULTS``, ``make_model(cfg)``,
-``batch(step, cfg)`` and ``loss_fn(logits, targets)``, by default
-``examples/fsdp_tp_transformer.py``. Figures go to ``results.json['diloco']`` via
-``benchmarks/run.py --only diloco`` (keys ``diloco.<rate>``).
+The model is a parameter: a module (file path, or a name in :data:`MODULES`) with
+``DEFAULTS``, ``make_model(cfg)``, ``batch(step, cfg)`` and ``loss_fn(logits, targets)``, and
+optionally ``place(model, mesh, dp)``, ``optimizer(params, cfg)``, ``lr_factor(step, cfg)``
+and ``val_batch(i, cfg)``. The default is the LM job, ``benchmarks/diloco_lm.py``; ``toy``
+is ``examples/fsdp_tp_transformer.py``. Figures go to ``results.json['diloco']`` via
+``benchmarks/run.py --only diloco`` (keys ``diloco.<rate>``, the issue's targets under
+``diloco.<rate>.checks``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,9 +38,15 @@ from pathlib import Path
 
 from benchmarks.common import REPO, fit_netns_workers, read_result, write_result
 
-MODEL = {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "ffn": 512, "seq": 64,
-         "batch_size": 16, "lr": 0.003, "seed": 0, "mixed_precision": None}
-DEFAULT_MODULE = "examples/fsdp_tp_transformer.py"
+MODULES: dict[str, tuple[str, dict]] = {
+    # the LM job: byte-level Llama on the stdlib's sources, held-out files for validation
+    "lm": ("benchmarks/diloco_lm.py", {}),
+    # the toy: a small transformer on a synthetic copy task (quick, but loss means little)
+    "toy": ("examples/fsdp_tp_transformer.py",
+            {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "ffn": 512, "seq": 64,
+             "batch_size": 16, "lr": 0.003, "seed": 0, "mixed_precision": None}),
+}
+"""``measure(module=...)``: a name here (its file and overrides of its DEFAULTS) or a path."""
 
 
 def rate_key(mbit: float | None) -> str:
@@ -45,11 +55,17 @@ def rate_key(mbit: float | None) -> str:
     return f"{mbit / 1000:g}gbit" if mbit >= 1000 else f"{mbit:g}mbit"
 
 
+_LOADED: dict[str, object] = {}
+
+
 def _module(path: str):
-    spec = importlib.util.spec_from_file_location("diloco_bench_model", REPO / path)
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    """The model module at ``path``, loaded once per process (its data caches live on)."""
+    if path not in _LOADED:
+        spec = importlib.util.spec_from_file_location("diloco_bench_model", REPO / path)
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        _LOADED[path] = mod
+    return _LOADED[path]
 
 
 def _shape(mbit: float | None) -> None:
@@ -72,9 +88,16 @@ def run_phase(mode: str, config: dict, mesh, cross_bytes) -> dict:
     from ray_mesh.parallel.diloco import DiLoCo, DiLoCoConfig, replicas_equal
 
     ex = _module(config["module"])
-    cfg = {**ex.DEFAULTS, **config["model"]}
-    model = parallelize(ex.make_model(cfg), mesh, dp="replica" if mode == "diloco" else "hsdp")
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    cfg = {**ex.DEFAULTS, **config["model"], "steps": config["steps"]}
+    dp = "replica" if mode == "diloco" else "hsdp"
+    model = (ex.place(ex.make_model(cfg), mesh, dp) if hasattr(ex, "place")
+             else parallelize(ex.make_model(cfg), mesh, dp=dp))
+    optim = (ex.optimizer(model.parameters(), cfg) if hasattr(ex, "optimizer")
+             else torch.optim.AdamW(model.parameters(), lr=cfg["lr"]))
+    sched = (torch.optim.lr_scheduler.LambdaLR(optim, lambda s: ex.lr_factor(s, cfg))
+             if hasattr(ex, "lr_factor") else None)
+    val_batch = getattr(ex, "val_batch", lambda i, c: ex.batch(100_000 + i, c))
+    ex.batch(0, cfg)  # data read (once per process) before the clock starts
     dl = (DiLoCo(model, mesh, DiLoCoConfig(**config["replicate"])) if mode == "diloco"
           else None)
     rep_group = mesh.get_group("dp_replicate")
@@ -90,8 +113,12 @@ def run_phase(mode: str, config: dict, mesh, cross_bytes) -> dict:
         x, y = shard_batch(ex.batch(step, cfg), mesh)
         loss = ex.loss_fn(model(x), y)
         loss.backward()
+        if cfg.get("grad_clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         optim.step()
         optim.zero_grad()
+        if sched is not None:
+            sched.step()
         synced = dl.step() if dl is not None else False
         dist.barrier()
         elapsed += time.perf_counter() - t
@@ -109,7 +136,7 @@ def run_phase(mode: str, config: dict, mesh, cross_bytes) -> dict:
     losses = dp_mean(torch.stack(losses), mesh).tolist()  # one collective, after the timing
     with torch.no_grad():
         val = [float(dp_mean(ex.loss_fn(model(xv), yv), mesh)) for xv, yv in
-               (shard_batch(ex.batch(100_000 + i, cfg), mesh)
+               (shard_batch(val_batch(i, cfg), mesh)
                 for i in range(config["val_batches"]))]
     tokens = cfg["batch_size"] * cfg["seq"] * config["steps"]
     out = {"tokens_s": tokens / elapsed, "seconds": elapsed, "losses": losses,
@@ -132,13 +159,17 @@ def _train(config: dict) -> None:
     local0 = ray.train.get_context().get_local_rank() == 0
 
     def cross_bytes() -> int:
+        # Every rank's collectives done first: local rank 1's replica group may still be
+        # sending when local rank 0 reads its node's counter (bytes then land in the wrong
+        # interval, e.g. the uncounted replicas_equal check into the counted steps).
+        dist.barrier()
         mine = read_counters("tailscale0")["tx_bytes"] if local0 else 0
         total = [0] * world
         dist.all_gather_object(total, mine)
         return sum(total)
 
     b0, t0 = cross_bytes(), time.perf_counter()
-    time.sleep(2.0)
+    time.sleep(5.0)  # Ray's idle traffic: subtracted from every phase's bytes
     config["background"] = (cross_bytes() - b0) / (time.perf_counter() - t0)
     out: dict = {"background_bytes_per_s": config["background"], "phases": {}}
     try:
@@ -186,7 +217,8 @@ def run_on_cluster(cluster, args: dict, timeout_s: float) -> dict:
 
 
 def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "int8",
-            module: str = DEFAULT_MODULE, model: dict | None = None, val_batches: int = 4,
+            module: str = "lm", model: dict | None = None, val_batches: int = 4,
+            outer_lr: float = 0.7, outer_momentum: float = 0.5,
             timeout_s: float = 1500.0) -> dict:
     """Both modes at every rate and unshaped; the figures for ``results.json['diloco']``."""
     sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -194,20 +226,25 @@ def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "
 
     if reason := netns_unavailable_reason():
         return {"status": f"not run: {reason}"}
-    replicate = {"every": every, "compress": compress, "outer_lr": 0.7,
-                 "outer_momentum": 0.9}
+    path, overrides = MODULES.get(module, (module, {}))
+    replicate = {"every": every, "compress": compress, "outer_lr": outer_lr,
+                 "outer_momentum": outer_momentum}
     args = {"rates": [None, *rates], "modes": ["sync", "diloco"], "steps": steps,
-            "module": module, "model": {**MODEL, **(model or {})}, "replicate": replicate,
+            "module": path, "model": {**overrides, **(model or {})}, "replicate": replicate,
             "val_batches": val_batches}
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), os.getloadavg()
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
         raw = run_on_cluster(cluster, args, timeout_s)
     phases = raw["phases"]
-    out: dict = {"module": module, "model": args["model"], "steps": steps,
-                 "replicate": replicate, "wall_s": time.monotonic() - t0,
+    out: dict = {"module": path, "model": {**_module(path).DEFAULTS, **args["model"]},
+                 "steps": steps, "replicate": replicate, "wall_s": time.monotonic() - t0,
+                 "loadavg_start": load0, "loadavg_end": os.getloadavg(),
                  "background_bytes_per_s": raw["background_bytes_per_s"],
-                 "note": "2 nodes x 2 CPU workers on one shared 2-core machine; egress "
-                         "of each node's tailscale0 capped with tc tbf"}
+                 "title": f"{Path(path).stem}: sync HSDP vs DiLoCo, {steps} steps, 2 nodes "
+                          f"x 2 workers",
+                 "note": "2 nodes x 2 CPU workers on one 2-core machine shared with other "
+                         "jobs (see loadavg_*): tokens/s are under that load; egress of each "
+                         "node's tailscale0 capped with tc tbf"}
     free = phases["unshaped/sync"]
     for mbit in [None, *rates]:
         key = rate_key(mbit)
@@ -220,18 +257,39 @@ def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "
             "diloco_cross_node_bytes_per_step": d["cross_node_bytes_per_step"],
             "sync_cross_node_bytes_per_step": s["cross_node_bytes_per_step"],
             "diloco_inner_cross_node_bytes_per_step": d["inner_cross_node_bytes_per_step"],
+            # what DiLoCo itself sends (its metrics: rank 0's payload x 4 ranks), no headers
+            "diloco_payload_bytes_per_step": d["metrics"]["diloco/bytes_sent"] * 4 / steps,
             "diloco_replicas_equal_after_syncs": d["replicas_equal_after_syncs"],
             "diloco_losses": d["losses"], "sync_losses": s["losses"],
         }
+        out[key]["checks"] = checks(out[key], every, compress)
     return out
+
+
+def checks(sec: dict, every: int, compress: str) -> dict:
+    """The issue's targets for one rate: each figure and whether it is met."""
+    from ray_mesh.parallel.compress import wire_bytes
+
+    ratio = wire_bytes(1 << 20, compress) / wire_bytes(1 << 20, "none")
+    vs_free = sec["diloco_tokens_s"] / sec["unshaped_tokens_s"]
+    vs_sync = sec["diloco_tokens_s"] / sec["sync_tokens_s"]
+    rel = sec["diloco_val_loss"] / sec["sync_val_loss"] - 1
+    bound = sec["sync_cross_node_bytes_per_step"] / every * ratio
+    return {"diloco_over_unshaped": vs_free, "diloco_over_unshaped_met": vs_free >= 0.90,
+            "diloco_over_sync": vs_sync, "diloco_over_sync_met": vs_sync >= 3.0,
+            "val_loss_rel_diff": rel, "val_loss_met": abs(rel) <= 0.03,
+            "compression_ratio": ratio, "bytes_bound_per_step": bound,
+            "bytes_met": sec["diloco_cross_node_bytes_per_step"] <= bound}
 
 
 def plot(results: dict, path: Path) -> Path:
     """Loss curves (sync vs DiLoCo, per step; identical tokens) into ``path`` (PNG or SVG)."""
     keys = [k for k, v in results.items() if isinstance(v, dict) and "sync_losses" in v]
     sec = results[keys[0]]
-    curves = {"sync (HSDP)": sec["sync_losses"],
-              f"DiLoCo H={sec['every']} {sec['compress']}": sec["diloco_losses"]}
+    curves = {f"sync HSDP (val loss {sec['sync_val_loss']:.3f})": sec["sync_losses"],
+              f"DiLoCo H={sec['every']} {sec['compress']} (val loss "
+              f"{sec['diloco_val_loss']:.3f})": sec["diloco_losses"]}
+    title = str(results.get("title", "sync HSDP vs DiLoCo, 2 nodes x 2 workers"))
     try:
         import matplotlib
 
@@ -239,31 +297,49 @@ def plot(results: dict, path: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         path = path.with_suffix(".svg")
-        path.write_text(_svg(curves))
+        path.write_text(_svg(curves, title))
         return path
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, ys in curves.items():
         ax.plot(range(1, len(ys) + 1), ys, label=label)
     ax.set_xlabel("step (same tokens per step)")
     ax.set_ylabel("training loss")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     return path
 
 
-def _svg(curves: dict[str, list[float]], w: int = 600, h: int = 300) -> str:
-    top = max(max(ys) for ys in curves.values())
-    n = max(len(ys) for ys in curves.values())
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}">',
-             f'<rect width="{w}" height="{h}" fill="white"/>']
+def _svg(curves: dict[str, list[float]], title: str = "", w: int = 640,
+         h: int = 320) -> str:
+    """Polylines on a y axis from the lowest loss to the highest after the first tenth of
+    the steps (earlier points are clipped to the top: the start says little), 5 ticks."""
+    lo = min(min(ys) for ys in curves.values())
+    hi = max(max(ys[len(ys) // 10:]) for ys in curves.values())
+    span, n = (hi - lo) or 1.0, max(len(ys) for ys in curves.values())
+    left, right, top, bottom = 50, 15, 30, 35
+
+    def xy(j: int, y: float) -> str:
+        return (f"{left + (w - left - right) * j / max(n - 1, 1):.1f},"
+                f"{h - bottom - (h - top - bottom) * (min(y, hi) - lo) / span:.1f}")
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+             'font-family="sans-serif" font-size="11">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<text x="{left}" y="16" font-size="12">{title}</text>']
+    for k in range(5):
+        y = lo + span * k / 4
+        yy = xy(0, y).split(",")[1]
+        parts += [f'<line x1="{left}" x2="{w - right}" y1="{yy}" y2="{yy}" stroke="#ddd"/>',
+                  f'<text x="4" y="{yy}">{y:.2f}</text>']
     for i, (label, ys) in enumerate(curves.items()):
         color = ("#1f77b4", "#d62728")[i % 2]
-        pts = " ".join(f"{40 + (w - 60) * j / max(n - 1, 1):.1f},"
-                       f"{h - 30 - (h - 60) * y / top:.1f}" for j, y in enumerate(ys))
+        pts = " ".join(xy(j, y) for j, y in enumerate(ys))
         parts += [f'<polyline fill="none" stroke="{color}" points="{pts}"/>',
-                  f'<text x="{w - 220}" y="{20 + 16 * i}" fill="{color}">{label}</text>']
-    parts.append(f'<text x="40" y="{h - 8}">step 1..{n}; loss 0..{top:.2f}</text></svg>')
+                  f'<text x="{w - 300}" y="{top + 16 + 14 * i}" fill="{color}">{label}</text>']
+    parts.append(f'<text x="{left}" y="{h - 8}">training loss (nats) per step, steps 1..{n}, '
+                 f'the same tokens in both runs (clipped at {hi:.2f})</text></svg>')
     return "\n".join(parts)
 
 

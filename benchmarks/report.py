@@ -161,14 +161,22 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
         if not isinstance(sec, dict) or "diloco_tokens_s" not in sec:
             continue
         tag = f"{rate}, H={sec['every']} {sec['compress']}"
+        shaped = rate != "unshaped"
+        d, s, free = sec["diloco_tokens_s"], sec["sync_tokens_s"], sec["unshaped_tokens_s"]
         add("h diloco", f"{tag}: tokens/s diloco / sync / unshaped sync",
-            f"{sec['diloco_tokens_s']:.0f} / {sec['sync_tokens_s']:.0f} / "
-            f"{sec['unshaped_tokens_s']:.0f}")
+            f"{d:.0f} / {s:.0f} / {free:.0f} (diloco {d / free:.2f}x unshaped, "
+            f"{d / s:.2f}x sync)",
+            (">= 0.90x unshaped" + (", >= 3x sync" if rate == "20mbit" else ""))
+            if shaped else "")
+        every = sec["every"]
+        bound = sec.get("checks", {}).get("bytes_bound_per_step")
         add("h diloco", f"{tag}: cross-node bytes/step diloco / sync",
             f"{sec['diloco_cross_node_bytes_per_step']:.3g} / "
-            f"{sec['sync_cross_node_bytes_per_step']:.3g}")
+            f"{sec['sync_cross_node_bytes_per_step']:.3g}",
+            f"diloco <= sync/{every} x compression = {bound:.3g}" if bound and shaped else "")
+        vd, vs = sec["diloco_val_loss"], sec["sync_val_loss"]
         add("h diloco", f"{tag}: val loss diloco / sync (same tokens)",
-            f"{sec['diloco_val_loss']:.3f} / {sec['sync_val_loss']:.3f}")
+            f"{vd:.3f} / {vs:.3f} ({(vd / vs - 1) * 100:+.1f}%)", "within 3%" if shaped else "")
     return rows
 
 

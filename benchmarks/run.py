@@ -271,7 +271,8 @@ def config(quick: bool) -> dict:
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
                 "slowlinks": {"rates": [100], "steps": 2},
                 "recovery_where": ["local"],
-                "diloco": {"rates": [20], "steps": 12, "every": 4}}
+                "diloco": {"rates": [20], "steps": 12, "every": 4,
+                           "model": {"max_tokens": 200_000, "warmup": 2}}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
@@ -284,8 +285,10 @@ def config(quick: bool) -> dict:
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
             "slowlinks": {"rates": [1000, 100, 20], "steps": 5},
             "recovery_where": ["local", "netns"],
-            "diloco": {"rates": [100, 20], "steps": 30, "every": 10, "compress": "int8",
-                       "model": {"layers": 2}}}
+            # the LM job; H, compression and the outer optimizer: see README "DiLoCo"
+            "diloco": {"rates": [100, 20], "steps": 200, "every": 10, "compress": "int8",
+                       "outer_lr": 0.7, "outer_momentum": 0.5, "val_batches": 16,
+                       "model": {"batch_size": 8}, "timeout_s": 2400}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,3 +126,37 @@ def test_benchmark_plot_and_table(tmp_path):
     rows = [r for r in table({"diloco": {"20mbit": sec}}) if r[0] == "h diloco"]
     assert len(rows) == 3 and "800 / 300 / 900" in rows[0][2], rows
     assert diloco.rate_key(None) == "unshaped" and diloco.rate_key(20) == "20mbit"
+
+
+def test_benchmark_lm_job_batches_and_target_checks():
+    import torch
+
+    from benchmarks import diloco
+    from benchmarks import diloco_lm as lm
+
+    cfg = {**lm.DEFAULTS, "max_tokens": 50_000, "val_tokens": 4096, "batch_size": 4,
+           "steps": 20}
+    x, y = lm.batch(3, cfg)
+    assert x.shape == (4, 128) and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(lm.batch(3, cfg)[0], x)  # a step's batch depends on the step alone
+    assert not torch.equal(lm.batch(4, cfg)[0], x)
+    train = {tuple(r.tolist()) for r in lm.rows(cfg, "train")}
+    vx, vy = lm.val_batch(0, cfg)
+    rows = torch.cat([vx, vy[:, -1:]], dim=1)
+    assert not any(tuple(r.tolist()) in train for r in rows)  # held-out files only
+    with pytest.raises(ValueError, match="val_tokens"):
+        lm.val_batch(10_000, cfg)
+    assert lm.lr_factor(0, cfg) == pytest.approx(1 / cfg["warmup"])
+    assert lm.lr_factor(20, cfg) == pytest.approx(cfg["min_lr_ratio"])
+    assert lm.lr_factor(10, cfg) == pytest.approx(1.0)
+    loss = lm.loss_fn(lm.make_model(cfg)(x), y)
+    assert 4.5 < float(loss) < 6.5  # ~ln(256) at init
+
+    sec = {"unshaped_tokens_s": 1000.0, "diloco_tokens_s": 950.0, "sync_tokens_s": 300.0,
+           "diloco_val_loss": 2.46, "sync_val_loss": 2.40,
+           "diloco_cross_node_bytes_per_step": 1e5, "sync_cross_node_bytes_per_step": 3.6e6}
+    c = diloco.checks(sec, 10, "int8")
+    assert c["diloco_over_unshaped_met"] and c["diloco_over_sync_met"] and c["val_loss_met"]
+    assert not c["bytes_met"] and c["bytes_bound_per_step"] == pytest.approx(3.6e5 * 0.251,
+                                                                               rel=1e-3)
+    assert not diloco.checks({**sec, "diloco_val_loss": 2.5}, 10, "int8")["val_loss_met"]
