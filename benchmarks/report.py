@@ -159,6 +159,17 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
             f"{sec['sync_cross_node_bytes_per_step']:.3g}")
         add("h diloco", f"{tag}: val loss diloco / sync (same tokens)",
             f"{sec['diloco_val_loss']:.3f} / {sec['sync_val_loss']:.3f}")
+    lm = results.get("llm")
+    if lm and not status_only("i llm", lm):
+        warm = lm["args"]["warmup"]
+        for v in ("torchrun", "ray_mesh"):
+            add("i llm", f"{v}: tokens/s (steps after the first {warm}; median of runs)",
+                lm[v]["tokens_per_s"])
+            add("i llm", f"{v}: batch wait / step; first batch s; bring-up s (medians)",
+                f"{lm[v]['batch_wait_fraction']:.2%}; {lm[v]['first_batch_s']:.1f}; "
+                f"{lm[v]['bring_up_s']:.1f}")
+        add("i llm", f"ray_mesh / torchrun tokens/s, {PAIRED}",
+            _paired(lm["ray_mesh_vs_torchrun"]), ">= 0.95")
     return rows
 
 
@@ -217,6 +228,10 @@ NOTES = """\
   local Ray; `netns` on the virtual cluster (2 namespace nodes x 2 workers over
   `tailscale0`), whose bring-up (namespaces + `ray start` per node) is `cluster_up_s`.
   Ray Train's default health check interval (2 s) is kept. One run each: no spread.
+- **i llm**: `benchmarks/llm.py`: `examples/llm.py` + `examples/llm.yaml` (dp_shard 2 x tp 2,
+  4 CPU workers), torchrun with in-memory rows vs the job through ray_mesh's runner with Ray
+  Data input, runs alternating; tokens/s from rank 0's per-step seconds inside the train loop
+  (warm-up steps excluded), bring-up = launch -> first step.
 """
 
 

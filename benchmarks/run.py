@@ -14,6 +14,8 @@ Sections (``--only`` picks some):
              needed dims only vs ray_mesh vs every dim a real group; 4, 8, 16 ranks.
   recovery   (f) a worker's SIGKILL to the first step after the resume, on local Ray and
              on the netns virtual cluster (root), plus that cluster's bring-up.
+  llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
+             runs alternating (llm.py); target ray_mesh >= 0.95x torchrun.
 
 Prints a table and writes every figure to --out (JSON): benchmarks/results.json, or
 benchmarks/results_quick.json with --quick (a smoke run never overwrites the committed
@@ -42,8 +44,8 @@ from benchmarks import paired, report  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
-            "slowlinks", "diloco")
-RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery"}
+            "slowlinks", "diloco", "llm")
+RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery", "llm"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
 
@@ -271,7 +273,8 @@ def config(quick: bool) -> dict:
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
                 "slowlinks": {"rates": [100], "steps": 2},
                 "recovery_where": ["local"],
-                "diloco": {"rates": [20], "steps": 12, "every": 4}}
+                "diloco": {"rates": [20], "steps": 12, "every": 4},
+                "llm": {"pairs": 1, "steps": 8, "warmup": 3, "workers": 4, "timeout_s": 600}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
@@ -285,7 +288,8 @@ def config(quick: bool) -> dict:
             "slowlinks": {"rates": [1000, 100, 20], "steps": 5},
             "recovery_where": ["local", "netns"],
             "diloco": {"rates": [100, 20], "steps": 30, "every": 10, "compress": "int8",
-                       "model": {"layers": 2}}}
+                       "model": {"layers": 2}},
+            "llm": {"pairs": 5, "steps": 30, "warmup": 5, "workers": 4, "timeout_s": 900}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         if "scaling" in selected:
             runs = results.get("bringup", {}).get("runs")
             results["scaling"] = _section("scaling", section_scaling, cfg, storage, runs)
+        if "llm" in selected:
+            from benchmarks import llm
+
+            results["llm"] = _section("llm", llm.measure, cfg["llm"], storage)
         if "recovery" in selected:  # its netns part runs below, with this Ray shut down
             results["recovery"] = _section("recovery", section_recovery, cfg, storage,
                                            ["local"], {})
