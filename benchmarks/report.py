@@ -177,6 +177,17 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
         vd, vs = sec["diloco_val_loss"], sec["sync_val_loss"]
         add("h diloco", f"{tag}: val loss diloco / sync (same tokens)",
             f"{vd:.3f} / {vs:.3f} ({(vd / vs - 1) * 100:+.1f}%)", "within 3%" if shaped else "")
+    lm = results.get("llm")
+    if lm and not status_only("i llm", lm):
+        warm = lm["args"]["warmup"]
+        for v in ("torchrun", "ray_mesh"):
+            add("i llm", f"{v}: tokens/s (steps after the first {warm}; median of runs)",
+                lm[v]["tokens_per_s"])
+            add("i llm", f"{v}: batch wait / step; first batch s; bring-up s (medians)",
+                f"{lm[v]['batch_wait_fraction']:.2%}; {lm[v]['first_batch_s']:.1f}; "
+                f"{lm[v]['bring_up_s']:.1f}")
+        add("i llm", f"ray_mesh / torchrun tokens/s, {PAIRED}",
+            _paired(lm["ray_mesh_vs_torchrun"]), ">= 0.95")
     return rows
 
 
@@ -241,6 +252,10 @@ NOTES = """\
   prediction is `ray_mesh.planning.calibrate.predict_calibrated`: a calibration run once per
   benchmark run, on each node alone (nothing crossing nodes, the layouts' own steps never
   timed for it), plus modelled link time; the uncalibrated analytic model beside it.
+- **i llm**: `benchmarks/llm.py`: `examples/llm.py` + `examples/llm.yaml` (dp_shard 2 x tp 2,
+  4 CPU workers), torchrun with in-memory rows vs the job through ray_mesh's runner with Ray
+  Data input, runs alternating; tokens/s from rank 0's per-step seconds inside the train loop
+  (warm-up steps excluded), bring-up = launch -> first step.
 """
 
 

@@ -14,6 +14,8 @@ Sections (``--only`` picks some):
              needed dims only vs ray_mesh vs every dim a real group; 4, 8, 16 ranks.
   recovery   (f) a worker's SIGKILL to the first step after the resume, on local Ray and
              on the netns virtual cluster (root), plus that cluster's bring-up.
+  llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
+             runs alternating (llm.py); target ray_mesh >= 0.95x torchrun.
 
 Prints a table and writes every figure to --out (JSON): benchmarks/results.json, or
 benchmarks/results_quick.json with --quick (a smoke run never overwrites the committed
@@ -38,12 +40,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import paired, report  # noqa: E402
+from benchmarks import paired, report, settings  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
-            "slowlinks", "diloco")
-RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery"}
+            "slowlinks", "diloco", "llm")
+RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery", "llm"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
 
@@ -257,40 +259,6 @@ def _section(name: str, fn, *args) -> dict:
 
 
 # ----------------------------------------------------------------------------- main
-def config(quick: bool) -> dict:
-    if quick:
-        return {"runs": 1, "sizes": [4], "step_workers": 4,
-                "bringup_modes": ["plain", "ray_mesh", "torchrun"],
-                "step_workloads": ["hsdp"],
-                "step_contenders": list(paired.CONTENDERS),
-                "steps_args": {"batch": 16, "warmup": 3, "steps_per_window": 5, "rounds": 3,
-                               "timeout_s": 600},
-                "metrics_runs": 1, "metrics_windows": 2,
-                "scaling_sizes": [4], "scaling_runs": 1,
-                "meshbuild_sizes": [4], "meshbuild_repeats": 1,
-                "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
-                "slowlinks": {"rates": [100], "steps": 2},
-                "recovery_where": ["local"],
-                "diloco": {"rates": [20], "steps": 12, "every": 4,
-                           "model": {"max_tokens": 200_000, "warmup": 2}}}
-    return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
-            "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
-            "step_workloads": ["hsdp", "tp_pp_mlp"],
-            "step_contenders": list(paired.CONTENDERS),
-            "steps_args": {"batch": 16, "warmup": 10, "steps_per_window": 20, "rounds": 15,
-                           "timeout_s": 900},
-            "metrics_runs": 2, "metrics_windows": 5,
-            "scaling_sizes": [4, 8, 16], "scaling_runs": 1,
-            "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
-            "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
-            "slowlinks": {"rates": [1000, 100, 20], "steps": 5},
-            "recovery_where": ["local", "netns"],
-            # the LM job; H, compression and the outer optimizer: see README "DiLoCo"
-            "diloco": {"rates": [100, 20], "steps": 200, "every": 10, "compress": "int8",
-                       "outer_lr": 0.7, "outer_momentum": 0.5, "val_batches": 16,
-                       "model": {"batch_size": 8}, "timeout_s": 2400}}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smallest settings (smoke runs)")
@@ -304,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out = args.out or str(QUICK_OUT if args.quick else OUT)
     selected = args.only or list(SECTIONS)
-    cfg = config(args.quick)
+    cfg = settings.config(args.quick)
     for item in args.set:
         key, _, value = item.partition("=")
         if key not in cfg:
@@ -347,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         if "scaling" in selected:
             runs = results.get("bringup", {}).get("runs")
             results["scaling"] = _section("scaling", section_scaling, cfg, storage, runs)
+        if "llm" in selected:
+            from benchmarks import llm
+
+            results["llm"] = _section("llm", llm.measure, cfg["llm"], storage)
         if "recovery" in selected:  # its netns part runs below, with this Ray shut down
             results["recovery"] = _section("recovery", section_recovery, cfg, storage,
                                            ["local"], {})

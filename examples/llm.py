@@ -49,7 +49,7 @@ DEFAULTS: dict = {
     "steps": 200, "lr": 3e-3, "min_lr_ratio": 0.1, "warmup": 20, "weight_decay": 0.1,
     "grad_clip": 1.0, "seed": 0, "sequence_parallel": True, "activation_checkpointing": False,
     "mixed_precision": None, "report_every": 10, "eval_every": 100, "checkpoint_every": 100,
-    "check_peer_batches": 10, "checkpoint_dir": None,
+    "check_peer_batches": 10, "checkpoint_dir": None, "step_times": False,
 }
 
 
@@ -254,10 +254,14 @@ def train_loop(config: dict) -> dict:
            f"rows from {'Ray Data' if stream is not None else 'memory'}, start step {start}, "
            f"{cfg['steps']} steps, reports every {cfg['report_every']}")
     summary: dict = {"params": num_params(model), "losses": {}}
+    # step_times: every step's seconds and, of those, the wait for its batch (benchmarks/llm.py)
+    times: dict = {"loop_start_unix": time.time(), "step_s": [], "batch_wait_s": []}
     timer, timed_steps, window_loss = time.perf_counter(), 0, []
     for step in range(start, cfg["steps"]):
+        began = time.perf_counter()
         tokens = next(stream) if stream is not None else shard_batch(global_rows(step, cfg),
                                                                      mesh)
+        times["batch_wait_s"].append(time.perf_counter() - began)
         every = cfg["check_peer_batches"]
         if every and step % every == 0:
             check_same_batch(tokens, mesh, step=step)
@@ -269,7 +273,8 @@ def train_loop(config: dict) -> dict:
         optim.step()
         optim.zero_grad()
         sched.step()
-        window_loss.append(dp_mean(loss, mesh).item())
+        window_loss.append(dp_mean(loss, mesh).item())  # waits for every dp rank's step
+        times["step_s"].append(time.perf_counter() - began)
         timed_steps += 1
         done = step + 1
         metrics = None
@@ -294,6 +299,8 @@ def train_loop(config: dict) -> dict:
         saver.step(done, metrics)
         if metrics is not None:
             timer, timed_steps, window_loss = time.perf_counter(), 0, []
+    if cfg["step_times"]:
+        summary.update(times)
     return summary
 
 

@@ -257,3 +257,23 @@ def test_data_job_needs_a_cpu_left_for_ray_data():
         check_data_resources(job, scaling, {"CPU": 4})
     check_data_resources(job, scaling, {"CPU": 6})
     check_data_resources(Job.from_dict({"train": "a:b"}), scaling, {"CPU": 4})  # no data:
+
+
+def test_ray_dataset_reads_only_the_files_that_hold_the_cap(tmp_path):
+    """files_holding: the shortest prefix whose rows hold the cap even if every file packs
+    alone (each drops under one row); the in-memory split reads the same prefix."""
+    from ray_mesh.data.text import files_holding
+
+    files = []
+    for i, size in enumerate([100, 50, 300, 80, 500]):
+        f = tmp_path / f"f{i}.txt"
+        f.write_bytes(b"x" * size)
+        files.append(f)
+    # tokens per file: size + 1; minus seq_len 10 lost per file at worst
+    assert files_holding(files, 91, 10) == files[:1]
+    assert files_holding(files, 92, 10) == files[:2]
+    assert files_holding(files, 91 + 41 + 291, 10) == files[:3]
+    assert files_holding(files, 10**6, 10) == files
+    rows = [pack(np.frombuffer(f.read_bytes() + b"\0", np.uint8), 10)
+            for f in files_holding(files, 400, 10)]
+    assert sum(len(r) for r in rows) >= 400 // 11
