@@ -173,29 +173,50 @@ class DiLoCo:
     # ------------------------------------------------------------------ the outer step
     @torch.no_grad()
     def sync(self, indices: Iterable[int] | None = None) -> None:
-        """Average pseudo-gradients over the replicas and take the outer step."""
+        """Average pseudo-gradients over the replicas and take the outer step.
+
+        The pseudo-gradients of one sync travel as one flat buffer per dtype: one collective
+        (two for int8: codes and scales) instead of one or two per tensor, with no per-tensor
+        padding to a chunk; on a VPN each message pays headers and a round trip.
+        """
         cfg = self.config
         idx = list(range(len(self.params))) if indices is None else list(indices)
         t0 = time.perf_counter()
         drift = 0.0
+        buckets: dict[torch.dtype, list[int]] = {}
         for i in idx:
-            local = _local(self.params[i])
-            delta = self.global_params[i] - local.detach()
-            drift += float(delta.float().pow(2).sum())
-            if self.error is not None:
-                delta = delta + self.error[i]
-            avg = average(delta, cfg.compress, self.group)
-            if self.error is not None:
-                self.error[i] = delta - self._own_decoded(delta)
-            m = self.momentum[i]
-            m.mul_(cfg.outer_momentum).add_(avg)
-            update = avg.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
-            self.global_params[i].sub_(update, alpha=cfg.outer_lr)
-            local.copy_(self.global_params[i])
-            self.stats["bytes_sent"] += wire_bytes(delta.numel(), cfg.compress)
+            buckets.setdefault(self.global_params[i].dtype, []).append(i)
+        for ids in buckets.values():
+            deltas = []
+            for i in ids:
+                delta = self.global_params[i] - _local(self.params[i]).detach()
+                drift += float(delta.float().pow(2).sum())
+                if self.error is not None:
+                    delta = delta + self.error[i]
+                deltas.append(delta)
+            flat = torch.cat([d.reshape(-1) for d in deltas])
+            avg = average(flat, cfg.compress, self.group)
+            lost = flat - self._own_decoded(flat) if self.error is not None else None
+            offset = 0
+            for i, delta in zip(ids, deltas, strict=True):
+                n = delta.numel()
+                if lost is not None:
+                    self.error[i] = lost[offset:offset + n].view_as(delta).clone()
+                self._outer_update(i, avg[offset:offset + n].view_as(delta))
+                offset += n
+            self.stats["bytes_sent"] += wire_bytes(flat.numel(), cfg.compress)
         self.stats["sync_s"] += time.perf_counter() - t0
         self.stats["drift"] = math.sqrt(drift)
         self.outer_steps += 1
+
+    def _outer_update(self, i: int, avg: torch.Tensor) -> None:
+        """Outer SGD (Nesterov optional) on parameter ``i``; the replica takes the result."""
+        cfg = self.config
+        m = self.momentum[i]
+        m.mul_(cfg.outer_momentum).add_(avg)
+        update = avg.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
+        self.global_params[i].sub_(update, alpha=cfg.outer_lr)
+        _local(self.params[i]).copy_(self.global_params[i])
 
     def _own_decoded(self, delta: torch.Tensor) -> torch.Tensor:
         from ray_mesh.parallel.compress import dequantize_int8, quantize_int8
