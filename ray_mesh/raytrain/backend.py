@@ -38,7 +38,7 @@ from ray_mesh.network.interfaces import (
     user_kept,
 )
 from ray_mesh.network.probe import node_versions
-from ray_mesh.observability import hang
+from ray_mesh.observability import hang, waits
 from ray_mesh.observability.layout import layout_table, node_lines
 from ray_mesh.observability.report import wrap_train_report
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
@@ -97,6 +97,7 @@ class MeshConfig(MeshOptions, TorchConfig):
             the dim, the collective, the ranks that did not arrive and their Python stacks
             (``ray_mesh.observability.hang``; the groups' process-group timeout becomes
             ``hang_timeout_s + 15``). ``None`` turns the watch off.
+        wait_sample_s: interval of the per-dim wait sampler (``observability.waits``); None: off.
         verbose: every rank logs its environment line (interface, MASTER_*, NCCL_/GLOO_*);
             by default rank 0 logs the layout and one interface line per node.
         replicate: how replicas keep together over ``dp_replicate``: None / ``'sync'`` (HSDP,
@@ -175,6 +176,7 @@ class _TrainThreadContext:
 
     def __enter__(self) -> None:
         priority.reapply()
+        waits.watch_this_thread()
         if bootstrap.is_initialized():
             bootstrap.use_device(bootstrap.get_state().device)
         self._stack.enter_context(wrap_train_report())
@@ -221,6 +223,8 @@ class WorkerSetup:
     layout_table: str  # rank 0 logs it, with the per-node interface lines
     niceness: int | None = None
     hang_timeout_s: float | None = None
+    wait_sample_s: float | None = None
+    links: list[dict[str, Any]] | None = None  # the measured matrix; rank 0 exports it
     verbose: bool = False
     replicate: Any = None  # a DiLoCoConfig, or None (sync)
 
@@ -247,12 +251,16 @@ def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
                            timeout_s=w.timeout_s, env=in_force)
     if w.hang_timeout_s:
         hang.try_start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
+    if w.wait_sample_s:
+        waits.try_start_sampler(bootstrap.get_mesh(), w.wait_sample_s,
+                                w.links if w.rank == 0 else None)
     if w.rank == 0:
         logger.info("%s", w.layout_table)
     return niced
 
 
 def _shutdown_on_worker() -> None:
+    waits.stop_sampler()
     hang.stop_watch()
     bootstrap.shutdown_mesh()
 
@@ -368,8 +376,8 @@ class _MeshBackend(Backend):
                 collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
                 backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
                 choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
-                hang_timeout_s=config.hang_timeout_s,
-                verbose=config.verbose,
+                hang_timeout_s=config.hang_timeout_s, verbose=config.verbose,
+                wait_sample_s=config.wait_sample_s, links=self.links and self.links.to_json(),
                 replicate=config.replicate,
             ))
             for w in plan.workers
