@@ -159,6 +159,19 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
             f"{sec['sync_cross_node_bytes_per_step']:.3g}")
         add("h diloco", f"{tag}: val loss diloco / sync (same tokens)",
             f"{sec['diloco_val_loss']:.3f} / {sec['sync_val_loss']:.3f}")
+    s = results.get("slow")
+    if s and not status_only("i slow", s):
+        for key, what, target in (
+                ("detect_slow_link_s", "slow link named by status, s after training start",
+                 "<= 60"),
+                ("detect_slow_rank_s", "slow rank named by status, s after training start",
+                 "<= 60"),
+                ("wait_sampler_overhead", "wait sampler: step with / without - 1 (median)",
+                 "< 0.01"),
+                ("wait_sampler_share_of_time", "wait sampler: sample cost / interval",
+                 "< 0.01")):
+            if key in s:
+                add("i slow", what, s[key], target)
     return rows
 
 

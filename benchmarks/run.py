@@ -12,6 +12,9 @@ Sections (``--only`` picks some):
   scaling    (d) MeshConfig bring-up with 4, 8, 16 workers: time and process groups.
   meshbuild  (d) torchrun only: cost of building the mesh on an existing process group,
              needed dims only vs ray_mesh vs every dim a real group; 4, 8, 16 ranks.
+  slow       (i) the slow rank/link verdict: seconds until `ray-mesh status` names a shaped
+             link / a busy rank (netns cluster), and the wait sampler's cost per step
+             (benchmarks/slow.py; also merged into observability).
   recovery   (f) a worker's SIGKILL to the first step after the resume, on local Ray and
              on the netns virtual cluster (root), plus that cluster's bring-up.
 
@@ -42,7 +45,7 @@ from benchmarks import paired, report  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
-            "slowlinks", "diloco")
+            "slowlinks", "diloco", "slow")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
@@ -234,6 +237,14 @@ def section_diloco(cfg: dict) -> dict:
     return out
 
 
+def section_slow(cfg: dict) -> dict:
+    """(i): the slow rank/link verdict's time and the wait sampler's cost."""
+    from benchmarks import slow
+
+    log("slow: torchrun overhead, then the namespace cluster")
+    return slow.measure(**cfg["slow"])
+
+
 def _keep_other_sections(results: dict, out: str, selected: list[str]) -> dict:
     """With --only, the sections not run keep their figures from the file being replaced."""
     path = Path(out)
@@ -271,7 +282,8 @@ def config(quick: bool) -> dict:
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
                 "slowlinks": {"rates": [100], "steps": 2},
                 "recovery_where": ["local"],
-                "diloco": {"rates": [20], "steps": 12, "every": 4}}
+                "diloco": {"rates": [20], "steps": 12, "every": 4},
+                "slow": {"rounds": 3, "steps": 10, "detect_too": False}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
@@ -285,7 +297,8 @@ def config(quick: bool) -> dict:
             "slowlinks": {"rates": [1000, 100, 20], "steps": 5},
             "recovery_where": ["local", "netns"],
             "diloco": {"rates": [100, 20], "steps": 30, "every": 10, "compress": "int8",
-                       "model": {"layers": 2}}}
+                       "model": {"layers": 2}},
+            "slow": {"rounds": 10, "steps": 30, "detect_too": True}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,6 +375,14 @@ def main(argv: list[str] | None = None) -> int:
             results["slowlinks"] = _section("slowlinks", section_slowlinks, cfg)
         if "diloco" in selected:
             results["diloco"] = _section("diloco", section_diloco, cfg)
+        if "slow" in selected:
+            results["slow"] = _section("slow", section_slow, cfg)
+            if "status" not in results["slow"]:  # the figures also live under observability
+                old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+                results["observability"] = {**old.get("observability", {}),
+                                            **results["slow"]}
+                if results["slow"].get("detect_slow_link_s") is not None:
+                    results["observability"].pop("detect_slow_link_s_note", None)
     finally:
         if ray_started:
             import ray

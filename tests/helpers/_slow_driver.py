@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 
 def train_fn(config: dict) -> None:
@@ -101,6 +103,28 @@ def main() -> None:
     thread.join(120)
     out["fit"] = fit
     print("RESULT " + json.dumps(out, default=str), flush=True)
+
+
+# ----------------------------------------------------------------------------- host side
+def run_in_cluster(cluster, config: dict, deadline_s: float, timeout: float = 700) -> dict:
+    """Run this driver in ``cluster``'s head namespace (a NetnsCluster started with
+    ``dashboard=True``); its RESULT."""
+    node = cluster.head
+    here = Path(__file__).resolve().parent
+    env = cluster.node_env(node)
+    env.update(RAY_ADDRESS=cluster.address, PYTHONUNBUFFERED="1",
+               RAY_TRAIN_ENABLE_STATE_TRACKING="1",
+               PYTHONPATH=f"{here.parents[1]}{os.pathsep}{here}")
+    config = {"dashboard": f"http://{node.ip}:8265", "deadline_s": deadline_s, "width": 256,
+              **config}
+    proc = subprocess.run([*node.exec_prefix(), sys.executable, str(Path(__file__).resolve()),
+                           json.dumps(config)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"driver gave no result (rc {proc.returncode}):\n"
+                           f"{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 if __name__ == "__main__":
