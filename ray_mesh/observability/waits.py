@@ -188,7 +188,8 @@ class WaitSampler:
 
 
 def _line(frame: Any) -> str:
-    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    lineno = frame.f_lineno  # None while a frame is between instructions (3.11)
+    return linecache.getline(frame.f_code.co_filename, lineno) if lineno else ""
 
 
 # ----------------------------------------------------------------------------- process-wide

@@ -19,9 +19,9 @@ from ray_mesh.observability.slow import RankTimes, analyze
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "_slow_train.py"
 
 
-def _run(tmp_path: Path, slow_rank: int | None) -> list[dict]:
+def _run(tmp_path: Path, slow_rank: int | None, **extra) -> list[dict]:
     config = {"out_dir": str(tmp_path), "duration_s": 10, "window_s": 3.0,
-              "slow_rank": slow_rank, "busy_s": 0.08, "width": 128}
+              "slow_rank": slow_rank, "busy_s": 0.08, "width": 128, **extra}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(HELPER.parents[2]), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(
@@ -32,10 +32,13 @@ def _run(tmp_path: Path, slow_rank: int | None) -> list[dict]:
 
 
 def _times(ranks: list[dict]) -> list[RankTimes]:
-    """Each rank's windows after the first (bring-up, warm-up) summed into one."""
+    """Each rank's windows summed into one, from the second window with a wait on: the ones
+    before are bring-up (FSDP2's set-up too), the first one with a wait is partly that."""
     out = []
     for r in ranks:
-        ws = r["windows"][1:] or r["windows"]
+        first = next((k for k, w in enumerate(r["windows"]) if sum(w["wait_s"].values())),
+                     0)
+        ws = r["windows"][first + 1:] or r["windows"][first:]
         waits: dict[str, float] = {}
         for w in ws:
             for label, s in w["wait_s"].items():
@@ -58,6 +61,16 @@ def test_busy_rank_is_named(tmp_path):
     assert by_rank[2].share("dp_shard") > by_rank[3].share("dp_shard") + 0.15, by_rank
     assert result.dims["dp_shard"].slowest_rank == 3
     assert result.dims["dp_replicate"].slowest_rank == 3
+
+
+def test_fsdp2_async_waits_are_seen_and_the_busy_rank_named(tmp_path):
+    # FSDP2 (HSDP) issues its collectives asynchronously and waits in work.wait(): the
+    # sampler attributes those waits without any code of ours on the path.
+    times = _times(_run(tmp_path, slow_rank=1, fsdp=True, steps=80, busy_s=0.1))
+    result = analyze(times)
+    assert result.straggler == 1, (result.verdict, [(t.rank, t.wait_s, t.window_s)
+                                                     for t in times])
+    assert all(sum(t.wait_s.values()) > 0 for t in times if t.rank != 1), times
 
 
 def test_no_busy_rank_no_verdict(tmp_path):

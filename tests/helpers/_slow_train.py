@@ -8,7 +8,8 @@ sampler (``ray_mesh.observability.waits``) has to find them by itself. ``slow_ra
 ``busy_s`` more seconds of Python per step.
 
 Config keys: steps or duration_s, slow_rank (None), busy_s, width (MLP width: the gradient
-is ~2 * width**2 floats), stop_file (a path: stop when it exists).
+is ~2 * width**2 floats), stop_file (a path: stop when it exists), fsdp (True: FSDP2 HSDP
+on dp_replicate x dp_shard does the gradient collectives, asynchronously; ``steps`` only).
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def slow_loop(config: dict, mesh=None) -> int:
                                 torch.nn.Linear(width, width))
     groups = [mesh.get_group(d) for d in ("dp_shard", "dp_replicate")
               if mesh.mesh_dim_names and d in mesh.mesh_dim_names and mesh[d].size() > 1]
+    if config.get("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh["dp_replicate", "dp_shard"])
+        fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
+        groups = []  # FSDP2 reduces the gradients itself
     slow = config.get("slow_rank")
     busy_s = float(config.get("busy_s", 0.05))
     end = time.monotonic() + float(config.get("duration_s", 1e9))
@@ -56,11 +65,14 @@ def slow_loop(config: dict, mesh=None) -> int:
         loss.backward()
         if slow is not None and dist.get_rank() == int(slow):
             busy(busy_s)
-        flat = torch.cat([*(p.grad.flatten() for p in model.parameters()),
-                          torch.tensor([float(bool(done))])])
-        for g in groups:
-            dist.all_reduce(flat, group=g)
-        stop = bool(flat[-1] > 0)
+        if groups:
+            flat = torch.cat([*(p.grad.flatten() for p in model.parameters()),
+                              torch.tensor([float(bool(done))])])
+            for g in groups:
+                dist.all_reduce(flat, group=g)
+            stop = bool(flat[-1] > 0)
+        else:
+            stop = step + 1 >= int(config["steps"])
         for p in model.parameters():
             p.grad = None
         step += 1
