@@ -62,7 +62,7 @@ def main() -> None:
                 plain += times
             med[on] = statistics.median(times)
         ratios.append(med[True] / med[False])
-    # The sampler's own work per sample, with a thread blocked in a collective to classify.
+    # The sampler's own work per sample, with a second thread (waiting, outside torch).
     sampler = waits.WaitSampler(hang.mesh_groups(mesh))
     blocker = threading.Event()
 
