@@ -118,3 +118,42 @@ def test_wait_sample_s_is_checked(bad):
 
     with pytest.raises(ValueError, match="wait_sample_s"):
         check_option_values({"wait_sample_s": bad})
+
+
+def test_status_shows_slowest_rank_links_and_verdict_in_text_json_and_html():
+    """The scraped series -> latest_by_rank -> the analysis, as collect() does per run."""
+    import dataclasses
+    import json
+
+    from ray_mesh.cli.main import build_parser
+    from ray_mesh.observability.html import render
+    from ray_mesh.observability.status import ClusterStatus, format_status, latest_by_rank
+
+    samples = []
+    for r in range(4):
+        tags = {"run": "r1", "rank": str(r), "node_ip": NODES[r // 2]}
+        samples += [("ray_mesh_wait_window_seconds", tags, 5.0),
+                    ("ray_mesh_compute_seconds", tags, 1.0),
+                    ("ray_mesh_dim_wait_seconds", {**tags, "dim": "dp_replicate"}, 3.8),
+                    ("ray_mesh_dim_wait_seconds", {**tags, "dim": "dp_shard"}, 0.2)]
+    samples.append(("ray_mesh_link_mbit", {"run": "r1", "rank": "0", "a": NODES[0],
+                                           "b": NODES[1]}, 18.0))
+    metrics = latest_by_rank(samples, "r1")
+    assert metrics[2]["wait%(dp_replicate)"] == pytest.approx(76)
+    ranks = [{"rank": r, "node": r // 2, "node_ip": NODES[r // 2], "dp_replicate": r // 2,
+              "dp_shard": r % 2, **metrics[r]} for r in range(4)]
+    slow = analyze_run(ranks, samples, "r1").to_json()
+    status = ClusterStatus(dashboard="http://x:8265", runs=[{
+        "name": "r1", "id": "abc", "status": "RUNNING", "started": "12:00:00 UTC",
+        "mesh": "dp_replicate=2, dp_shard=2", "layout_source": "run dir", "ranks": ranks,
+        "slow": slow}])
+    text = format_status(status)
+    assert "wait%(dp_replicate)" in text and "wait_s/" not in text
+    assert "dp_replicate  slowest rank" in text and "[crosses nodes]" in text
+    assert f"link {NODES[0]} <-> {NODES[1]}: 18 Mbit/s" in text
+    assert f"verdict: link {NODES[0]} <-> {NODES[1]}: 18 Mbit/s" in text
+    doc = json.loads(json.dumps(dataclasses.asdict(status), default=str))
+    assert doc["runs"][0]["slow"]["slow_link"] == list(NODES)
+    assert doc["runs"][0]["slow"]["dims"]["dp_shard"]["crosses_nodes"] is False
+    assert "verdict: link 10.0.0.1 &lt;-&gt; 10.0.0.2" in render(status)
+    assert build_parser().parse_args(["status", "--json"]).json
