@@ -75,9 +75,30 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(n):
         sampler.sample()
-    per_sample = (time.perf_counter() - t0) / n
+    idle = (time.perf_counter() - t0) / n
     blocker.set()
     t.join()
+    # The same with this rank's main thread blocked in a collective (rank 3 comes late):
+    # every sample then reads the all_reduce frame's locals to name the group.
+    sampler.watch_thread()
+    inside: dict = {}
+
+    def measure_inside() -> None:
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        for _ in range(500):
+            sampler.sample()
+        inside["s"] = (time.perf_counter() - t0) / 500
+        inside["label"] = sampler.classify(sys._current_frames()[sampler.thread_id])
+
+    if dist.get_rank() != 3:
+        m = threading.Thread(target=measure_inside)
+        m.start()
+    else:
+        time.sleep(3.0)
+    dist.all_reduce(torch.ones(1))
+    if dist.get_rank() != 3:
+        m.join()
     dist.barrier()
     if dist.get_rank() == 0:
         step_s = statistics.median(plain)
@@ -85,9 +106,13 @@ def main() -> None:
             json.dump({"step_plain_s": step_s, "step_sampled_s": statistics.median(sampled),
                        "sampled_over_plain_median_of_rounds": statistics.median(ratios),
                        "round_ratios": ratios, "rounds": rounds, "steps_per_window": steps,
-                       "sample_cost_s": per_sample,
+                       "sample_cost_s": max(idle, inside["s"]),
+                       "sample_cost_idle_thread_s": idle,
+                       "sample_cost_in_collective_s": inside["s"],
+                       "in_collective_classified_as": inside["label"],
                        "sample_interval_s": waits.DEFAULT_INTERVAL_S,
-                       "sampler_share_of_time": per_sample / waits.DEFAULT_INTERVAL_S}, f)
+                       "sampler_share_of_time": max(idle, inside["s"])
+                       / waits.DEFAULT_INTERVAL_S}, f)
     ray_mesh.shutdown_mesh()
 
 
