@@ -105,6 +105,7 @@ def measure(rounds: int = 10, steps: int = 30, detect_too: bool = True) -> dict:
     if detect_too:
         try:
             section.update(detect())
+            section["detect_slow_when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         except Exception:  # noqa: BLE001 - keep the overhead figures; run.py flags the status
             section["detect"] = {"status": f"failed: {traceback.format_exc()}"[-3000:]}
         section["detect_slow_link_statistic"] = (
