@@ -25,7 +25,7 @@ DESCRIPTION = """\
 Train on a named torch DeviceMesh across a Ray cluster.
 
   ray-mesh run JOB.yaml [--address ADDR]   run a job (an embedded local Ray without --address)
-  ray-mesh status [--address ADDR]         nodes, runs, layout and metrics
+  ray-mesh status [--address ADDR]         nodes, runs, layout, metrics, slow rank/link
   ray-mesh plan [--address ADDR]           the mesh and rank -> node table for the cluster
   ray-mesh doctor [--address ADDR]         network pre-flight on every live node
 
