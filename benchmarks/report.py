@@ -188,6 +188,19 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
                 f"{lm[v]['bring_up_s']:.1f}")
         add("i llm", f"ray_mesh / torchrun tokens/s, {PAIRED}",
             _paired(lm["ray_mesh_vs_torchrun"]), ">= 0.95")
+    s = results.get("slow")
+    if s and not status_only("j slow", s):
+        for key, what, target in (
+                ("detect_slow_link_s", "slow link named by status, s after training start",
+                 "<= 60"),
+                ("detect_slow_rank_s", "slow rank named by status, s after training start",
+                 "<= 60"),
+                ("wait_sampler_overhead", "wait sampler: step with / without - 1 (median)",
+                 "< 0.01"),
+                ("wait_sampler_share_of_time", "wait sampler: sample cost / interval",
+                 "< 0.01")):
+            if key in s:
+                add("j slow", what, s[key], target)
     return rows
 
 

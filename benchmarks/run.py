@@ -12,6 +12,9 @@ Sections (``--only`` picks some):
   scaling    (d) MeshConfig bring-up with 4, 8, 16 workers: time and process groups.
   meshbuild  (d) torchrun only: cost of building the mesh on an existing process group,
              needed dims only vs ray_mesh vs every dim a real group; 4, 8, 16 ranks.
+  slow       (j) the slow rank/link verdict: seconds until `ray-mesh status` names a shaped
+             link / a busy rank (netns cluster), and the wait sampler's cost per step
+             (benchmarks/slow.py; also merged into observability).
   recovery   (f) a worker's SIGKILL to the first step after the resume, on local Ray and
              on the netns virtual cluster (root), plus that cluster's bring-up.
   llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
@@ -44,7 +47,7 @@ from benchmarks import paired, report, settings  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
-            "slowlinks", "diloco", "llm")
+            "slowlinks", "diloco", "slow", "llm")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery", "llm"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
@@ -236,6 +239,14 @@ def section_diloco(cfg: dict) -> dict:
     return out
 
 
+def section_slow(cfg: dict) -> dict:
+    """(i): the slow rank/link verdict's time and the wait sampler's cost."""
+    from benchmarks import slow
+
+    log("slow: torchrun overhead, then the namespace cluster")
+    return slow.measure(**cfg["slow"])
+
+
 def _keep_other_sections(results: dict, out: str, selected: list[str]) -> dict:
     """With --only, the sections not run keep their figures from the file being replaced."""
     path = Path(out)
@@ -337,6 +348,14 @@ def main(argv: list[str] | None = None) -> int:
             results["slowlinks"] = _section("slowlinks", section_slowlinks, cfg)
         if "diloco" in selected:
             results["diloco"] = _section("diloco", section_diloco, cfg)
+        if "slow" in selected:
+            results["slow"] = _section("slow", section_slow, cfg)
+            if "status" not in results["slow"]:  # the figures also live under observability
+                old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+                results["observability"] = {**old.get("observability", {}),
+                                            **results["slow"]}
+                if results["slow"].get("detect_slow_link_s") is not None:
+                    results["observability"].pop("detect_slow_link_s_note", None)
     finally:
         if ray_started:
             import ray

@@ -21,6 +21,7 @@ def config(quick: bool) -> dict:
                 "recovery_where": ["local"],
                 "diloco": {"rates": [20], "steps": 12, "every": 4,
                            "model": {"max_tokens": 200_000, "warmup": 2}},
+                "slow": {"rounds": 3, "steps": 10, "detect_too": False},
                 "llm": {"pairs": 1, "steps": 8, "warmup": 3, "workers": 4, "timeout_s": 600}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
@@ -38,4 +39,5 @@ def config(quick: bool) -> dict:
             "diloco": {"rates": [100, 20], "steps": 200, "every": 10, "compress": "int8",
                        "outer_lr": 0.7, "outer_momentum": 0.5, "val_batches": 16,
                        "model": {"batch_size": 8}, "timeout_s": 2400},
+            "slow": {"rounds": 10, "steps": 30, "detect_too": True},
             "llm": {"pairs": 5, "steps": 30, "warmup": 5, "workers": 4, "timeout_s": 900}}

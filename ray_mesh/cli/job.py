@@ -121,6 +121,7 @@ class NetworkSection:
     nccl_vpn_defaults: bool | str = OPTION_DEFAULTS["nccl_vpn_defaults"]
     worker_niceness: int | None = OPTION_DEFAULTS["worker_niceness"]
     hang_timeout_s: float | None = OPTION_DEFAULTS["hang_timeout_s"]
+    wait_sample_s: float | None = OPTION_DEFAULTS["wait_sample_s"]
     measure_links: bool | str = OPTION_DEFAULTS["measure_links"]
     link_probe_s: float = OPTION_DEFAULTS["link_probe_s"]
 

@@ -25,7 +25,7 @@ DESCRIPTION = """\
 Train on a named torch DeviceMesh across a Ray cluster.
 
   ray-mesh run JOB.yaml [--address ADDR]   run a job (an embedded local Ray without --address)
-  ray-mesh status [--address ADDR]         nodes, runs, layout and metrics
+  ray-mesh status [--address ADDR]         nodes, runs, layout, metrics, slow rank/link
   ray-mesh plan [--address ADDR]           the mesh and rank -> node table for the cluster
   ray-mesh doctor [--address ADDR]         network pre-flight on every live node
 
@@ -106,7 +106,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     except StatusError as exc:
         print(f"ray-mesh: error: {exc}", file=sys.stderr)
         return 2
-    print(format_status(status))
+    if args.json:
+        import dataclasses
+        import json
+
+        print(json.dumps(dataclasses.asdict(status), indent=1, default=str))
+    else:
+        print(format_status(status))
     if args.html:
         from ray_mesh.observability.html import write_html
 
@@ -240,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GCS address (<head>:6379) or dashboard URL (http://<head>:8265);"
                              " else RAY_ADDRESS, else the local dashboard")
     status.add_argument("--all", action="store_true", help="include finished runs")
+    status.add_argument("--json", action="store_true",
+                        help="machine-readable: nodes, runs, ranks, per dim the slowest rank, "
+                             "links (Mbit/s) and the verdict")
     status.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for each answer (default 5)")
     status.add_argument("--html", default=None, metavar="FILE",

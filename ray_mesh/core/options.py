@@ -35,6 +35,7 @@ class MeshOptions:
     measure_links: bool | str = "auto"
     link_probe_s: float = 1.0
     hang_timeout_s: float | None = 60.0
+    wait_sample_s: float | None = 0.02
     verbose: bool = False
 
     def check_options(self) -> None:
@@ -77,6 +78,14 @@ def check_option_values(values: Mapping[str, Any]) -> None:
         except ValueError:
             raise ValueError(f"hang_timeout_s must be a finite number of seconds > 0, or None "
                              f"(null in YAML) to turn the hang watch off; got {hang_s!r}.") \
+                from None
+    wait_s = values.get("wait_sample_s")
+    if wait_s is not None:
+        try:
+            _positive("wait_sample_s", wait_s, high=1)
+        except ValueError:
+            raise ValueError(f"wait_sample_s must be a number of seconds in (0, 1], or None "
+                             f"(null in YAML) to turn the wait sampler off; got {wait_s!r}.") \
                 from None
     if "link_probe_s" in values:
         _positive("link_probe_s", values["link_probe_s"], high=30)

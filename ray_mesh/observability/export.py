@@ -35,6 +35,11 @@ class MetricDef:
     kind: str  # "gauge" | "counter"
     help: str
     per_dim: bool = False
+    extra_tags: tuple[str, ...] = ()
+
+    @property
+    def tag_keys(self) -> tuple[str, ...]:
+        return (DIM_TAG_KEYS if self.per_dim else TAG_KEYS) + self.extra_tags
 
     @property
     def prometheus_name(self) -> str:
@@ -64,6 +69,15 @@ METRICS: tuple[MetricDef, ...] = (
               "Median all-reduce time of probe_dims() on this dim.", per_dim=True),
     MetricDef("mesh_dim_busbw_bytes_per_second", "gauge",
               "All-reduce bus bandwidth of probe_dims() on this dim.", per_dim=True),
+    MetricDef("mesh_dim_wait_seconds", "gauge",
+              "Seconds of the last wait window the training thread spent blocked in this "
+              "dim's collectives (sampled, no user code).", per_dim=True),
+    MetricDef("mesh_compute_seconds", "gauge",
+              "Seconds of the last wait window outside any collective (compute, data, Python)."),
+    MetricDef("mesh_wait_window_seconds", "gauge", "Length of the last wait window."),
+    MetricDef("mesh_link_mbit", "gauge",
+              "Link throughput between nodes a and b measured at bring-up (Mbit/s; a == b: "
+              "within a node). Exported by rank 0.", extra_tags=("a", "b")),
     MetricDef("mesh_process_rss_bytes", "gauge", "Resident memory of the worker process."),
     MetricDef("mesh_device_memory_allocated_bytes", "gauge",
               "torch.cuda.memory_allocated (CUDA only)."),
@@ -132,8 +146,7 @@ class _Exporter:
 
             d = METRICS_BY_NAME[name]
             cls = Counter if d.kind == "counter" else Gauge
-            metric = cls(d.name, description=d.help,
-                         tag_keys=DIM_TAG_KEYS if d.per_dim else TAG_KEYS)
+            metric = cls(d.name, description=d.help, tag_keys=d.tag_keys)
             self._metrics[name] = metric
         return metric
 
@@ -157,6 +170,31 @@ class _Exporter:
 
 
 EXPORTER = _Exporter()
+
+
+class WindowExporter:
+    """``on_window`` for :class:`~ray_mesh.observability.waits.WaitSampler`: writes a window
+    (and, on rank 0, the run's link matrix, so it outlives Ray's gauge expiry) as metrics.
+
+    Tags are read at the first window, from the sampler thread, once Ray Train's context
+    names the run.
+    """
+
+    def __init__(self, links: list[dict[str, Any]] | None = None) -> None:
+        self.links = links or []
+        self.tags: dict[str, str] | None = None
+
+    def __call__(self, window: dict[str, Any]) -> None:
+        if self.tags is None or self.tags["run"] == "local":
+            self.tags = mesh_tags()
+        tags = self.tags
+        rec = [("mesh_wait_window_seconds", window["window_s"], tags),
+               ("mesh_compute_seconds", window["compute_s"], tags)]
+        rec += [("mesh_dim_wait_seconds", secs, {**tags, "dim": label.split("=")[0]})
+                for label, secs in window["wait_s"].items()]
+        rec += [("mesh_link_mbit", link["mbit_s"], {**tags, "a": link["a"], "b": link["b"]})
+                for link in self.links]
+        EXPORTER.record(rec, tags.get("rank") == "0")
 
 
 def metrics_endpoint() -> tuple[str, int] | None:
@@ -218,5 +256,5 @@ def check_endpoint_async(loud: bool) -> None:
 
 
 __all__ = ["DIM_TAG_KEYS", "EXPORTER", "METRICS", "METRICS_BY_NAME", "TAG_KEYS", "MetricDef",
-           "check_endpoint", "check_endpoint_async", "mesh_tags", "metrics_endpoint", "run_name",
-           "train_context"]
+           "WindowExporter", "check_endpoint", "check_endpoint_async", "mesh_tags",
+           "metrics_endpoint", "run_name", "train_context"]

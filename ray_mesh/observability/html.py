@@ -319,7 +319,10 @@ def render(status: ClusterStatus, *, links: list[dict[str, Any]] | None = None,
                         f"<span class='meta'>[{_e(run.get('status', ''))}] mesh "
                         f"{_e(run.get('mesh', ''))} · started {_e(run.get('started', ''))}"
                         f"</span></h2><div class='meta'>{_e(step_summary(run))}</div>")
-        body.append(mesh_svg(status, run, links))
+            slow = run.get("slow") or {}
+            body.append(f"<div class='meta verdict'>verdict: "
+                        f"{_e(slow.get('verdict') or 'no slow rank or link')}</div>")
+        body.append(mesh_svg(status, run, links or (run or {}).get("slow", {}).get("links")))
         body.append(_legend())
         if run is not None:
             points = history.get(run["name"], [])

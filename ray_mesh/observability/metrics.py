@@ -37,7 +37,10 @@ What is and is not measured:
   waits for the collective), read at flush time. Collectives issued inside FSDP2,
   tensor-parallel modules or pipelining are NOT seen: they overlap compute and measuring
   them needs the torch profiler. :func:`probe_dims` measures each dim's all-reduce latency
-  and bus bandwidth directly instead.
+  and bus bandwidth directly instead, and the wait sampler
+  (:mod:`ray_mesh.observability.waits`, on under ``MeshConfig``) measures, with no code in
+  the loop, the time the training thread is *blocked* in each dim's collectives (FSDP2's
+  and TP's included): what :mod:`ray_mesh.observability.slow` names the slow rank/link from.
 * memory: process RSS (psutil) on every device, and torch.cuda allocated / reserved / peak
   bytes on CUDA devices.
 

@@ -35,6 +35,7 @@ import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.network.interfaces import host_port, split_host_port
 from ray_mesh.observability.layout import read_layout
+from ray_mesh.observability.slow import analyze_run, format_analysis
 from ray_mesh.observability.table import text_table
 
 ACTIVE = ("INITIALIZING", "SCHEDULING", "RUNNING", "RESTARTING", "RESIZING")
@@ -243,6 +244,8 @@ LATEST = {
     "ray_mesh_loss": "loss",
     "ray_mesh_process_rss_bytes": "rss_MB",
 }
+WAITS = {"ray_mesh_compute_seconds": "compute_s", "ray_mesh_wait_window_seconds": "window_s"}
+RAW = ("wait_s/", "compute_s", "window_s")  # for the analysis; the table shows wait%(dim)
 
 
 def latest_by_rank(samples: list[tuple[str, dict, float]], run: str) -> dict[int, dict]:
@@ -256,6 +259,14 @@ def latest_by_rank(samples: list[tuple[str, dict, float]], run: str) -> dict[int
             row[LATEST[name]] = value / 2**20 if name.endswith("rss_bytes") else value
         elif name == "ray_mesh_collective_fraction":
             row[f"coll%({labels.get('dim')})"] = 100 * value
+        elif name == "ray_mesh_dim_wait_seconds":
+            row[f"wait_s/{labels.get('dim')}"] = value
+        elif name in WAITS:
+            row[WAITS[name]] = value
+    for row in out.values():
+        if row.get("window_s"):
+            row.update({f"wait%({k[7:]})": 100 * v / row["window_s"] for k, v in list(
+                row.items()) if k.startswith("wait_s/")})
     return out
 
 
@@ -312,6 +323,7 @@ def collect(address: str | None = None, *, timeout_s: float = 5.0,
         doc = read_layout(rc.get("storage_path") or "", r["name"])
         rows = doc["ranks"] if doc else _layout_from_state(r)
         metrics = latest_by_rank(samples, r["name"])
+        ranks = [{**row, **metrics.get(int(row["rank"]), {})} for row in rows]
         status.runs.append({
             "name": r["name"], "id": r["id"], "status": r["status"],
             "started": _dt.datetime.fromtimestamp(r["start_time_ns"] / 1e9,
@@ -319,7 +331,8 @@ def collect(address: str | None = None, *, timeout_s: float = 5.0,
             "mesh": doc["mesh"] if doc else str(
                 r["run_settings"]["backend_config"]["config"]["mesh"]),
             "layout_source": "run dir" if doc else "train state",
-            "ranks": [{**row, **metrics.get(int(row["rank"]), {})} for row in rows],
+            "ranks": ranks,
+            "slow": analyze_run(ranks, samples, r["name"]).to_json(),
         })
     return status
 
@@ -338,14 +351,17 @@ def format_status(status: ClusterStatus) -> str:
         out += ["", f"Run {run['name']}  [{run['status']}]  started {run['started']}  "
                     f"id {run['id'][:12]}  mesh {run['mesh']}  (layout from "
                     f"{run['layout_source']})"]
-        metric_cols = sorted({k for r in run["ranks"] for k in r} - set(LAYOUT_COLUMNS)
-                             - {"hostname", "node_id", "local_rank"},
+        metric_cols = sorted({k for r in run["ranks"] for k in r if not k.startswith(RAW)}
+                             - set(LAYOUT_COLUMNS) - {"hostname", "node_id", "local_rank"},
                              key=lambda c: (list(LATEST.values()) + [c]).index(c))
         if run["ranks"]:
             out.append(text_table(run["ranks"], LAYOUT_COLUMNS + metric_cols))
         if not metric_cols:
             out.append("(no step metrics yet: they appear ~10-20 s after the first "
                        "StepMeter flush)")
+        if run.get("slow"):
+            out += ["Slowest rank per dim, links, verdict:",
+                    *format_analysis(run["slow"])]
     out += [f"note: {n}" for n in status.notes]
     return "\n".join(out)
 

@@ -11,7 +11,6 @@ the placement group and actors of a group whose backend hook raised, and the nex
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from contextlib import ExitStack
@@ -29,27 +28,23 @@ from ray_mesh.core.spec import MeshSpec
 from ray_mesh.core.topology import MeshPlan, WorkerReport, plan_mesh
 from ray_mesh.network.interfaces import (
     Choice,
-    apply_env,
     choose_all,
     collective_env,
     free_port,
     local_interfaces,
-    rank_env_line,
-    user_kept,
 )
 from ray_mesh.network.probe import node_versions
-from ray_mesh.observability import hang
+from ray_mesh.observability import hang, waits
 from ray_mesh.observability.layout import layout_table, node_lines
 from ray_mesh.observability.report import wrap_train_report
-from ray_mesh.parallel.picked import PickedPlan, set_picked_plan
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
-from ray_mesh.parallel.replicate import parse_replicate, set_replicate_config
+from ray_mesh.parallel.replicate import parse_replicate
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.raytrain.data import install_mesh_data_config
-from ray_mesh.raytrain.driver import quiet_report_lines
 from ray_mesh.raytrain.layout_io import save_layout
 from ray_mesh.raytrain.links import measure_worker_group, node_leaders, pick_mesh
 from ray_mesh.raytrain.preflight import check_worker_group
+from ray_mesh.raytrain.worker_setup import WorkerSetup, setup_on_worker, shutdown_on_worker
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +93,7 @@ class MeshConfig(MeshOptions, TorchConfig):
             the dim, the collective, the ranks that did not arrive and their Python stacks
             (``ray_mesh.observability.hang``; the groups' process-group timeout becomes
             ``hang_timeout_s + 15``). ``None`` turns the watch off.
+        wait_sample_s: interval of the per-dim wait sampler (``observability.waits``); None: off.
         verbose: every rank logs its environment line (interface, MASTER_*, NCCL_/GLOO_*);
             by default rank 0 logs the layout and one interface line per node.
         replicate: how replicas keep together over ``dp_replicate``: None / ``'sync'`` (HSDP,
@@ -176,6 +172,7 @@ class _TrainThreadContext:
 
     def __enter__(self) -> None:
         priority.reapply()
+        waits.watch_this_thread()
         if bootstrap.is_initialized():
             bootstrap.use_device(bootstrap.get_state().device)
         self._stack.enter_context(wrap_train_report())
@@ -201,63 +198,6 @@ def _probe_worker() -> WorkerReport:
         interfaces=local_interfaces(),
         versions=node_versions(),
     )
-
-
-@dataclass(frozen=True)
-class WorkerSetup:
-    """Everything one worker needs to join the mesh, decided on the controller."""
-
-    spec: MeshSpec
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    fixed_env: dict[str, str]  # MASTER_ADDR/PORT: always ours
-    collective_env: dict[str, str]  # NCCL_/GLOO_*: a value the user set wins
-    backend: str | None
-    device: str
-    timeout_s: float
-    choice: Choice
-    layout_table: str  # rank 0 logs it, with the per-node interface lines
-    niceness: int | None = None
-    hang_timeout_s: float | None = None
-    verbose: bool = False
-    replicate: Any = None  # a DiLoCoConfig, or None (sync)
-    picked: PickedPlan | None = None  # mesh="auto"'s pick (precision, replicate mode)
-
-
-def _setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
-    # First, so the process group's threads inherit it.
-    niced = priority.set_niceness(w.niceness) if w.niceness is not None else None
-    os.environ.update(w.fixed_env)
-    os.environ.update(RANK=str(w.rank), WORLD_SIZE=str(w.world_size),
-                      LOCAL_RANK=str(w.local_rank), LOCAL_WORLD_SIZE=str(w.local_world_size),
-                      NODE_RANK=str(w.node_rank))
-    applied = apply_env(w.collective_env)
-    in_force = {**w.fixed_env, **applied}
-    line = rank_env_line(w.rank, w.node_rank, w.choice, in_force,
-                         user_kept(w.collective_env, applied))
-    # Logging, not print: Ray Train shows a worker's INFO line once on the driver's console
-    # (a print would show twice). Only rank 0 speaks unless MeshConfig(verbose=True).
-    logger.log(logging.INFO if w.verbose else logging.DEBUG, "%s", line)
-    if not w.verbose:
-        quiet_report_lines()  # Ray Train's INFO line per report (not under its log level)
-    set_replicate_config(w.replicate)
-    set_picked_plan(w.picked)
-    bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
-                           local_rank=w.local_rank, backend=w.backend, device=w.device,
-                           timeout_s=w.timeout_s, env=in_force)
-    if w.hang_timeout_s:
-        hang.try_start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
-    if w.rank == 0:
-        logger.info("%s", w.layout_table)
-    return niced
-
-
-def _shutdown_on_worker() -> None:
-    hang.stop_watch()
-    bootstrap.shutdown_mesh()
 
 
 # ----------------------------------------------------------------------------- controller
@@ -366,15 +306,15 @@ class _MeshBackend(Backend):
         interfaces = {i: c.interface for i, c in enumerate(choices)}
         table = layout_table(plan, interfaces) + "\n" + node_lines(plan, choices)
         refs = [
-            worker_group.execute_single_async(w.rank, _setup_on_worker, WorkerSetup(
+            worker_group.execute_single_async(w.rank, setup_on_worker, WorkerSetup(
                 spec=plan.spec, rank=w.rank, world_size=len(plan.workers),
                 local_rank=w.local_rank, local_world_size=plan.workers_per_node,
                 node_rank=plan.node_rank(w.rank), fixed_env=fixed,
                 collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
                 backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
                 choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
-                hang_timeout_s=config.hang_timeout_s,
-                verbose=config.verbose,
+                hang_timeout_s=config.hang_timeout_s, verbose=config.verbose,
+                wait_sample_s=config.wait_sample_s, links=self.links and self.links.to_json(),
                 replicate=pick.replicate if pick else config.replicate,
                 picked=pick.plan if pick else None,
             ))
@@ -388,7 +328,7 @@ class _MeshBackend(Backend):
     def on_shutdown(self, worker_group, backend_config: MeshConfig) -> None:
         # Also runs after a half-finished on_start: shutdown_mesh tolerates "nothing built".
         try:
-            _wait_bounded(worker_group.execute_async(_shutdown_on_worker), 30.0,
+            _wait_bounded(worker_group.execute_async(shutdown_on_worker), 30.0,
                           "Process group shutdown", [str(i) for i in range(len(worker_group))])
         except Exception as exc:  # noqa: BLE001 - a dead worker must not block the shutdown
             logger.warning("ray_mesh: process group shutdown incomplete: %s", exc)

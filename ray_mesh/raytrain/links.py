@@ -7,7 +7,10 @@ interfaces the collectives will use (``ray_mesh.network.links``), and keeps the 
   keyed by the nodes' chosen addresses, so a second run (or a restart after a failure)
   on the same cluster does not pay for it again; ``MeshConfig(measure_links=True)``
   forces a fresh measurement, ``False`` skips it (single-node runs never measure);
-* exported as the ``ray_mesh_link_mbit`` gauge (tags ``a``, ``b``) for the dashboard;
+* handed to the workers, where rank 0 exports it with every wait window as the
+  ``ray_mesh_link_mbit`` gauge (tags ``run``, ``a``, ``b``; ``ray_mesh.observability.export``
+  ``WindowExporter``) for ``ray-mesh status`` and the dashboard: a gauge set once here, on
+  the controller, would expire from Ray's endpoint within ~20 s;
 * used by ``mesh="auto"`` to pick the layout with the lowest predicted step time.
 """
 
@@ -97,21 +100,7 @@ def measure_worker_group(worker_group, leaders: Sequence[int], choices: Sequence
     print(f"ray_mesh: node links measured in {time.monotonic() - t0:.1f} s (Mbit/s, row "
           f"sends to column):\n{matrix.format()}", flush=True)
     store(addresses, matrix)
-    export(matrix)
     return matrix
-
-
-def export(matrix: LinkMatrix) -> None:
-    """``ray_mesh_link_mbit{a, b}`` on the controller node's metrics endpoint."""
-    try:
-        from ray.util.metrics import Gauge
-
-        gauge = Gauge("ray_mesh_link_mbit", "Measured link throughput between nodes (Mbit/s)",
-                      tag_keys=("a", "b"))
-        for link in matrix.links:
-            gauge.set(link.mbit_s, tags={"a": link.a, "b": link.b})
-    except Exception as exc:  # noqa: BLE001 - metrics are optional; training is not
-        logger.debug("ray_mesh: link metrics not exported: %s", exc)
 
 
 class Pick(NamedTuple):

@@ -291,8 +291,9 @@ def test_grafana_dashboard_queries_live_series(cluster):
 
     _wait(lambda: _all_ranks_reported(cluster), METRICS_TIMEOUT_S, "ray_mesh series")
     live = {n for n, _, _ in _samples(cluster)}
+    # CUDA memory, tokens (this run counts samples) and node links (one node: none measured)
     cuda_or_tokens = {m.prometheus_name for m in METRICS
-                      if "device_memory" in m.name or "token" in m.name}
+                      if "device_memory" in m.name or "token" in m.name or "link" in m.name}
     missing = dashboard_metric_names() - cuda_or_tokens - live
     assert not missing, f"dashboard queries series the run does not export: {missing}"
 
@@ -341,6 +342,9 @@ def test_status_shows_nodes_run_layout_and_latest_metrics(cluster):
         assert r["interface"] not in ("", "?") and r["node_ip"] == cluster.node_ip
         assert float(r["step"]) >= 1 and SLEEP <= float(r["step_s"]) < 10, out
         assert 0 < float(r["loss"]) < 5 and 0 < float(r["coll%(dp)"]) < 100, out
+    # The wait sampler's series reach status with no code in the example: per dim the
+    # slowest rank, and a verdict line (which one depends on the load of this host).
+    assert "dp_shard      slowest rank" in out and "\n  verdict: " in out, out
 
 
 def test_dashboard_screenshot_shows_the_run(cluster, tmp_path):

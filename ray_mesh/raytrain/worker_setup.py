@@ -1,0 +1,88 @@
+"""What each Ray Train worker runs at bring-up and shutdown, decided by the controller.
+
+``MeshConfig``'s backend (``ray_mesh.raytrain.backend``) plans the mesh on the controller and
+sends each worker one :class:`WorkerSetup`; :func:`setup_on_worker` applies it inside the
+worker actor: niceness first (the process group's threads inherit it), the environment,
+the replicate mode and ``mesh="auto"``'s pick, the process group and mesh (the Ray-free
+core), then the hang watch and the wait sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ray_mesh.core import bootstrap, priority
+from ray_mesh.core.spec import MeshSpec
+from ray_mesh.network.interfaces import Choice, apply_env, rank_env_line, user_kept
+from ray_mesh.observability import hang, waits
+from ray_mesh.parallel.picked import PickedPlan, set_picked_plan
+from ray_mesh.parallel.replicate import set_replicate_config
+from ray_mesh.raytrain.driver import quiet_report_lines
+
+logger = logging.getLogger("ray_mesh.raytrain.backend")  # the name users filter on
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Everything one worker needs to join the mesh, decided on the controller."""
+
+    spec: MeshSpec
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    fixed_env: dict[str, str]  # MASTER_ADDR/PORT: always ours
+    collective_env: dict[str, str]  # NCCL_/GLOO_*: a value the user set wins
+    backend: str | None
+    device: str
+    timeout_s: float
+    choice: Choice
+    layout_table: str  # rank 0 logs it, with the per-node interface lines
+    niceness: int | None = None
+    hang_timeout_s: float | None = None
+    wait_sample_s: float | None = None
+    links: list[dict[str, Any]] | None = None  # the measured matrix; rank 0 exports it
+    verbose: bool = False
+    replicate: Any = None  # a DiLoCoConfig, or None (sync)
+    picked: PickedPlan | None = None  # mesh="auto"'s pick (precision, replicate mode)
+
+
+def setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
+    # First, so the process group's threads inherit it.
+    niced = priority.set_niceness(w.niceness) if w.niceness is not None else None
+    os.environ.update(w.fixed_env)
+    os.environ.update(RANK=str(w.rank), WORLD_SIZE=str(w.world_size),
+                      LOCAL_RANK=str(w.local_rank), LOCAL_WORLD_SIZE=str(w.local_world_size),
+                      NODE_RANK=str(w.node_rank))
+    applied = apply_env(w.collective_env)
+    in_force = {**w.fixed_env, **applied}
+    line = rank_env_line(w.rank, w.node_rank, w.choice, in_force,
+                         user_kept(w.collective_env, applied))
+    # Logging, not print: Ray Train shows a worker's INFO line once on the driver's console
+    # (a print would show twice). Only rank 0 speaks unless MeshConfig(verbose=True).
+    logger.log(logging.INFO if w.verbose else logging.DEBUG, "%s", line)
+    if not w.verbose:
+        quiet_report_lines()  # Ray Train's INFO line per report (not under its log level)
+    set_replicate_config(w.replicate)
+    set_picked_plan(w.picked)
+    bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
+                           local_rank=w.local_rank, backend=w.backend, device=w.device,
+                           timeout_s=w.timeout_s, env=in_force)
+    if w.hang_timeout_s:
+        hang.try_start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
+    if w.wait_sample_s:
+        waits.try_start_sampler(bootstrap.get_mesh(), w.wait_sample_s,
+                                w.links if w.rank == 0 else None)
+    if w.rank == 0:
+        logger.info("%s", w.layout_table)
+    return niced
+
+
+def shutdown_on_worker() -> None:
+    waits.stop_sampler()
+    hang.stop_watch()
+    bootstrap.shutdown_mesh()
