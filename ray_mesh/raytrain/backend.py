@@ -30,11 +30,13 @@ from ray_mesh.core.topology import MeshPlan, WorkerReport, plan_mesh
 from ray_mesh.network.interfaces import (
     Choice,
     apply_env,
+    check_user_ifnames,
     choose_all,
     collective_env,
     free_port,
     local_interfaces,
     rank_env_line,
+    user_ifname_env,
     user_kept,
 )
 from ray_mesh.network.probe import node_versions
@@ -310,6 +312,9 @@ def plan_for(worker_group, config: MeshConfig
             f"or run with ScalingConfig(use_gpu=False)."
         )
     choices = choose_all(plan.workers, config.interface)
+    # A GLOO_/NCCL_SOCKET_IFNAME the user set wins over ours: it must name a real interface.
+    nccl = "nccl" in (config.backend or ("nccl" if gpus else "gloo"))
+    check_user_ifnames(reports, worker_group.execute(user_ifname_env), nccl=nccl)
     return plan, choices, reports
 
 
