@@ -95,7 +95,7 @@ class ScalingSection:
                 not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int | float)
                 or not math.isfinite(v) or v < 0 for k, v in res.items())):
             raise JobError(f"scaling.resources_per_worker must map resource names to amounts "
-                           f">= 0, e.g. {{CPU: 1, GPU: 1}}; got {describe(res)}.")
+                           f">= 0, e.g. {{CPU: 1, GPU: 1}}; got {res!r}.")
         read_str("scaling.placement_strategy", self.placement_strategy,
                  choices=PLACEMENT_STRATEGIES, none_ok=True, error=JobError)
 

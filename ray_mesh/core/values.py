@@ -77,8 +77,9 @@ def read_seconds(where: str, value: Any, *, high: float = MAX_SECONDS, none_ok: 
     if (isinstance(value, bool) or not isinstance(value, int | float)
             or not math.isfinite(value) or not 0 < value <= high):
         null = f", or null ({none_means})" if none_ok else ""
+        shown = repr(value) if isinstance(value, float) else describe(value)
         raise error(f"{_lead(where)} be a finite number of seconds > 0 and <= {high:g}{null}; "
-                    f"got {describe(value)}.")
+                    f"got {shown}.")
     return value
 
 
