@@ -187,6 +187,30 @@ def dashboard_url_from_gcs(address: str) -> str:
     return str(ray_address_to_api_server_url(address))
 
 
+CALLBACK_LOGGER = "ray.train.v2._internal.execution.callback_manager"
+"""Ray Train V2's logger that logs every callback error with its traceback (2.60.0)."""
+
+
+def quiet_callback_traceback(types: tuple[type[BaseException], ...]) -> None:
+    """In the controller: log an error of ``types`` from a callback (our backend's on_start)
+    as its message only. Ray Train logs it with ``logger.exception`` before wrapping it in a
+    ``ControllerError``; the driver then shows our message once, as one line."""
+    import logging
+
+    class _Quiet(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            exc = record.exc_info[1] if record.exc_info else None
+            if isinstance(exc, types):
+                record.exc_info, record.exc_text = None, None
+                record.msg = f"{record.getMessage()} {type(exc).__name__}: {exc}"
+                record.args = None
+            return True
+
+    logger = logging.getLogger(CALLBACK_LOGGER)
+    if not any(type(f).__name__ == "_Quiet" for f in logger.filters):
+        logger.addFilter(_Quiet())
+
+
 GCS_CLUSTER_ID_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 """Raw gRPC method name of the GCS call that every Ray client makes first (Ray 2.60.0)."""
 

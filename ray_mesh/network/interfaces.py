@@ -150,8 +150,8 @@ def choose_all(reports: Sequence[WorkerReport], requested: str) -> list[Choice]:
     if failures:
         raise NetworkError(
             f"No usable interface on {len(failures)} of "
-            f"{len({r.node_ip for r in reports})} node(s):\n  - "
-            + "\n  - ".join(failures.values())
+            f"{len({r.node_ip for r in reports})} node(s): "
+            + "; ".join(failures.values())
         )
     return choices
 
