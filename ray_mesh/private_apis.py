@@ -187,8 +187,9 @@ def dashboard_url_from_gcs(address: str) -> str:
     return str(ray_address_to_api_server_url(address))
 
 
-CALLBACK_LOGGER = "ray.train.v2._internal.execution.callback_manager"
-"""Ray Train V2's logger that logs every callback error with its traceback (2.60.0)."""
+TRAIN_ERROR_LOGGERS = ("ray.train.v2._internal.execution.callback_manager",
+                      "ray.train.v2._internal.execution.controller.controller")
+"""Ray Train V2's loggers that log a callback's error with its traceback (2.60.0)."""
 
 
 def quiet_callback_traceback(types: tuple[type[BaseException], ...]) -> None:
@@ -201,14 +202,15 @@ def quiet_callback_traceback(types: tuple[type[BaseException], ...]) -> None:
         def filter(self, record: logging.LogRecord) -> bool:
             exc = record.exc_info[1] if record.exc_info else None
             if isinstance(exc, types):
-                record.exc_info, record.exc_text = None, None
-                record.msg = f"{record.getMessage()} {type(exc).__name__}: {exc}"
-                record.args = None
+                text = record.getMessage()
+                record.exc_info, record.exc_text, record.args = None, None, None
+                record.msg = text if str(exc) in text else f"{text} {exc}"
             return True
 
-    logger = logging.getLogger(CALLBACK_LOGGER)
-    if not any(type(f).__name__ == "_Quiet" for f in logger.filters):
-        logger.addFilter(_Quiet())
+    for name in TRAIN_ERROR_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(type(f).__name__ == "_Quiet" for f in logger.filters):
+            logger.addFilter(_Quiet())
 
 
 GCS_CLUSTER_ID_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"

@@ -32,7 +32,7 @@ def _driver(tmp_path: Path, gcs: str, name: str, extra: str, env_vars: dict[str,
         f"ray.init(address={gcs!r}, runtime_env={{'env_vars': {env_vars!r}}}, "
         "log_to_driver=True)\n"
         f"sys.exit(main(['run', 'job.yaml', '--address', {gcs!r}]))\n")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {**os.environ, "RAY_ADDRESS": gcs}  # Ray's own helpers (state API) use it too
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -62,4 +62,7 @@ def test_nodes_refuse_an_interface_they_do_not_have(ray_local, tmp_path, name, e
 
     gcs = ray.get_runtime_context().gcs_address
     out = _one_line(_driver(tmp_path, gcs, name, extra, env_vars), *words)
-    assert "Traceback" not in out, out[-4000:]
+    # Not our error's traceback (the controller logs it as one line too). Ray Train's own
+    # shutdown noise on a loaded machine (its autoscaling coordinator) is not ours to hide.
+    ours = [x for x in out.splitlines() if 'File "' in x and "ray_mesh" in x]
+    assert not ours, out[-4000:]
