@@ -187,6 +187,32 @@ def dashboard_url_from_gcs(address: str) -> str:
     return str(ray_address_to_api_server_url(address))
 
 
+TRAIN_ERROR_LOGGERS = ("ray.train.v2._internal.execution.callback_manager",
+                      "ray.train.v2._internal.execution.controller.controller")
+"""Ray Train V2's loggers that log a callback's error with its traceback (2.60.0)."""
+
+
+def quiet_callback_traceback(types: tuple[type[BaseException], ...]) -> None:
+    """In the controller: log an error of ``types`` from a callback (our backend's on_start)
+    as its message only. Ray Train logs it with ``logger.exception`` before wrapping it in a
+    ``ControllerError``; the driver then shows our message once, as one line."""
+    import logging
+
+    class _Quiet(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            exc = record.exc_info[1] if record.exc_info else None
+            if isinstance(exc, types):
+                text = record.getMessage()
+                record.exc_info, record.exc_text, record.args = None, None, None
+                record.msg = text if str(exc) in text else f"{text} {exc}"
+            return True
+
+    for name in TRAIN_ERROR_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(type(f).__name__ == "_Quiet" for f in logger.filters):
+            logger.addFilter(_Quiet())
+
+
 GCS_CLUSTER_ID_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 """Raw gRPC method name of the GCS call that every Ray client makes first (Ray 2.60.0)."""
 

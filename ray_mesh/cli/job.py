@@ -24,27 +24,27 @@ Nothing here imports Ray (``ray.cloudpickle`` only when a train file is loaded).
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import importlib.util
-import os
-import sys
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ray_mesh.checkpointing.names import run_name_problem
+from ray_mesh.cli.job_checks import (
+    JobError,
+    check_backend,
+    check_keys,
+    check_train_ref,
+    load_function,
+)
 from ray_mesh.core.options import OPTION_DEFAULTS, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
+from ray_mesh.core.values import MAX_SECONDS, describe, read_bool, read_int, read_str
 from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
 from ray_mesh.parallel.replicate import parse_replicate
 from ray_mesh.raytrain.elastic import STARTUP_RETRIES
-
-
-class JobError(ValueError):
-    """A job file that cannot run; the message names the key and the fix."""
 
 
 def _mesh_and_plan(top: dict, base_dir: Path, config: dict) -> tuple[MeshSpec | str, Any]:
@@ -73,6 +73,8 @@ def _mesh_and_plan(top: dict, base_dir: Path, config: dict) -> tuple[MeshSpec | 
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+MAX_WORKERS = 100_000
+"""More workers than any Ray cluster runs: a larger scaling.num_workers is a typo."""
 
 
 @dataclass(frozen=True)
@@ -85,22 +87,17 @@ class ScalingSection:
     placement_strategy: str | None = None  # None: ScalingConfig's own default (PACK)
 
     def __post_init__(self) -> None:
-        workers = self.num_workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise JobError(f"scaling.num_workers must be a positive int, got {workers!r}.")
-        if self.use_gpu not in (True, False, "auto"):
-            raise JobError(f"scaling.use_gpu must be true, false or auto, got "
-                           f"{self.use_gpu!r}.")
+        read_int("scaling.num_workers", self.num_workers, 1, MAX_WORKERS, example=4,
+                 error=JobError)
+        read_bool("scaling.use_gpu", self.use_gpu, also=("auto",), error=JobError)
         res = self.resources_per_worker
         if res is not None and (not isinstance(res, Mapping) or any(
                 not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int | float)
-                or v < 0 for k, v in res.items())):
+                or not math.isfinite(v) or v < 0 for k, v in res.items())):
             raise JobError(f"scaling.resources_per_worker must map resource names to amounts "
                            f">= 0, e.g. {{CPU: 1, GPU: 1}}; got {res!r}.")
-        if self.placement_strategy is not None and \
-                self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise JobError(f"scaling.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
-                           f"got {self.placement_strategy!r}.")
+        read_str("scaling.placement_strategy", self.placement_strategy,
+                 choices=PLACEMENT_STRATEGIES, none_ok=True, error=JobError)
 
 
 @dataclass(frozen=True)
@@ -131,12 +128,9 @@ class NetworkSection:
                                  if k in OPTION_DEFAULTS})
         except ValueError as exc:
             raise JobError(f"network.{exc}") from exc
-        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
-            raise JobError(f"network.backend must be a torch.distributed backend name (gloo, "
-                           f"nccl) or left out, got {self.backend!r}.")
-        t = self.timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
-            raise JobError(f"network.timeout_s must be a positive int (seconds), got {t!r}.")
+        check_backend("network.backend", self.backend)
+        read_int("network.timeout_s", self.timeout_s, 1, int(MAX_SECONDS), example=1800,
+                 none_ok=True, error=JobError)
 
     def mesh_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``MeshConfig`` (unset TorchConfig values left out)."""
@@ -158,14 +152,10 @@ class RunSection:
     def __post_init__(self) -> None:
         for key, low in (("max_failures", -1), ("num_to_keep", 1), ("min_workers", 1),
                          ("startup_retries", -1)):
-            value = getattr(self, key)
-            if value is None and key in ("num_to_keep", "min_workers"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise JobError(f"run.{key} must be an int >= {low}, got {value!r}.")
-        if self.storage_path is not None and not isinstance(self.storage_path, str):
-            raise JobError(f"run.storage_path must be a path or URI string, got "
-                           f"{self.storage_path!r}.")
+            read_int(f"run.{key}", getattr(self, key), low,
+                     none_ok=key in ("num_to_keep", "min_workers"), error=JobError)
+        read_str("run.storage_path", self.storage_path, none_ok=True, error=JobError,
+                 hint=" (a directory path or a URI such as s3://bucket/runs)")
 
 
 def _keys(cls: type) -> tuple[str, ...]:
@@ -177,19 +167,6 @@ TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "dat
 SCALING_KEYS = _keys(ScalingSection)
 NETWORK_KEYS = _keys(NetworkSection)
 RUN_KEYS = _keys(RunSection)
-
-
-def _check_keys(section: str, data: Any, allowed: tuple[str, ...]) -> dict:
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise JobError(f"'{section}' must be a mapping, got {type(data).__name__}: {data!r}.")
-    for key in data:
-        if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise JobError(f"Unknown key {key!r} in '{section}'.{hint} Allowed: {allowed}.")
-    return dict(data)
 
 
 @dataclass(frozen=True)
@@ -208,6 +185,8 @@ class Job:
     base_dir: Path = field(default_factory=Path.cwd)
     data: Any = None
     """The checked ``data:`` section (a ray_mesh.data.spec.DataSpec), or None."""
+    source: dict | None = field(default=None, compare=False, repr=False)
+    """The mapping this job was parsed from (overrides re-parse it), or None."""
 
     def __post_init__(self) -> None:
         if self.run.min_workers is not None and self.run.min_workers > self.scaling.num_workers:
@@ -217,13 +196,21 @@ class Job:
 
     @classmethod
     def from_dict(cls, data: Any, base_dir: Path | None = None) -> Job:
-        top = _check_keys("job", data, TOP_KEYS)
+        if data is None:
+            raise JobError("The job file is empty: it needs at least a train: key, e.g. "
+                           "train: path/to/file.py:function (see examples/hsdp.yaml).")
+        if not isinstance(data, dict):
+            raise JobError(f"A job file's top level must be a mapping of keys (name:, train:, "
+                           f"mesh:, scaling:, ...); got {describe(data)}.")
+        top = check_keys("job", data, TOP_KEYS)
         if "train" not in top:
             raise JobError("The job has no 'train' key: name the train function as "
                            "'path/to/file.py:function' or 'package.module:function'.")
-        config = top.get("config") or {}
+        check_train_ref(top["train"])
+        config = {} if top.get("config") is None else top["config"]
         if not isinstance(config, dict):
-            raise JobError(f"'config' must be a mapping, got {config!r}.")
+            raise JobError(f"config must be a mapping (the train function's config, e.g. "
+                           f"config: {{steps: 40}}); got {describe(config)}.")
         mesh, plan = _mesh_and_plan(top, base_dir or Path.cwd(), config)
         name = top.get("name") or Path(str(top["train"]).split(":")[0]).stem
         if isinstance(name, int) and not isinstance(name, bool):
@@ -233,7 +220,7 @@ class Job:
             raise JobError(f"name: {name!r} cannot be a run name: {why}. The run directory is "
                            f"<storage_path>/<name>: use one plain path component such as "
                            f"'hsdp_run1'; to write elsewhere, set run.storage_path.")
-        scaling = ScalingSection(**_check_keys("scaling", top.get("scaling"), SCALING_KEYS))
+        scaling = ScalingSection(**check_keys("scaling", top.get("scaling"), SCALING_KEYS))
         from ray_mesh.data.spec import DataSpecError, parse_job_data
 
         try:  # files, split, batch vs dp, seq_len vs the model: all before any worker
@@ -255,76 +242,35 @@ class Job:
             config=config,
             mesh=mesh,
             scaling=scaling,
-            network=NetworkSection(**_check_keys("network", top.get("network"), NETWORK_KEYS)),
-            run=RunSection(**_check_keys("run", top.get("run"), RUN_KEYS)),
+            network=NetworkSection(**check_keys("network", top.get("network"), NETWORK_KEYS)),
+            run=RunSection(**check_keys("run", top.get("run"), RUN_KEYS)),
             base_dir=base_dir or Path.cwd(),
             data=data_spec,
             plan=plan,
+            source=data,
         )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Job:
-        path = Path(path)
+        path = Path(path).expanduser()
         return cls.from_dict(load_yaml(path, error=JobError), base_dir=path.resolve().parent)
 
     def with_num_workers(self, num_workers: int) -> Job:
-        """This job on ``num_workers`` workers (``ray-mesh run --num-workers``), re-checked."""
-        return replace(self, scaling=replace(self.scaling, num_workers=num_workers))
+        """This job on ``num_workers`` workers (``ray-mesh run --num-workers``), re-checked.
+
+        A job parsed from a file is parsed again with the new count, so the override goes
+        through every check the file's own value does (mesh, data batch vs dp, min_workers).
+        """
+        if self.source is None:
+            return replace(self, scaling=replace(self.scaling, num_workers=num_workers))
+        scaling = self.source.get("scaling")
+        scaling = {**scaling, "num_workers": num_workers} if isinstance(scaling, dict) else {
+            "num_workers": num_workers}
+        return Job.from_dict({**self.source, "scaling": scaling}, base_dir=self.base_dir)
 
     # ------------------------------------------------------------------ train function
     def load_train_fn(self) -> Callable[..., Any]:
         return load_function(self.train, self.base_dir)
-
-
-def load_function(ref: str, base_dir: Path | None = None) -> Callable[..., Any]:
-    """Import ``path/to/file.py:fn`` or ``package.module:fn``, with an error naming the fix."""
-    if ":" not in ref:
-        raise JobError(f"train: {ref!r} must be 'path/to/file.py:function' or "
-                       f"'package.module:function' (the ':function' part is missing).")
-    target, fn_name = ref.rsplit(":", 1)
-    if target.endswith(".py") or os.sep in target:
-        candidates = [Path(target)] if Path(target).is_absolute() else [
-            (base_dir or Path.cwd()) / target, Path.cwd() / target]
-        path = next((p for p in candidates if p.is_file()), None)
-        if path is None:
-            raise JobError(f"train: file {target!r} not found (looked in "
-                           f"{', '.join(str(p.parent) for p in candidates)}).")
-        module_name = f"ray_mesh_job_{path.stem}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
-        except Exception as exc:
-            raise JobError(f"train: importing {path} failed: {type(exc).__name__}: {exc}") \
-                from exc
-        _ship_by_value(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as exc:
-            raise JobError(f"train: cannot import module {target!r}: {type(exc).__name__}: "
-                           f"{exc}. Is it installed, or on PYTHONPATH?") from exc
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
-        close = difflib.get_close_matches(fn_name, names, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise JobError(f"train: {target} has no function {fn_name!r}.{hint}")
-    return fn
-
-
-def _ship_by_value(module: Any) -> None:
-    """Workers cannot import a module that only exists on the driver: pickle it by value.
-
-    Ray's cloudpickle is imported here, not at module level, so that parsing a job file
-    needs no Ray; without Ray installed there is no worker to ship to.
-    """
-    try:
-        from ray import cloudpickle
-    except ImportError:
-        return
-    cloudpickle.register_pickle_by_value(module)
 
 
 __all__ = ["Job", "JobError", "NetworkSection", "RunSection", "ScalingSection", "load_function"]

@@ -11,14 +11,44 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 
-from ray_mesh.cli.job import Job, JobError
+from ray_mesh.checkpointing.names import StorageError
+from ray_mesh.cli.flags import (
+    CliParser,
+    address_flag,
+    int_flag,
+    name_flag,
+    port_flag,
+    positive_number,
+    seconds_flag,
+)
+from ray_mesh.cli.job import MAX_WORKERS, Job, JobError
 from ray_mesh.core.spec import MeshSpecError
 from ray_mesh.core.topology import TopologyError
+from ray_mesh.data.spec import DataSpecError
 from ray_mesh.network.interfaces import NetworkError
+from ray_mesh.network.links import LinkError
+from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.planning.cost import PlanError
 
-USER_ERRORS = (JobError, MeshSpecError, TopologyError, NetworkError, PlanError)
+USER_ERRORS: tuple[type[Exception], ...] = (
+    JobError, MeshSpecError, TopologyError, NetworkError, PlanError, StorageError,
+    DataSpecError, ParallelError, LinkError)
+"""Errors that mean "the input is wrong": one ``ray-mesh: error:`` line, no traceback."""
+RAY_SIDE_ERRORS = {"ray_mesh.raytrain.backend": "BringUpError",
+                   "ray_mesh.raytrain.data": "DataSplitError",
+                   "ray_mesh.models.llama": "ModelConfigError",
+                   "ray_mesh.checkpointing.compat": "CheckpointError",
+                   "ray_mesh.observability.status": "StatusError"}
+"""More user errors, in modules that import Ray or torch: caught when already imported."""
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """:data:`USER_ERRORS` plus those of :data:`RAY_SIDE_ERRORS` already imported."""
+    more = tuple(getattr(sys.modules[m], name) for m, name in RAY_SIDE_ERRORS.items()
+                 if m in sys.modules)
+    return USER_ERRORS + more
 
 # Help text is plain text (the module docstring is for readers of the code).
 DESCRIPTION = """\
@@ -44,8 +74,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ray_mesh.raytrain.runner import run_job_outcome
 
     job = Job.from_yaml(args.job)
-    if args.num_workers is not None:
-        job = job.with_num_workers(args.num_workers)
+    if args.num_workers is not None:  # the file's checks again, with the new count
+        try:
+            job = job.with_num_workers(args.num_workers)
+        except JobError as exc:
+            raise JobError(f"--num-workers {args.num_workers}: {exc}") from exc
     outcome = run_job_outcome(job, address=args.address, verbose=args.verbose)
     result = outcome.result
     if result.error is not None:
@@ -156,8 +189,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     nodes = live_nodes()
     print(describe_nodes(nodes, "GPU"))
     print()
-    if not 0 < args.link_probe <= 30 and not args.no_links:
-        raise JobError(f"--link-probe {args.link_probe}: give seconds in (0, 30]")
     report, links = doctor(nodes, interface=args.interface, timeout_s=args.timeout,
                            rendezvous_port=args.port,
                            link_probe_s=None if args.no_links else args.link_probe)
@@ -181,20 +212,24 @@ def _add_plan_doctor(sub) -> None:
     plan = sub.add_parser("plan", help="propose a mesh and rank -> node table for the cluster",
                           description="Propose a mesh for the live cluster and print the "
                                       "rank -> node table it would give. Starts nothing.")
-    plan.add_argument("--address", default=None, help=address_help)
+    plan.add_argument("--address", default=None, type=address_flag, help=address_help)
     plan.add_argument("--strategy", choices=STRATEGIES, default="hsdp",
                       help="hsdp (default), tp-dp, tp-pp or pp-hsdp-tp")
-    plan.add_argument("--resource", default=None,
+    plan.add_argument("--resource", default=None, type=name_flag,
                       help="what one worker takes (default GPU if the cluster has GPUs, else "
                            "CPU; or a custom resource name)")
-    plan.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
-    plan.add_argument("--pp", type=int, default=None, help="pipeline-parallel size")
+    plan.add_argument("--tp", type=int_flag(1, example=2), default=None,
+                      help="tensor-parallel size")
+    plan.add_argument("--pp", type=int_flag(1, example=2), default=None,
+                      help="pipeline-parallel size")
     plan.add_argument("job", nargs="?", default=None,
                       help="a job file with a plan: section: rank every layout by predicted "
                            "step time")
-    plan.add_argument("--nodes", type=int, default=None, help="with JOB: number of nodes")
-    plan.add_argument("--per-node", type=int, default=None, help="with JOB: workers per node")
-    plan.add_argument("--link-mbit", type=float, default=None,
+    plan.add_argument("--nodes", type=int_flag(1, example=2), default=None,
+                      help="with JOB: number of nodes")
+    plan.add_argument("--per-node", type=int_flag(1, example=4), default=None,
+                      help="with JOB: workers per node")
+    plan.add_argument("--link-mbit", type=positive_number, default=None,
                       help="with JOB: node link rate in Mbit/s (else plan.link_mbit)")
     plan.add_argument("--json", action="store_true", help="with JOB: machine-readable output")
     plan.set_defaults(func=_cmd_plan)
@@ -204,25 +239,25 @@ def _add_plan_doctor(sub) -> None:
                          description="Check every live node's network interfaces, Ray and "
                                      "torch versions, and that the nodes reach each other "
                                      "over the chosen interface. Every wait is bounded.")
-    doc.add_argument("--address", default=None, help=address_help)
-    doc.add_argument("--interface", default="auto",
+    doc.add_argument("--address", default=None, type=address_flag, help=address_help)
+    doc.add_argument("--interface", default="auto", type=name_flag,
                      help="'auto' (default) or an interface name to check on every node")
-    doc.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    doc.add_argument("--timeout", type=seconds_flag(), default=DEFAULT_TIMEOUT_S,
                      help=f"bound on the whole check in seconds (default {DEFAULT_TIMEOUT_S:g})")
-    doc.add_argument("--port", type=int, default=None,
+    doc.add_argument("--port", type=port_flag, default=None,
                      help="also check this fixed rendezvous port (MASTER_PORT) on the head")
     doc.add_argument("--json", action="store_true",
                      help="machine-readable: ok, problems, links [{a, b, mbit_s}], verdict")
     doc.add_argument("--no-links", action="store_true",
                      help="skip the link bandwidth measurement after the pre-flight")
-    doc.add_argument("--link-probe", type=float, default=1.0, metavar="S",
+    doc.add_argument("--link-probe", type=seconds_flag(30), default=1.0, metavar="S",
                      help="bound on each link transfer in seconds (default 1)")
     doc.set_defaults(func=_cmd_doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ray-mesh", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CliParser(prog="ray-mesh", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="more output: every rank's network environment line, Ray "
                              "Train's own log lines, debug logging")
@@ -231,9 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                          description=RUN_DESCRIPTION,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("job", help="path to the job's YAML file")
-    run.add_argument("--address", default=None,
+    run.add_argument("--address", default=None, type=address_flag,
                      help="Ray cluster address (else RAY_ADDRESS, else an embedded local Ray)")
-    run.add_argument("--num-workers", type=int, default=None,
+    run.add_argument("--num-workers", type=int_flag(1, MAX_WORKERS, example=4), default=None,
                      help="override scaling.num_workers")
     run.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                      help="more output (as ray-mesh -v)")
@@ -249,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true",
                         help="machine-readable: nodes, runs, ranks, per dim the slowest rank, "
                              "links (Mbit/s) and the verdict")
-    status.add_argument("--timeout", type=float, default=5.0,
+    status.add_argument("--timeout", type=seconds_flag(), default=5.0,
                         help="seconds to wait for each answer (default 5)")
     status.add_argument("--html", default=None, metavar="FILE",
                         help="also draw nodes, ranks, links and curves into a self-contained "
@@ -266,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except USER_ERRORS as exc:
+    except Exception as exc:
+        if not isinstance(exc, user_errors()):
+            raise
+        if args.verbose:  # the traceback only on request; the one line either way
+            traceback.print_exc()
         print(f"ray-mesh: error: {exc}", file=sys.stderr)
         return 2
 

@@ -8,13 +8,13 @@ Ray, lets the job parser use them without importing Ray, and the two can no long
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ray_mesh.core import priority
 from ray_mesh.core.spec import MeshSpec
+from ray_mesh.core.values import describe, read_bool, read_int, read_seconds
 
 MeshLike = MeshSpec | Mapping[str, Any] | str | None
 """What ``mesh=`` accepts: a MeshSpec, a dict of dim sizes, 'hsdp'/'fsdp'/'ddp', or None."""
@@ -54,56 +54,37 @@ OPTION_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(MeshOptions
 """Option name -> default, read from the dataclass (job sections use this)."""
 
 
-def _positive(name: str, value: Any, high: float = math.inf) -> None:
-    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-            or not 0 < value <= high):
-        bound = "" if high == math.inf else f" and <= {high:g}"
-        raise ValueError(f"{name} must be a finite number of seconds > 0{bound}, got {value!r}.")
-
-
 def check_option_values(values: Mapping[str, Any]) -> None:
-    """Check the options present in ``values``; raise ``ValueError`` with the fix."""
+    """Check the options present in ``values``; raise ``ValueError`` with the fix.
+
+    The same strict readers as the job file and the CLI (:mod:`ray_mesh.core.values`):
+    ``"false"`` is not a bool, ``0`` is not ``False``, ``.nan`` is not a number of seconds.
+    """
     if "interface" in values:
-        interface = values["interface"]
-        if not isinstance(interface, str) or not interface:
-            raise ValueError(f"interface must be 'auto' or an interface name, got "
-                             f"{interface!r}.")
+        iface = values["interface"]
+        if not isinstance(iface, str) or not iface.strip():
+            raise ValueError(f"interface must be 'auto' or an interface name (e.g. "
+                             f"tailscale0); got {describe(iface)}.")
     for name in ("bringup_timeout_s", "preflight_timeout_s"):
         if name in values:
-            _positive(name, values[name])
-    hang_s = values.get("hang_timeout_s")
-    if hang_s is not None:
-        try:
-            _positive("hang_timeout_s", hang_s)
-        except ValueError:
-            raise ValueError(f"hang_timeout_s must be a finite number of seconds > 0, or None "
-                             f"(null in YAML) to turn the hang watch off; got {hang_s!r}.") \
-                from None
-    wait_s = values.get("wait_sample_s")
-    if wait_s is not None:
-        try:
-            _positive("wait_sample_s", wait_s, high=1)
-        except ValueError:
-            raise ValueError(f"wait_sample_s must be a number of seconds in (0, 1], or None "
-                             f"(null in YAML) to turn the wait sampler off; got {wait_s!r}.") \
-                from None
+            read_seconds(name, values[name])
+    if "hang_timeout_s" in values:
+        read_seconds("hang_timeout_s", values["hang_timeout_s"], none_ok=True,
+                     none_means="None/null turns the hang watch off")
+    if "wait_sample_s" in values:
+        read_seconds("wait_sample_s", values["wait_sample_s"], high=1, none_ok=True,
+                     none_means="None/null turns the wait sampler off")
     if "link_probe_s" in values:
-        _positive("link_probe_s", values["link_probe_s"], high=30)
-    if "measure_links" in values and values["measure_links"] not in (True, False, "auto"):
-        raise ValueError(f"measure_links must be True, False or 'auto', got "
-                         f"{values['measure_links']!r}.")
+        read_seconds("link_probe_s", values["link_probe_s"], high=30)
     for name in ("allow_cross_node_inner", "preflight", "verbose"):
-        if name in values and not isinstance(values[name], bool):
-            raise ValueError(f"{name} must be true or false, got {values[name]!r}.")
-    if "nccl_vpn_defaults" in values and values["nccl_vpn_defaults"] not in (True, False, "auto"):
-        raise ValueError(f"nccl_vpn_defaults must be True, False or 'auto', got "
-                         f"{values['nccl_vpn_defaults']!r}.")
+        if name in values:
+            read_bool(name, values[name])
+    for name in ("measure_links", "nccl_vpn_defaults"):
+        if name in values:
+            read_bool(name, values[name], also=("auto",))
     if "worker_niceness" in values:
-        nice = values["worker_niceness"]
-        if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int)
-                                 or nice not in priority.NICENESS_RANGE):
-            raise ValueError(f"worker_niceness must be an int from -20 to 19 or None (keep "
-                             f"Ray's), got {nice!r}.")
+        lo, hi = priority.NICENESS_RANGE[0], priority.NICENESS_RANGE[-1]
+        read_int("worker_niceness", values["worker_niceness"], lo, hi, none_ok=True)
 
 
 __all__ = ["OPTION_DEFAULTS", "MeshLike", "MeshOptions", "check_option_values"]

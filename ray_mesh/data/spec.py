@@ -30,6 +30,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+from ray_mesh.core.values import read_str
+
 FORMATS: dict[str, tuple[str, ...]] = {
     "text": (),  # any file
     "jsonl": (".jsonl", ".json"),
@@ -145,9 +147,9 @@ class DataSpec:
 
     def check_values(self) -> None:
         """Types and ranges of every key (no file access)."""
-        if self.format not in FORMATS:
-            raise DataSpecError(f"data.format {self.format!r} is unknown; use one of "
-                                f"{tuple(FORMATS)}.")
+        read_str("data.format", self.format, choices=tuple(FORMATS), error=DataSpecError)
+        read_str("data.text_key", self.text_key, error=DataSpecError,
+                 hint=" (the column holding the text in jsonl/parquet rows)")
         for key in ("seq_len", "batch_size", "batch_tokens", "max_tokens", "val_tokens"):
             value = getattr(self, key)
             if value is None and key != "seq_len":

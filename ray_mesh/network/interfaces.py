@@ -150,8 +150,8 @@ def choose_all(reports: Sequence[WorkerReport], requested: str) -> list[Choice]:
     if failures:
         raise NetworkError(
             f"No usable interface on {len(failures)} of "
-            f"{len({r.node_ip for r in reports})} node(s):\n  - "
-            + "\n  - ".join(failures.values())
+            f"{len({r.node_ip for r in reports})} node(s): "
+            + "; ".join(failures.values())
         )
     return choices
 
@@ -219,6 +219,68 @@ def collective_env(choice: Choice, vpn_defaults: bool | str = "auto") -> dict[st
     if vpn_defaults is True or (vpn_defaults == "auto" and is_vpn(choice)):
         env.update(NCCL_VPN_DEFAULTS)
     return env
+
+
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""The interface variables a user may set; :func:`apply_env` keeps theirs over ours."""
+
+
+def _ifname_missing(var: str, value: str, names: Sequence[str]) -> list[str] | None:
+    """The entries of ``var=value`` that match no interface in ``names`` (None: all fine).
+
+    gloo opens a device per comma-separated name, so every one must exist; NCCL takes
+    prefixes (``=name`` exact, ``^...`` an exclusion list) and needs one that matches.
+    """
+    if var.startswith("NCCL"):
+        if value.startswith("^"):
+            return None
+        exact = value.startswith("=")
+        wanted = [w.strip() for w in value.lstrip("=").split(",") if w.strip()]
+        hits = [w for w in wanted if any(n == w if exact else n.startswith(w) for n in names)]
+        return None if hits or not wanted else wanted
+    missing = [w.strip() for w in value.split(",") if w.strip() and w.strip() not in names]
+    return missing or None
+
+
+def user_ifname_problems(env: Mapping[str, str], interfaces: Mapping[str, list[str]], *,
+                         nccl: bool) -> list[str]:
+    """One line per user-set interface variable in ``env`` that names no interface here.
+
+    ray_mesh keeps a value the user set (:func:`apply_env`), so a stale
+    ``GLOO_SOCKET_IFNAME=eth1`` would otherwise make gloo fail (or NCCL hang) after
+    bring-up. ``nccl``: also check NCCL's variable (only read by an nccl backend).
+    """
+    out = []
+    for var in IFNAME_VARS if nccl else IFNAME_VARS[:1]:
+        value = env.get(var)
+        missing = _ifname_missing(var, value, list(interfaces)) if value else None
+        if missing:
+            out.append(f"{var}={value} (set by the user, so ray_mesh keeps it) names no "
+                       f"interface there ({', '.join(missing)} not found; interfaces: "
+                       f"{', '.join(sorted(interfaces)) or 'none'}). Unset {var} to let "
+                       f"ray_mesh pin collectives to the interface it chooses, or set it to "
+                       f"an interface every node has.")
+    return out
+
+
+def check_user_ifnames(reports: Sequence[WorkerReport], envs: Sequence[Mapping[str, str]],
+                       *, nccl: bool) -> None:
+    """Every worker's user-set interface variables against its node's interfaces; one
+    NetworkError naming each failing node."""
+    failures: dict[str, str] = {}
+    for r, env in zip(reports, envs, strict=True):
+        problems = user_ifname_problems(env, r.interfaces, nccl=nccl)
+        if problems:
+            who = r.hostname or f"rank {r.rank}"
+            failures.setdefault(r.node_ip, f"node {r.node_ip} ({who}): {problems[0]}")
+    if failures:
+        raise NetworkError("A collective interface variable set by the user does not fit "
+                           + "; ".join(failures.values()))
+
+
+def user_ifname_env() -> dict[str, str]:
+    """This process's interface variables (run on each worker before ray_mesh sets them)."""
+    return {k: os.environ[k] for k in IFNAME_VARS if k in os.environ}
 
 
 def user_kept(wanted: Mapping[str, str], in_force: Mapping[str, str]) -> dict[str, str]:

@@ -25,13 +25,16 @@ import ray_mesh.private_apis as private_apis
 from ray_mesh.core import bootstrap, priority
 from ray_mesh.core.options import MeshOptions
 from ray_mesh.core.spec import MeshSpec
-from ray_mesh.core.topology import MeshPlan, WorkerReport, plan_mesh
+from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
 from ray_mesh.network.interfaces import (
     Choice,
+    NetworkError,
+    check_user_ifnames,
     choose_all,
     collective_env,
     free_port,
     local_interfaces,
+    user_ifname_env,
 )
 from ray_mesh.network.probe import node_versions
 from ray_mesh.observability import hang, waits
@@ -253,6 +256,8 @@ def plan_for(worker_group, config: MeshConfig
             f"or run with ScalingConfig(use_gpu=False)."
         )
     choices = choose_all(plan.workers, config.interface)
+    nccl = "nccl" in (config.backend or ("nccl" if gpus else "gloo"))  # user's *_IFNAME wins
+    check_user_ifnames(reports, worker_group.execute(user_ifname_env), nccl=nccl)
     return plan, choices, reports
 
 
@@ -278,8 +283,11 @@ class _MeshBackend(Backend):
     def on_start(self, worker_group, backend_config: MeshConfig) -> None:
         try:
             self._start(worker_group, backend_config)
-        except BaseException:
+        except BaseException as exc:
             _release_worker_group(worker_group)
+            ours = (NetworkError, BringUpError, TopologyError)  # bad input: shown as one line
+            if isinstance(exc, ours):
+                private_apis.quiet_callback_traceback(ours)
             raise
 
     def _start(self, worker_group, config: MeshConfig) -> None:

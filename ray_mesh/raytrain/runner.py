@@ -16,13 +16,19 @@ from ray.train import CheckpointConfig, LoggingConfig, Result, RunConfig, Scalin
 from ray.train.torch import TorchTrainer
 
 import ray_mesh.private_apis as private_apis
+from ray_mesh.checkpointing.names import StorageError
 from ray_mesh.checkpointing.storage import check_run_name, check_storage
+from ray_mesh.cli.flags import address_problem
 from ray_mesh.cli.job import Job, JobError
+from ray_mesh.cli.preray import check_before_ray, user_error_inside
 from ray_mesh.core.priority import RAY_NICENESS_ENV
-from ray_mesh.core.spec import NODES
-from ray_mesh.network.interfaces import host_port, split_host_port
+from ray_mesh.core.spec import NODES, MeshSpecError
+from ray_mesh.core.topology import TopologyError
+from ray_mesh.network.interfaces import NetworkError, host_port, split_host_port
+from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.raytrain.auth import secure_token_file
-from ray_mesh.raytrain.backend import MeshConfig
+from ray_mesh.raytrain.backend import BringUpError, MeshConfig
+from ray_mesh.raytrain.data import DataSplitError
 from ray_mesh.raytrain.driver import CLI_ENV, EMBEDDED_ENV
 from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 
@@ -30,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 DATA_CPUS = 2
 """CPUs an embedded Ray adds for Ray Data's read and pack tasks when the job has ``data:``."""
+USER_ERROR_TYPES = (NetworkError, BringUpError, MeshSpecError, TopologyError, JobError,
+                    StorageError, ParallelError, DataSplitError)
+"""Our errors that Ray Train wraps (ControllerError, WorkerGroupError): shown unwrapped."""
 
 
 def connect(address: str | None, num_cpus_needed: float) -> bool:
@@ -39,7 +48,11 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
     """
     if ray.is_initialized():
         return False
+    given = "--address" if address else "RAY_ADDRESS"
     address = address or os.environ.get("RAY_ADDRESS")
+    why = address_problem(address) if address else None
+    if why:
+        raise JobError(f"{given}: {why}.")
     if address:
         secure_token_file(create=False)  # a token others can read: tightened, with a warning
         check_reachable(address)
@@ -279,6 +292,7 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
     cpus += DATA_CPUS if job.data is not None else 0  # room for Ray Data's tasks
     embedded = not (address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized()
     saved_address = os.environ.get("RAY_ADDRESS")  # connect() sets it for an embedded Ray
+    check_before_ray(job, embedded)  # storage, size, interfaces: before Ray starts
     with env_defaults({**CLI_ENV, **(EMBEDDED_ENV if embedded else {})}):
         started = connect(address, cpus)
         try:
@@ -299,6 +313,10 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
                 why = explain_startup_failure(exc, scaling.num_workers)
                 if why:
                     raise JobError(why) from exc
+                # Our own error (a failed pre-flight, a bad mesh) inside Ray's wrappers.
+                ours = user_error_inside(exc, USER_ERROR_TYPES)
+                if ours is not None:
+                    raise ours from None
                 raise
             return RunOutcome(result, time.monotonic() - t0, url, started)
         finally:

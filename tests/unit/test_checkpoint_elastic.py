@@ -46,7 +46,7 @@ def test_job_min_workers_makes_scaling_elastic():
     ({"min_workers": 0}, "run.min_workers must be an int >= 1"),
     ({"num_to_keep": 0}, "run.num_to_keep must be an int >= 1"),
     ({"max_failures": "many"}, "run.max_failures must be an int >= -1"),
-    ({"storage_path": 3}, "run.storage_path must be a path or URI"),
+    ({"storage_path": 3}, "run.storage_path must be a non-empty string"),
     ({"num_to_kep": 3}, "Did you mean 'num_to_keep'"),
 ])
 def test_bad_run_keys(run, match):

@@ -46,8 +46,8 @@ def test_mesh_errors_surface_as_job_errors():
 
 
 @pytest.mark.parametrize("scaling, match", [
-    ({"num_workers": 0}, "positive int"),
-    ({"num_workers": "four"}, "positive int"),
+    ({"num_workers": 0}, "num_workers must be an int from 1"),
+    ({"num_workers": "four"}, "num_workers must be an int from 1"),
     ({"use_gpu": "yes"}, "true, false or auto"),
 ])
 def test_bad_scaling_values(scaling, match):
@@ -134,8 +134,8 @@ def test_worker_niceness_from_yaml(tmp_path):
 @pytest.mark.parametrize("network, match", [
     ({"bringup_timeout_s": 0}, "network.bringup_timeout_s must be a finite number of seconds > 0"),
     ({"preflight": "no thanks"}, "network.preflight must be true or false"),
-    ({"nccl_vpn_defaults": "sometimes"}, "network.nccl_vpn_defaults must be True, False"),
-    ({"timeout_s": -1}, "network.timeout_s must be a positive int"),
+    ({"nccl_vpn_defaults": "sometimes"}, "network.nccl_vpn_defaults must be true, false or auto"),
+    ({"timeout_s": -1}, "network.timeout_s must be an int from 1"),
     ({"interface": ""}, "network.interface must be 'auto' or an interface name"),
 ])
 def test_bad_network_values_fail_at_parse(network, match):

@@ -181,7 +181,7 @@ def test_data_seq_len_too_long_for_the_model():
 
 @pytest.mark.parametrize("section, match", [
     ({"seqlen": 4}, r"Unknown key 'seqlen' in 'data'. Did you mean 'seq_len'"),
-    ({"format": "csv"}, r"data.format 'csv' is unknown"),
+    ({"format": "csv"}, r"data.format must be one of text, jsonl, parquet; got 'csv'"),
     ({"validation": 1.5}, r"data.validation must be a fraction"),
     ("stdlib", r"'data' must be a mapping"),
 ])

@@ -1,0 +1,121 @@
+"""Command-line flags, checked as strictly as job-file keys (Ray-free).
+
+Every numeric flag of ``ray-mesh`` goes through one of these ``type=`` callables, which use
+the same readers as the job file (:mod:`ray_mesh.core.values`): ``--timeout 0``, ``nan`` or
+``-5``, ``--port 99999``, ``--tp 0`` and ``--num-workers -2`` fail at parse time, before
+any connection, and :class:`CliParser` prints one ``ray-mesh: error:`` line naming the flag
+and the fix instead of argparse's usage block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from ray_mesh.core.values import MAX_SECONDS, read_int, read_port, read_seconds, read_str
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``ray-mesh: error: <flag>: <fix>``."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"ray-mesh: error: {message.rstrip('.')}. See `{self.prog} "
+                         f"--help`.\n")
+        sys.exit(2)
+
+
+def _number(text: str, kind: type) -> float | int:
+    try:
+        return kind(text)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"must be {what}; got {text!r}") from None
+
+
+def int_flag(low: int, high: int | None = None, example: int | None = None
+             ) -> Callable[[str], int]:
+    """``type=`` for an int flag in ``[low, high]``."""
+    def parse(text: str) -> int:
+        try:
+            return read_int("", _number(text, int), low, high, example=example)  # type: ignore[return-value]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+    parse.__name__ = "int"
+    return parse
+
+
+def seconds_flag(high: float = MAX_SECONDS) -> Callable[[str], float]:
+    """``type=`` for a timeout flag: finite seconds in ``(0, high]``."""
+    def parse(text: str) -> float:
+        try:
+            return read_seconds("", _number(text, float), high=high)  # type: ignore[return-value]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+    parse.__name__ = "seconds"
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """``type=`` for a rate such as ``--link-mbit``: a finite number > 0."""
+    value = _number(text, float)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text!r}")
+    return value
+
+
+def port_flag(text: str) -> int:
+    """``type=`` for a TCP port flag (1-65535)."""
+    try:
+        return read_port("", _number(text, int))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+
+def name_flag(text: str) -> str:
+    """``type=`` for a name flag (``--interface``, ``--resource``): a non-empty string."""
+    try:
+        return read_str("", text.strip())  # type: ignore[return-value]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+
+def address_problem(address: str) -> str | None:
+    """Why ``address`` cannot be a Ray cluster address for ``ray.init``, or None.
+
+    The usual mistake is the dashboard URL (``http://head:8265``, what ``ray job submit``
+    takes); ``ray.init`` wants the GCS address ``head:6379``.
+    """
+    from ray_mesh.network.interfaces import split_host_port
+
+    if address in ("auto", "local"):
+        return None
+    if address.startswith(("http://", "https://")):
+        host = address.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0] or "<head>"
+        return (f"{address!r} is the Ray dashboard URL (what `ray job submit` takes); give "
+                f"the cluster's GCS address instead, {host}:6379 (the port `ray start --head` "
+                f"printed), or auto for the cluster on this machine")
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    if "://" in target:
+        return (f"{address!r} is not a Ray address: give host:6379 (the GCS address), "
+                f"ray://host:10001 (Ray Client), or auto")
+    try:
+        split_host_port(target.rstrip("/"), 6379)
+    except ValueError as exc:
+        return f"{address!r} is not an address: {exc}"
+    return None
+
+
+def address_flag(text: str) -> str:
+    """``type=`` for ``--address`` of run, plan and doctor (a GCS address, not a URL)."""
+    why = address_problem(text.strip())
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return text.strip()
+
+
+__all__ = ["CliParser", "address_flag", "address_problem", "int_flag", "name_flag",
+           "port_flag", "positive_number", "seconds_flag"]

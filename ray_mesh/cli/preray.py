@@ -1,0 +1,103 @@
+"""What the driver can check about a job before Ray starts, and the user error inside Ray's.
+
+``ray-mesh run`` calls :func:`check_before_ray` before ``ray.init``: a storage path this
+machine cannot write, more workers than an embedded Ray on this machine can hold, or an
+interface (``network.interface``, or a ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` the
+user set) that does not exist here fail in a second instead of after Ray's start-up. On a
+cluster the same interface checks run on every node during bring-up (``ray_mesh.raytrain``).
+
+:func:`user_error_inside` finds our own error (a ``PreflightError``, say) inside the
+``ControllerError``/``WorkerGroupError`` that Ray Train wraps it in, so the console shows
+its message as one line, not Ray's wrapper and traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from ray_mesh.cli.job import Job, JobError
+from ray_mesh.network.interfaces import (
+    NetworkError,
+    choose_interface,
+    local_interfaces,
+    user_ifname_problems,
+)
+
+WORKER_MEMORY_GB = 0.5
+"""What one Ray Train worker process holding torch takes at least (resident, CPU)."""
+
+
+def embedded_capacity_problem(num_workers: int, total_bytes: int) -> str | None:
+    """Why ``num_workers`` workers cannot run on an embedded Ray of this machine, or None."""
+    fit = int(total_bytes / (WORKER_MEMORY_GB * 2**30))
+    if num_workers <= max(fit, 1):
+        return None
+    return (f"scaling.num_workers: {num_workers} workers on this machine's embedded Ray need "
+            f"about {num_workers * WORKER_MEMORY_GB:.0f} GB of memory (each worker is a process "
+            f"holding torch, ~{WORKER_MEMORY_GB} GB), but it has {total_bytes / 2**30:.0f} GB: "
+            f"lower scaling.num_workers (or --num-workers) to at most {fit}, or run on a "
+            f"cluster with --address <head>:6379.")
+
+
+def check_before_ray(job: Job, embedded: bool) -> None:
+    """Driver-side checks that need no Ray; raise JobError/StorageError/NetworkError."""
+    from ray_mesh.checkpointing.storage import _is_uri, check_storage
+
+    path = job.run.storage_path
+    if path is None or not _is_uri(path):  # a URI is probed once Ray is up (one round trip)
+        check_storage(path, name=job.name)
+    if not embedded:
+        return
+    import psutil
+
+    why = embedded_capacity_problem(job.scaling.num_workers, psutil.virtual_memory().total)
+    if why:
+        raise JobError(why)
+    # The embedded Ray's only node is this machine, and its workers inherit this environment.
+    table = local_interfaces()
+    if job.network.interface != "auto":
+        try:
+            choose_interface("this machine", job.network.interface, table)
+        except NetworkError as exc:
+            raise JobError(f"network.interface: {exc}") from None
+    nccl = job.network.backend is not None and "nccl" in job.network.backend
+    problems = user_ifname_problems(dict(os.environ), table, nccl=nccl)
+    if problems:
+        raise NetworkError(f"On this machine (the embedded Ray's node): {problems[0]}")
+
+
+def _inner(exc: BaseException) -> Iterator[BaseException]:
+    cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
+    if isinstance(cause, BaseException):
+        yield cause
+    failure = getattr(exc, "controller_failure", None)  # Ray Train V2's ControllerError
+    if isinstance(failure, BaseException):
+        yield failure
+    failures = getattr(exc, "worker_failures", None)  # V2's WorkerGroupError
+    if isinstance(failures, dict):
+        yield from (f for f in failures.values() if isinstance(f, BaseException))
+    for linked in (exc.__cause__, exc.__context__):
+        if linked is not None:
+            yield linked
+
+
+def user_error_inside(exc: BaseException, types: tuple[type[BaseException], ...]
+                      ) -> BaseException | None:
+    """The first error of ``types`` wrapped in ``exc`` (Ray's wrappers unwrapped), or None."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        original = getattr(current, "cause", None)
+        if isinstance(current, types) and not isinstance(original, BaseException):
+            return current
+        todo.extend(_inner(current))
+    return None
+
+
+__all__ = ["check_before_ray", "embedded_capacity_problem", "user_error_inside"]

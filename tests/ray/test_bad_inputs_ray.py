@@ -1,0 +1,68 @@
+"""Bad input that only the nodes can see, under real Ray: an interface the nodes do not have
+(``network.interface``) and a ``GLOO_SOCKET_IFNAME`` the user set on the workers. Both fail
+at bring-up, before any process group, with our own one-line error, not Ray Train's
+``ControllerError`` wrapper and its traceback.
+
+The driver is a subprocess joining the session's Ray by address (not embedded), so the
+driver-side shortcut for an embedded Ray (tests/unit/test_bad_inputs_cli.py) does not apply
+and the check on the workers is what refuses the job.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = "name: {name}\ntrain: t.py:train_loop\nscaling: {{num_workers: 2}}\n{extra}"
+
+
+def _driver(tmp_path: Path, gcs: str, name: str, extra: str, env_vars: dict[str, str]
+            ) -> subprocess.CompletedProcess:
+    (tmp_path / "t.py").write_text("def train_loop(config):\n    pass\n")
+    (tmp_path / "job.yaml").write_text(JOB.format(name=name, extra=extra))
+    # ray.init with a runtime_env: how a user's variable reaches workers on a cluster.
+    code = (
+        "import sys, ray\n"
+        "from ray_mesh.cli.main import main\n"
+        f"ray.init(address={gcs!r}, runtime_env={{'env_vars': {env_vars!r}}}, "
+        "log_to_driver=True)\n"
+        f"sys.exit(main(['run', 'job.yaml', '--address', {gcs!r}]))\n")
+    env = {**os.environ, "RAY_ADDRESS": gcs}  # Ray's own helpers (state API) use it too
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _one_line(proc: subprocess.CompletedProcess, *words: str) -> str:
+    out = proc.stdout + proc.stderr
+    errors = [x for x in out.splitlines() if x.startswith("ray-mesh: error:")]
+    assert proc.returncode == 2, out[-4000:]
+    assert len(errors) == 1, out[-4000:]
+    assert "ControllerError" not in errors[0], errors[0]
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, extra, env_vars, words", [
+    ("iface", "network: {interface: nosuch0}\n", {},
+     ["nosuch0", "does not exist", "'auto'"]),
+    ("gloo", "", {"GLOO_SOCKET_IFNAME": "nosuch0"},
+     ["GLOO_SOCKET_IFNAME=nosuch0", "set by the user", "Unset GLOO_SOCKET_IFNAME"]),
+], ids=["interface", "user-gloo-ifname"])
+def test_nodes_refuse_an_interface_they_do_not_have(ray_local, tmp_path, name, extra,
+                                                    env_vars, words):
+    import ray
+
+    gcs = ray.get_runtime_context().gcs_address
+    out = _one_line(_driver(tmp_path, gcs, name, extra, env_vars), *words)
+    # Not our error's traceback (the controller logs it as one line too). Ray Train's own
+    # shutdown noise on a loaded machine (its autoscaling coordinator) is not ours to hide.
+    ours = [x for x in out.splitlines() if 'File "' in x and "ray_mesh" in x]
+    assert not ours, out[-4000:]

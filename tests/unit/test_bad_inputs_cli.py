@@ -1,0 +1,202 @@
+"""Every class of bad input to the real ``ray-mesh`` command: refused on the driver before
+Ray starts, exit status != 0, exactly one ``ray-mesh: error:`` line naming the key or flag
+and the fix, and no traceback (``-v`` shows one on request).
+
+Each case runs ``python -m ray_mesh.cli`` in a subprocess, as a user would. The subprocess
+limit is a hang guard (20 s, stretched on an overloaded machine), not a timing claim; that
+nothing reached Ray is checked by Ray's own start-up line being absent.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+REFUSE_WITHIN_S = 20.0
+BASE = "name: j\ntrain: t.py:train_loop\nscaling: {num_workers: 2}\n"
+
+
+def _limit_s() -> float:
+    """20 s, times how oversubscribed the CPUs are (helpers share a 2-core box)."""
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return REFUSE_WITHIN_S * max(1.0, load)
+
+
+def _job(folder: Path, text: str | bytes, name: str = "job.yaml") -> str:
+    (folder / "t.py").write_text("def train_loop(config):\n    pass\n")
+    path = folder / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+def _cli(args: list[str], cwd: Path, extra_env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra_env or {})
+    return subprocess.run([sys.executable, "-m", "ray_mesh.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=_limit_s())
+
+
+def _refused(proc: subprocess.CompletedProcess, *words: str) -> str:
+    out = proc.stdout + proc.stderr
+    errors = [x for x in out.splitlines() if x.startswith("ray-mesh: error:")]
+    assert proc.returncode not in (0, None), out[-3000:]
+    assert len(errors) == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "Started a local Ray instance" not in out, out[-3000:]  # refused before Ray
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+    return errors[0]
+
+
+# (case id, job file text, extra CLI args, words the error line must hold)
+JOB_CASES = [
+    # YAML itself
+    ("duplicate-key", BASE + "name: k\n", [], ["'name' appears twice", "line 1", "keep one"]),
+    ("not-utf8", b"name: caf\xe9\ntrain: t.py:train_loop\n", [], ["not UTF-8", "line 1"]),
+    ("empty-file", "", [], ["empty", "train:"]),
+    ("top-level-list", "- a\n- b\n", [], ["top level must be a mapping"]),
+    ("syntax", "train: t.py:train_loop\nmesh: {dp_shard: 2\n", [], ["not valid YAML", "line"]),
+    # keys
+    ("unknown-key", BASE + "netwrk: {}\n", [], ["'netwrk'", "Did you mean 'network'"]),
+    ("unknown-nested-key", BASE + "network: {preflite: true}\n", [], ["'preflite'",
+                                                                      "'preflight'"]),
+    # booleans must be YAML booleans
+    ("bool-as-string", BASE + 'network: {preflight: "false"}\n', [],
+     ["network.preflight", "without quotes"]),
+    ("bool-as-int", BASE.replace("{num_workers: 2}", "{num_workers: 2, use_gpu: 0}"), [],
+     ["scaling.use_gpu", "true, false or auto"]),
+    # ints
+    ("int-as-float", "train: t.py:train_loop\nscaling: {num_workers: 2.0}\n", [],
+     ["scaling.num_workers", "write 2"]),
+    ("int-as-string", "train: t.py:train_loop\nscaling: {num_workers: '2'}\n", [],
+     ["scaling.num_workers", "without quotes"]),
+    ("int-zero", "train: t.py:train_loop\nscaling: {num_workers: 0}\n", [],
+     ["scaling.num_workers", "from 1"]),
+    ("int-huge", "train: t.py:train_loop\nscaling: {num_workers: 100000000}\n", [],
+     ["scaling.num_workers", "100000"]),
+    ("int-negative", BASE + "run: {max_failures: -5}\n", [], ["run.max_failures", ">= -1"]),
+    # seconds
+    ("seconds-word", BASE + "network: {bringup_timeout_s: soon}\n", [],
+     ["network.bringup_timeout_s", "seconds > 0"]),
+    ("seconds-nan", BASE + "network: {bringup_timeout_s: .nan}\n", [],
+     ["network.bringup_timeout_s", "finite"]),
+    ("seconds-negative", BASE + "network: {timeout_s: -1}\n", [], ["network.timeout_s"]),
+    ("seconds-huge", BASE + "network: {hang_timeout_s: 1.0e+12}\n", [],
+     ["network.hang_timeout_s", "604800"]),
+    # choices and mappings
+    ("placement", BASE.replace("{num_workers: 2}", "{num_workers: 2, placement_strategy: "
+                                                   "spread}"), [],
+     ["scaling.placement_strategy", "Did you mean 'SPREAD'"]),
+    ("backend", BASE + "network: {backend: nccl2}\n", [], ["network.backend", "gloo"]),
+    ("resources-word", BASE.replace("{num_workers: 2}", "{num_workers: 2, resources_per_worker:"
+                                                        " {CPU: lots}}"), [],
+     ["scaling.resources_per_worker", "{CPU: 1"]),
+    ("resources-list", BASE.replace("{num_workers: 2}", "{num_workers: 2, resources_per_worker:"
+                                                        " [1, 2]}"), [],
+     ["scaling.resources_per_worker"]),
+    ("config-not-mapping", BASE + "config: 0\n", [], ["config must be a mapping"]),
+    ("data-format-list", BASE + "data: {paths: [stdlib], format: [text]}\n", [],
+     ["data.format", "text, jsonl, parquet"]),
+    # the train reference
+    ("train-not-string", "train: 5\n", [], ["train must be a non-empty string", "file.py"]),
+    ("train-no-function", "train: t.py\n", [], ["train:", ":function"]),
+    ("train-not-py", "train: t_nopy:train_loop\n", [], ["not a .py file"]),
+    ("train-outside-folder", "train: ../../../../etc/x.py:f\n", [],
+     ["outside the job's folder", "absolute path"]),
+    ("train-missing-function", "train: t.py:trian_loop\n", [], ["Did you mean 'train_loop'"]),
+    # the interface, on the embedded Ray's only node (this machine)
+    ("interface-missing", BASE + "network: {interface: nosuch0}\n", [],
+     ["network.interface", "nosuch0", "does not exist"]),
+    # storage, checked on the driver before Ray starts
+    ("storage-unwritable", BASE + "run: {storage_path: /proc/ray_results}\n", [],
+     ["storage_path", "not writable"]),
+    ("storage-empty", BASE + "run: {storage_path: ''}\n", [], ["run.storage_path"]),
+    # command-line overrides go through the job's own checks
+    ("num-workers-flag", BASE, ["--num-workers", "-2"], ["--num-workers", "from 1"]),
+    ("num-workers-flag-float", BASE, ["--num-workers", "2.0"], ["--num-workers",
+                                                                "whole number"]),
+    ("num-workers-vs-min", BASE + "run: {min_workers: 2}\n", ["--num-workers", "1"],
+     ["--num-workers 1", "min_workers=2"]),
+    ("address-dashboard-url", BASE, ["--address", "http://127.0.0.1:8265"],
+     ["--address", "dashboard URL", "127.0.0.1:6379", "auto"]),
+    ("address-bad-port", BASE, ["--address", "127.0.0.1:99999"], ["--address", "port"]),
+]
+
+
+@pytest.mark.parametrize("text, args, words", [c[1:] for c in JOB_CASES],
+                         ids=[c[0] for c in JOB_CASES])
+def test_bad_job_file_or_run_flag(tmp_path, text, args, words):
+    folder = tmp_path / "a" / "b"
+    folder.mkdir(parents=True)
+    job = _job(folder, text)
+    (folder / "t_nopy").write_text("def train_loop(config):\n    pass\n")
+    _refused(_cli(["run", job, *args], folder), *words)
+
+
+@pytest.mark.parametrize("target, words", [
+    ("{dir}", ["is a directory", "job.yaml"]),
+    ("/dev/null", ["not a regular file"]),
+    ("{dir}/nope.yaml", ["does not exist"]),
+], ids=["directory", "device", "missing"])
+def test_run_refuses_what_is_not_a_job_file(tmp_path, target, words):
+    _job(tmp_path, BASE)
+    _refused(_cli(["run", target.format(dir=tmp_path)], tmp_path), *words)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["plan", "--tp", "0"], ["--tp", "int >= 1"]),
+    (["plan", "--strategy", "tp-pp", "--pp", "-1"], ["--pp", "int >= 1"]),
+    (["plan", "--nodes", "0"], ["--nodes"]),
+    (["plan", "--link-mbit", "nan"], ["--link-mbit", "finite"]),
+    (["plan", "--strategy", "tpp"], ["--strategy", "tp-pp"]),
+    (["plan", "--address", "http://10.0.0.1:8265"], ["--address", "10.0.0.1:6379"]),
+    (["doctor", "--timeout", "0"], ["--timeout", "seconds > 0"]),
+    (["doctor", "--timeout", "-5"], ["--timeout", "seconds > 0"]),
+    (["doctor", "--timeout", "nan"], ["--timeout", "finite"]),
+    (["doctor", "--timeout", "soon"], ["--timeout", "a number"]),
+    (["doctor", "--port", "99999"], ["--port", "1 to 65535"]),
+    (["doctor", "--port", "0"], ["--port", "1 to 65535"]),
+    (["doctor", "--link-probe", "60"], ["--link-probe", "<= 30"]),
+    (["doctor", "--interface", ""], ["--interface", "non-empty"]),
+    (["status", "--timeout", "-1"], ["--timeout", "seconds > 0"]),
+    (["status", "--timeout", "inf"], ["--timeout", "finite"]),
+    (["run"], ["job"]),
+    (["frobnicate"], ["frobnicate"]),
+], ids=lambda v: "_".join(v) if isinstance(v, list) and v and v[0] in (
+    "plan", "doctor", "status", "run", "frobnicate") else None)
+def test_bad_flags_fail_at_parse_time(tmp_path, args, words):
+    line = _refused(_cli(args, tmp_path), *words)
+    assert "--help" in line
+
+
+def test_ray_address_env_with_a_dashboard_url(tmp_path):
+    job = _job(tmp_path, BASE)
+    _refused(_cli(["run", job], tmp_path, {"RAY_ADDRESS": "http://127.0.0.1:8265"}),
+             "RAY_ADDRESS", "dashboard URL", "127.0.0.1:6379")
+
+
+@pytest.mark.parametrize("var, value", [("GLOO_SOCKET_IFNAME", "nosuch0"),
+                                        ("GLOO_SOCKET_IFNAME", "lo,nosuch0")])
+def test_user_set_interface_variable_that_does_not_exist(tmp_path, var, value):
+    """On an embedded Ray the workers inherit this environment: checked on the driver."""
+    job = _job(tmp_path, BASE)
+    _refused(_cli(["run", job], tmp_path, {var: value}), var, "nosuch0", f"Unset {var}")
+
+
+def test_verbose_shows_the_traceback_and_the_line(tmp_path):
+    job = _job(tmp_path, BASE + "network: {preflight: 'no'}\n")
+    proc = _cli(["-v", "run", job], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" in out, out[-3000:]
+    assert sum(x.startswith("ray-mesh: error:") for x in out.splitlines()) == 1, out[-3000:]
