@@ -16,7 +16,6 @@ step alone, so sync HSDP and DiLoCo runs see the same tokens in the same order.
 from __future__ import annotations
 
 import json
-import math
 
 import torch
 import torch.nn as nn
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from ray_mesh.data.spec import DataSpec
 from ray_mesh.data.text import load_split
 from ray_mesh.models import Llama, LlamaConfig, parallelize_llama
+from ray_mesh.models.schedule import warmup_cosine
 
 DEFAULTS: dict = {
     "preset": "tiny", "seq": 128, "batch_size": 16, "lr": 3e-3, "warmup": 10,
@@ -59,11 +59,7 @@ def optimizer(params, cfg: dict) -> torch.optim.Optimizer:
 
 def lr_factor(step: int, cfg: dict) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine down to ``min_lr_ratio``."""
-    warm, total, low = cfg["warmup"], cfg["steps"], cfg["min_lr_ratio"]
-    if step < warm:
-        return (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, total - warm))
-    return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+    return warmup_cosine(step, cfg["warmup"], cfg["steps"], cfg["min_lr_ratio"])
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

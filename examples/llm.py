@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from ray_mesh.data.checks import check_same_batch
 from ray_mesh.data.spec import DataSpec
 from ray_mesh.data.text import bits_per_byte, load_split
 from ray_mesh.models import Llama, LlamaConfig, num_params, parallelize_llama
+from ray_mesh.models.schedule import warmup_cosine
 from ray_mesh.observability.progress import in_ray_train
 from ray_mesh.parallel import dp_mean, dp_size, local_batch_size, shard_batch
 
@@ -146,11 +146,7 @@ def ray_batches(local: int) -> Iterator[torch.Tensor] | None:
 
 def lr_factor(step: int, cfg: dict) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine down to ``min_lr_ratio``."""
-    warm, total, low = cfg["warmup"], cfg["steps"], cfg["min_lr_ratio"]
-    if step < warm:
-        return (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, total - warm))
-    return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+    return warmup_cosine(step, cfg["warmup"], cfg["steps"], cfg["min_lr_ratio"])
 
 
 @torch.no_grad()
