@@ -277,3 +277,12 @@ def test_ray_dataset_reads_only_the_files_that_hold_the_cap(tmp_path):
     rows = [pack(np.frombuffer(f.read_bytes() + b"\0", np.uint8), 10)
             for f in files_holding(files, 400, 10)]
     assert sum(len(r) for r in rows) >= 400 // 11
+
+
+def test_warmup_cosine_schedule():
+    from ray_mesh.models.schedule import warmup_cosine
+
+    f = [warmup_cosine(s, warmup=4, total=12, min_ratio=0.1) for s in range(14)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up, reaching 1 at its last step
+    assert f[4] == 1.0 and all(a >= b for a, b in zip(f[4:], f[5:], strict=False))  # decays
+    assert f[12] == pytest.approx(0.1) and f[13] == pytest.approx(0.1)  # the floor, held
