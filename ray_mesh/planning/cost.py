@@ -43,6 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ray_mesh.core.values import read_int
+
 FP32 = 4
 BF16 = 2
 # Params + grads + AdamW's two moments, fp32: what FSDP shards.
@@ -67,9 +69,7 @@ class ModelStats:
 
     def __post_init__(self) -> None:
         for name in ("params", "layers", "hidden", "heads"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanError(f"model {name}={v!r}: give a positive integer")
+            read_int(f"model {name}", getattr(self, name), 1, error=PlanError)
 
     @classmethod
     def from_module(cls, module: object, heads: int | None = None) -> ModelStats:
@@ -104,9 +104,7 @@ class Links:
 
     def __post_init__(self) -> None:
         for name in ("nodes", "per_node"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanError(f"{name}={v!r}: give a positive integer")
+            read_int(name, getattr(self, name), 1, error=PlanError)
         for name in ("cross_mbit", "intra_mbit"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
