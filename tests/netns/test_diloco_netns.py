@@ -22,10 +22,10 @@ MODEL = {"vocab": 64, "dim": 64, "heads": 4, "layers": 2, "ffn": 256, "seq": 32,
 def test_diloco_across_nodes_trains_and_keeps_replicas_equal():
     if reason := netns_unavailable_reason():
         pytest.skip(reason)
-    from benchmarks.diloco import DEFAULT_MODULE, run_on_cluster
+    from benchmarks.diloco import MODULES, run_on_cluster
 
     args = {"rates": [None], "modes": ["sync", "diloco"], "steps": 12, "val_batches": 2,
-            "module": DEFAULT_MODULE, "model": MODEL,
+            "module": MODULES["toy"][0], "model": MODEL,
             "replicate": {"every": 4, "compress": "int8"}}
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
         raw = run_on_cluster(cluster, args, timeout_s=300)

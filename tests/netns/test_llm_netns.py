@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.netns]
 STEPS, REPORT = 10, 5
 
 
+@pytest.mark.slow  # ~5 min: the cluster plus the LM job; the Ray tp=2 run is the default tier
 @pytest.mark.timeout(600)
 def test_llm_job_trains_and_checkpoints_across_two_nodes(tmp_path):
     if reason := netns_unavailable_reason():

@@ -43,6 +43,7 @@ def _run(tmp_path: Path, mesh: str, steps: int, report: int) -> str:
     return out
 
 
+@pytest.mark.slow  # the tp=2 case below runs the same path (and more) in the default tier
 @pytest.mark.timeout(600)
 def test_ray_mesh_run_llm_streams_ray_data(tmp_path):
     out = _run(tmp_path, "{dp_shard: -1, tp: 1}", steps=8, report=4)

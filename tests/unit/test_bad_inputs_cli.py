@@ -134,8 +134,21 @@ JOB_CASES = [
 ]
 
 
-@pytest.mark.parametrize("text, args, words", [c[1:] for c in JOB_CASES],
-                         ids=[c[0] for c in JOB_CASES])
+# One case per class runs in the default tier (each case is a fresh interpreter that imports
+# torch: ~4 s); the rest of the classes' cases run in the opt-in slow tier.
+DEFAULT_TIER = {"duplicate-key", "not-utf8", "unknown-nested-key", "bool-as-string",
+                "int-as-float", "seconds-nan", "placement", "resources-list",
+                "train-outside-folder", "interface-missing", "storage-unwritable",
+                "num-workers-flag", "address-dashboard-url"}
+
+
+def _tiered(cases: list, ids: list[str]) -> list:
+    return [pytest.param(*c, id=i, marks=() if i in DEFAULT_TIER else pytest.mark.slow)
+            for c, i in zip(cases, ids, strict=True)]
+
+
+@pytest.mark.parametrize("text, args, words",
+                         _tiered([c[1:] for c in JOB_CASES], [c[0] for c in JOB_CASES]))
 def test_bad_job_file_or_run_flag(tmp_path, text, args, words):
     folder = tmp_path / "a" / "b"
     folder.mkdir(parents=True)
@@ -154,7 +167,7 @@ def test_run_refuses_what_is_not_a_job_file(tmp_path, target, words):
     _refused(_cli(["run", target.format(dir=tmp_path)], tmp_path), *words)
 
 
-@pytest.mark.parametrize("args, words", [
+FLAG_CASES = [
     (["plan", "--tp", "0"], ["--tp", "int >= 1"]),
     (["plan", "--strategy", "tp-pp", "--pp", "-1"], ["--pp", "int >= 1"]),
     (["plan", "--nodes", "0"], ["--nodes"]),
@@ -173,8 +186,12 @@ def test_run_refuses_what_is_not_a_job_file(tmp_path, target, words):
     (["status", "--timeout", "inf"], ["--timeout", "finite"]),
     (["run"], ["job"]),
     (["frobnicate"], ["frobnicate"]),
-], ids=lambda v: "_".join(v) if isinstance(v, list) and v and v[0] in (
-    "plan", "doctor", "status", "run", "frobnicate") else None)
+]
+DEFAULT_TIER |= {"plan_--tp_0", "doctor_--timeout_nan", "doctor_--port_99999",
+                 "status_--timeout_-1"}
+
+
+@pytest.mark.parametrize("args, words", _tiered(FLAG_CASES, ["_".join(c[0]) for c in FLAG_CASES]))
 def test_bad_flags_fail_at_parse_time(tmp_path, args, words):
     line = _refused(_cli(args, tmp_path), *words)
     assert "--help" in line
