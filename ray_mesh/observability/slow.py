@@ -174,10 +174,11 @@ def _slow_link(ranks: Sequence[RankTimes], out: Analysis,
     within = [x.mbit_s for x in links.links if x.a == x.b]
     base, what = (_median(rest), "the other links") if rest else (_median(within),
                                                                   "within a node")
-    out.slow_link = (worst.a, worst.b)
+    a, b = sorted((worst.a, worst.b))  # one spelling whichever node measured the pair
+    out.slow_link = (a, b)
     ratio = f", {base / max(worst.mbit_s, 1e-9):.1f}x slower than {what} ({base:.0f})" \
         if base else ""
-    return f"link {worst.a} <-> {worst.b}: {worst.mbit_s:.0f} Mbit/s{ratio}; {waits}"
+    return f"link {a} <-> {b}: {worst.mbit_s:.0f} Mbit/s{ratio}; {waits}"
 
 
 # ----------------------------------------------------------------------------- from status rows

@@ -63,6 +63,7 @@ DRIVER = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow  # ~90 s with its cluster; the pick itself is tests/unit/test_plan_pick.py
 def test_mesh_auto_runs_diloco_when_allowed_on_a_slow_link(tmp_path):
     if reason := netns_unavailable_reason():
         pytest.skip(reason)
