@@ -49,6 +49,20 @@ def fit_netns_workers(train, args: dict, mesh_config, tag: str) -> None:
     ).fit()
 
 
+def run_head_driver(cluster, module: str, args: dict, timeout_s: float, what: str) -> None:
+    """Run ``python -m <module> <args as JSON>`` in the netns cluster's head namespace as a
+    Ray driver of that cluster; raise RuntimeError naming ``what`` with its output tails."""
+    env = cluster.node_env(cluster.head)
+    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([*cluster.head.exec_prefix(), sys.executable, "-m", module,
+                           json.dumps(args)],
+                          capture_output=True, text=True, timeout=timeout_s, env=env,
+                          cwd=str(REPO))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                           f"{proc.stderr[-4000:]}")
+
+
 def result_path(tag: str) -> str:
     return os.path.join(tempfile.mkdtemp(prefix=f"rmbench_{tag}_"), "result.json")
 

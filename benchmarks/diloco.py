@@ -36,7 +36,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, fit_netns_workers, read_result, write_result
+from benchmarks.common import (
+    REPO,
+    fit_netns_workers,
+    read_result,
+    run_head_driver,
+    write_result,
+)
 
 MODULES: dict[str, tuple[str, dict]] = {
     # the LM job: byte-level Llama on the stdlib's sources, held-out files for validation
@@ -202,17 +208,9 @@ def _driver(args: dict) -> None:
 
 def run_on_cluster(cluster, args: dict, timeout_s: float) -> dict:
     """Run the phases in ``args`` on a started NetnsCluster; the train function's figures."""
-    env = cluster.node_env(cluster.head)
-    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     args = {"storage": str(cluster.root / "results"),
             "out": str(cluster.root / f"diloco_{time.time_ns()}.json"), **args}
-    proc = subprocess.run([*cluster.head.exec_prefix(), sys.executable, "-m",
-                           "benchmarks.diloco", json.dumps(args)],
-                          capture_output=True, text=True, timeout=timeout_s, env=env,
-                          cwd=str(REPO))
-    if proc.returncode != 0:
-        raise RuntimeError(f"diloco driver failed (rc {proc.returncode}):\n"
-                           f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    run_head_driver(cluster, "benchmarks.diloco", args, timeout_s, "diloco driver")
     return read_result(args["out"])
 
 

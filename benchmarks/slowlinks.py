@@ -25,11 +25,16 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from benchmarks.common import REPO, fit_netns_workers, read_result, write_result
+from benchmarks.common import (
+    REPO,
+    fit_netns_workers,
+    read_result,
+    run_head_driver,
+    write_result,
+)
 
 MODEL = {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "ffn": 512, "seq": 64,
          "batch_size": 16, "lr": 0.01, "seed": 0, "mixed_precision": None}
@@ -255,8 +260,6 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                "calibration (nothing crossing nodes) + modelled link time"}
     calibrated: dict = {}
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
-        env = cluster.node_env(cluster.head)
-        env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         for mbit in rates:
             for node in cluster.nodes:
                 cluster.shape_link(node.index, mbit)
@@ -274,14 +277,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                     "storage": str(cluster.root / "results"),
                     "layouts": [{"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
                                 for x in layouts]}
-            proc = subprocess.run([*cluster.head.exec_prefix(), sys.executable, "-m",
-                                   "benchmarks.slowlinks", json.dumps(args)],
-                                  capture_output=True, text=True, timeout=timeout_s, env=env,
-                                  cwd=str(REPO))
-            if proc.returncode != 0:
-                raise RuntimeError(f"slowlinks driver at {mbit} Mbit/s failed "
-                                   f"(rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                                   f"{proc.stderr[-4000:]}")
+            run_head_driver(cluster, "benchmarks.slowlinks", args, timeout_s,
+                            f"slowlinks driver at {mbit} Mbit/s")
             raw = read_result(path)
             if mbit == rates[0]:
                 calibrated = raw
