@@ -59,15 +59,23 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) 
 
 def average(x: torch.Tensor, mode: str, group: dist.ProcessGroup) -> torch.Tensor:
     """The mean of ``x`` over ``group``, sent compressed as ``mode`` says (a new tensor)."""
+    return average_and_own(x, mode, group)[0]
+
+
+def average_and_own(x: torch.Tensor, mode: str, group: dist.ProcessGroup
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`average`, and what this rank's own ``x`` decodes to after compression (``x``
+    itself for "none"), for error feedback without quantizing twice."""
     n = dist.get_world_size(group)
     if mode == "none":
         out = x.detach().clone()
         dist.all_reduce(out, group=group)
-        return out / n
+        return out / n, x
     if mode == "bf16":
         out = x.detach().to(torch.bfloat16)
+        own = out.to(x.dtype, copy=True)  # all_reduce overwrites out
         dist.all_reduce(out, group=group)
-        return out.to(x.dtype) / n
+        return out.to(x.dtype) / n, own
     if mode != "int8":
         raise ValueError(f"compression {mode!r}: use one of {MODES}")
     codes, scales = quantize_int8(x)
@@ -78,7 +86,8 @@ def average(x: torch.Tensor, mode: str, group: dist.ProcessGroup) -> torch.Tenso
     total = torch.zeros_like(x, dtype=torch.float32)
     for c, s in zip(all_codes.chunk(n), all_scales.chunk(n), strict=True):
         total += dequantize_int8(c, s, total)
-    return (total / n).to(x.dtype)
+    return (total / n).to(x.dtype), dequantize_int8(codes, scales, x)
 
 
-__all__ = ["CHUNK", "MODES", "average", "dequantize_int8", "quantize_int8", "wire_bytes"]
+__all__ = ["CHUNK", "MODES", "average", "average_and_own", "dequantize_int8", "quantize_int8",
+           "wire_bytes"]

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ray_mesh.parallel.compress import MODES, average, wire_bytes
+from ray_mesh.parallel.compress import MODES, average_and_own, wire_bytes
 from ray_mesh.parallel.errors import ParallelError
 
 
@@ -195,8 +195,8 @@ class DiLoCo:
                     delta = delta + self.error[i]
                 deltas.append(delta)
             flat = torch.cat([d.reshape(-1) for d in deltas])
-            avg = average(flat, cfg.compress, self.group)
-            lost = flat - self._own_decoded(flat) if self.error is not None else None
+            avg, own = average_and_own(flat, cfg.compress, self.group)
+            lost = flat - own if self.error is not None else None
             offset = 0
             for i, delta in zip(ids, deltas, strict=True):
                 n = delta.numel()
@@ -218,10 +218,6 @@ class DiLoCo:
         self.global_params[i].sub_(update, alpha=cfg.outer_lr)
         _local(self.params[i]).copy_(self.global_params[i])
 
-    def _own_decoded(self, delta: torch.Tensor) -> torch.Tensor:
-        from ray_mesh.parallel.compress import dequantize_int8, quantize_int8
-
-        return dequantize_int8(*quantize_int8(delta), delta)
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float | int]:
