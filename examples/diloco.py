@@ -58,4 +58,6 @@ def train_loop(config: dict) -> None:
         if torch.distributed.get_rank() == 0 and (synced or step == start.step):
             print(f"diloco step {step + 1}: {metrics}", flush=True)
         ckpt.report(step + 1, metrics, data_position={"next_step": step + 1})
+    if dl is not None:
+        dl.flush()  # with replicate.overlap, the last sync lands here
     ckpt.close()

@@ -51,43 +51,76 @@ def wire_bytes(numel: int, mode: str) -> int:
     return 4 * numel
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
     # torch 2.13 renamed all_gather_into_tensor (same semantics); older releases lack the new name.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp, group=group)
+    return gather(out, inp, group=group, async_op=True)
 
 
 def average(x: torch.Tensor, mode: str, group: dist.ProcessGroup) -> torch.Tensor:
     """The mean of ``x`` over ``group``, sent compressed as ``mode`` says (a new tensor)."""
-    return average_and_own(x, mode, group)[0]
+    return start_average(x, mode, group).wait()
 
 
 def average_and_own(x: torch.Tensor, mode: str, group: dist.ProcessGroup
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`average`, and what this rank's own ``x`` decodes to after compression (``x``
     itself for "none"), for error feedback without quantizing twice."""
-    n = dist.get_world_size(group)
-    if mode == "none":
-        out = x.detach().clone()
-        dist.all_reduce(out, group=group)
-        return out / n, x
-    if mode == "bf16":
-        out = x.detach().to(torch.bfloat16)
-        own = out.to(x.dtype, copy=True)  # all_reduce overwrites out
-        dist.all_reduce(out, group=group)
-        return out.to(x.dtype) / n, own
-    if mode != "int8":
-        raise ValueError(f"compression {mode!r}: use one of {MODES}")
-    codes, scales = quantize_int8(x)
-    all_codes = codes.new_empty(n * codes.numel())
-    all_scales = scales.new_empty(n * scales.numel())
-    _all_gather(all_codes, codes, group)
-    _all_gather(all_scales, scales, group)
-    total = torch.zeros_like(x, dtype=torch.float32)
-    for c, s in zip(all_codes.chunk(n), all_scales.chunk(n), strict=True):
-        total += dequantize_int8(c, s, total)
-    return (total / n).to(x.dtype), dequantize_int8(codes, scales, x)
+    pending = start_average(x, mode, group)
+    return pending.wait(), pending.own
 
 
-__all__ = ["CHUNK", "MODES", "average", "average_and_own", "dequantize_int8", "quantize_int8",
-           "wire_bytes"]
+class PendingAverage:
+    """A compressed average in flight: the collectives run in the process group's own
+    threads (``async_op=True``) while the caller goes on; :meth:`wait` blocks until they
+    are done and decodes the mean. :attr:`own` (what this rank's input decodes to) is
+    known at once, so error feedback need not wait for the link."""
+
+    def __init__(self, x: torch.Tensor, mode: str, group: dist.ProcessGroup) -> None:
+        if mode not in MODES:
+            raise ValueError(f"compression {mode!r}: use one of {MODES}")
+        self.mode, self.like, self.n = mode, x, dist.get_world_size(group)
+        self._result: torch.Tensor | None = None
+        if mode == "none":
+            self.own = x
+            self._bufs: tuple[torch.Tensor, ...] = (x.detach().clone(),)
+            self._works = [dist.all_reduce(self._bufs[0], group=group, async_op=True)]
+        elif mode == "bf16":
+            out = x.detach().to(torch.bfloat16, copy=True)  # never an alias of the input
+            self.own = out.to(x.dtype)
+            self._bufs = (out,)
+            self._works = [dist.all_reduce(out, group=group, async_op=True)]
+        else:
+            codes, scales = quantize_int8(x)
+            self.own = dequantize_int8(codes, scales, x)
+            all_codes = codes.new_empty(self.n * codes.numel())
+            all_scales = scales.new_empty(self.n * scales.numel())
+            self._bufs = (all_codes, all_scales)
+            self._works = [_all_gather(all_codes, codes, group),
+                           _all_gather(all_scales, scales, group)]
+
+    def wait(self) -> torch.Tensor:
+        """The mean over the group (decoded), once the collectives are done."""
+        if self._result is None:
+            for work in self._works:
+                work.wait()
+            x, n = self.like, self.n
+            if self.mode == "none":
+                self._result = self._bufs[0] / n
+            elif self.mode == "bf16":
+                self._result = self._bufs[0].to(x.dtype) / n
+            else:
+                total = torch.zeros_like(x, dtype=torch.float32)
+                for c, s in zip(self._bufs[0].chunk(n), self._bufs[1].chunk(n), strict=True):
+                    total += dequantize_int8(c, s, total)
+                self._result = (total / n).to(x.dtype)
+        return self._result
+
+
+def start_average(x: torch.Tensor, mode: str, group: dist.ProcessGroup) -> PendingAverage:
+    """Start :func:`average` without waiting for it (see :class:`PendingAverage`)."""
+    return PendingAverage(x, mode, group)
+
+
+__all__ = ["CHUNK", "MODES", "PendingAverage", "average", "average_and_own", "dequantize_int8",
+           "quantize_int8", "start_average", "wire_bytes"]

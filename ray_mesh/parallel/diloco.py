@@ -20,6 +20,17 @@ fragment f syncs at the inner steps where ``(step - f * every / k) % every == 0`
 fragment still syncs every H steps, but the link carries 1/k of the model k times as
 often instead of all of it in one burst (Streaming DiLoCo, Douillard et al. 2025).
 
+Overlap (``overlap=t``): a fragment's pseudo-gradient leaves at its due step and its outer
+update lands ``t`` inner steps later, while training goes on (the collectives run in the
+process group's threads; torchft's ``fragment_sync_delay``). On a slow link this hides the
+sync behind compute. The ``t`` steps the replica took meanwhile are kept: on landing,
+``local = new_global + (local_now - local_at_send)``, so they enter the next sync's
+pseudo-gradient instead of being thrown away. The global parameters stay bitwise equal on
+every replica (:meth:`DiLoCo.globals_equal`); the replicas' own parameters differ by those
+``t`` steps. :meth:`DiLoCo.flush` lands every sync in flight: call it after the last step;
+checkpoints and :meth:`DiLoCo.sync` call it first (so a run that saves at step s lands at
+s, and resumes bitwise like an uninterrupted run that saved there too).
+
 The model must be sharded inside a replica only: ``apply_fsdp(model, mesh, mode="replica")``
 (or ``parallelize(..., dp="replica")``).
 
@@ -34,6 +45,7 @@ parameters with a fresh inner optimizer, as a joining replica should.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Iterable
@@ -45,7 +57,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ray_mesh.parallel.compress import MODES, average_and_own, wire_bytes
+from ray_mesh.parallel.compress import MODES, PendingAverage, start_average, wire_bytes
 from ray_mesh.parallel.errors import ParallelError
 
 
@@ -60,6 +72,7 @@ class DiLoCoConfig:
     compress: str = "none"
     error_feedback: bool = True
     streaming: int = 1
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ParallelError:
@@ -84,6 +97,10 @@ class DiLoCoConfig:
                 or not 1 <= self.streaming <= self.every):
             raise bad("streaming", f"give the number of fragments, an integer in "
                                    f"[1, every={self.every}]")
+        if (isinstance(self.overlap, bool) or not isinstance(self.overlap, int)
+                or not 0 <= self.overlap < self.every):
+            raise bad("overlap", f"give the inner steps a sync runs behind training, an "
+                                 f"integer in [0, every={self.every}) (0: the sync blocks)")
 
     @classmethod
     def from_dict(cls, data: Any) -> DiLoCoConfig:
@@ -100,6 +117,15 @@ class DiLoCoConfig:
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
+
+
+@dataclass
+class _Flight:
+    """One sync on the way: per dtype bucket, its parameter indices, the average in flight
+    and (with overlap) the replica's parameters when it left; lands at inner step ``at``."""
+
+    parts: list[tuple[list[int], PendingAverage, list[torch.Tensor] | None]]
+    at: int
 
 
 def _fragments(sizes: list[int], k: int) -> list[list[int]]:
@@ -154,6 +180,7 @@ class DiLoCo:
                                     self.config.streaming)
         self.inner_steps = 0
         self.outer_steps = 0
+        self._in_flight: list[_Flight] = []
         self.stats: dict[str, float] = {"bytes_sent": 0.0, "sync_s": 0.0, "drift": 0.0}
 
     # ------------------------------------------------------------------ schedule
@@ -163,29 +190,54 @@ class DiLoCo:
         return [f for f in range(k) if (step - (f * h) // k) % h == 0 and step >= h]
 
     def step(self) -> bool:
-        """Count one inner step; sync the fragments that are due. True when one synced."""
+        """Count one inner step; land the syncs whose time has come, start (or, without
+        overlap, do) the fragments that are due. True when an outer update landed."""
         self.inner_steps += 1
-        due = self.due(self.inner_steps)
-        for f in due:
-            self.sync(self.fragments[f])
-        return bool(due)
+        landed = False
+        while self._in_flight and self._in_flight[0].at <= self.inner_steps:
+            self._land(self._in_flight.pop(0))
+            landed = True
+        for f in self.due(self.inner_steps):
+            flight = self._launch(self.fragments[f], self.inner_steps + self.config.overlap)
+            if self.config.overlap:
+                self._in_flight.append(flight)
+            else:
+                self._land(flight)
+                landed = True
+        return landed
+
+    def flush(self) -> bool:
+        """Land every sync in flight (overlap): after the last step, before a checkpoint.
+        True when one landed."""
+        landed = bool(self._in_flight)
+        while self._in_flight:
+            self._land(self._in_flight.pop(0))
+        return landed
 
     # ------------------------------------------------------------------ the outer step
     @torch.no_grad()
     def sync(self, indices: Iterable[int] | None = None) -> None:
-        """Average pseudo-gradients over the replicas and take the outer step.
+        """Average pseudo-gradients over the replicas and take the outer step, now (after
+        landing any sync in flight). ``indices``: parameters to sync (default: all)."""
+        self.flush()
+        idx = list(range(len(self.params))) if indices is None else list(indices)
+        self._land(self._launch(idx, self.inner_steps))
 
-        The pseudo-gradients of one sync travel as one flat buffer per dtype: one collective
-        (two for int8: codes and scales) instead of one or two per tensor, with no per-tensor
-        padding to a chunk; on a VPN each message pays headers and a round trip.
+    @torch.no_grad()
+    def _launch(self, idx: list[int], at: int) -> _Flight:
+        """Form the pseudo-gradients of ``idx`` and start averaging them.
+
+        They travel as one flat buffer per dtype: one collective (two for int8: codes and
+        scales) instead of one or two per tensor, with no per-tensor padding to a chunk; on
+        a VPN each message pays headers and a round trip.
         """
         cfg = self.config
-        idx = list(range(len(self.params))) if indices is None else list(indices)
         t0 = time.perf_counter()
         drift = 0.0
         buckets: dict[torch.dtype, list[int]] = {}
         for i in idx:
             buckets.setdefault(self.global_params[i].dtype, []).append(i)
+        parts = []
         for ids in buckets.values():
             deltas = []
             for i in ids:
@@ -195,18 +247,38 @@ class DiLoCo:
                     delta = delta + self.error[i]
                 deltas.append(delta)
             flat = torch.cat([d.reshape(-1) for d in deltas])
-            avg, own = average_and_own(flat, cfg.compress, self.group)
-            lost = flat - own if self.error is not None else None
-            offset = 0
-            for i, delta in zip(ids, deltas, strict=True):
-                n = delta.numel()
-                if lost is not None:
+            pending = start_average(flat, cfg.compress, self.group)
+            if self.error is not None:  # what rounding left out, for the next sync
+                lost = flat - pending.own
+                offset = 0
+                for i, delta in zip(ids, deltas, strict=True):
+                    n = delta.numel()
                     self.error[i] = lost[offset:offset + n].view_as(delta).clone()
-                self._outer_update(i, avg[offset:offset + n].view_as(delta))
-                offset += n
+                    offset += n
+            sent = ([_local(self.params[i]).detach().clone() for i in ids] if cfg.overlap
+                    else None)
+            parts.append((ids, pending, sent))
             self.stats["bytes_sent"] += wire_bytes(flat.numel(), cfg.compress)
         self.stats["sync_s"] += time.perf_counter() - t0
         self.stats["drift"] = math.sqrt(drift)
+        return _Flight(parts, at)
+
+    @torch.no_grad()
+    def _land(self, flight: _Flight) -> None:
+        """Wait for a sync's average and take the outer step with it."""
+        t0 = time.perf_counter()
+        for ids, pending, sent in flight.parts:
+            avg = pending.wait()
+            offset = 0
+            for k, i in enumerate(ids):
+                n = self.global_params[i].numel()
+                local = _local(self.params[i])
+                moved = local - sent[k] if sent is not None else None
+                self._outer_update(i, avg[offset:offset + n].view_as(self.global_params[i]))
+                if moved is not None:  # the steps taken while the sync was in flight
+                    local.add_(moved)
+                offset += n
+        self.stats["sync_s"] += time.perf_counter() - t0
         self.outer_steps += 1
 
     def _outer_update(self, i: int, avg: torch.Tensor) -> None:
@@ -218,6 +290,11 @@ class DiLoCo:
         self.global_params[i].sub_(update, alpha=cfg.outer_lr)
         _local(self.params[i]).copy_(self.global_params[i])
 
+
+    def globals_equal(self) -> bool:
+        """True when every replica holds bitwise the same global parameters (collective;
+        with overlap the replicas' own parameters differ by the steps taken in flight)."""
+        return tensors_equal(self.global_params, self.group)
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float | int]:
@@ -255,6 +332,7 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         """Outer state shared by all replicas, tensors laid out like the parameters (DCP
         saves and reshards it). The error feedback is each replica's own: see :meth:`save`."""
+        self.flush()
         return {
             "global": self._as_param_layout(self.global_params),
             "momentum": self._as_param_layout(self.momentum),
@@ -334,6 +412,7 @@ class DiLoCo:
             raise ParallelError(f"the checkpoint's DiLoCo settings {state['config']} differ "
                                 f"from this run's {asdict(self.config)}; resume with the same "
                                 "replicate: section")
+        self.flush()
         for key, mine in (("global", self.global_params), ("momentum", self.momentum)):
             for dst, src in zip(mine, state[key], strict=True):
                 dst.copy_(_local(src))
@@ -342,15 +421,24 @@ class DiLoCo:
 
 def replicas_equal(model: torch.nn.Module, group: dist.ProcessGroup) -> bool:
     """True when every replica holds bitwise the same parameters (for tests and checks)."""
-    ok = torch.ones(1)
-    for p in model.parameters():
-        t = _local(p).detach().reshape(-1).float()
-        peers = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(peers, t.contiguous(), group=group)
-        if not all(torch.equal(peers[0], x) for x in peers):
-            ok.zero_()
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return bool(ok.item())
+    return tensors_equal([_local(p).detach() for p in model.parameters()], group)
 
 
-__all__ = ["DiLoCo", "DiLoCoConfig", "replicas_equal"]
+def tensors_equal(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup) -> bool:
+    """True when every rank of ``group`` holds bitwise the same ``tensors`` (collective).
+
+    Ranks compare a SHA-256 of their tensors' bytes (dtype and shape included), not the
+    tensors: a check across a VPN then sends a few hundred bytes, where gathering the
+    parameters would send the model and disturb the connections training uses.
+    """
+    digest = hashlib.sha256()
+    for x in tensors:
+        t = x.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{t.dtype}{tuple(x.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+    everyone: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, digest.hexdigest(), group=group)
+    return all(d == everyone[0] for d in everyone)
+
+
+__all__ = ["DiLoCo", "DiLoCoConfig", "replicas_equal", "tensors_equal"]

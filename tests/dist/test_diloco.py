@@ -2,15 +2,12 @@
 
 ``tests/helpers/_diloco_torchrun.py``: every=1 / outer lr 1 / momentum 0 equals sync HSDP;
 one outer step equals the formula; replicas bitwise equal after every sync (none, bf16,
-int8 with streaming fragments); DCP save/resume between syncs is bitwise; bad setups refused.
+int8 with streaming fragments); DCP save/resume between syncs is bitwise; an overlapped sync
+lands one step later and keeps that step's progress, and resumes bitwise; bad setups refused.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +16,14 @@ from torchrun import assert_checks, torchrun
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "_diloco_torchrun.py"
 CHECKS = ["h1_lr1_m0_equals_sync_hsdp", "no_sync_before_h", "outer_step_equals_formula",
           "replicas_bitwise_equal_after_sync", "streaming_schedule_none", "replicas_equal_none",
-          "replicas_equal_bf16", "replicas_equal_int8", "own_replica_found", "counters_restored", "model_restored",
+          "replicas_equal_bf16", "replicas_equal_int8", "own_replica_found", "counters_restored",
+          "model_restored",
           "outer_state_restored", "resume_bitwise",
+          *(f"overlap_{name}_{mode}" for mode in ("none", "int8") for name in (
+              "nothing_lands_at_send", "lands_one_step_later", "keeps_inflight_steps",
+              "globals_bitwise_equal", "replicas_differ_by_inflight_steps", "flush_lands",
+              "full_sync_equalizes")),
+          "overlap_in_flight_at_save_step", "overlap_resume_bitwise",
           "refuses_hsdp_model", "refuses_size1_replicate_dim"]
 
 

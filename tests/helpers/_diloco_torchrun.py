@@ -17,6 +17,7 @@ import torch.nn as nn
 import ray_mesh
 from ray_mesh.checkpointing import sharded
 from ray_mesh.parallel import apply_fsdp, full_parameters, parallelize, shard_batch
+from ray_mesh.parallel.compress import average
 from ray_mesh.parallel.diloco import DiLoCo, DiLoCoConfig, replicas_equal
 from ray_mesh.parallel.errors import ParallelError
 
@@ -138,6 +139,75 @@ def checkpoint_resume_bitwise(mesh) -> None:
     check("resume_bitwise", all(torch.equal(straight[k], resumed[k]) for k in straight))
 
 
+def overlapped_sync(mesh) -> None:
+    """overlap=1: the sync leaves at step 3 and lands at step 4, keeping step 4's progress:
+    local = (global - lr * mean(global - local_3)) + (local_4 - local_3)."""
+    rep = mesh.get_group("dp_replicate")
+    for mode in ("none", "int8"):
+        model = parallelize(make_model(), mesh, dp="replica")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        dl = DiLoCo(model, mesh, DiLoCoConfig(every=3, outer_lr=0.7, outer_momentum=0.0,
+                                              nesterov=False, compress=mode,
+                                              error_feedback=False, overlap=1))
+        g0 = [g.clone() for g in dl.global_params]
+        train(model, opt, 2, mesh, dl)
+        train(model, opt, 1, mesh)  # step 3's inner step; dl.step() by hand below
+        sent = [p.to_local().detach().clone() for p in model.parameters()]
+        landed_at_send = dl.step()  # step 3: the sync leaves, nothing lands yet
+        check(f"overlap_nothing_lands_at_send_{mode}",
+              not landed_at_send and len(dl._in_flight) == 1 and dl.outer_steps == 0)
+        train(model, opt, 1, mesh)  # step 4's inner step while the sync is in flight
+        now = [p.to_local().detach().clone() for p in model.parameters()]
+        check(f"overlap_lands_one_step_later_{mode}", dl.step() and dl.outer_steps == 1)
+        # what the wire carried: one flat buffer of every parameter's pseudo-gradient
+        flat = torch.cat([(g - s3).reshape(-1) for g, s3 in zip(g0, sent, strict=True)])
+        avg = average(flat, mode, rep).split([g.numel() for g in g0])
+        expected = [(g - 0.7 * d.view_as(g)) + (s4 - s3)
+                    for g, d, s3, s4 in zip(g0, avg, sent, now, strict=True)]
+        got = [p.to_local() for p in model.parameters()]
+        check(f"overlap_keeps_inflight_steps_{mode}",
+              all(torch.allclose(e, x, rtol=1e-6, atol=1e-7)
+                  for e, x in zip(expected, got, strict=True)))
+        check(f"overlap_globals_bitwise_equal_{mode}", dl.globals_equal())
+        check(f"overlap_replicas_differ_by_inflight_steps_{mode}",
+              not replicas_equal(model, rep))
+        train(model, opt, 2, mesh, dl)  # step 6 sends again ...
+        check(f"overlap_flush_lands_{mode}", dl.flush() and not dl._in_flight
+              and dl.outer_steps == 2)
+        dl.sync()
+        check(f"overlap_full_sync_equalizes_{mode}", replicas_equal(model, rep))
+
+
+def overlap_checkpoint_resume_bitwise(mesh) -> None:
+    """A save with a sync in flight lands it first: resuming equals a run that flushed
+    at the same step."""
+    def build():
+        model = parallelize(make_model(), mesh, dp="replica")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return model, opt, DiLoCo(model, mesh, DiLoCoConfig(every=2, compress="int8",
+                                                             overlap=1))
+
+    model, opt, dl = build()
+    train(model, opt, 4, mesh, dl)
+    check("overlap_in_flight_at_save_step", len(dl._in_flight) == 1)
+    dl.flush()
+    train(model, opt, 3, mesh, dl, start=4)
+    dl.flush()
+    straight = full_parameters(model)
+    model, opt, dl = build()
+    train(model, opt, 4, mesh, dl)
+    tmp = tempfile.mkdtemp(prefix="diloco_ckpt_") if dist.get_rank() == 0 else None
+    path = Path(sharded.broadcast_from_rank0(tmp, None)) / "ckpt"
+    dl.save(str(path), model, opt)
+    model, opt, dl = build()
+    dl.load(str(path), model, opt)
+    train(model, opt, 3, mesh, dl, start=4)
+    dl.flush()
+    resumed = full_parameters(model)
+    check("overlap_resume_bitwise", all(torch.equal(straight[k], resumed[k])
+                                        for k in straight))
+
+
 def bad_inputs(mesh) -> None:
     hsdp = parallelize(make_model(), mesh)
     try:
@@ -161,6 +231,8 @@ def main() -> None:
     outer_step_by_hand(mesh)
     compressed_syncs(mesh)
     checkpoint_resume_bitwise(mesh)
+    overlapped_sync(mesh)
+    overlap_checkpoint_resume_bitwise(mesh)
     bad_inputs(mesh)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -73,6 +73,7 @@ def train_loop(config: dict) -> None:
         if rank == 0:
             _log(config, f"step {done}" + (f" sync equal={equal}" if synced else "")
                  + f" metrics={json.dumps(metrics)}")
+    dl.flush()  # nothing in flight without replicate.overlap; with it, the last sync lands
     ckpt.close()
     local = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
              for k, v in model.state_dict().items()}

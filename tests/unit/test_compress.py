@@ -51,6 +51,9 @@ def test_fragments_cover_every_parameter_once_in_order():
                                      ({"outer_momentum": 1.0}, "outer_momentum"),
                                      ({"compress": "fp8"}, "compress"),
                                      ({"every": 4, "streaming": 5}, "streaming"),
+                                     ({"every": 4, "overlap": 4}, "overlap"),
+                                     ({"overlap": -1}, "overlap"),
+                                     ({"overlap": True}, "overlap"),
                                      ({"nesterov": "yes"}, "nesterov")])
 def test_bad_settings_name_the_key(kw, key):
     with pytest.raises(ParallelError, match=key):
