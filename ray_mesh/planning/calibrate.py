@@ -24,7 +24,17 @@ The prediction of a layout is then::
 ``link_s`` is :func:`~ray_mesh.planning.cost.predict`'s wire time for the bytes that cross
 nodes (plus link latency per message); ``cross_volume`` is what one rank's cross-node ring
 moves beyond what its local shape already moved (gloo spends CPU on every byte it sends and
-reduces, whatever the link); ``cross_calls`` the collectives the cross dim adds. Overlap
+reduces, whatever the link); ``cross_calls`` the collectives the cross dim adds.
+
+When the link itself was measured with the collective library (:func:`measure_cross`: every
+node's ranks all-reduce with their peers on the other nodes at once, a small and a
+large buffer), the last three terms become what that measurement says a byte and a call
+across nodes cost, with the wire, the kernel's network path and gloo's CPU work in it::
+
+    step_s = local_s + node_cross_bytes / cross_Bps + cross_calls * cross_call_s
+
+A raw TCP probe prices only the wire; on the virtual cluster at 1 Gbit/s the network path
+through veth and tc runs on the same cores as the ranks, which the probe does not see. Overlap
 rule: none. On CPU the cores that compute are the ones that run gloo's copies and
 reductions, and a link slower than the CPU keeps the step waiting on the wire: the terms add.
 Pipeline layouts are not runnable inside one node with FSDP beside them; a stage's rank
@@ -70,6 +80,8 @@ class Calibration:
     gloo_Bps: float  # ring volume per second of a large all-reduce inside a node
     p2p_s: float  # one microbatch's activations sent to the next rank inside a node
     local_s: dict[str, float] = field(default_factory=dict)  # local shape -> step seconds
+    cross_call_s: float = 0.0  # one tiny all-reduce across nodes (0: not measured)
+    cross_Bps: float = 0.0  # bytes a node sends across per second in gloo (0: not measured)
 
     def __post_init__(self) -> None:
         for name in ("collective_s", "p2p_s"):
@@ -78,6 +90,10 @@ class Calibration:
                 raise PlanError(f"calibration {name}={v!r}: give seconds in [0, 60)")
         if not 0 < self.gloo_Bps < math.inf:
             raise PlanError(f"calibration gloo_Bps={self.gloo_Bps!r}: give bytes/s above 0")
+        if not 0 <= self.cross_call_s < 60 or not 0 <= self.cross_Bps < math.inf:
+            raise PlanError(f"calibration cross_call_s={self.cross_call_s!r}, cross_Bps="
+                            f"{self.cross_Bps!r}: give seconds in [0, 60) and bytes/s >= 0 "
+                            "(0: not measured)")
 
     def local(self, key: str) -> float:
         if key not in self.local_s:
@@ -88,7 +104,8 @@ class Calibration:
 
     def to_json(self) -> dict[str, object]:
         return {"collective_s": self.collective_s, "gloo_Bps": self.gloo_Bps,
-                "p2p_s": self.p2p_s, "local_s": dict(self.local_s)}
+                "p2p_s": self.p2p_s, "local_s": dict(self.local_s),
+                "cross_call_s": self.cross_call_s, "cross_Bps": self.cross_Bps}
 
 
 ARITHMETIC = "none/fp32"  # the local shape without any data parallel: the arithmetic
@@ -179,10 +196,53 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
     if layout.diloco:  # the replicate dim syncs once every H steps (the local shape is
         every = layout.diloco[0]  # DiLoCo's inner step itself)
         volume, calls = volume / every, 1 + (calls - 1) / every
-    comm = base.cross_s + volume / cal.gloo_Bps + calls * cal.collective_s
+    if cal.cross_Bps and n > 1:  # the link as gloo sees it, measured
+        if fam == "fsdp":  # every all-gather and reduce-scatter now spans the nodes
+            calls += 3 * blocks * max(0.0, 1 - cal.collective_s / max(cal.cross_call_s,
+                                                                       1e-12))
+        comm = base.cross_node_bytes_per_step / n / cal.cross_Bps + calls * cal.cross_call_s
+    else:
+        comm = base.cross_s + volume / cal.gloo_Bps + calls * cal.collective_s
     return Prediction(layout, local + comm, local, base.cross_s, comm - base.cross_s,
                       base.cross_node_bytes_per_step, base.memory_bytes_per_rank,
                       base.notes + ["calibrated on one node"])
+
+
+def measure_cross(per_node: int, nbytes: int, repeats: int = 3) -> dict[str, float]:
+    """``cross_call_s`` and ``cross_Bps``: the link between nodes as gloo sees it.
+
+    Rank ``j`` of every node joins the group of the ranks with the same local index on the
+    other nodes (ray_mesh's node-aligned replicate groups), and all groups all-reduce at
+    once, as an HSDP replicate reduction does: a one-element tensor (the fixed cost of a
+    call across nodes, round trip included) and ``nbytes`` (wire, kernel and gloo's work
+    per byte). ``cross_Bps`` is the bytes a node sent across per second. A collective;
+    every rank must call it; needs at least 2 nodes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if per_node < 1 or world % per_node or world // per_node < 2:
+        raise PlanError(f"per_node={per_node} must divide the world size {world} into 2 or "
+                        "more nodes")
+    nodes = world // per_node
+    groups = [dist.new_group(list(range(j, world, per_node))) for j in range(per_node)]
+    mine = groups[rank % per_node]
+
+    def timed(fn, n: int) -> float:
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return median_everywhere(statistics.median(times))
+
+    tiny, big = torch.zeros(1), torch.zeros(max(1, nbytes // FP32))
+    call = timed(lambda: dist.all_reduce(tiny, group=mine), 10 * repeats)
+    big_s = timed(lambda: dist.all_reduce(big, group=mine), repeats)
+    sent = per_node * 2 * (nodes - 1) / nodes * big.numel() * FP32  # one node, a ring each
+    return {"cross_call_s": call, "cross_Bps": sent / max(big_s - call, 1e-6)}
 
 
 def median_everywhere(value: float) -> float:
@@ -246,4 +306,4 @@ def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
 
 
 __all__ = ["ARITHMETIC", "Calibration", "accumulation", "local_key", "local_shapes",
-           "measure_collectives", "median_everywhere", "predict_calibrated"]
+           "measure_collectives", "measure_cross", "median_everywhere", "predict_calibrated"]

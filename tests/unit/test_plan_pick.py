@@ -122,6 +122,28 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
         predict(hsdp, STATS, Links(2, 2, 20.0), WORK).cross_s - base.cross_s)
 
 
+def test_calibrated_prediction_prices_the_link_as_measure_cross_saw_it():
+    links = Links(2, 2, 100.0)
+    cal = Calibration(0.001, 200e6, 0.002, CAL.local_s, cross_call_s=0.004, cross_Bps=5e6)
+    hsdp = Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2})
+    base = predict(hsdp, STATS, links, WORK)
+    calls = 1 + STATS.layers + 1  # the loss mean + one replicate all-reduce per block
+    assert predict_calibrated(hsdp, STATS, links, WORK, cal).step_s == pytest.approx(
+        0.3 + base.cross_node_bytes_per_step / 2 / 5e6 + calls * 0.004)
+    fsdp = Layout("fsdp", {"dp_shard": 4})
+    fbase = predict(fsdp, STATS, links, WORK)
+    # flat FSDP: every block's 2 all-gathers and reduce-scatter pay the cross call's extra
+    extra = 3 * (STATS.layers + 1) * (0.004 - 0.001)
+    assert predict_calibrated(fsdp, STATS, links, WORK, cal).step_s == pytest.approx(
+        0.3 + fbase.cross_node_bytes_per_step / 2 / 5e6 + 0.004 + extra)
+    # one node: nothing crosses, the measured link is not used
+    one = predict_calibrated(hsdp, STATS, Links(1, 4, 100.0), WORK, cal)
+    assert one.step_s == pytest.approx(predict_calibrated(hsdp, STATS, Links(1, 4, 100.0),
+                                                          WORK, CAL).step_s)
+    with pytest.raises(PlanError, match="cross_Bps"):
+        Calibration(0.001, 1e6, 0.0, cross_Bps=-1.0)
+
+
 def test_local_shapes_and_missing_calibration():
     lays = [Layout("fsdp", {"dp_shard": 4}), Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}),
             Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}, "bf16"),
