@@ -85,8 +85,14 @@ def _shape(mbit: float | None) -> None:
                    capture_output=True)
 
 
-def run_phase(mode: str, config: dict, mesh, cross_bytes) -> dict:
-    """Train one fresh model ``steps`` steps in ``mode``; figures for results.json."""
+def run_phase(mode: str, config: dict, mesh, cross_bytes, node_bytes) -> dict:
+    """Train one fresh model ``steps`` steps in ``mode``; figures for results.json.
+
+    The measurement must not cross the link itself: steps are timed between barriers of a
+    node's own ranks (``dp_shard``), and counters are read by each node alone
+    (``node_bytes``) and summed after the run; only the phase's first and last readings
+    (``cross_bytes``) and the replica check (its bytes and time left out) cross nodes.
+    """
     import torch
     import torch.distributed as dist
 
@@ -106,15 +112,23 @@ def run_phase(mode: str, config: dict, mesh, cross_bytes) -> dict:
     ex.batch(0, cfg)  # data read (once per process) before the clock starts
     dl = (DiLoCo(model, mesh, DiLoCoConfig(**config["replicate"])) if mode == "diloco"
           else None)
-    rep_group = mesh.get_group("dp_replicate")
+    rep_group, node = mesh.get_group("dp_replicate"), mesh.get_group("dp_shard")
+    nodes = dist.get_world_size(rep_group)
+    first = dist.get_group_rank(node, dist.get_rank()) == 0  # reads its node's counters
     h = dl.config.every if dl is not None else 0
-    losses, equal, elapsed, excluded = [], [], 0.0, 0.0
-    inner_bytes, inner_steps, w0 = 0.0, 0, (0, 0.0)
-    t_start, b0 = time.perf_counter(), cross_bytes()
+    # replicas hold the same parameters after a sync only when it is the whole model and
+    # lands at once; otherwise the global parameters are the ones to compare
+    whole_model_syncs = dl is not None and dl.config.streaming == 1 and not dl.config.overlap
+    losses, equal, elapsed = [], [], 0.0
+    excluded = torch.zeros(2, dtype=torch.float64)  # this node's bytes, seconds left out
+    inner = torch.zeros(2, dtype=torch.float64)  # this node's inner-step bytes, steps
+    w0 = (0, 0.0, 0.0, 0.0)  # bytes, time, and what checks had left out, at its start
+    b0 = cross_bytes()
+    t_start = time.perf_counter()
     for step in range(config["steps"]):
         if h >= 3 and step % h == 1:  # inner steps only: from the 2nd of a block ...
-            w0 = (cross_bytes(), time.perf_counter())
-        dist.barrier()
+            w0 = (node_bytes(), time.perf_counter(), *excluded.tolist())
+        dist.barrier(group=node)
         t = time.perf_counter()
         x, y = shard_batch(ex.batch(step, cfg), mesh)
         loss = ex.loss_fn(model(x), y)
@@ -126,19 +140,27 @@ def run_phase(mode: str, config: dict, mesh, cross_bytes) -> dict:
         if sched is not None:
             sched.step()
         synced = dl.step() if dl is not None else False
-        dist.barrier()
+        if dl is not None and step == config["steps"] - 1:
+            synced = dl.flush() or synced  # overlap: the last sync lands inside the clock
+        dist.barrier(group=node)
         elapsed += time.perf_counter() - t
         losses.append(loss.detach())
         if h >= 3 and step % h == h - 2:  # ... to the one before the sync
-            moved = cross_bytes() - w0[0]
-            inner_bytes += moved - config["background"] * (time.perf_counter() - w0[1])
-            inner_steps += h - 2
-        if synced:  # the check's all-gather crosses nodes too: not counted
-            c0 = cross_bytes()
-            equal.append(replicas_equal(model, rep_group))
-            excluded += cross_bytes() - c0
-    moved = (cross_bytes() - b0 - excluded
-             - config["background"] * (time.perf_counter() - t_start))
+            moved = node_bytes() - w0[0] - (float(excluded[0]) - w0[2])  # checks left out
+            if first:  # the node's reader: its bytes, less its share of Ray's idle traffic
+                took = time.perf_counter() - w0[1] - (float(excluded[1]) - w0[3])
+                inner += torch.tensor([moved - config["background"] / nodes * took, h - 2])
+        if synced:  # the check crosses nodes too: its bytes and time are left out
+            c0, t0 = node_bytes(), time.perf_counter()
+            equal.append(replicas_equal(model, rep_group) if whole_model_syncs
+                         else dl.globals_equal())
+            dist.barrier()  # both nodes done with the check before the reading
+            excluded += torch.tensor([node_bytes() - c0, time.perf_counter() - t0])
+    b1, counted_s = cross_bytes(), time.perf_counter() - t_start
+    totals = torch.cat([excluded, inner])
+    dist.all_reduce(totals)  # per node, summed (ranks other than a node's first read 0)
+    left_out_b, left_out_s = float(totals[0]), float(totals[1]) / dist.get_world_size()
+    moved = b1 - b0 - left_out_b - config["background"] * (counted_s - left_out_s)
     losses = dp_mean(torch.stack(losses), mesh).tolist()  # one collective, after the timing
     with torch.no_grad():
         val = [float(dp_mean(ex.loss_fn(model(xv), yv), mesh)) for xv, yv in
@@ -149,7 +171,9 @@ def run_phase(mode: str, config: dict, mesh, cross_bytes) -> dict:
            "val_loss": sum(val) / len(val), "cross_node_bytes_per_step": moved / len(losses)}
     if dl is not None:
         out.update(replicas_equal_after_syncs=equal, metrics=dl.metrics(),
-                   inner_cross_node_bytes_per_step=inner_bytes / max(inner_steps, 1))
+                   replicas_compared="parameters" if whole_model_syncs else "global parameters",
+                   inner_cross_node_bytes_per_step=float(totals[2]) / max(
+                       float(totals[3]) / nodes, 1))
     return out
 
 
@@ -174,6 +198,12 @@ def _train(config: dict) -> None:
         dist.all_gather_object(total, mine)
         return sum(total)
 
+    def node_bytes() -> int:
+        """This node's tailscale0 tx bytes (on its first rank; 0 elsewhere) after its own
+        ranks' barrier: nothing crosses the link to read it."""
+        dist.barrier(group=mesh.get_group("dp_shard"))
+        return read_counters("tailscale0")["tx_bytes"] if local0 else 0
+
     b0, t0 = cross_bytes(), time.perf_counter()
     time.sleep(5.0)  # Ray's idle traffic: subtracted from every phase's bytes
     config["background"] = (cross_bytes() - b0) / (time.perf_counter() - t0)
@@ -185,7 +215,7 @@ def _train(config: dict) -> None:
             dist.barrier()
             for mode in config["modes"]:
                 out["phases"][f"{rate_key(mbit)}/{mode}"] = run_phase(mode, config, mesh,
-                                                                      cross_bytes)
+                                                                      cross_bytes, node_bytes)
                 if dist.get_rank() == 0:
                     print(f"diloco bench {rate_key(mbit)}/{mode}: "
                           f"{out['phases'][f'{rate_key(mbit)}/{mode}']['tokens_s']:.0f} "
@@ -216,8 +246,8 @@ def run_on_cluster(cluster, args: dict, timeout_s: float) -> dict:
 
 def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "int8",
             module: str = "lm", model: dict | None = None, val_batches: int = 4,
-            outer_lr: float = 0.7, outer_momentum: float = 0.5,
-            timeout_s: float = 1500.0) -> dict:
+            outer_lr: float = 0.7, outer_momentum: float = 0.5, streaming: int = 1,
+            overlap: int = 0, timeout_s: float = 1500.0) -> dict:
     """Both modes at every rate and unshaped; the figures for ``results.json['diloco']``."""
     sys.path.insert(0, str(REPO / "tests" / "helpers"))
     from netns_cluster import NetnsCluster, netns_unavailable_reason
@@ -226,7 +256,7 @@ def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "
         return {"status": f"not run: {reason}"}
     path, overrides = MODULES.get(module, (module, {}))
     replicate = {"every": every, "compress": compress, "outer_lr": outer_lr,
-                 "outer_momentum": outer_momentum}
+                 "outer_momentum": outer_momentum, "streaming": streaming, "overlap": overlap}
     args = {"rates": [None, *rates], "modes": ["sync", "diloco"], "steps": steps,
             "module": path, "model": {**overrides, **(model or {})}, "replicate": replicate,
             "val_batches": val_batches}
@@ -258,6 +288,7 @@ def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "
             # what DiLoCo itself sends (its metrics: rank 0's payload x 4 ranks), no headers
             "diloco_payload_bytes_per_step": d["metrics"]["diloco/bytes_sent"] * 4 / steps,
             "diloco_replicas_equal_after_syncs": d["replicas_equal_after_syncs"],
+            "diloco_replicas_compared": d["replicas_compared"],
             "diloco_losses": d["losses"], "sync_losses": s["losses"],
         }
         out[key]["checks"] = checks(out[key], every, compress)

@@ -19,7 +19,7 @@ def config(quick: bool) -> dict:
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
                 "slowlinks": {"rates": [100], "steps": 2},
                 "recovery_where": ["local"],
-                "diloco": {"rates": [20], "steps": 12, "every": 4,
+                "diloco": {"rates": [20], "steps": 12, "every": 4, "streaming": 2, "overlap": 1,
                            "model": {"max_tokens": 200_000, "warmup": 2}},
                 "slow": {"rounds": 3, "steps": 10, "detect_too": False},
                 "llm": {"pairs": 1, "steps": 8, "warmup": 3, "workers": 4, "timeout_s": 600}}
@@ -33,10 +33,11 @@ def config(quick: bool) -> dict:
             "scaling_sizes": [4, 8, 16], "scaling_runs": 1,
             "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
-            "slowlinks": {"rates": [1000, 100, 20], "steps": 5},
+            "slowlinks": {"rates": [1000, 100, 20], "steps": 8},
             "recovery_where": ["local", "netns"],
             # the LM job; H, compression and the outer optimizer: see README "DiLoCo"
             "diloco": {"rates": [100, 20], "steps": 200, "every": 10, "compress": "int8",
+                       "streaming": 5, "overlap": 1,
                        "outer_lr": 0.7, "outer_momentum": 0.5, "val_batches": 16,
                        "model": {"batch_size": 8}, "timeout_s": 2400},
             "slow": {"rounds": 10, "steps": 30, "detect_too": True},
