@@ -365,12 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         Path(args.out).write_text(json.dumps(_keep_other_sections(results, args.out, selected),
                                              indent=1, default=str))
+    # The table and RESULTS.md cover every section in the file: with --only, the sections
+    # not run keep their last figures (written just above; the rows would otherwise hold
+    # only this run's).
+    results = json.loads(Path(args.out).read_text())
     rows = report.table(results)
     report.print_table(rows)
     results["table"] = rows
     failed = report.failures(results, selected)
     results["failed"] = failed
-    results = _keep_other_sections(results, args.out, selected)
     Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     print(f"\nwrote {args.out}")
     if args.results_md:

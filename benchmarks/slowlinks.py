@@ -4,11 +4,13 @@ The host starts the virtual Tailscale cluster (``tests/helpers/netns_cluster.py`
 2 workers), and for each link rate shapes both nodes' links (``tc ... tbf``) and runs this
 module as a driver inside the head namespace. One ``fit`` per rate; its train function:
 
-1. (once per run, in the first rate's fit) calibrates on one node, all nodes at once (so
-   they share cores as in the real runs), nothing crossing nodes
-   (:mod:`ray_mesh.planning.calibrate`): the arithmetic (an unsharded copy per rank), the
-   local shape of each layout family (its step with ``dp="replica"``),
-   gloo's fixed cost per call and bytes per second, one microbatch's send;
+1. calibrates on one node, all nodes at once (so they share cores as in the real runs),
+   nothing crossing nodes (:mod:`ray_mesh.planning.calibrate`): the arithmetic (an
+   unsharded copy per rank), the local shape of each layout family (its step with
+   ``dp="replica"``), gloo's fixed cost per call and bytes per second, one microbatch's
+   send; then measures the link as gloo sees it (``measure_cross``: a tiny and a large
+   all-reduce across nodes, no model). Every rate's fit calibrates afresh, so a prediction
+   and the steps it predicts are taken minutes apart under the same machine load;
 2. for each layout of the planner's candidates (``ray_mesh.planning.cost.candidates``)
    builds that mesh on the same process group, trains ``steps`` steps after a warm-up, and
    reads each node's ``tailscale0`` counters around them (every byte that crosses nodes
@@ -160,7 +162,7 @@ def _calibration(config: dict, world: int) -> dict:
     from ray_mesh.planning.cost import Layout
 
     cfg, per_node = config["model"], config["per_node"]
-    steps = max(config["steps"], 5)  # medians of at least 5
+    steps = max(config["steps"], 12)  # local shapes are cheap: medians of at least 12
     out = {"compute_s": _calibrate(cfg, world, steps, per_node),
            "tp_compute_s": [[t, _calibrate(cfg, world, steps, per_node, t)]
                             for t in config["tp_degrees"]],
@@ -188,7 +190,10 @@ def _train(config: dict) -> None:
 
     cfg, world = config["model"], dist.get_world_size()
     local0 = ray.train.get_context().get_local_rank() == 0
-    out = {**(_calibration(config, world) if config["calibrate"] else {}), "layouts": {}}
+    from ray_mesh.planning.calibrate import measure_cross
+
+    out = {**(_calibration(config, world) if config["calibrate"] else {}), "layouts": {},
+           **measure_cross(config["per_node"], config["reduce_bytes"])}
 
     def cross_bytes() -> int:
         mine = read_counters("tailscale0")["tx_bytes"] if local0 else 0
@@ -257,8 +262,10 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
     out: dict = {"model": {**stats.__dict__, "tokens_per_step": tokens}, "steps": steps,
                  "statistic": "median of the timed steps per layout; bytes: mean per step",
                  "prediction": "ray_mesh.planning.calibrate.predict_calibrated: one-node "
-                               "calibration (nothing crossing nodes) + modelled link time"}
-    calibrated: dict = {}
+                               "calibration (nothing crossing nodes) + the link priced by "
+                               "measure_cross (a tiny and a large gloo all-reduce across "
+                               "nodes, no model); probe_priced_step_s: the link priced from "
+                               "the bring-up TCP probe instead"}
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
         for mbit in rates:
             for node in cluster.nodes:
@@ -268,7 +275,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
             shapes = local_shapes(layouts, Links(2, 2, float(mbit)))
             load_before = os.getloadavg()
             args = {"model": cfg, "steps": steps, "out": path, "per_node": 2,
-                    "calibrate": mbit == rates[0],  # once per run, before any layout
+                    "calibrate": True,  # in every fit, before its layouts
                     "reduce_bytes": stats.params * 4 // 2,  # hsdp's replicate all-reduce
                     "p2p_bytes": tokens // 2 // 4 * stats.hidden * 4,  # pp: one microbatch
                     "local_shapes": {k: {"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
@@ -280,17 +287,18 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
             run_head_driver(cluster, "benchmarks.slowlinks", args, timeout_s,
                             f"slowlinks driver at {mbit} Mbit/s")
             raw = read_result(path)
-            if mbit == rates[0]:
-                calibrated = raw
-            raw = {**calibrated, **raw}  # this rate's layouts, the run's one calibration
             rates_seen = _measured_links([n.ip for n in cluster.nodes])
             links = Links(2, 2, rates_seen["cross_mbit"], rates_seen["intra_mbit"],
                           collective_s=raw["collective_s"])
             work = Workload(tokens, raw["compute_s"],
                             tp_compute_s=tuple((int(t), float(c)) for t, c in raw["tp_compute_s"]))
-            cal = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"], raw["local_s"])
+            cross = {"cross_call_s": raw["cross_call_s"], "cross_Bps": raw["cross_Bps"]}
+            cal = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"], raw["local_s"],
+                              **cross)
+            probe_only = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"],
+                                     raw["local_s"])  # the link priced from the TCP probe
             cal_min = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"],
-                                  raw["local_min_s"])
+                                  raw["local_min_s"], **cross)
             key = _rate_key(mbit)
             section: dict = {"set_mbit": mbit, "measured_links": rates_seen,
                              "compute_s": raw["compute_s"], "calibration": cal.to_json(),
@@ -303,6 +311,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                 section[lay.label] = {
                     "mesh": lay.mesh, "predicted_step_s": pred.step_s,
                     "analytic_step_s": predict(lay, stats, links, work).step_s,
+                    "probe_priced_step_s": predict_calibrated(lay, stats, links, work,
+                                                              probe_only).step_s,
                     "step_s_all": got["step_s_all"],
                     # least-disturbed: the fastest calibration steps against the fastest
                     "predicted_min_step_s": predict_calibrated(lay, stats, links, work,

@@ -301,11 +301,14 @@ class DiLoCo:
         """Numbers to pass to ``ray.train.report`` (or any logger), all plain scalars:
 
         - ``diloco/inner_step``, ``diloco/outer_step``: counters (an outer step per fragment
-          sync with streaming);
+          sync with streaming, counted when it lands);
+        - ``diloco/in_flight``: syncs sent and not landed yet (overlap);
         - ``diloco/bytes_sent``: bytes this rank put on the cross-node link for all syncs so
           far (compressed size), ``diloco/bytes_per_outer_step`` their mean per outer step;
-        - ``diloco/sync_s``: seconds spent in syncs so far (the time the link was busy, as
-          this rank saw it), ``diloco/sync_s_per_outer_step`` their mean;
+        - ``diloco/sync_s``: seconds this rank spent in syncs so far (forming and sending
+          the pseudo-gradient, waiting for the average, the outer step): without overlap the
+          time the link was busy as this rank saw it, with overlap only what the steps in
+          flight did not hide; ``diloco/sync_s_per_outer_step`` their mean;
         - ``diloco/drift``: L2 norm of this rank's shard of ``global - local`` just before
           the last sync, i.e. how far the replica had moved in its H steps.
         """
@@ -313,6 +316,7 @@ class DiLoCo:
         return {
             "diloco/inner_step": self.inner_steps,
             "diloco/outer_step": self.outer_steps,
+            "diloco/in_flight": len(self._in_flight),
             "diloco/bytes_sent": int(self.stats["bytes_sent"]),
             "diloco/bytes_per_outer_step": self.stats["bytes_sent"] / n,
             "diloco/sync_s": self.stats["sync_s"],

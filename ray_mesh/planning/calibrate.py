@@ -41,7 +41,9 @@ Pipeline layouts are not runnable inside one node with FSDP beside them; a stage
 does its share of the work in microbatches, so their local shapes run with gradient
 accumulation over ``microbatches / pp`` chunks (``/mbK`` in the key): per rank that is the
 same tokens per call and the same number of calls as one stage's share of the layers over
-all microbatches. tp_pp = TP's local shape so run x the bubble; pp = the arithmetic so run
+all microbatches. tp_hsdp = TP's local shape + FSDP's overhead (FSDP's local step less the
+arithmetic: the layout wraps its TP blocks in FSDP2, the TP-only local shape does not).
+tp_pp = TP's local shape so run x the bubble; pp = the arithmetic so run
 x the bubble + FSDP's overhead (its local step less the arithmetic) for one stage's share of
 the parameters (the pipeline keeps them gathered across microbatches); both + two sends per
 microbatch.
@@ -148,6 +150,8 @@ def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
         keys += [key] if key else []
         if family(lay) == "pp" and lay.mesh.get("dp_shard", 1) > 1:
             keys += [ARITHMETIC, "fsdp/fp32"]  # FSDP's overhead: the two of them
+        if family(lay) == "tp_hsdp":  # TP's local shape has no FSDP2 wrapper; the layout has
+            keys += [ARITHMETIC, f"fsdp/{lay.reduce}"]
     for key in dict.fromkeys(keys):
         kind, reduce = key.split("/")[:2]
         tp = int(kind[2:]) if kind.startswith("tp") else 1
@@ -179,6 +183,10 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         calls += max(1, math.ceil(g_b / 25e6))  # DDP's 25 MB buckets
     elif fam in ("fsdp", "hsdp", "tp_hsdp"):
         local = cal.local(local_key(layout) or "")
+        if fam == "tp_hsdp":  # FSDP2 wraps the TP blocks over replicate x shard: its hooks,
+            # copies and casts, which TP's local shape (no FSDP) does not run, as FSDP's
+            # local shape measured them beyond the arithmetic
+            local += max(0.0, cal.local(f"fsdp/{layout.reduce}") - arithmetic)
         if fam == "fsdp":  # gloo: all-gather twice + reduce-scatter as an all-reduce
             def ring(k: int) -> float:
                 return (k - 1) / k * (2 * p_b + 2 * g_b)

@@ -116,6 +116,12 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
                             measured)
     # the arithmetic in 2 chunks x bubble + half of FSDP's overhead + the sends
     assert pp.compute_s == pytest.approx(0.3 * 5 / 4 + (0.5 - 0.2) / 2 + 2 * 4 * 0.002)
+    # tp_hsdp: TP's local shape + FSDP's overhead (its local step less the arithmetic)
+    tp_cal = Calibration(0.001, 200e6, 0.002, {"none/fp32": 0.2, "fsdp/fp32": 0.5,
+                                               "tp2/fp32": 0.6})
+    tp_hsdp = predict_calibrated(Layout("tp_hsdp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
+                                 STATS, links, WORK, tp_cal)
+    assert tp_hsdp.compute_s == pytest.approx(0.6 + (0.5 - 0.2))
     # slower links only add wire time
     slow = predict_calibrated(hsdp, STATS, Links(2, 2, 20.0), WORK, CAL)
     assert slow.step_s - got.step_s == pytest.approx(
