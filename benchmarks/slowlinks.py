@@ -9,8 +9,11 @@ module as a driver inside the head namespace. One ``fit`` per rate; its train fu
    unsharded copy per rank), the local shape of each layout family (its step with
    ``dp="replica"``), gloo's fixed cost per call and bytes per second, one microbatch's
    send; then measures the link as gloo sees it (``measure_cross``: a tiny and a large
-   all-reduce across nodes, no model). Every rate's fit calibrates afresh, so a prediction
-   and the steps it predicts are taken minutes apart under the same machine load;
+   all-reduce across nodes, no model). Every rate's fit calibrates afresh, and the local
+   shapes a layout's prediction reads are timed again just before and just after that
+   layout's steps (``local_s_beside``; 6 steps each side): on a shared 2-core machine the
+   load drifts within minutes, and a prediction is only as good as the calibration's match
+   to the conditions it predicts;
 2. for each layout of the planner's candidates (``ray_mesh.planning.cost.candidates``)
    builds that mesh on the same process group, trains ``steps`` steps after a warm-up, and
    reads each node's ``tailscale0`` counters around them (every byte that crosses nodes
@@ -148,8 +151,9 @@ def _timed(step, steps: int, warmup: bool = True) -> list[float]:
     return times
 
 
-def _calibration(config: dict, world: int) -> dict:
-    """Everything the calibrated prediction needs, measured with nothing crossing nodes."""
+def _calibration(config: dict, world: int) -> tuple[dict, dict]:
+    """Everything the calibrated prediction needs, measured with nothing crossing nodes;
+    and the local shapes' step functions, kept to be timed again beside each layout."""
     import torch.distributed as dist
 
     from ray_mesh.core.bootstrap import build_device_mesh
@@ -168,15 +172,29 @@ def _calibration(config: dict, world: int) -> dict:
                             for t in config["tp_degrees"]],
            **measure_collectives(per_node, config["reduce_bytes"], config["p2p_bytes"]),
            "local_s": {}, "local_min_s": {}}
+    fns = {}
     for key, raw in config["local_shapes"].items():
         layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
         mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
-        times = _timed(_step_fn(layout, mesh, cfg, dp="replica", chunks=accumulation(key)),
-                       steps)
+        fns[key] = _step_fn(layout, mesh, cfg, dp="replica", chunks=accumulation(key))
+        times = _timed(fns[key], steps)
         out["local_s"][key] = median_everywhere(statistics.median(times))
         out["local_min_s"][key] = median_everywhere(min(times))
         dist.barrier()
-    return out
+    return out, fns
+
+
+def _around(fns: dict, keys: list[str], reps: int, timed_layout):
+    """Time the local shapes ``keys`` just before and just after ``timed_layout()`` (their
+    medians over both blocks, everywhere): the calibration and the steps it predicts share
+    the same minute of machine load, as a planner calibrating right before it plans does."""
+    from ray_mesh.planning.calibrate import median_everywhere
+
+    before = {k: _timed(fns[k], reps, warmup=False) for k in keys}
+    result = timed_layout()
+    after = {k: _timed(fns[k], reps, warmup=False) for k in keys}
+    return result, {k: median_everywhere(statistics.median(before[k] + after[k]))
+                    for k in keys}
 
 
 def _train(config: dict) -> None:
@@ -192,7 +210,8 @@ def _train(config: dict) -> None:
     local0 = ray.train.get_context().get_local_rank() == 0
     from ray_mesh.planning.calibrate import measure_cross
 
-    out = {**(_calibration(config, world) if config["calibrate"] else {}), "layouts": {},
+    calibration, local_fns = _calibration(config, world)
+    out = {**calibration, "layouts": {},
            **measure_cross(config["per_node"], config["reduce_bytes"])}
 
     def cross_bytes() -> int:
@@ -211,11 +230,16 @@ def _train(config: dict) -> None:
         mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
         step = _step_fn(layout, mesh, cfg)
         step()  # warm-up outside the byte count
-        b0 = cross_bytes()
-        times = _timed(step, config["steps"], warmup=False)
-        moved = cross_bytes() - b0 - background * sum(times)
+
+        def timed_layout(step=step) -> tuple[list[float], float]:
+            b0 = cross_bytes()
+            times = _timed(step, config["steps"], warmup=False)
+            return times, cross_bytes() - b0 - background * sum(times)
+
+        (times, moved), beside = _around(local_fns, raw["local_keys"], config["around_reps"],
+                                         timed_layout)
         out["layouts"][layout.label] = {"measured_step_s": statistics.median(times),
-                                        "step_s_all": times,
+                                        "step_s_all": times, "local_s_beside": beside,
                                         "cross_node_bytes_per_step": moved / len(times)}
     if dist.get_rank() == 0:
         write_result(config["out"], out)
@@ -262,27 +286,31 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
     out: dict = {"model": {**stats.__dict__, "tokens_per_step": tokens}, "steps": steps,
                  "statistic": "median of the timed steps per layout; bytes: mean per step",
                  "prediction": "ray_mesh.planning.calibrate.predict_calibrated: one-node "
-                               "calibration (nothing crossing nodes) + the link priced by "
-                               "measure_cross (a tiny and a large gloo all-reduce across "
-                               "nodes, no model); probe_priced_step_s: the link priced from "
-                               "the bring-up TCP probe instead"}
+                               "calibration (nothing crossing nodes; local shapes timed beside "
+                               "each layout) + the link priced by measure_cross (a tiny and a "
+                               "large gloo all-reduce across nodes, no model); "
+                               "probe_priced_step_s: the link priced from the bring-up TCP "
+                               "probe instead; fit_calibration_step_s: local shapes from the "
+                               "fit's start only"}
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
         for mbit in rates:
             for node in cluster.nodes:
                 cluster.shape_link(node.index, mbit)
             layouts = candidates(stats, Links(2, 2, float(mbit)))
             path = str(cluster.root / f"slowlinks_{mbit}.json")
-            shapes = local_shapes(layouts, Links(2, 2, float(mbit)))
+            links_set = Links(2, 2, float(mbit))
+            shapes = local_shapes(layouts, links_set)
             load_before = os.getloadavg()
             args = {"model": cfg, "steps": steps, "out": path, "per_node": 2,
-                    "calibrate": True,  # in every fit, before its layouts
                     "reduce_bytes": stats.params * 4 // 2,  # hsdp's replicate all-reduce
                     "p2p_bytes": tokens // 2 // 4 * stats.hidden * 4,  # pp: one microbatch
                     "local_shapes": {k: {"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
                                      for k, x in shapes.items()},
                     "tp_degrees": sorted({x.mesh.get("tp", 1) for x in layouts} - {1}),
                     "storage": str(cluster.root / "results"),
-                    "layouts": [{"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
+                    "around_reps": 6,  # local-shape steps before and after each layout
+                    "layouts": [{"name": x.name, "mesh": x.mesh, "reduce": x.reduce,
+                                 "local_keys": sorted(local_shapes([x], links_set))}
                                 for x in layouts]}
             run_head_driver(cluster, "benchmarks.slowlinks", args, timeout_s,
                             f"slowlinks driver at {mbit} Mbit/s")
@@ -306,13 +334,21 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                              "tp_compute_s": raw["tp_compute_s"],
                              "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
             for lay in layouts:
-                pred = predict_calibrated(lay, stats, links, work, cal)
                 got = raw["layouts"][lay.label]
+                # the local shapes timed just before and after this layout (same load)
+                beside = Calibration(cal.collective_s, cal.gloo_Bps, cal.p2p_s,
+                                     {**cal.local_s, **got["local_s_beside"]}, **cross)
+                pred = predict_calibrated(lay, stats, links, work, beside)
                 section[lay.label] = {
                     "mesh": lay.mesh, "predicted_step_s": pred.step_s,
                     "analytic_step_s": predict(lay, stats, links, work).step_s,
-                    "probe_priced_step_s": predict_calibrated(lay, stats, links, work,
-                                                              probe_only).step_s,
+                    "probe_priced_step_s": predict_calibrated(
+                        lay, stats, links, work,
+                        Calibration(probe_only.collective_s, probe_only.gloo_Bps,
+                                    probe_only.p2p_s, beside.local_s)).step_s,
+                    "fit_calibration_step_s": predict_calibrated(lay, stats, links, work,
+                                                                 cal).step_s,
+                    "local_s_beside": got["local_s_beside"],
                     "step_s_all": got["step_s_all"],
                     # least-disturbed: the fastest calibration steps against the fastest
                     "predicted_min_step_s": predict_calibrated(lay, stats, links, work,

@@ -216,6 +216,19 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
                       base.notes + ["calibrated on one node"])
 
 
+def _median_time(fn, n: int) -> float:
+    """Median seconds of ``n`` calls of ``fn``, each after a barrier (a collective)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure_cross(per_node: int, nbytes: int, repeats: int = 3) -> dict[str, float]:
     """``cross_call_s`` and ``cross_Bps``: the link between nodes as gloo sees it.
 
@@ -237,18 +250,10 @@ def measure_cross(per_node: int, nbytes: int, repeats: int = 3) -> dict[str, flo
     groups = [dist.new_group(list(range(j, world, per_node))) for j in range(per_node)]
     mine = groups[rank % per_node]
 
-    def timed(fn, n: int) -> float:
-        times = []
-        for _ in range(n):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return median_everywhere(statistics.median(times))
-
     tiny, big = torch.zeros(1), torch.zeros(max(1, nbytes // FP32))
-    call = timed(lambda: dist.all_reduce(tiny, group=mine), 10 * repeats)
-    big_s = timed(lambda: dist.all_reduce(big, group=mine), repeats)
+    call = median_everywhere(_median_time(lambda: dist.all_reduce(tiny, group=mine),
+                                          10 * repeats))
+    big_s = median_everywhere(_median_time(lambda: dist.all_reduce(big, group=mine), repeats))
     sent = per_node * 2 * (nodes - 1) / nodes * big.numel() * FP32  # one node, a ring each
     return {"cross_call_s": call, "cross_Bps": sent / max(big_s - call, 1e-6)}
 
@@ -278,18 +283,9 @@ def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
     groups = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
     mine = groups[rank // per_node]
 
-    def timed(fn, n: int) -> float:
-        times = []
-        for _ in range(n):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
     tiny, big = torch.zeros(1), torch.zeros(max(1, reduce_bytes // FP32))
-    call = timed(lambda: dist.all_reduce(tiny, group=mine), repeats)
-    big_s = timed(lambda: dist.all_reduce(big, group=mine), max(3, repeats // 4))
+    call = _median_time(lambda: dist.all_reduce(tiny, group=mine), repeats)
+    big_s = _median_time(lambda: dist.all_reduce(big, group=mine), max(3, repeats // 4))
     volume = 2 * (per_node - 1) / per_node * big.numel() * FP32
     p2p = 0.0
     if per_node >= 2:
@@ -306,7 +302,7 @@ def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
             else:
                 dist.recv(buf, peer)
                 dist.send(buf, peer)
-        p2p = timed(exchange, repeats) / 2
+        p2p = _median_time(exchange, repeats) / 2
     call = median_everywhere(call)
     return {"collective_s": call,
             "gloo_Bps": volume / max(median_everywhere(big_s) - call, 1e-6),
