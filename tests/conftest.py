@@ -34,8 +34,27 @@ def worker_runtime_env() -> dict:
     return {"env_vars": {"PYTHONPATH": path}}
 
 
+def missing_kinds(config, items) -> list[str]:
+    """The kinds' folders a run over the whole of tests/ collected nothing from.
+
+    pytest's default ``norecursedirs`` holds "dist", which once kept tests/dist out of every
+    run without a word; a whole-suite run (no paths, -k or -m given) now fails instead.
+    """
+    asked = [Path(a).resolve() for a in config.args]
+    if asked != [TESTS_DIR] or config.option.keyword or config.option.markexpr:
+        return []
+    seen = {Path(str(item.fspath)).parent.name for item in items}
+    return [kind for kind in KINDS if any((TESTS_DIR / kind).glob("test_*.py"))
+            and kind not in seen]
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.slow`` tests (multi-minute scenarios) run only with RAY_MESH_SLOW_TESTS=1."""
+    if missing := missing_kinds(config, items):
+        raise pytest.UsageError(
+            f"tests/{', tests/'.join(missing)} collected no test in a whole-suite run: check "
+            "[tool.pytest.ini_options] norecursedirs in pyproject.toml (pytest's default "
+            "skips folders named dist and build)")
     for item in items:  # the folder says the kind: `pytest -m unit`, `-m "not netns"`, ...
         kind = Path(str(item.fspath)).parent.name
         if kind in KINDS:

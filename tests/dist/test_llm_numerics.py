@@ -44,6 +44,9 @@ def test_llm_torchrun_checkpoints_resume_exactly_from_the_newest(tmp_path):
     assert "PASS llm_resume_repeats_steps" in out and "PASS llm_resume_takes_newest" in out
 
 
+# Slow tier (~30 s of training): the LM benchmark and the DiLoCo benchmark train the same
+# model further; FSDP/TP numerics and exact resume stay in the default tier.
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_llm_learns_below_unigram_entropy(tmp_path):
     out = _torchrun("train", tmp_path)

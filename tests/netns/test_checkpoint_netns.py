@@ -89,6 +89,10 @@ def cluster(tmp_path_factory):
         yield c
 
 
+# Slow tier (~2 min: a node killed mid-run, a restart, a reshard): elastic resharding is
+# unit-tested in tests/unit/test_checkpoint_elastic.py, kill/resume under Ray in
+# tests/ray/test_checkpoint_ray.py.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_storage_refused_and_elastic_shrink(cluster, tmp_path):
     os.chmod(tmp_path, 0o777)

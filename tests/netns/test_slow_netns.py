@@ -62,6 +62,9 @@ def test_slow_link_is_named(cluster, tmp_path):
     print(f"slow link named {out['detect_s']} s after training started: {out['verdict']}")
 
 
+# Slow tier (~40 s): the busy rank is named under torchrun in the default tier
+# (tests/dist/test_slow_torchrun.py); the slow link needs the shaped cluster and stays.
+@pytest.mark.slow
 def test_slow_rank_is_named(cluster, tmp_path):
     cluster.shape_link(1, 1000)
     out = run_in_cluster(cluster, {"name": "slowrank", "storage": str(tmp_path),

@@ -12,6 +12,9 @@ pytestmark = pytest.mark.ray
 HANG_TIMEOUT_S = 10.0
 
 
+# Slow tier (~45 s): the hang report itself (a skipped collective named with stacks, in
+# bounded time) is checked under torchrun in the default tier (tests/dist/test_hang_torchrun.py).
+@pytest.mark.slow
 @pytest.mark.timeout(480)  # Ray start-up on a busy 2-core machine; the bound is below
 def test_run_ends_with_the_hang_report(ray_local, storage, tmp_path):
     from _hang_train import hang_loop

@@ -102,6 +102,9 @@ def test_explicit_mesh_data_config_pp_tp(ray_local, tmp_path):
     _check(records, dp=2, peers=4)
 
 
+# Slow tier (~65 s: a SIGKILLed worker and a restart): the data position's arithmetic is
+# unit-tested (tests/unit/test_data_position.py), kill/resume under Ray in test_checkpoint_ray.
+@pytest.mark.slow
 @pytest.mark.ray
 def test_kill_resume_reads_what_uninterrupted_run_read(plain_run, tmp_path):
     # Checkpoint every 2 steps; rank 1 dies at step 9 (epoch 1, 3rd batch): resume from

@@ -66,6 +66,10 @@ def _check(result, out: Path, workers: int, names: list[str]) -> None:
         assert metrics[f"{name}/moved"] > 1e-3, (name, metrics)
 
 
+# Slow tier (~55 s: every layout as a Ray fit): the same numerics are checked under torchrun
+# (tests/dist/test_parallel_torchrun.py, test_llm_numerics.py); MeshConfig building TP and PP
+# meshes under Ray stays in the default tier (test_tp_and_pp_on_the_mesh_meshconfig_builds).
+@pytest.mark.slow
 @pytest.mark.timeout(540)
 def test_layouts_match_single_process(ray_local, storage, tmp_path):
     _check(_fit(_parallel_checks.train_all, 8, storage, tmp_path), tmp_path, 8, FOUR + EIGHT)

@@ -2,19 +2,21 @@
 Ray starts, exit status != 0, exactly one ``ray-mesh: error:`` line naming the key or flag
 and the fix, and no traceback (``-v`` shows one on request).
 
-Each case runs ``python -m ray_mesh.cli`` in a subprocess, as a user would. The subprocess
-limit is a hang guard (20 s, stretched on an overloaded machine), not a timing claim; that
-nothing reached Ray is checked by Ray's own start-up line being absent.
+Each case runs the real command in a fresh process, as ``python -m ray_mesh.cli`` would,
+forked from one server that imported it once (``tests/helpers/cli_fork.py``: a new
+interpreter per case cost ~5 s of importing torch). The per-case limit is a hang guard
+(20 s, stretched on an overloaded machine), not a timing claim; that nothing reached Ray is
+checked by Ray's own start-up line being absent.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_fork import CliServer
 
 ROOT = Path(__file__).resolve().parents[2]
 REFUSE_WITHIN_S = 20.0
@@ -37,14 +39,24 @@ def _job(folder: Path, text: str | bytes, name: str = "job.yaml") -> str:
     return str(path)
 
 
-def _cli(args: list[str], cwd: Path, extra_env: dict[str, str] | None = None
-         ) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(extra_env or {})
-    return subprocess.run([sys.executable, "-m", "ray_mesh.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=_limit_s())
+@pytest.fixture(scope="module")
+def cli_server():
+    server = CliServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def cli(cli_server):
+    def run(args: list[str], cwd: Path, extra_env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH"))
+                                            if p)
+        env.update(extra_env or {})
+        return cli_server.run(args, cwd, env, _limit_s())
+    return run
 
 
 def _refused(proc: subprocess.CompletedProcess, *words: str) -> str:
@@ -134,8 +146,8 @@ JOB_CASES = [
 ]
 
 
-# One case per class runs in the default tier (each case is a fresh interpreter that imports
-# torch: ~4 s); the rest of the classes' cases run in the opt-in slow tier.
+# One case per class runs in the default tier; the rest of the classes' cases run in the
+# opt-in slow tier.
 DEFAULT_TIER = {"duplicate-key", "not-utf8", "unknown-nested-key", "bool-as-string",
                 "int-as-float", "seconds-nan", "placement", "resources-list",
                 "train-outside-folder", "interface-missing", "storage-unwritable",
@@ -149,12 +161,12 @@ def _tiered(cases: list, ids: list[str]) -> list:
 
 @pytest.mark.parametrize("text, args, words",
                          _tiered([c[1:] for c in JOB_CASES], [c[0] for c in JOB_CASES]))
-def test_bad_job_file_or_run_flag(tmp_path, text, args, words):
+def test_bad_job_file_or_run_flag(cli, tmp_path, text, args, words):
     folder = tmp_path / "a" / "b"
     folder.mkdir(parents=True)
     job = _job(folder, text)
     (folder / "t_nopy").write_text("def train_loop(config):\n    pass\n")
-    _refused(_cli(["run", job, *args], folder), *words)
+    _refused(cli(["run", job, *args], folder), *words)
 
 
 @pytest.mark.parametrize("target, words", [
@@ -162,9 +174,9 @@ def test_bad_job_file_or_run_flag(tmp_path, text, args, words):
     ("/dev/null", ["not a regular file"]),
     ("{dir}/nope.yaml", ["does not exist"]),
 ], ids=["directory", "device", "missing"])
-def test_run_refuses_what_is_not_a_job_file(tmp_path, target, words):
+def test_run_refuses_what_is_not_a_job_file(cli, tmp_path, target, words):
     _job(tmp_path, BASE)
-    _refused(_cli(["run", target.format(dir=tmp_path)], tmp_path), *words)
+    _refused(cli(["run", target.format(dir=tmp_path)], tmp_path), *words)
 
 
 FLAG_CASES = [
@@ -192,28 +204,28 @@ DEFAULT_TIER |= {"plan_--tp_0", "doctor_--timeout_nan", "doctor_--port_99999",
 
 
 @pytest.mark.parametrize("args, words", _tiered(FLAG_CASES, ["_".join(c[0]) for c in FLAG_CASES]))
-def test_bad_flags_fail_at_parse_time(tmp_path, args, words):
-    line = _refused(_cli(args, tmp_path), *words)
+def test_bad_flags_fail_at_parse_time(cli, tmp_path, args, words):
+    line = _refused(cli(args, tmp_path), *words)
     assert "--help" in line
 
 
-def test_ray_address_env_with_a_dashboard_url(tmp_path):
+def test_ray_address_env_with_a_dashboard_url(cli, tmp_path):
     job = _job(tmp_path, BASE)
-    _refused(_cli(["run", job], tmp_path, {"RAY_ADDRESS": "http://127.0.0.1:8265"}),
+    _refused(cli(["run", job], tmp_path, {"RAY_ADDRESS": "http://127.0.0.1:8265"}),
              "RAY_ADDRESS", "dashboard URL", "127.0.0.1:6379")
 
 
 @pytest.mark.parametrize("var, value", [("GLOO_SOCKET_IFNAME", "nosuch0"),
                                         ("GLOO_SOCKET_IFNAME", "lo,nosuch0")])
-def test_user_set_interface_variable_that_does_not_exist(tmp_path, var, value):
+def test_user_set_interface_variable_that_does_not_exist(cli, tmp_path, var, value):
     """On an embedded Ray the workers inherit this environment: checked on the driver."""
     job = _job(tmp_path, BASE)
-    _refused(_cli(["run", job], tmp_path, {var: value}), var, "nosuch0", f"Unset {var}")
+    _refused(cli(["run", job], tmp_path, {var: value}), var, "nosuch0", f"Unset {var}")
 
 
-def test_verbose_shows_the_traceback_and_the_line(tmp_path):
+def test_verbose_shows_the_traceback_and_the_line(cli, tmp_path):
     job = _job(tmp_path, BASE + "network: {preflight: 'no'}\n")
-    proc = _cli(["-v", "run", job], tmp_path)
+    proc = cli(["-v", "run", job], tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" in out, out[-3000:]
     assert sum(x.startswith("ray-mesh: error:") for x in out.splitlines()) == 1, out[-3000:]
