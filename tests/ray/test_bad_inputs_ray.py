@@ -53,8 +53,11 @@ def _one_line(proc: subprocess.CompletedProcess, *words: str) -> str:
 @pytest.mark.parametrize("name, extra, env_vars, words", [
     ("iface", "network: {interface: nosuch0}\n", {},
      ["nosuch0", "does not exist", "'auto'"]),
-    ("gloo", "", {"GLOO_SOCKET_IFNAME": "nosuch0"},
-     ["GLOO_SOCKET_IFNAME=nosuch0", "set by the user", "Unset GLOO_SOCKET_IFNAME"]),
+    # slow tier (~20 s): the same node-side check as "iface"; the driver-side refusal of a
+    # user-set GLOO_SOCKET_IFNAME is in tests/unit/test_bad_inputs_cli.py (default tier)
+    pytest.param("gloo", "", {"GLOO_SOCKET_IFNAME": "nosuch0"},
+                 ["GLOO_SOCKET_IFNAME=nosuch0", "set by the user", "Unset GLOO_SOCKET_IFNAME"],
+                 marks=pytest.mark.slow),
 ], ids=["interface", "user-gloo-ifname"])
 def test_nodes_refuse_an_interface_they_do_not_have(ray_local, tmp_path, name, extra,
                                                     env_vars, words):

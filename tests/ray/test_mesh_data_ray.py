@@ -87,6 +87,9 @@ def _fast_controller(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
+# Slow tier (~45 s of fit): the same default path (MeshConfig makes the trainer's datasets
+# split by dp rank) is what tests/ray/test_llm_ray.py's tp=2 run proves in the default tier.
+@pytest.mark.slow
 @pytest.mark.ray
 def test_default_data_config_follows_mesh(plain_run):
     _check(plain_run, dp=2, peers=2)
