@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 from benchmarks.common import (
     REPO,
@@ -323,8 +324,6 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
             cross = {"cross_call_s": raw["cross_call_s"], "cross_Bps": raw["cross_Bps"]}
             cal = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"], raw["local_s"],
                               **cross)
-            probe_only = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"],
-                                     raw["local_s"])  # the link priced from the TCP probe
             cal_min = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"],
                                   raw["local_min_s"], **cross)
             key = _rate_key(mbit)
@@ -336,26 +335,23 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
             for lay in layouts:
                 got = raw["layouts"][lay.label]
                 # the local shapes timed just before and after this layout (same load)
-                beside = Calibration(cal.collective_s, cal.gloo_Bps, cal.p2p_s,
-                                     {**cal.local_s, **got["local_s_beside"]}, **cross)
+                beside = replace(cal, local_s={**cal.local_s, **got["local_s_beside"]})
                 pred = predict_calibrated(lay, stats, links, work, beside)
+                # the link priced from the TCP probe instead of measure_cross
+                probe_priced = replace(beside, cross_call_s=0.0, cross_Bps=0.0)
+                fastest = predict_calibrated(lay, stats, links, work, cal_min).step_s
                 section[lay.label] = {
                     "mesh": lay.mesh, "predicted_step_s": pred.step_s,
                     "analytic_step_s": predict(lay, stats, links, work).step_s,
-                    "probe_priced_step_s": predict_calibrated(
-                        lay, stats, links, work,
-                        Calibration(probe_only.collective_s, probe_only.gloo_Bps,
-                                    probe_only.p2p_s, beside.local_s)).step_s,
+                    "probe_priced_step_s": predict_calibrated(lay, stats, links, work,
+                                                              probe_priced).step_s,
                     "fit_calibration_step_s": predict_calibrated(lay, stats, links, work,
                                                                  cal).step_s,
                     "local_s_beside": got["local_s_beside"],
                     "step_s_all": got["step_s_all"],
                     # least-disturbed: the fastest calibration steps against the fastest
-                    "predicted_min_step_s": predict_calibrated(lay, stats, links, work,
-                                                               cal_min).step_s,
-                    "step_error_min": predict_calibrated(lay, stats, links, work,
-                                                         cal_min).step_s
-                    / min(got["step_s_all"]) - 1,
+                    "predicted_min_step_s": fastest,
+                    "step_error_min": fastest / min(got["step_s_all"]) - 1,
                     "measured_step_s": got["measured_step_s"],
                     "predicted_cross_node_bytes_per_step": pred.cross_node_bytes_per_step,
                     "cross_node_bytes_per_step": got["cross_node_bytes_per_step"],

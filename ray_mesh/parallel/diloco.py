@@ -145,7 +145,8 @@ class DiLoCo:
             self._land(self._in_flight.pop(0))
             landed = True
         for f in self.due(self.inner_steps):
-            flight = self._launch(self.fragments[f], self.inner_steps + self.config.overlap)
+            flight = self._launch(self.fragments[f], self.inner_steps + self.config.overlap,
+                                  in_flight=bool(self.config.overlap))
             if self.config.overlap:
                 self._in_flight.append(flight)
             else:
@@ -168,11 +169,12 @@ class DiLoCo:
         landing any sync in flight). ``indices``: parameters to sync (default: all)."""
         self.flush()
         idx = list(range(len(self.params))) if indices is None else list(indices)
-        self._land(self._launch(idx, self.inner_steps))
+        self._land(self._launch(idx, self.inner_steps, in_flight=False))
 
     @torch.no_grad()
-    def _launch(self, idx: list[int], at: int) -> _Flight:
-        """Form the pseudo-gradients of ``idx`` and start averaging them.
+    def _launch(self, idx: list[int], at: int, in_flight: bool) -> _Flight:
+        """Form the pseudo-gradients of ``idx`` and start averaging them; ``in_flight``: it
+        lands after more inner steps, so keep the parameters as sent to carry those steps.
 
         They travel as one flat buffer per dtype: one collective (two for int8: codes and
         scales) instead of one or two per tensor, with no per-tensor padding to a chunk; on
@@ -202,7 +204,7 @@ class DiLoCo:
                     n = delta.numel()
                     self.error[i] = lost[offset:offset + n].view_as(delta).clone()
                     offset += n
-            sent = ([_local(self.params[i]).detach().clone() for i in ids] if cfg.overlap
+            sent = ([_local(self.params[i]).detach().clone() for i in ids] if in_flight
                     else None)
             parts.append((ids, pending, sent))
             self.stats["bytes_sent"] += wire_bytes(flat.numel(), cfg.compress)
