@@ -33,7 +33,7 @@ def config(quick: bool) -> dict:
             "scaling_sizes": [4, 8, 16], "scaling_runs": 1,
             "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
-            "slowlinks": {"rates": [1000, 100, 20], "steps": 10},
+            "slowlinks": {"rates": [1000, 100, 20], "steps": 16},
             "recovery_where": ["local", "netns"],
             # the LM job; H, compression and the outer optimizer: see README "DiLoCo"
             "diloco": {"rates": [100, 20], "steps": 200, "every": 10, "compress": "int8",

@@ -7,13 +7,14 @@ module as a driver inside the head namespace. One ``fit`` per rate; its train fu
 1. calibrates on one node, all nodes at once (so they share cores as in the real runs),
    nothing crossing nodes (:mod:`ray_mesh.planning.calibrate`): the arithmetic (an
    unsharded copy per rank), the local shape of each layout family (its step with
-   ``dp="replica"``), gloo's fixed cost per call and bytes per second, one microbatch's
-   send; then measures the link as gloo sees it (``measure_cross``: a tiny and a large
-   all-reduce across nodes, no model). Every rate's fit calibrates afresh, and the local
-   shapes a layout's prediction reads are timed again just before and just after that
-   layout's steps (``local_s_beside``; 6 steps each side): on a shared 2-core machine the
-   load drifts within minutes, and a prediction is only as good as the calibration's match
-   to the conditions it predicts;
+   ``dp="replica"``), the pipeline itself inside each node (its schedule's cost on this
+   machine), gloo's fixed cost per call and bytes per second, one microbatch's send; then
+   measures the link as gloo sees it (``measure_cross``: a tiny and a large all-reduce
+   across nodes in the replicate groups, and one over the whole world; no model). Every
+   rate's fit calibrates afresh, and the local shapes a layout's prediction reads are timed
+   again between its blocks of steps (``local_s_beside``; 3 steps before each of 4 blocks
+   and after the last): on a shared 2-core machine the load drifts within minutes, and a
+   prediction is only as good as the calibration's match to the conditions it predicts;
 2. for each layout of the planner's candidates (``ray_mesh.planning.cost.candidates``)
    builds that mesh on the same process group, trains ``steps`` steps after a warm-up, and
    reads each node's ``tailscale0`` counters around them (every byte that crosses nodes
@@ -93,6 +94,36 @@ def _step_fn(layout, mesh, cfg, dp: str = "auto", chunks: int = 1):
 
     def step() -> None:
         ex.train_step(model, optim, x, y, mesh)
+    return step
+
+
+def _node_pipeline_fn(pp: int, cfg: dict, microbatches: int):
+    """step() of the pipeline run inside each node (``pipeline_key``): ``pp`` consecutive
+    ranks as the stages, each node's pipeline on its share of the batch, nothing crossing
+    nodes: the schedule's cost on this machine, against the same work without it."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO / "examples"))
+    import fsdp_tp_transformer as ex
+
+    from ray_mesh.parallel import Pipeline
+    from ray_mesh.planning.calibrate import node_pipeline_mesh
+
+    mesh = node_pipeline_mesh(pp)
+    pipe = Pipeline(ex.make_model(cfg), mesh, loss_fn=ex.loss_fn, n_microbatches=microbatches,
+                    schedule="gpipe", dp="none")
+    optim = torch.optim.SGD(list(pipe.parameters()), lr=cfg["lr"])
+    x, y = ex.batch(0, cfg)
+    replicas = dist.get_world_size() // pp
+    per = x.shape[0] // replicas
+    r = dist.get_rank() // pp
+    xs, ys = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
+
+    def step() -> None:
+        pipe.step(xs, target=ys)
+        optim.step()
+        optim.zero_grad()
     return step
 
 
@@ -176,8 +207,11 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
     fns = {}
     for key, raw in config["local_shapes"].items():
         layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
-        mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
-        fns[key] = _step_fn(layout, mesh, cfg, dp="replica", chunks=accumulation(key))
+        if key.startswith("pp"):  # the pipeline inside each node
+            fns[key] = _node_pipeline_fn(layout.mesh["pp"], cfg, accumulation(key))
+        else:
+            mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
+            fns[key] = _step_fn(layout, mesh, cfg, dp="replica", chunks=accumulation(key))
         times = _timed(fns[key], steps)
         out["local_s"][key] = median_everywhere(statistics.median(times))
         out["local_min_s"][key] = median_everywhere(min(times))
@@ -185,17 +219,29 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
     return out, fns
 
 
-def _around(fns: dict, keys: list[str], reps: int, timed_layout):
-    """Time the local shapes ``keys`` just before and just after ``timed_layout()`` (their
-    medians over both blocks, everywhere): the calibration and the steps it predicts share
-    the same minute of machine load, as a planner calibrating right before it plans does."""
+def _interleaved(fns: dict, keys: list[str], reps: int, blocks: int, steps: int, step,
+                 cross_bytes, background: float) -> tuple[list[float], float, dict]:
+    """A layout's ``steps`` timed steps in ``blocks`` blocks, the local shapes ``keys`` timed
+    ``reps`` steps before each block and after the last (medians over all of them,
+    everywhere): the calibration and the steps it predicts share the same minutes of
+    machine load, as a planner calibrating right before it plans does, and a load swing
+    hits both. Returns the step times, the cross-node bytes of the timed steps (Ray's
+    background traffic taken out) and the local shapes' medians."""
     from ray_mesh.planning.calibrate import median_everywhere
 
-    before = {k: _timed(fns[k], reps, warmup=False) for k in keys}
-    result = timed_layout()
-    after = {k: _timed(fns[k], reps, warmup=False) for k in keys}
-    return result, {k: median_everywhere(statistics.median(before[k] + after[k]))
-                    for k in keys}
+    local: dict[str, list[float]] = {k: [] for k in keys}
+    times: list[float] = []
+    moved = 0.0
+    for block in range(blocks + 1):
+        for k in keys:
+            local[k] += _timed(fns[k], reps, warmup=False)
+        if block == blocks:
+            break
+        b0 = cross_bytes()
+        got = _timed(step, steps // blocks + (block < steps % blocks), warmup=False)
+        moved += cross_bytes() - b0 - background * sum(got)
+        times += got
+    return times, moved, {k: median_everywhere(statistics.median(v)) for k, v in local.items()}
 
 
 def _train(config: dict) -> None:
@@ -231,14 +277,9 @@ def _train(config: dict) -> None:
         mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
         step = _step_fn(layout, mesh, cfg)
         step()  # warm-up outside the byte count
-
-        def timed_layout(step=step) -> tuple[list[float], float]:
-            b0 = cross_bytes()
-            times = _timed(step, config["steps"], warmup=False)
-            return times, cross_bytes() - b0 - background * sum(times)
-
-        (times, moved), beside = _around(local_fns, raw["local_keys"], config["around_reps"],
-                                         timed_layout)
+        times, moved, beside = _interleaved(local_fns, raw["local_keys"],
+                                            config["around_reps"], config["blocks"],
+                                            config["steps"], step, cross_bytes, background)
         out["layouts"][layout.label] = {"measured_step_s": statistics.median(times),
                                         "step_s_all": times, "local_s_beside": beside,
                                         "cross_node_bytes_per_step": moved / len(times)}
@@ -287,12 +328,12 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
     out: dict = {"model": {**stats.__dict__, "tokens_per_step": tokens}, "steps": steps,
                  "statistic": "median of the timed steps per layout; bytes: mean per step",
                  "prediction": "ray_mesh.planning.calibrate.predict_calibrated: one-node "
-                               "calibration (nothing crossing nodes; local shapes timed beside "
-                               "each layout) + the link priced by measure_cross (a tiny and a "
-                               "large gloo all-reduce across nodes, no model); "
-                               "probe_priced_step_s: the link priced from the bring-up TCP "
-                               "probe instead; fit_calibration_step_s: local shapes from the "
-                               "fit's start only"}
+                               "calibration (nothing crossing nodes; local shapes timed "
+                               "between each layout's blocks of steps) + the link priced by "
+                               "measure_cross (tiny and large gloo all-reduces across "
+                               "nodes, no model); probe_priced_step_s: the link priced from "
+                               "the bring-up TCP probe instead; fit_calibration_step_s: local "
+                               "shapes from the fit's start only"}
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
         for mbit in rates:
             for node in cluster.nodes:
@@ -309,7 +350,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                      for k, x in shapes.items()},
                     "tp_degrees": sorted({x.mesh.get("tp", 1) for x in layouts} - {1}),
                     "storage": str(cluster.root / "results"),
-                    "around_reps": 6,  # local-shape steps before and after each layout
+                    "around_reps": 3,  # local-shape steps before each block and after
+                    "blocks": min(4, steps),  # the layout's steps in this many blocks
                     "layouts": [{"name": x.name, "mesh": x.mesh, "reduce": x.reduce,
                                  "local_keys": sorted(local_shapes([x], links_set))}
                                 for x in layouts]}
@@ -321,7 +363,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                           collective_s=raw["collective_s"])
             work = Workload(tokens, raw["compute_s"],
                             tp_compute_s=tuple((int(t), float(c)) for t, c in raw["tp_compute_s"]))
-            cross = {"cross_call_s": raw["cross_call_s"], "cross_Bps": raw["cross_Bps"]}
+            cross = {"cross_call_s": raw["cross_call_s"], "cross_Bps": raw["cross_Bps"],
+                     "ring_Bps": raw["ring_Bps"]}
             cal = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"], raw["local_s"],
                               **cross)
             cal_min = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"],
@@ -334,11 +377,11 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                              "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
             for lay in layouts:
                 got = raw["layouts"][lay.label]
-                # the local shapes timed just before and after this layout (same load)
+                # the local shapes timed between this layout's blocks of steps (same load)
                 beside = replace(cal, local_s={**cal.local_s, **got["local_s_beside"]})
                 pred = predict_calibrated(lay, stats, links, work, beside)
                 # the link priced from the TCP probe instead of measure_cross
-                probe_priced = replace(beside, cross_call_s=0.0, cross_Bps=0.0)
+                probe_priced = replace(beside, cross_call_s=0.0, cross_Bps=0.0, ring_Bps=0.0)
                 fastest = predict_calibrated(lay, stats, links, work, cal_min).step_s
                 section[lay.label] = {
                     "mesh": lay.mesh, "predicted_step_s": pred.step_s,

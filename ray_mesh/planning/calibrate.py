@@ -33,20 +33,36 @@ across nodes cost, with the wire, the kernel's network path and gloo's CPU work 
 
     step_s = local_s + node_cross_bytes / cross_Bps + cross_calls * cross_call_s
 
+``cross_Bps`` comes from the replicate groups' pattern (every rank of a node in a group of
+its own, all at once: several flows out of each node); DDP and flat FSDP run one ring over
+the whole world (one flow out of each node, each ring step waiting on the one before), which
+``measure_cross`` times as such (``ring_Bps``, used for those two families; on the
+virtual cluster it read 2-6% below ``cross_Bps`` at 20 Mbit/s and 1 Gbit/s, the same at 100).
+
 A raw TCP probe prices only the wire; on the virtual cluster at 1 Gbit/s the network path
 through veth and tc runs on the same cores as the ranks, which the probe does not see. Overlap
-rule: none. On CPU the cores that compute are the ones that run gloo's copies and
-reductions, and a link slower than the CPU keeps the step waiting on the wire: the terms add.
+rule: none, except in a pipeline (below). On CPU the cores that compute are the ones that
+run gloo's copies and reductions, and a link slower than the CPU keeps the step waiting on
+the wire: the terms add.
 Pipeline layouts are not runnable inside one node with FSDP beside them; a stage's rank
 does its share of the work in microbatches, so their local shapes run with gradient
 accumulation over ``microbatches / pp`` chunks (``/mbK`` in the key): per rank that is the
 same tokens per call and the same number of calls as one stage's share of the layers over
 all microbatches. tp_hsdp = TP's local shape + FSDP's overhead (FSDP's local step less the
 arithmetic: the layout wraps its TP blocks in FSDP2, the TP-only local shape does not).
-tp_pp = TP's local shape so run x the bubble; pp = the arithmetic so run
-x the bubble + FSDP's overhead (its local step less the arithmetic) for one stage's share of
-the parameters (the pipeline keeps them gathered across microbatches); both + two sends per
-microbatch.
+A pipeline is priced as the GPipe schedule it runs (:func:`gpipe_s`): its stages (the
+local shape's time over the microbatches, backward twice the forward) and the links between
+them (a microbatch's activations at ``cross_Bps``) in one line, so a link faster than a
+stage costs its time once per direction and a slower one sets the pace, instead of its
+bytes adding to every step. The bubble is measured where a node holds ``pp`` ranks: the
+pipeline itself runs inside each node (:func:`pipeline_key`, on
+:func:`node_pipeline_mesh`), and its step over the same work's ideal schedule
+(:func:`pipeline_efficiency`) scales the stages: 1 where every rank has its own device,
+below 1 where stages share cores (an idle stage's core runs the busy one), its sends
+included. tp_pp takes TP's local shape for its stages and the non-TP pipeline's
+efficiency (the same ranks idle in the fill and the drain); pp adds FSDP's overhead (its
+local step less the arithmetic) for one stage's share of the parameters (the pipeline
+keeps them gathered across microbatches).
 
 The calibration never runs a cross-node layout, so it never sees the step times it predicts.
 :func:`measure_collectives` runs on a live process group (torch only, no Ray); the local
@@ -84,6 +100,7 @@ class Calibration:
     local_s: dict[str, float] = field(default_factory=dict)  # local shape -> step seconds
     cross_call_s: float = 0.0  # one tiny all-reduce across nodes (0: not measured)
     cross_Bps: float = 0.0  # bytes a node sends across per second in gloo (0: not measured)
+    ring_Bps: float = 0.0  # the same for one all-reduce over the whole world (0: not measured)
 
     def __post_init__(self) -> None:
         for name in ("collective_s", "p2p_s"):
@@ -92,10 +109,11 @@ class Calibration:
                 raise PlanError(f"calibration {name}={v!r}: give seconds in [0, 60)")
         if not 0 < self.gloo_Bps < math.inf:
             raise PlanError(f"calibration gloo_Bps={self.gloo_Bps!r}: give bytes/s above 0")
-        if not 0 <= self.cross_call_s < 60 or not 0 <= self.cross_Bps < math.inf:
+        if (not 0 <= self.cross_call_s < 60 or not 0 <= self.cross_Bps < math.inf
+                or not 0 <= self.ring_Bps < math.inf):
             raise PlanError(f"calibration cross_call_s={self.cross_call_s!r}, cross_Bps="
-                            f"{self.cross_Bps!r}: give seconds in [0, 60) and bytes/s >= 0 "
-                            "(0: not measured)")
+                            f"{self.cross_Bps!r}, ring_Bps={self.ring_Bps!r}: give seconds in "
+                            "[0, 60) and bytes/s >= 0 (0: not measured)")
 
     def local(self, key: str) -> float:
         if key not in self.local_s:
@@ -107,7 +125,8 @@ class Calibration:
     def to_json(self) -> dict[str, object]:
         return {"collective_s": self.collective_s, "gloo_Bps": self.gloo_Bps,
                 "p2p_s": self.p2p_s, "local_s": dict(self.local_s),
-                "cross_call_s": self.cross_call_s, "cross_Bps": self.cross_Bps}
+                "cross_call_s": self.cross_call_s, "cross_Bps": self.cross_Bps,
+                "ring_Bps": self.ring_Bps}
 
 
 ARITHMETIC = "none/fp32"  # the local shape without any data parallel: the arithmetic
@@ -127,6 +146,13 @@ def local_key(layout: Layout, microbatches: int = 4) -> str | None:
     if fam == "pp":
         return ARITHMETIC + chunks
     return None
+
+
+def pipeline_key(pp: int, microbatches: int = 4) -> str:
+    """The one-node shape that runs the pipeline itself: ``pp`` consecutive ranks of a node
+    as the stages (no data parallel among them, the nodes' pipelines side by side), its
+    batch in ``microbatches`` microbatches. Measured where a node holds ``pp`` ranks."""
+    return f"pp{pp}/fp32/mb{microbatches}"
 
 
 def accumulation(key: str) -> int:
@@ -150,16 +176,90 @@ def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
         keys += [key] if key else []
         if family(lay) == "pp" and lay.mesh.get("dp_shard", 1) > 1:
             keys += [ARITHMETIC, "fsdp/fp32"]  # FSDP's overhead: the two of them
+        pp = lay.mesh.get("pp", 1)
+        if pp > 1 and links.per_node % pp == 0:  # the schedule's own cost, run in a node,
+            # against the same work without a pipeline (the arithmetic in chunks)
+            keys += [pipeline_key(pp, microbatches),
+                     ARITHMETIC + f"/mb{max(1, microbatches // pp)}"]
         if family(lay) == "tp_hsdp":  # TP's local shape has no FSDP2 wrapper; the layout has
             keys += [ARITHMETIC, f"fsdp/{lay.reduce}"]
+    world = links.nodes * links.per_node
     for key in dict.fromkeys(keys):
         kind, reduce = key.split("/")[:2]
         tp = int(kind[2:]) if kind.startswith("tp") else 1
-        mesh = ({"dp_replicate": links.nodes * links.per_node} if kind == "none" else
+        if kind.startswith("pp"):  # run with the pp dim inside the node (node_pipeline_mesh)
+            pp = int(kind[2:])
+            out[key] = Layout("local", {"pp": pp, "dp_replicate": world // pp}, reduce)
+            continue
+        mesh = ({"dp_replicate": world} if kind == "none" else
                 {"dp_replicate": links.nodes, "dp_shard": links.per_node // tp,
                  **({"tp": tp} if tp > 1 else {})})
         out[key] = Layout("local", mesh, reduce)
     return out
+
+
+def node_pipeline_mesh(pp: int, device_type: str = "cpu"):
+    """A ``("dp_replicate", "pp")`` DeviceMesh whose pp groups are ``pp`` consecutive ranks
+    (inside a node, as ray_mesh places ranks), for :func:`pipeline_key`'s shape. ray_mesh's
+    own meshes put pp outermost, across nodes; this one keeps the stages' sends in a node."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = dist.get_world_size()
+    if pp < 2 or world % pp:
+        raise PlanError(f"pp={pp} must be >= 2 and divide the world size {world}")
+    ranks = torch.arange(world).reshape(world // pp, pp)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "pp"))
+
+
+def gpipe_s(fwd_s: float, bwd_s: float, link_s: float, microbatches: int, pp: int) -> float:
+    """Seconds of one GPipe step: ``pp`` stages in a line, a link between each two.
+
+    Every microbatch goes forward through stage 0, link, stage 1, ... and, once a stage has
+    run all its forwards (torch's ``ScheduleGPipe``), backward the other way. A stage runs
+    one microbatch at a time, a link carries one at a time per direction, and each starts a
+    microbatch as soon as it is free and the microbatch has arrived (a flow shop). With
+    ``link_s = 0`` this is ``(microbatches + pp - 1) * (fwd_s + bwd_s)``, the bubble; a link
+    slower than a stage becomes the pipeline's slowest stage instead of adding its time to
+    every microbatch.
+    """
+    if microbatches < 1 or pp < 1 or min(fwd_s, bwd_s, link_s) < 0:
+        raise PlanError(f"gpipe_s: microbatches={microbatches}, pp={pp} must be >= 1 and "
+                        f"times (fwd {fwd_s}, bwd {bwd_s}, link {link_s}) >= 0")
+
+    def flow(durations: list[float], ready: list[float], arrive: list[float]) -> list[float]:
+        """Finish times of every microbatch through resources in order; ready: when each
+        resource is free to start."""
+        done = list(arrive)
+        ends = []
+        for dur, free in zip(durations, ready, strict=True):
+            for m in range(microbatches):
+                free = max(free, done[m]) + dur
+                done[m] = free
+            ends.append(free)
+        return ends
+
+    forward = [d for s in range(pp) for d in ((fwd_s, link_s) if s < pp - 1 else (fwd_s,))]
+    ends = flow(forward, [0.0] * len(forward), [0.0] * microbatches)
+    stage_free = ends[::2]  # when each stage has run its last forward
+    backward = [d for s in range(pp) for d in ((bwd_s, link_s) if s < pp - 1 else (bwd_s,))]
+    ready = [t for s in reversed(range(pp))
+             for t in ((stage_free[s], 0.0) if s > 0 else (stage_free[s],))]
+    return flow(backward, ready, [stage_free[-1]] * microbatches)[-1]
+
+
+def pipeline_efficiency(cal: Calibration, pp: int, microbatches: int) -> float:
+    """Measured pipeline step inside a node / the same work's ideal GPipe time.
+
+    1 on devices of their own; below 1 where the stages share cores (an idle stage's
+    core runs the busy one) and above it where sends cost; 1 when not measured (a node
+    holds fewer than ``pp`` ranks)."""
+    pipe = cal.local_s.get(pipeline_key(pp, microbatches))
+    plain = cal.local_s.get(ARITHMETIC + f"/mb{max(1, microbatches // pp)}")
+    if not pipe or not plain:
+        return 1.0
+    return pipe / (plain * (microbatches + pp - 1) / microbatches)
 
 
 def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Workload,
@@ -177,6 +277,7 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
     arithmetic = cal.local_s.get(ARITHMETIC, work.compute_s / world)  # one rank, its share
     fam = family(layout)
     calls = 1.0  # the step's loss mean over dp
+    exposed = 0.0  # a pipeline's link time not hidden behind its stages
     if fam == "ddp":
         local = arithmetic
         volume = 2 * (rep - 1) / rep * g_b
@@ -194,23 +295,38 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         else:  # each rank all-reduces its shard over the replicas
             volume = 2 * (rep - 1) / rep * g_b / (shard * tp)
             calls += blocks
-    else:  # pp, tp_pp: stages across nodes
-        bubble = (work.microbatches + pp - 1) / work.microbatches
-        local = cal.local(local_key(layout, work.microbatches) or "") * bubble
+    else:  # pp, tp_pp: stages across nodes, a GPipe schedule with the links in the line
+        mbs = work.microbatches
+        stage = cal.local(local_key(layout, mbs) or "") / mbs  # one microbatch, one stage
+        eff = pipeline_efficiency(cal, pp, mbs)
+        boundary = work.tokens * stats.hidden * FP32 / mbs  # a node's send per microbatch
+        link = (boundary / cal.cross_Bps + cal.cross_call_s / 2 if cal.cross_Bps and n > 1
+                else boundary * 8 / (links.cross_mbit * 1e6) + boundary / cal.gloo_Bps
+                + links.latency_s)
+        fwd, bwd = stage / 3 * eff, 2 * stage / 3 * eff  # backward: twice the forward
+        local = gpipe_s(fwd, bwd, 0.0, mbs, pp)
+        exposed = gpipe_s(fwd, bwd, link, mbs, pp) - local  # what the links add to it
         if fam == "pp" and shard > 1:
             local += max(0.0, cal.local("fsdp/fp32") - arithmetic) / pp
-        local += 2 * work.microbatches * (2 if pp > 2 else 1) * cal.p2p_s
-        volume = base.cross_node_bytes_per_step / n
+        if pipeline_key(pp, mbs) not in cal.local_s:  # else the sends are in eff
+            local += 2 * mbs * (2 if pp > 2 else 1) * cal.p2p_s
+        volume = 0.0  # the sends are in the schedule above; calls: the loss mean
     if layout.diloco:  # the replicate dim syncs once every H steps (the local shape is
         every = layout.diloco[0]  # DiLoCo's inner step itself)
         volume, calls = volume / every, 1 + (calls - 1) / every
+    pipeline = fam in ("pp", "tp_pp")
     if cal.cross_Bps and n > 1:  # the link as gloo sees it, measured
         if fam == "fsdp":  # every all-gather and reduce-scatter now spans the nodes
             calls += 3 * blocks * max(0.0, 1 - cal.collective_s / max(cal.cross_call_s,
                                                                        1e-12))
-        comm = base.cross_node_bytes_per_step / n / cal.cross_Bps + calls * cal.cross_call_s
+        # a collective over the whole world runs one ring through every node (one flow
+        # out of each), measured as such where it was; the replicate groups run several
+        rate = cal.ring_Bps if fam in ("ddp", "fsdp") and cal.ring_Bps else cal.cross_Bps
+        volume_s = exposed if pipeline else base.cross_node_bytes_per_step / n / rate
+        comm = volume_s + calls * cal.cross_call_s
     else:
-        comm = base.cross_s + volume / cal.gloo_Bps + calls * cal.collective_s
+        comm = (exposed if pipeline else base.cross_s) + volume / cal.gloo_Bps \
+            + calls * cal.collective_s
     return Prediction(layout, local + comm, local, base.cross_s, comm - base.cross_s,
                       base.cross_node_bytes_per_step, base.memory_bytes_per_rank,
                       base.notes + ["calibrated on one node"])
@@ -255,7 +371,11 @@ def measure_cross(per_node: int, nbytes: int, repeats: int = 3) -> dict[str, flo
                                           10 * repeats))
     big_s = median_everywhere(_median_time(lambda: dist.all_reduce(big, group=mine), repeats))
     sent = per_node * 2 * (nodes - 1) / nodes * big.numel() * FP32  # one node, a ring each
-    return {"cross_call_s": call, "cross_Bps": sent / max(big_s - call, 1e-6)}
+    # one all-reduce over the world: a single ring, one flow out of each node (DDP, flat FSDP)
+    ring_s = median_everywhere(_median_time(lambda: dist.all_reduce(big), repeats))
+    ring_sent = 2 * (world - 1) / world * big.numel() * FP32  # the node's one cross edge
+    return {"cross_call_s": call, "cross_Bps": sent / max(big_s - call, 1e-6),
+            "ring_Bps": ring_sent / max(ring_s - call, 1e-6)}
 
 
 def median_everywhere(value: float) -> float:
@@ -309,5 +429,6 @@ def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
             "p2p_s": median_everywhere(p2p)}
 
 
-__all__ = ["ARITHMETIC", "Calibration", "accumulation", "local_key", "local_shapes",
-           "measure_collectives", "measure_cross", "median_everywhere", "predict_calibrated"]
+__all__ = ["ARITHMETIC", "Calibration", "accumulation", "gpipe_s", "local_key", "local_shapes",
+           "measure_collectives", "measure_cross", "median_everywhere", "node_pipeline_mesh",
+           "pipeline_efficiency", "pipeline_key", "predict_calibrated"]

@@ -3,6 +3,8 @@ the calibrated step-time model adds up its measured parts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ray_mesh.parallel.diloco import DiLoCoConfig
@@ -10,8 +12,10 @@ from ray_mesh.parallel.picked import PickedPlan, picked_precision, set_picked_pl
 from ray_mesh.planning.calibrate import (
     Calibration,
     accumulation,
+    gpipe_s,
     local_key,
     local_shapes,
+    pipeline_efficiency,
     predict_calibrated,
 )
 from ray_mesh.planning.cost import Layout, Links, ModelStats, PlanError, Workload, predict
@@ -112,10 +116,25 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
     assert ddp.compute_s == pytest.approx(0.2)
     tp_pp = predict_calibrated(Layout("tp_pp", {"pp": 2, "tp": 2}), STATS, links, WORK, measured)
     assert tp_pp.compute_s == pytest.approx(0.6 * 5 / 4 + 2 * 4 * 0.002)
+    # the link a microbatch's activations cross (wire + gloo's CPU bytes), as a pipeline stage
+    boundary = WORK.tokens * STATS.hidden * 4 / 4
+    link = boundary * 8 / 100e6 + boundary / 200e6 + links.latency_s
+    assert tp_pp.step_s - tp_pp.compute_s == pytest.approx(
+        gpipe_s(0.05, 0.1, link, 4, 2) - gpipe_s(0.05, 0.1, 0, 4, 2) + 0.001)
     pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK,
                             measured)
     # the arithmetic in 2 chunks x bubble + half of FSDP's overhead + the sends
     assert pp.compute_s == pytest.approx(0.3 * 5 / 4 + (0.5 - 0.2) / 2 + 2 * 4 * 0.002)
+    # the pipeline run inside a node, measured: its schedule's cost replaces the bubble
+    # (here 0.9 / (0.3 x 5/4): stages sharing cores fill part of it) and the in-node sends
+    in_node = Calibration(0.001, 200e6, 0.002, {**measured.local_s, "pp2/fp32/mb4": 0.45})
+    assert pipeline_efficiency(in_node, 2, 4) == pytest.approx(0.45 / (0.3 * 5 / 4))
+    pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK,
+                            in_node)
+    assert pp.compute_s == pytest.approx(0.45 + (0.5 - 0.2) / 2)
+    tp_pp = predict_calibrated(Layout("tp_pp", {"pp": 2, "tp": 2}), STATS, links, WORK,
+                               in_node)
+    assert tp_pp.compute_s == pytest.approx(0.6 * 5 / 4 * 0.45 / (0.3 * 5 / 4))
     # tp_hsdp: TP's local shape + FSDP's overhead (its local step less the arithmetic)
     tp_cal = Calibration(0.001, 200e6, 0.002, {"none/fp32": 0.2, "fsdp/fp32": 0.5,
                                                "tp2/fp32": 0.6})
@@ -150,6 +169,40 @@ def test_calibrated_prediction_prices_the_link_as_measure_cross_saw_it():
         Calibration(0.001, 1e6, 0.0, cross_Bps=-1.0)
 
 
+def test_gpipe_schedule_by_hand():
+    # no link: the bubble, (microbatches + pp - 1) x (forward + backward)
+    assert gpipe_s(1, 2, 0, 4, 2) == pytest.approx(15)
+    assert gpipe_s(1, 2, 0, 4, 3) == pytest.approx(18)
+    assert gpipe_s(1, 2, 0, 1, 1) == pytest.approx(3)
+    # a link (3 s) slower than the stages: forward, stage 0 ends microbatches at 1..4, the
+    # link carries them 1-4, 4-7, 7-10, 10-13, stage 1 ends its forwards at 14; backward,
+    # stage 1 at 16, 18, 20, 22, the link back 16-19, 19-22, 22-25, 25-28, stage 0 ends at 30
+    assert gpipe_s(1, 2, 3, 4, 2) == pytest.approx(30)
+    # a link faster than the stages adds its time once per direction (fill and drain)
+    assert gpipe_s(1, 2, 0.5, 4, 2) == pytest.approx(15 + 2 * 0.5)
+    with pytest.raises(PlanError, match="microbatches"):
+        gpipe_s(1, 2, 0, 0, 2)
+    with pytest.raises(PlanError, match="link -1"):
+        gpipe_s(1, 2, -1, 4, 2)
+
+
+def test_world_collectives_priced_by_the_ring_measurement():
+    links = Links(2, 2, 20.0)
+    ring = Calibration(0.001, 200e6, 0.002, CAL.local_s, cross_call_s=0.004, cross_Bps=5e6,
+                       ring_Bps=4e6)
+    ddp = Layout("ddp", {"dp_replicate": 4})
+    base = predict(ddp, STATS, links, WORK)
+    got = predict_calibrated(ddp, STATS, links, WORK, ring)
+    assert got.step_s - got.compute_s == pytest.approx(
+        base.cross_node_bytes_per_step / 2 / 4e6 + (1 + 2) * 0.004)
+    # hsdp's replicate groups keep the per-group figure
+    hsdp = Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2})
+    assert predict_calibrated(hsdp, STATS, links, WORK, ring).step_s == pytest.approx(
+        predict_calibrated(hsdp, STATS, links, WORK, replace(ring, ring_Bps=0.0)).step_s)
+    with pytest.raises(PlanError, match="ring_Bps"):
+        replace(ring, ring_Bps=-1.0)
+
+
 def test_local_shapes_and_missing_calibration():
     lays = [Layout("fsdp", {"dp_shard": 4}), Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}),
             Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}, "bf16"),
@@ -158,8 +211,11 @@ def test_local_shapes_and_missing_calibration():
             Layout("tp_pp", {"pp": 2, "tp": 2})]
     shapes = local_shapes(lays, Links(2, 2, 100.0))
     assert set(shapes) == {"fsdp/fp32", "fsdp/bf16", "tp2/fp32", "none/fp32", "none/fp32/mb2",
-                           "tp2/fp32/mb2"}
+                           "tp2/fp32/mb2", "pp2/fp32/mb4"}
     assert shapes["none/fp32/mb2"].mesh == {"dp_replicate": 4}
+    assert shapes["pp2/fp32/mb4"].mesh == {"pp": 2, "dp_replicate": 2}
+    # a node of one rank cannot hold a 2-stage pipeline: the bubble stays modelled
+    assert "pp2/fp32/mb4" not in local_shapes(lays, Links(4, 1, 100.0))
     assert accumulation("tp2/fp32/mb2") == 2 and accumulation("fsdp/bf16") == 1
     assert shapes["tp2/fp32"].mesh == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
     assert local_key(lays[4]) is None
