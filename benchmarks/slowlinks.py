@@ -183,6 +183,32 @@ def _timed(step, steps: int, warmup: bool = True) -> list[float]:
     return times
 
 
+class _Timer:
+    """A local shape's step function and how it is timed (all nodes at once, or alone)."""
+
+    def __init__(self, fn, timed) -> None:
+        self.fn, self.timed = fn, timed
+
+
+def _timed_alone(step, reps: int, nodes: list, per_node: int) -> list[float]:
+    """``reps`` steps of a node-local ``step`` on one node at a time, the others waiting
+    (between node barriers): a stage's speed when the other stages idle."""
+    import torch.distributed as dist
+
+    mine = dist.get_rank() // per_node
+    times: list[float] = []
+    for node, group in enumerate(nodes):
+        if node == mine:
+            for _ in range(reps):
+                dist.barrier(group=group)
+                t = time.perf_counter()
+                step()
+                dist.barrier(group=group)
+                times.append(time.perf_counter() - t)
+        dist.barrier()
+    return times
+
+
 def _calibration(config: dict, world: int) -> tuple[dict, dict]:
     """Everything the calibrated prediction needs, measured with nothing crossing nodes;
     and the local shapes' step functions, kept to be timed again beside each layout."""
@@ -204,15 +230,26 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
                             for t in config["tp_degrees"]],
            **measure_collectives(per_node, config["reduce_bytes"], config["p2p_bytes"]),
            "local_s": {}, "local_min_s": {}}
-    fns = {}
+    fns: dict = {}
+    nodes = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
     for key, raw in config["local_shapes"].items():
         layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
-        if key.startswith("pp"):  # the pipeline inside each node
-            fns[key] = _node_pipeline_fn(layout.mesh["pp"], cfg, accumulation(key))
+        base = key.removesuffix("@alone")
+        if base != key:  # the same shape, one node at a time
+            fn = fns[base].fn
+
+            def alone(reps: int, fn=fn) -> list[float]:
+                return _timed_alone(fn, reps, nodes, per_node)
+            fns[key] = _Timer(fn, alone)
+            times = alone(steps)
         else:
-            mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
-            fns[key] = _step_fn(layout, mesh, cfg, dp="replica", chunks=accumulation(key))
-        times = _timed(fns[key], steps)
+            if key.startswith("pp"):  # the pipeline inside each node
+                fn = _node_pipeline_fn(layout.mesh["pp"], cfg, accumulation(key))
+            else:
+                mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
+                fn = _step_fn(layout, mesh, cfg, dp="replica", chunks=accumulation(key))
+            fns[key] = _Timer(fn, lambda reps, fn=fn: _timed(fn, reps, warmup=False))
+            times = _timed(fn, steps)
         out["local_s"][key] = median_everywhere(statistics.median(times))
         out["local_min_s"][key] = median_everywhere(min(times))
         dist.barrier()
@@ -234,7 +271,7 @@ def _interleaved(fns: dict, keys: list[str], reps: int, blocks: int, steps: int,
     moved = 0.0
     for block in range(blocks + 1):
         for k in keys:
-            local[k] += _timed(fns[k], reps, warmup=False)
+            local[k] += fns[k].timed(reps)
         if block == blocks:
             break
         b0 = cross_bytes()
@@ -363,8 +400,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                           collective_s=raw["collective_s"])
             work = Workload(tokens, raw["compute_s"],
                             tp_compute_s=tuple((int(t), float(c)) for t, c in raw["tp_compute_s"]))
-            cross = {"cross_call_s": raw["cross_call_s"], "cross_Bps": raw["cross_Bps"],
-                     "ring_Bps": raw["ring_Bps"]}
+            cross = {k: raw[k] for k in ("cross_call_s", "cross_Bps", "ring_Bps",
+                                         "ring_call_s")}
             cal = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"], raw["local_s"],
                               **cross)
             cal_min = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"],
@@ -381,7 +418,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                 beside = replace(cal, local_s={**cal.local_s, **got["local_s_beside"]})
                 pred = predict_calibrated(lay, stats, links, work, beside)
                 # the link priced from the TCP probe instead of measure_cross
-                probe_priced = replace(beside, cross_call_s=0.0, cross_Bps=0.0, ring_Bps=0.0)
+                probe_priced = replace(beside, cross_call_s=0.0, cross_Bps=0.0, ring_Bps=0.0,
+                                       ring_call_s=0.0)
                 fastest = predict_calibrated(lay, stats, links, work, cal_min).step_s
                 section[lay.label] = {
                     "mesh": lay.mesh, "predicted_step_s": pred.step_s,

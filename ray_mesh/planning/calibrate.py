@@ -101,6 +101,7 @@ class Calibration:
     cross_call_s: float = 0.0  # one tiny all-reduce across nodes (0: not measured)
     cross_Bps: float = 0.0  # bytes a node sends across per second in gloo (0: not measured)
     ring_Bps: float = 0.0  # the same for one all-reduce over the whole world (0: not measured)
+    ring_call_s: float = 0.0  # that all-reduce's fixed cost per call, fitted from two sizes
 
     def __post_init__(self) -> None:
         for name in ("collective_s", "p2p_s"):
@@ -109,11 +110,12 @@ class Calibration:
                 raise PlanError(f"calibration {name}={v!r}: give seconds in [0, 60)")
         if not 0 < self.gloo_Bps < math.inf:
             raise PlanError(f"calibration gloo_Bps={self.gloo_Bps!r}: give bytes/s above 0")
-        if (not 0 <= self.cross_call_s < 60 or not 0 <= self.cross_Bps < math.inf
-                or not 0 <= self.ring_Bps < math.inf):
-            raise PlanError(f"calibration cross_call_s={self.cross_call_s!r}, cross_Bps="
-                            f"{self.cross_Bps!r}, ring_Bps={self.ring_Bps!r}: give seconds in "
-                            "[0, 60) and bytes/s >= 0 (0: not measured)")
+        if (not 0 <= self.cross_call_s < 60 or not 0 <= self.ring_call_s < 60
+                or not 0 <= self.cross_Bps < math.inf or not 0 <= self.ring_Bps < math.inf):
+            raise PlanError(f"calibration cross_call_s={self.cross_call_s!r}, ring_call_s="
+                            f"{self.ring_call_s!r}, cross_Bps={self.cross_Bps!r}, ring_Bps="
+                            f"{self.ring_Bps!r}: give seconds in [0, 60) and bytes/s >= 0 "
+                            "(0: not measured)")
 
     def local(self, key: str) -> float:
         if key not in self.local_s:
@@ -126,7 +128,7 @@ class Calibration:
         return {"collective_s": self.collective_s, "gloo_Bps": self.gloo_Bps,
                 "p2p_s": self.p2p_s, "local_s": dict(self.local_s),
                 "cross_call_s": self.cross_call_s, "cross_Bps": self.cross_Bps,
-                "ring_Bps": self.ring_Bps}
+                "ring_Bps": self.ring_Bps, "ring_call_s": self.ring_call_s}
 
 
 ARITHMETIC = "none/fp32"  # the local shape without any data parallel: the arithmetic
@@ -157,7 +159,7 @@ def pipeline_key(pp: int, microbatches: int = 4) -> str:
 
 def accumulation(key: str) -> int:
     """How many chunks a local shape's step splits its batch into (``/mbK``; else 1)."""
-    tail = key.rsplit("/", 1)[-1]
+    tail = key.removesuffix("@alone").rsplit("/", 1)[-1]
     return int(tail[2:]) if tail.startswith("mb") else 1
 
 
@@ -176,6 +178,8 @@ def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
         keys += [key] if key else []
         if family(lay) == "pp" and lay.mesh.get("dp_shard", 1) > 1:
             keys += [ARITHMETIC, "fsdp/fp32"]  # FSDP's overhead: the two of them
+        if family(lay) == "tp_pp" and links.nodes > 1:  # its stage shape, one node at a time
+            keys += [alone_key(key or "")]
         pp = lay.mesh.get("pp", 1)
         if pp > 1 and links.per_node % pp == 0:  # the schedule's own cost, run in a node,
             # against the same work without a pipeline (the arithmetic in chunks)
@@ -185,7 +189,7 @@ def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
             keys += [ARITHMETIC, f"fsdp/{lay.reduce}"]
     world = links.nodes * links.per_node
     for key in dict.fromkeys(keys):
-        kind, reduce = key.split("/")[:2]
+        kind, reduce = key.removesuffix("@alone").split("/")[:2]
         tp = int(kind[2:]) if kind.startswith("tp") else 1
         if kind.startswith("pp"):  # run with the pp dim inside the node (node_pipeline_mesh)
             pp = int(kind[2:])
@@ -249,6 +253,27 @@ def gpipe_s(fwd_s: float, bwd_s: float, link_s: float, microbatches: int, pp: in
     return flow(backward, ready, [stage_free[-1]] * microbatches)[-1]
 
 
+def alone_key(key: str) -> str:
+    """A local shape stepped by one node at a time while the others wait: a stage's speed
+    when the other stages idle (a pipeline's fill and drain)."""
+    return key + "@alone"
+
+
+def shared_core_efficiency(busy_s: float, alone_s: float, microbatches: int, pp: int) -> float:
+    """A GPipe schedule's time over its ideal ``(microbatches + pp - 1) x busy`` when a
+    stage runs at ``alone_s`` (per step of its shape) with only itself busy and ``busy_s``
+    with every stage busy, linearly between. On devices of their own the two are equal
+    (1.0); on shared cores the fill and drain run faster than the steady state.
+    """
+    if busy_s <= 0 or alone_s <= 0 or microbatches < 1 or pp < 2:
+        raise PlanError(f"shared_core_efficiency: busy {busy_s}, alone {alone_s} must be > 0, "
+                        f"microbatches={microbatches} >= 1, pp={pp} >= 2")
+    slots = microbatches + pp - 1
+    busy = [min(j + 1, pp, microbatches, slots - j) for j in range(slots)]
+    time = sum(alone_s + (busy_s - alone_s) * (k - 1) / (pp - 1) for k in busy)
+    return time / (slots * busy_s)
+
+
 def pipeline_efficiency(cal: Calibration, pp: int, microbatches: int) -> float:
     """Measured pipeline step inside a node / the same work's ideal GPipe time.
 
@@ -297,8 +322,12 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
             calls += blocks
     else:  # pp, tp_pp: stages across nodes, a GPipe schedule with the links in the line
         mbs = work.microbatches
-        stage = cal.local(local_key(layout, mbs) or "") / mbs  # one microbatch, one stage
-        eff = pipeline_efficiency(cal, pp, mbs)
+        key = local_key(layout, mbs) or ""
+        stage = cal.local(key) / mbs  # one microbatch, one stage
+        if fam == "tp_pp" and alone_key(key) in cal.local_s:  # TP's stages: its own speeds
+            eff = shared_core_efficiency(cal.local(key), cal.local(alone_key(key)), mbs, pp)
+        else:
+            eff = pipeline_efficiency(cal, pp, mbs)
         boundary = work.tokens * stats.hidden * FP32 / mbs  # a node's send per microbatch
         link = (boundary / cal.cross_Bps + cal.cross_call_s / 2 if cal.cross_Bps and n > 1
                 else boundary * 8 / (links.cross_mbit * 1e6) + boundary / cal.gloo_Bps
@@ -316,14 +345,16 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         volume, calls = volume / every, 1 + (calls - 1) / every
     pipeline = fam in ("pp", "tp_pp")
     if cal.cross_Bps and n > 1:  # the link as gloo sees it, measured
-        if fam == "fsdp":  # every all-gather and reduce-scatter now spans the nodes
-            calls += 3 * blocks * max(0.0, 1 - cal.collective_s / max(cal.cross_call_s,
-                                                                       1e-12))
         # a collective over the whole world runs one ring through every node (one flow
         # out of each), measured as such where it was; the replicate groups run several
-        rate = cal.ring_Bps if fam in ("ddp", "fsdp") and cal.ring_Bps else cal.cross_Bps
+        world_ring = fam in ("ddp", "fsdp") and cal.ring_Bps > 0
+        rate = cal.ring_Bps if world_ring else cal.cross_Bps
+        call_s = max(cal.ring_call_s, cal.cross_call_s) if world_ring else cal.cross_call_s
+        if fam == "fsdp":  # every all-gather and reduce-scatter now spans the nodes (the
+            # local shape paid their in-node fixed cost)
+            calls += 3 * blocks * max(0.0, 1 - cal.collective_s / max(call_s, 1e-12))
         volume_s = exposed if pipeline else base.cross_node_bytes_per_step / n / rate
-        comm = volume_s + calls * cal.cross_call_s
+        comm = volume_s + calls * call_s
     else:
         comm = (exposed if pipeline else base.cross_s) + volume / cal.gloo_Bps \
             + calls * cal.collective_s
@@ -371,11 +402,17 @@ def measure_cross(per_node: int, nbytes: int, repeats: int = 3) -> dict[str, flo
                                           10 * repeats))
     big_s = median_everywhere(_median_time(lambda: dist.all_reduce(big, group=mine), repeats))
     sent = per_node * 2 * (nodes - 1) / nodes * big.numel() * FP32  # one node, a ring each
-    # one all-reduce over the world: a single ring, one flow out of each node (DDP, flat FSDP)
+    # one all-reduce over the world: a single ring, one flow out of each node (DDP, flat
+    # FSDP), at two sizes: bytes per second from their difference, and what a call costs
+    # beyond its bytes (each ring step waits on the one before, through the link's queue)
+    quarter = torch.zeros(max(1, big.numel() // 4))
     ring_s = median_everywhere(_median_time(lambda: dist.all_reduce(big), repeats))
-    ring_sent = 2 * (world - 1) / world * big.numel() * FP32  # the node's one cross edge
+    small_s = median_everywhere(_median_time(lambda: dist.all_reduce(quarter), repeats))
+    edge = 2 * (world - 1) / world * FP32  # bytes on the node's one cross edge per element
+    ring_Bps = edge * (big.numel() - quarter.numel()) / max(ring_s - small_s, 1e-6)
     return {"cross_call_s": call, "cross_Bps": sent / max(big_s - call, 1e-6),
-            "ring_Bps": ring_sent / max(ring_s - call, 1e-6)}
+            "ring_Bps": ring_Bps,
+            "ring_call_s": max(call, small_s - edge * quarter.numel() / ring_Bps)}
 
 
 def median_everywhere(value: float) -> float:
@@ -429,6 +466,7 @@ def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
             "p2p_s": median_everywhere(p2p)}
 
 
-__all__ = ["ARITHMETIC", "Calibration", "accumulation", "gpipe_s", "local_key", "local_shapes",
-           "measure_collectives", "measure_cross", "median_everywhere", "node_pipeline_mesh",
-           "pipeline_efficiency", "pipeline_key", "predict_calibrated"]
+__all__ = ["ARITHMETIC", "Calibration", "accumulation", "alone_key", "gpipe_s", "local_key",
+           "local_shapes", "measure_collectives", "measure_cross", "median_everywhere",
+           "node_pipeline_mesh", "pipeline_efficiency", "pipeline_key", "predict_calibrated",
+           "shared_core_efficiency"]
