@@ -63,13 +63,14 @@ def _node_pipeline(rank: int) -> dict:
 def test_measure_cross_prices_calls_and_bytes_across_nodes(tmp_path):
     spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, 120, "measure_cross")
     seen = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD)]
-    figures = ("cross_call_s", "cross_Bps", "ring_Bps", "refused")
+    figures = ("cross_call_s", "cross_Bps", "ring_Bps", "ring_call_s", "refused")
     assert all({k: s[k] for k in figures} == {k: seen[0][k] for k in figures}
                for s in seen), seen  # medians shared by every rank
     first = seen[0]
     assert 0 < first["cross_call_s"] < 1, first
     assert 1e6 < first["cross_Bps"] < 1e12, first  # loopback: MB/s to GB/s
     assert 1e6 < first["ring_Bps"] < 1e12, first
+    assert first["cross_call_s"] <= first["ring_call_s"] < 1, first  # never below a tiny call
     assert "2 or more nodes" in first["refused"], first
     # pp groups inside the "nodes" {0, 1} and {2, 3}; every stage trained; both pipelines
     # (same seed, same batch) report the same loss

@@ -17,6 +17,7 @@ from ray_mesh.planning.calibrate import (
     local_shapes,
     pipeline_efficiency,
     predict_calibrated,
+    shared_core_efficiency,
 )
 from ray_mesh.planning.cost import Layout, Links, ModelStats, PlanError, Workload, predict
 from ray_mesh.planning.inputs import PlanInputs
@@ -186,21 +187,47 @@ def test_gpipe_schedule_by_hand():
         gpipe_s(1, 2, -1, 4, 2)
 
 
+def test_tp_pp_bubble_from_its_stage_alone_and_busy():
+    # pp=2, 4 microbatches: 5 slots per direction, the first and last with one stage busy
+    assert shared_core_efficiency(1.0, 0.5, 4, 2) == pytest.approx((0.5 + 3 + 0.5) / 5)
+    assert shared_core_efficiency(1.0, 1.0, 4, 3) == pytest.approx(1.0)  # own devices
+    # pp=3: slots busy 1, 2, 3, 3, 2, 1 -> 0.5, 0.75, 1, 1, 0.75, 0.5
+    assert shared_core_efficiency(1.0, 0.5, 4, 3) == pytest.approx(4.5 / 6)
+    with pytest.raises(PlanError, match="alone"):
+        shared_core_efficiency(1.0, 0.0, 4, 2)
+    links = Links(2, 2, 100.0)
+    cal = Calibration(0.001, 200e6, 0.002, {"tp2/fp32/mb2": 0.6, "tp2/fp32/mb2@alone": 0.3,
+                                            "none/fp32/mb2": 0.3, "pp2/fp32/mb4": 0.45})
+    tp_pp = predict_calibrated(Layout("tp_pp", {"pp": 2, "tp": 2}), STATS, links, WORK, cal)
+    # its own alone/busy speeds (0.8), not the non-TP pipeline's efficiency (1.2)
+    assert tp_pp.compute_s == pytest.approx(0.6 * 5 / 4 * 0.8)
+
+
 def test_world_collectives_priced_by_the_ring_measurement():
     links = Links(2, 2, 20.0)
     ring = Calibration(0.001, 200e6, 0.002, CAL.local_s, cross_call_s=0.004, cross_Bps=5e6,
-                       ring_Bps=4e6)
+                       ring_Bps=4e6, ring_call_s=0.05)
     ddp = Layout("ddp", {"dp_replicate": 4})
     base = predict(ddp, STATS, links, WORK)
     got = predict_calibrated(ddp, STATS, links, WORK, ring)
+    # the ring's bytes at its rate, every call (loss mean + DDP's buckets) at its fixed cost
+    buckets = -(-STATS.params * 4 // 25_000_000)
     assert got.step_s - got.compute_s == pytest.approx(
-        base.cross_node_bytes_per_step / 2 / 4e6 + (1 + 2) * 0.004)
+        base.cross_node_bytes_per_step / 2 / 4e6 + (1 + buckets) * 0.05)
+    fsdp = Layout("fsdp", {"dp_shard": 4})
+    fbase = predict(fsdp, STATS, links, WORK)
+    blocks = STATS.layers + 1  # the local shape paid each collective's in-node cost
+    assert predict_calibrated(fsdp, STATS, links, WORK, ring).step_s == pytest.approx(
+        0.3 + fbase.cross_node_bytes_per_step / 2 / 4e6 + 0.05
+        + 3 * blocks * (0.05 - 0.001))
     # hsdp's replicate groups keep the per-group figure
     hsdp = Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2})
     assert predict_calibrated(hsdp, STATS, links, WORK, ring).step_s == pytest.approx(
         predict_calibrated(hsdp, STATS, links, WORK, replace(ring, ring_Bps=0.0)).step_s)
     with pytest.raises(PlanError, match="ring_Bps"):
         replace(ring, ring_Bps=-1.0)
+    with pytest.raises(PlanError, match="ring_call_s"):
+        replace(ring, ring_call_s=60.0)
 
 
 def test_local_shapes_and_missing_calibration():
@@ -211,7 +238,9 @@ def test_local_shapes_and_missing_calibration():
             Layout("tp_pp", {"pp": 2, "tp": 2})]
     shapes = local_shapes(lays, Links(2, 2, 100.0))
     assert set(shapes) == {"fsdp/fp32", "fsdp/bf16", "tp2/fp32", "none/fp32", "none/fp32/mb2",
-                           "tp2/fp32/mb2", "pp2/fp32/mb4"}
+                           "tp2/fp32/mb2", "tp2/fp32/mb2@alone", "pp2/fp32/mb4"}
+    assert shapes["tp2/fp32/mb2@alone"] == shapes["tp2/fp32/mb2"]
+    assert accumulation("tp2/fp32/mb2@alone") == 2
     assert shapes["none/fp32/mb2"].mesh == {"dp_replicate": 4}
     assert shapes["pp2/fp32/mb4"].mesh == {"pp": 2, "dp_replicate": 2}
     # a node of one rank cannot hold a 2-stage pipeline: the bubble stays modelled
