@@ -108,7 +108,7 @@ def _node_pipeline_fn(pp: int, cfg: dict, microbatches: int):
     import fsdp_tp_transformer as ex
 
     from ray_mesh.parallel import Pipeline
-    from ray_mesh.planning.calibrate import node_pipeline_mesh
+    from ray_mesh.planning.measure import node_pipeline_mesh
 
     mesh = node_pipeline_mesh(pp)
     pipe = Pipeline(ex.make_model(cfg), mesh, loss_fn=ex.loss_fn, n_microbatches=microbatches,
@@ -216,12 +216,9 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
 
     from ray_mesh.core.bootstrap import build_device_mesh
     from ray_mesh.core.spec import MeshSpec
-    from ray_mesh.planning.calibrate import (
-        accumulation,
-        measure_collectives,
-        median_everywhere,
-    )
+    from ray_mesh.planning.calibrate import accumulation
     from ray_mesh.planning.cost import Layout
+    from ray_mesh.planning.measure import measure_collectives, median_everywhere
 
     cfg, per_node = config["model"], config["per_node"]
     steps = max(config["steps"], 12)  # local shapes are cheap: medians of at least 12
@@ -264,7 +261,7 @@ def _interleaved(fns: dict, keys: list[str], reps: int, blocks: int, steps: int,
     machine load, as a planner calibrating right before it plans does, and a load swing
     hits both. Returns the step times, the cross-node bytes of the timed steps (Ray's
     background traffic taken out) and the local shapes' medians."""
-    from ray_mesh.planning.calibrate import median_everywhere
+    from ray_mesh.planning.measure import median_everywhere
 
     local: dict[str, list[float]] = {k: [] for k in keys}
     times: list[float] = []
@@ -292,7 +289,7 @@ def _train(config: dict) -> None:
 
     cfg, world = config["model"], dist.get_world_size()
     local0 = ray.train.get_context().get_local_rank() == 0
-    from ray_mesh.planning.calibrate import measure_cross
+    from ray_mesh.planning.measure import measure_cross
 
     calibration, local_fns = _calibration(config, world)
     out = {**calibration, "layouts": {},

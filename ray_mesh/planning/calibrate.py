@@ -26,18 +26,21 @@ nodes (plus link latency per message); ``cross_volume`` is what one rank's cross
 moves beyond what its local shape already moved (gloo spends CPU on every byte it sends and
 reduces, whatever the link); ``cross_calls`` the collectives the cross dim adds.
 
-When the link itself was measured with the collective library (:func:`measure_cross`: every
-node's ranks all-reduce with their peers on the other nodes at once, a small and a
-large buffer), the last three terms become what that measurement says a byte and a call
-across nodes cost, with the wire, the kernel's network path and gloo's CPU work in it::
+When the link itself was measured with the collective library (``measure_cross`` in
+:mod:`ray_mesh.planning.measure`: every node's ranks all-reduce with their peers on the
+other nodes at once, a small and a large buffer), the last three terms become what that
+measurement says a byte and a call across nodes cost, with the wire, the kernel's network
+path and gloo's CPU work in it::
 
     step_s = local_s + node_cross_bytes / cross_Bps + cross_calls * cross_call_s
 
 ``cross_Bps`` comes from the replicate groups' pattern (every rank of a node in a group of
 its own, all at once: several flows out of each node); DDP and flat FSDP run one ring over
 the whole world (one flow out of each node, each ring step waiting on the one before), which
-``measure_cross`` times as such (``ring_Bps``, used for those two families; on the
-virtual cluster it read 2-6% below ``cross_Bps`` at 20 Mbit/s and 1 Gbit/s, the same at 100).
+``measure_cross`` times as such at two sizes: ``ring_Bps`` (on the virtual cluster mostly
+within 7% of ``cross_Bps``) and ``ring_call_s``, what a call costs beyond its bytes (in one
+run 16 ms at 20 Mbit/s, 2 at 100, 1 at 1000, against 0.5-1 ms for a one-element
+all-reduce), used for those two families.
 
 A raw TCP probe prices only the wire; on the virtual cluster at 1 Gbit/s the network path
 through veth and tc runs on the same cores as the ranks, which the probe does not see. Overlap
@@ -54,26 +57,26 @@ A pipeline is priced as the GPipe schedule it runs (:func:`gpipe_s`): its stages
 local shape's time over the microbatches, backward twice the forward) and the links between
 them (a microbatch's activations at ``cross_Bps``) in one line, so a link faster than a
 stage costs its time once per direction and a slower one sets the pace, instead of its
-bytes adding to every step. The bubble is measured where a node holds ``pp`` ranks: the
-pipeline itself runs inside each node (:func:`pipeline_key`, on
-:func:`node_pipeline_mesh`), and its step over the same work's ideal schedule
-(:func:`pipeline_efficiency`) scales the stages: 1 where every rank has its own device,
-below 1 where stages share cores (an idle stage's core runs the busy one), its sends
-included. tp_pp takes TP's local shape for its stages and the non-TP pipeline's
-efficiency (the same ranks idle in the fill and the drain); pp adds FSDP's overhead (its
-local step less the arithmetic) for one stage's share of the parameters (the pipeline
-keeps them gathered across microbatches).
+bytes adding to every step. The bubble is measured, not assumed: where a node holds ``pp``
+ranks the pipeline itself runs inside each node (:func:`pipeline_key`, on
+``node_pipeline_mesh``), and its step over the same work's ideal schedule
+(:func:`pipeline_efficiency`, its sends included) scales pp's stages; tp_pp's stage shape
+is timed with every node busy and with one node at a time (:func:`alone_key`), and
+:func:`shared_core_efficiency` runs the fill and drain at the alone speed. On devices of
+their own both come out 1; on the 2-core virtual cluster the in-node pipeline read
+0.96-1.08 (the bubble costs its share) and TP's stage alone ran in ~0.55 of its busy time
+(its per-layer collectives wait on a partner scheduled away while 4 ranks share 2 cores).
+pp adds FSDP's overhead (its local step less the arithmetic) for one stage's share of the
+parameters (the pipeline keeps them gathered across microbatches).
 
 The calibration never runs a cross-node layout, so it never sees the step times it predicts.
-:func:`measure_collectives` runs on a live process group (torch only, no Ray); the local
+:mod:`ray_mesh.planning.measure` runs on a live process group (torch only, no Ray); the local
 shapes need the train step, so their runner lives beside it (``benchmarks/slowlinks.py``).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass, field
 
 from ray_mesh.planning.cost import (
@@ -202,21 +205,6 @@ def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
     return out
 
 
-def node_pipeline_mesh(pp: int, device_type: str = "cpu"):
-    """A ``("dp_replicate", "pp")`` DeviceMesh whose pp groups are ``pp`` consecutive ranks
-    (inside a node, as ray_mesh places ranks), for :func:`pipeline_key`'s shape. ray_mesh's
-    own meshes put pp outermost, across nodes; this one keeps the stages' sends in a node."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    world = dist.get_world_size()
-    if pp < 2 or world % pp:
-        raise PlanError(f"pp={pp} must be >= 2 and divide the world size {world}")
-    ranks = torch.arange(world).reshape(world // pp, pp)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "pp"))
-
-
 def gpipe_s(fwd_s: float, bwd_s: float, link_s: float, microbatches: int, pp: int) -> float:
     """Seconds of one GPipe step: ``pp`` stages in a line, a link between each two.
 
@@ -270,8 +258,8 @@ def shared_core_efficiency(busy_s: float, alone_s: float, microbatches: int, pp:
                         f"microbatches={microbatches} >= 1, pp={pp} >= 2")
     slots = microbatches + pp - 1
     busy = [min(j + 1, pp, microbatches, slots - j) for j in range(slots)]
-    time = sum(alone_s + (busy_s - alone_s) * (k - 1) / (pp - 1) for k in busy)
-    return time / (slots * busy_s)
+    total = sum(alone_s + (busy_s - alone_s) * (k - 1) / (pp - 1) for k in busy)
+    return total / (slots * busy_s)
 
 
 def pipeline_efficiency(cal: Calibration, pp: int, microbatches: int) -> float:
@@ -363,110 +351,6 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
                       base.notes + ["calibrated on one node"])
 
 
-def _median_time(fn, n: int) -> float:
-    """Median seconds of ``n`` calls of ``fn``, each after a barrier (a collective)."""
-    import torch.distributed as dist
-
-    times = []
-    for _ in range(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_cross(per_node: int, nbytes: int, repeats: int = 3) -> dict[str, float]:
-    """``cross_call_s`` and ``cross_Bps``: the link between nodes as gloo sees it.
-
-    Rank ``j`` of every node joins the group of the ranks with the same local index on the
-    other nodes (ray_mesh's node-aligned replicate groups), and all groups all-reduce at
-    once, as an HSDP replicate reduction does: a one-element tensor (the fixed cost of a
-    call across nodes, round trip included) and ``nbytes`` (wire, kernel and gloo's work
-    per byte). ``cross_Bps`` is the bytes a node sent across per second. A collective;
-    every rank must call it; needs at least 2 nodes.
-    """
-    import torch
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if per_node < 1 or world % per_node or world // per_node < 2:
-        raise PlanError(f"per_node={per_node} must divide the world size {world} into 2 or "
-                        "more nodes")
-    nodes = world // per_node
-    groups = [dist.new_group(list(range(j, world, per_node))) for j in range(per_node)]
-    mine = groups[rank % per_node]
-
-    tiny, big = torch.zeros(1), torch.zeros(max(1, nbytes // FP32))
-    call = median_everywhere(_median_time(lambda: dist.all_reduce(tiny, group=mine),
-                                          10 * repeats))
-    big_s = median_everywhere(_median_time(lambda: dist.all_reduce(big, group=mine), repeats))
-    sent = per_node * 2 * (nodes - 1) / nodes * big.numel() * FP32  # one node, a ring each
-    # one all-reduce over the world: a single ring, one flow out of each node (DDP, flat
-    # FSDP), at two sizes: bytes per second from their difference, and what a call costs
-    # beyond its bytes (each ring step waits on the one before, through the link's queue)
-    quarter = torch.zeros(max(1, big.numel() // 4))
-    ring_s = median_everywhere(_median_time(lambda: dist.all_reduce(big), repeats))
-    small_s = median_everywhere(_median_time(lambda: dist.all_reduce(quarter), repeats))
-    edge = 2 * (world - 1) / world * FP32  # bytes on the node's one cross edge per element
-    ring_Bps = edge * (big.numel() - quarter.numel()) / max(ring_s - small_s, 1e-6)
-    return {"cross_call_s": call, "cross_Bps": sent / max(big_s - call, 1e-6),
-            "ring_Bps": ring_Bps,
-            "ring_call_s": max(call, small_s - edge * quarter.numel() / ring_Bps)}
-
-
-def median_everywhere(value: float) -> float:
-    import torch.distributed as dist
-
-    everyone: list[float] = [0.0] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
-    return float(statistics.median(everyone))
-
-
-def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
-                        repeats: int = 20) -> dict[str, float]:
-    """``collective_s``, ``gloo_Bps`` and ``p2p_s`` on the live process group, inside nodes.
-
-    Every node's ranks form a group (consecutive ranks, as ray_mesh places them) and all
-    nodes measure at once. A collective; every rank must call it. ``per_node`` must divide
-    the world size and be >= 2 for the point-to-point figure (else it is 0).
-    """
-    import torch
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if per_node < 1 or world % per_node:
-        raise PlanError(f"per_node={per_node} must divide the world size {world}")
-    groups = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
-    mine = groups[rank // per_node]
-
-    tiny, big = torch.zeros(1), torch.zeros(max(1, reduce_bytes // FP32))
-    call = _median_time(lambda: dist.all_reduce(tiny, group=mine), repeats)
-    big_s = _median_time(lambda: dist.all_reduce(big, group=mine), max(3, repeats // 4))
-    volume = 2 * (per_node - 1) / per_node * big.numel() * FP32
-    p2p = 0.0
-    if per_node >= 2:
-        buf = torch.zeros(max(1, p2p_bytes // FP32))
-        local = rank % per_node
-        peer = rank + 1 if local % 2 == 0 else rank - 1
-
-        def exchange() -> None:  # there and back: a forward send and a backward send
-            if peer >= (rank // per_node + 1) * per_node:
-                return  # odd rank count in a node: the last rank sits out
-            if local % 2 == 0:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, peer)
-                dist.send(buf, peer)
-        p2p = _median_time(exchange, repeats) / 2
-    call = median_everywhere(call)
-    return {"collective_s": call,
-            "gloo_Bps": volume / max(median_everywhere(big_s) - call, 1e-6),
-            "p2p_s": median_everywhere(p2p)}
-
-
 __all__ = ["ARITHMETIC", "Calibration", "accumulation", "alone_key", "gpipe_s", "local_key",
-           "local_shapes", "measure_collectives", "measure_cross", "median_everywhere",
-           "node_pipeline_mesh", "pipeline_efficiency", "pipeline_key", "predict_calibrated",
+           "local_shapes", "pipeline_efficiency", "pipeline_key", "predict_calibrated",
            "shared_core_efficiency"]

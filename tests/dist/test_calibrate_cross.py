@@ -21,7 +21,7 @@ WORLD = 4
 def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
-    from ray_mesh.planning.calibrate import measure_cross
+    from ray_mesh.planning.measure import measure_cross
     from ray_mesh.planning.cost import PlanError
 
     got = measure_cross(2, 1 << 20, repeats=2)
@@ -42,7 +42,7 @@ def _node_pipeline(rank: int) -> dict:
 
     import ray_mesh.parallel  # noqa: F401  (sets the pipeline's parallelize step)
     from ray_mesh.parallel import Pipeline
-    from ray_mesh.planning.calibrate import node_pipeline_mesh
+    from ray_mesh.planning.measure import node_pipeline_mesh
 
     mesh = node_pipeline_mesh(2)
     torch.manual_seed(0)

@@ -1,0 +1,136 @@
+"""What the calibration measures on a live process group: torch only, no Ray, no model.
+
+Every function here is a collective (every rank calls it) and returns the same figures on
+every rank (medians over repeats and ranks, :func:`median_everywhere`), so a planner on any
+rank sees one calibration. The figures feed :class:`ray_mesh.planning.calibrate.Calibration`;
+what they mean for a step time is :mod:`ray_mesh.planning.calibrate`'s docstring.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from ray_mesh.planning.cost import FP32, PlanError
+
+
+def node_pipeline_mesh(pp: int, device_type: str = "cpu"):
+    """A ``("dp_replicate", "pp")`` DeviceMesh whose pp groups are ``pp`` consecutive ranks
+    (inside a node, as ray_mesh places ranks), for :func:`pipeline_key`'s shape. ray_mesh's
+    own meshes put pp outermost, across nodes; this one keeps the stages' sends in a node."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = dist.get_world_size()
+    if pp < 2 or world % pp:
+        raise PlanError(f"pp={pp} must be >= 2 and divide the world size {world}")
+    ranks = torch.arange(world).reshape(world // pp, pp)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "pp"))
+
+
+
+def _median_time(fn, n: int) -> float:
+    """Median seconds of ``n`` calls of ``fn``, each after a barrier (a collective)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_cross(per_node: int, nbytes: int, repeats: int = 3) -> dict[str, float]:
+    """``cross_call_s`` and ``cross_Bps``: the link between nodes as gloo sees it.
+
+    Rank ``j`` of every node joins the group of the ranks with the same local index on the
+    other nodes (ray_mesh's node-aligned replicate groups), and all groups all-reduce at
+    once, as an HSDP replicate reduction does: a one-element tensor (the fixed cost of a
+    call across nodes, round trip included) and ``nbytes`` (wire, kernel and gloo's work
+    per byte). ``cross_Bps`` is the bytes a node sent across per second. A collective;
+    every rank must call it; needs at least 2 nodes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if per_node < 1 or world % per_node or world // per_node < 2:
+        raise PlanError(f"per_node={per_node} must divide the world size {world} into 2 or "
+                        "more nodes")
+    nodes = world // per_node
+    groups = [dist.new_group(list(range(j, world, per_node))) for j in range(per_node)]
+    mine = groups[rank % per_node]
+
+    tiny, big = torch.zeros(1), torch.zeros(max(1, nbytes // FP32))
+    call = median_everywhere(_median_time(lambda: dist.all_reduce(tiny, group=mine),
+                                          10 * repeats))
+    big_s = median_everywhere(_median_time(lambda: dist.all_reduce(big, group=mine), repeats))
+    sent = per_node * 2 * (nodes - 1) / nodes * big.numel() * FP32  # one node, a ring each
+    # one all-reduce over the world: a single ring, one flow out of each node (DDP, flat
+    # FSDP), at two sizes: bytes per second from their difference, and what a call costs
+    # beyond its bytes (each ring step waits on the one before, through the link's queue)
+    quarter = torch.zeros(max(1, big.numel() // 4))
+    ring_s = median_everywhere(_median_time(lambda: dist.all_reduce(big), repeats))
+    small_s = median_everywhere(_median_time(lambda: dist.all_reduce(quarter), repeats))
+    edge = 2 * (world - 1) / world * FP32  # bytes on the node's one cross edge per element
+    ring_Bps = edge * (big.numel() - quarter.numel()) / max(ring_s - small_s, 1e-6)
+    return {"cross_call_s": call, "cross_Bps": sent / max(big_s - call, 1e-6),
+            "ring_Bps": ring_Bps,
+            "ring_call_s": max(call, small_s - edge * quarter.numel() / ring_Bps)}
+
+
+def median_everywhere(value: float) -> float:
+    import torch.distributed as dist
+
+    everyone: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return float(statistics.median(everyone))
+
+
+def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
+                        repeats: int = 20) -> dict[str, float]:
+    """``collective_s``, ``gloo_Bps`` and ``p2p_s`` on the live process group, inside nodes.
+
+    Every node's ranks form a group (consecutive ranks, as ray_mesh places them) and all
+    nodes measure at once. A collective; every rank must call it. ``per_node`` must divide
+    the world size and be >= 2 for the point-to-point figure (else it is 0).
+    """
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if per_node < 1 or world % per_node:
+        raise PlanError(f"per_node={per_node} must divide the world size {world}")
+    groups = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
+    mine = groups[rank // per_node]
+
+    tiny, big = torch.zeros(1), torch.zeros(max(1, reduce_bytes // FP32))
+    call = _median_time(lambda: dist.all_reduce(tiny, group=mine), repeats)
+    big_s = _median_time(lambda: dist.all_reduce(big, group=mine), max(3, repeats // 4))
+    volume = 2 * (per_node - 1) / per_node * big.numel() * FP32
+    p2p = 0.0
+    if per_node >= 2:
+        buf = torch.zeros(max(1, p2p_bytes // FP32))
+        local = rank % per_node
+        peer = rank + 1 if local % 2 == 0 else rank - 1
+
+        def exchange() -> None:  # there and back: a forward send and a backward send
+            if peer >= (rank // per_node + 1) * per_node:
+                return  # odd rank count in a node: the last rank sits out
+            if local % 2 == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+        p2p = _median_time(exchange, repeats) / 2
+    call = median_everywhere(call)
+    return {"collective_s": call,
+            "gloo_Bps": volume / max(median_everywhere(big_s) - call, 1e-6),
+            "p2p_s": median_everywhere(p2p)}
+
+
+__all__ = ["measure_collectives", "measure_cross", "median_everywhere", "node_pipeline_mesh"]
