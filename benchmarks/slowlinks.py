@@ -167,18 +167,19 @@ def _calibrate(cfg: dict, world: int, steps: int, per_node: int, tp: int = 1) ->
     return statistics.median(everyone)
 
 
-def _timed(step, steps: int, warmup: bool = True) -> list[float]:
-    """Seconds of ``steps`` calls of ``step`` (after a warm-up), each between barriers."""
+def _timed(step, steps: int, warmup: bool = True, group=None) -> list[float]:
+    """Seconds of ``steps`` calls of ``step`` (after a warm-up), each between barriers of
+    ``group`` (default: the world)."""
     import torch.distributed as dist
 
     if warmup:
         step()  # lazy init, first all-gathers
     times = []
     for _ in range(steps):
-        dist.barrier()
+        dist.barrier(group=group)
         t = time.perf_counter()
         step()
-        dist.barrier()
+        dist.barrier(group=group)
         times.append(time.perf_counter() - t)
     return times
 
@@ -199,12 +200,7 @@ def _timed_alone(step, reps: int, nodes: list, per_node: int) -> list[float]:
     times: list[float] = []
     for node, group in enumerate(nodes):
         if node == mine:
-            for _ in range(reps):
-                dist.barrier(group=group)
-                t = time.perf_counter()
-                step()
-                dist.barrier(group=group)
-                times.append(time.perf_counter() - t)
+            times = _timed(step, reps, warmup=False, group=group)
         dist.barrier()
     return times
 
