@@ -184,13 +184,6 @@ def _timed(step, steps: int, warmup: bool = True, group=None) -> list[float]:
     return times
 
 
-class _Timer:
-    """A local shape's step function and how it is timed (all nodes at once, or alone)."""
-
-    def __init__(self, fn, timed) -> None:
-        self.fn, self.timed = fn, timed
-
-
 def _timed_alone(step, reps: int, nodes: list, per_node: int) -> list[float]:
     """``reps`` steps of a node-local ``step`` on one node at a time, the others waiting
     (between node barriers): a stage's speed when the other stages idle."""
@@ -207,7 +200,8 @@ def _timed_alone(step, reps: int, nodes: list, per_node: int) -> list[float]:
 
 def _calibration(config: dict, world: int) -> tuple[dict, dict]:
     """Everything the calibrated prediction needs, measured with nothing crossing nodes;
-    and the local shapes' step functions, kept to be timed again beside each layout."""
+    and a timer per local shape (reps -> seconds of that many steps), kept to time them
+    again between each layout's blocks of steps."""
     import torch.distributed as dist
 
     from ray_mesh.core.bootstrap import build_device_mesh
@@ -223,33 +217,32 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
                             for t in config["tp_degrees"]],
            **measure_collectives(per_node, config["reduce_bytes"], config["p2p_bytes"]),
            "local_s": {}, "local_min_s": {}}
-    fns: dict = {}
+    step_fns: dict = {}  # local shape -> its step
+    timers: dict = {}  # local shape -> reps -> seconds of that many steps, timed as it is
     nodes = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
     for key, raw in config["local_shapes"].items():
         layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
         base = key.removesuffix("@alone")
-        if base != key:  # the same shape, one node at a time
-            fn = fns[base].fn
-
-            def alone(reps: int, fn=fn) -> list[float]:
-                return _timed_alone(fn, reps, nodes, per_node)
-            fns[key] = _Timer(fn, alone)
-            times = alone(steps)
+        if base != key:  # the same shape (already warm), one node at a time
+            timers[key] = (lambda reps, fn=step_fns[base]:
+                           _timed_alone(fn, reps, nodes, per_node))
         else:
             if key.startswith("pp"):  # the pipeline inside each node
                 fn = _node_pipeline_fn(layout.mesh["pp"], cfg, accumulation(key))
             else:
                 mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
                 fn = _step_fn(layout, mesh, cfg, dp="replica", chunks=accumulation(key))
-            fns[key] = _Timer(fn, lambda reps, fn=fn: _timed(fn, reps, warmup=False))
-            times = _timed(fn, steps)
+            step_fns[key] = fn
+            timers[key] = lambda reps, fn=fn: _timed(fn, reps, warmup=False)
+            fn()  # warm-up: lazy init, first all-gathers
+        times = timers[key](steps)
         out["local_s"][key] = median_everywhere(statistics.median(times))
         out["local_min_s"][key] = median_everywhere(min(times))
         dist.barrier()
-    return out, fns
+    return out, timers
 
 
-def _interleaved(fns: dict, keys: list[str], reps: int, blocks: int, steps: int, step,
+def _interleaved(timers: dict, keys: list[str], reps: int, blocks: int, steps: int, step,
                  cross_bytes, background: float) -> tuple[list[float], float, dict]:
     """A layout's ``steps`` timed steps in ``blocks`` blocks, the local shapes ``keys`` timed
     ``reps`` steps before each block and after the last (medians over all of them,
@@ -264,7 +257,7 @@ def _interleaved(fns: dict, keys: list[str], reps: int, blocks: int, steps: int,
     moved = 0.0
     for block in range(blocks + 1):
         for k in keys:
-            local[k] += fns[k].timed(reps)
+            local[k] += timers[k](reps)
         if block == blocks:
             break
         b0 = cross_bytes()
@@ -287,7 +280,7 @@ def _train(config: dict) -> None:
     local0 = ray.train.get_context().get_local_rank() == 0
     from ray_mesh.planning.measure import measure_cross
 
-    calibration, local_fns = _calibration(config, world)
+    calibration, local_timers = _calibration(config, world)
     out = {**calibration, "layouts": {},
            **measure_cross(config["per_node"], config["reduce_bytes"])}
 
@@ -307,7 +300,7 @@ def _train(config: dict) -> None:
         mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
         step = _step_fn(layout, mesh, cfg)
         step()  # warm-up outside the byte count
-        times, moved, beside = _interleaved(local_fns, raw["local_keys"],
+        times, moved, beside = _interleaved(local_timers, raw["local_keys"],
                                             config["around_reps"], config["blocks"],
                                             config["steps"], step, cross_bytes, background)
         out["layouts"][layout.label] = {"measured_step_s": statistics.median(times),

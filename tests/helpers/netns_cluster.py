@@ -480,8 +480,8 @@ class NetnsCluster:
         100 ms idle went at 27.7 Mbit/s over a 20 Mbit/s link (+38%) and 136 over 100;
         with this bucket at 19.8 and 98 (sustained: 19.1, 95.7, 895 at 1 Gbit/s).
         """
-        rate = f"{check_rate(mbit):g}mbit"
-        burst = f"{max(8, round(check_rate(mbit) * 1e6 / 8 * 0.002 / 1024))}kb"
+        mbit = check_rate(mbit)
+        rate, burst = f"{mbit:g}mbit", f"{max(8, round(mbit * 1e6 / 8 * 0.002 / 1024))}kb"
         node = self.nodes[index]
         for prefix, dev in (([], node.host_veth), (node.exec_prefix(), TAILNET_IFACE)):
             _run([*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
