@@ -9,8 +9,11 @@ module as a driver inside the head namespace. One ``fit`` per rate; its train fu
    unsharded copy per rank), the local shape of each layout family (its step with
    ``dp="replica"``), the pipeline itself inside each node (its schedule's cost on this
    machine), gloo's fixed cost per call and bytes per second, one microbatch's send; then
-   measures the link as gloo sees it (``measure_cross``: a tiny and a large all-reduce
-   across nodes in the replicate groups, and one over the whole world; no model). Every
+   measures the link as gloo sees it, no model: ``measure_cross`` (a tiny and a large
+   all-reduce across nodes in the replicate groups, and one over the whole world),
+   ``measure_pipeline_send`` (one microbatch sent one way across, every pipeline at once)
+   and ``measure_unit_collectives`` (one FSDP unit's all-gather and reduce-scatter over the
+   world and over a node). Every
    rate's fit calibrates afresh, and the local shapes a layout's prediction reads are timed
    again between its blocks of steps (``local_s_beside``; 3 steps before each of 4 blocks
    and after the last): on a shared 2-core machine the load drifts within minutes, and a
@@ -278,11 +281,17 @@ def _train(config: dict) -> None:
 
     cfg, world = config["model"], dist.get_world_size()
     local0 = ray.train.get_context().get_local_rank() == 0
-    from ray_mesh.planning.measure import measure_cross
+    from ray_mesh.planning.measure import (
+        measure_cross,
+        measure_pipeline_send,
+        measure_unit_collectives,
+    )
 
     calibration, local_timers = _calibration(config, world)
-    out = {**calibration, "layouts": {},
-           **measure_cross(config["per_node"], config["reduce_bytes"])}
+    per_node = config["per_node"]
+    out = {**calibration, "layouts": {}, **measure_cross(per_node, config["reduce_bytes"]),
+           "send_s": measure_pipeline_send(per_node, config["p2p_bytes"]),
+           "unit_s": measure_unit_collectives(per_node, config["unit_bytes"], ("fp32", "bf16"))}
 
     def cross_bytes() -> int:
         mine = read_counters("tailscale0")["tx_bytes"] if local0 else 0
@@ -356,7 +365,10 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                "measure_cross (tiny and large gloo all-reduces across "
                                "nodes, no model); probe_priced_step_s: the link priced from "
                                "the bring-up TCP probe instead; fit_calibration_step_s: local "
-                               "shapes from the fit's start only"}
+                               "shapes from the fit's start only; allreduce_priced_step_s: "
+                               "flat FSDP's collectives and the pipeline's sends priced from "
+                               "the all-reduces (not measure_unit_collectives / "
+                               "measure_pipeline_send)"}
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
         for mbit in rates:
             for node in cluster.nodes:
@@ -369,6 +381,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
             args = {"model": cfg, "steps": steps, "out": path, "per_node": 2,
                     "reduce_bytes": stats.params * 4 // 2,  # hsdp's replicate all-reduce
                     "p2p_bytes": tokens // 2 // 4 * stats.hidden * 4,  # pp: one microbatch
+                    "unit_bytes": stats.params * 4 // (stats.layers + 1),  # one FSDP unit
                     "local_shapes": {k: {"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
                                      for k, x in shapes.items()},
                     "tp_degrees": sorted({x.mesh.get("tp", 1) for x in layouts} - {1}),
@@ -387,7 +400,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
             work = Workload(tokens, raw["compute_s"],
                             tp_compute_s=tuple((int(t), float(c)) for t, c in raw["tp_compute_s"]))
             cross = {k: raw[k] for k in ("cross_call_s", "cross_Bps", "ring_Bps",
-                                         "ring_call_s")}
+                                         "ring_call_s", "send_s", "unit_s")}
             cal = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"], raw["local_s"],
                               **cross)
             cal_min = Calibration(raw["collective_s"], raw["gloo_Bps"], raw["p2p_s"],
@@ -405,7 +418,9 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                 pred = predict_calibrated(lay, stats, links, work, beside)
                 # the link priced from the TCP probe instead of measure_cross
                 probe_priced = replace(beside, cross_call_s=0.0, cross_Bps=0.0, ring_Bps=0.0,
-                                       ring_call_s=0.0)
+                                       ring_call_s=0.0, send_s=0.0, unit_s={})
+                # FSDP's calls and the pipeline's sends priced from the all-reduces instead
+                allreduce_priced = replace(beside, send_s=0.0, unit_s={})
                 fastest = predict_calibrated(lay, stats, links, work, cal_min).step_s
                 section[lay.label] = {
                     "mesh": lay.mesh, "predicted_step_s": pred.step_s,
@@ -414,6 +429,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                                               probe_priced).step_s,
                     "fit_calibration_step_s": predict_calibrated(lay, stats, links, work,
                                                                  cal).step_s,
+                    "allreduce_priced_step_s": predict_calibrated(lay, stats, links, work,
+                                                                  allreduce_priced).step_s,
                     "local_s_beside": got["local_s_beside"],
                     "step_s_all": got["step_s_all"],
                     # least-disturbed: the fastest calibration steps against the fastest

@@ -35,12 +35,16 @@ path and gloo's CPU work in it::
     step_s = local_s + node_cross_bytes / cross_Bps + cross_calls * cross_call_s
 
 ``cross_Bps`` comes from the replicate groups' pattern (every rank of a node in a group of
-its own, all at once: several flows out of each node); DDP and flat FSDP run one ring over
-the whole world (one flow out of each node, each ring step waiting on the one before), which
-``measure_cross`` times as such at two sizes: ``ring_Bps`` (on the virtual cluster mostly
-within 7% of ``cross_Bps``) and ``ring_call_s``, what a call costs beyond its bytes (in one
-run 16 ms at 20 Mbit/s, 2 at 100, 1 at 1000, against 0.5-1 ms for a one-element
-all-reduce), used for those two families.
+its own, all at once: several flows out of each node); DDP's one ring over the whole world
+(one flow out of each node, each ring step waiting on the one before) is timed as such at
+two sizes (``ring_Bps`` and ``ring_call_s``, what a call costs beyond its bytes: 16 ms at
+20 Mbit/s against 0.5-1 ms for a one-element all-reduce). Where they were measured, flat
+FSDP's own collectives replace the bytes-and-calls terms: one unit's all-gather and
+reduce-scatter (FSDP2's calls, at a unit's size) over the world less the same over a node
+(:meth:`Calibration.unit_comm_s`; gloo's all-gather ring ran its bytes ~10% slower than
+the all-reduces at 20 Mbit/s), and a pipeline's link is one microbatch sent one way across
+nodes, every pipeline at once (``send_s``: a GPipe phase sends one way, an all-reduce both,
+and the reverse data shares the shaped queue with the acknowledgements).
 
 A raw TCP probe prices only the wire; on the virtual cluster at 1 Gbit/s the network path
 through veth and tc runs on the same cores as the ranks, which the probe does not see. Overlap
@@ -105,10 +109,12 @@ class Calibration:
     cross_Bps: float = 0.0  # bytes a node sends across per second in gloo (0: not measured)
     ring_Bps: float = 0.0  # the same for one all-reduce over the whole world (0: not measured)
     ring_call_s: float = 0.0  # that all-reduce's fixed cost per call, fitted from two sizes
+    send_s: float = 0.0  # one microbatch across a stage boundary, one way (0: not measured)
+    unit_s: dict[str, float] = field(default_factory=dict)  # unit_key -> one FSDP unit's call
 
     def __post_init__(self) -> None:
-        for name in ("collective_s", "p2p_s"):
-            v = getattr(self, name)
+        for name, v in [("collective_s", self.collective_s), ("p2p_s", self.p2p_s),
+                        ("send_s", self.send_s), *self.unit_s.items()]:
             if not 0 <= v < 60:
                 raise PlanError(f"calibration {name}={v!r}: give seconds in [0, 60)")
         if not 0 < self.gloo_Bps < math.inf:
@@ -131,7 +137,20 @@ class Calibration:
         return {"collective_s": self.collective_s, "gloo_Bps": self.gloo_Bps,
                 "p2p_s": self.p2p_s, "local_s": dict(self.local_s),
                 "cross_call_s": self.cross_call_s, "cross_Bps": self.cross_Bps,
-                "ring_Bps": self.ring_Bps, "ring_call_s": self.ring_call_s}
+                "ring_Bps": self.ring_Bps, "ring_call_s": self.ring_call_s,
+                "send_s": self.send_s, "unit_s": dict(self.unit_s)}
+
+    def unit_comm_s(self, reduce: str) -> float | None:
+        """What one FSDP unit's collectives cost over the world beyond the same calls over
+        a node's ranks (which its local shape ran): two all-gathers (forward, and again in
+        backward: FSDP2 reshards after forward) and a reduce-scatter in ``reduce``; None
+        where they were not measured."""
+        keys = [unit_key(k, s, d) for s in ("world", "node")
+                for k, d in (("ag", "fp32"), ("rs", reduce))]
+        if not all(k in self.unit_s for k in keys):
+            return None
+        ag_w, rs_w, ag_n, rs_n = (self.unit_s[k] for k in keys)
+        return max(0.0, 2 * (ag_w - ag_n) + rs_w - rs_n)
 
 
 ARITHMETIC = "none/fp32"  # the local shape without any data parallel: the arithmetic
@@ -317,9 +336,13 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         else:
             eff = pipeline_efficiency(cal, pp, mbs)
         boundary = work.tokens * stats.hidden * FP32 / mbs  # a node's send per microbatch
-        link = (boundary / cal.cross_Bps + cal.cross_call_s / 2 if cal.cross_Bps and n > 1
-                else boundary * 8 / (links.cross_mbit * 1e6) + boundary / cal.gloo_Bps
-                + links.latency_s)
+        if cal.send_s and n > 1:  # measured as the schedule sends: one way, side by side
+            link = cal.send_s
+        elif cal.cross_Bps and n > 1:
+            link = boundary / cal.cross_Bps + cal.cross_call_s / 2
+        else:
+            link = (boundary * 8 / (links.cross_mbit * 1e6) + boundary / cal.gloo_Bps
+                    + links.latency_s)
         fwd, bwd = stage / 3 * eff, 2 * stage / 3 * eff  # backward: twice the forward
         local = gpipe_s(fwd, bwd, 0.0, mbs, pp)
         exposed = gpipe_s(fwd, bwd, link, mbs, pp) - local  # what the links add to it
@@ -332,7 +355,11 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         every = layout.diloco[0]  # DiLoCo's inner step itself)
         volume, calls = volume / every, 1 + (calls - 1) / every
     pipeline = fam in ("pp", "tp_pp")
-    if cal.cross_Bps and n > 1:  # the link as gloo sees it, measured
+    unit = cal.unit_comm_s(layout.reduce) if fam == "fsdp" and n > 1 else None
+    if unit is not None:  # its own collectives, measured at a unit's size; the loss mean
+        # one call over the world
+        comm = blocks * unit + calls * max(cal.ring_call_s, cal.cross_call_s, cal.collective_s)
+    elif cal.cross_Bps and n > 1:  # the link as gloo sees it, measured
         # a collective over the whole world runs one ring through every node (one flow
         # out of each), measured as such where it was; the replicate groups run several
         world_ring = fam in ("ddp", "fsdp") and cal.ring_Bps > 0
@@ -351,6 +378,19 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
                       base.notes + ["calibrated on one node"])
 
 
-__all__ = ["ARITHMETIC", "Calibration", "accumulation", "alone_key", "gpipe_s", "local_key",
-           "local_shapes", "pipeline_efficiency", "pipeline_key", "predict_calibrated",
-           "shared_core_efficiency"]
+UNIT_KINDS = ("ag", "rs")  # FSDP2's all_gather_single and reduce_scatter_single
+
+
+def unit_key(kind: str, span: str, dtype: str = "fp32") -> str:
+    """Name of one FSDP unit's collective in ``Calibration.unit_s``: ``kind`` all-gather
+    ("ag", parameters, fp32) or reduce-scatter ("rs", gradients in ``dtype``), over the
+    whole world or each node's ranks (``span`` "world" / "node")."""
+    if kind not in UNIT_KINDS or span not in ("world", "node"):
+        raise PlanError(f"unit_key({kind!r}, {span!r}): kind is one of {UNIT_KINDS}, span "
+                        "'world' or 'node'")
+    return f"{kind}/{span}/{dtype}"
+
+
+__all__ = ["ARITHMETIC", "UNIT_KINDS", "Calibration", "accumulation", "alone_key", "gpipe_s",
+           "local_key", "local_shapes", "pipeline_efficiency", "pipeline_key",
+           "predict_calibrated", "shared_core_efficiency", "unit_key"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from ray_mesh.planning.calibrate import unit_key
 from ray_mesh.planning.cost import FP32, PlanError
 
 
@@ -136,4 +137,83 @@ def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
             "p2p_s": median_everywhere(p2p)}
 
 
-__all__ = ["measure_collectives", "measure_cross", "median_everywhere", "node_pipeline_mesh"]
+def measure_pipeline_send(per_node: int, nbytes: int, repeats: int = 5) -> float:
+    """``send_s``: seconds for one microbatch's activations to cross a stage boundary.
+
+    Rank ``j`` of node ``2k`` sends ``nbytes`` to rank ``j`` of node ``2k + 1``, every pair
+    at once: one flow per rank of a node, as a pipeline layout's pipelines send side by
+    side, and one direction only, as a GPipe phase sends (forward all one way, backward all
+    the other; an all-reduce's link carries both, and the reverse data competes with the
+    acknowledgements in the shaped queue). Timed on the receivers between barriers: the
+    median over repeats of the slowest receiver, wire, kernel and gloo's work in it. A
+    collective; every rank must call it; needs at least 2 nodes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if per_node < 1 or world % per_node or world // per_node < 2 or nbytes < 1:
+        raise PlanError(f"per_node={per_node} must divide the world size {world} into 2 or "
+                        f"more nodes, and nbytes={nbytes} be >= 1")
+    node = rank // per_node
+    receiving = node % 2 == 1
+    peer = (rank - per_node if receiving else
+            rank + per_node if (node + 1) * per_node < world else None)
+    buf = torch.zeros(max(1, nbytes // FP32))
+
+    def once() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        if peer is not None:
+            (dist.recv if receiving else dist.send)(buf, peer)
+        return time.perf_counter() - t0
+
+    once()  # warm-up: the pair's first message
+    mine = [once() for _ in range(repeats)]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine if receiving else None)
+    slowest = [max(t[i] for t in everyone if t is not None) for i in range(repeats)]
+    return float(statistics.median(slowest))
+
+
+def measure_unit_collectives(per_node: int, unit_bytes: int, reduce_dtypes=("fp32",),
+                             repeats: int = 5) -> dict[str, float]:
+    """Seconds of one FSDP unit's collectives as FSDP2 issues them (``all_gather_single``
+    of the parameters, ``reduce_scatter_single`` of the gradients), over the whole world
+    (flat FSDP) and over each node's ranks, all nodes at once (the local shape's FSDP):
+    ``{unit_key(...): seconds}``, medians over repeats and ranks. ``unit_bytes`` is one
+    unit's fp32 parameters. Each call's fixed cost, ring steps through the link's queue and
+    gloo's algorithm for that collective are in the figure, where a rate fitted from
+    all-reduces prices only their bytes. A collective; every rank must call it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if per_node < 1 or world % per_node or unit_bytes < 1:
+        raise PlanError(f"per_node={per_node} must divide the world size {world}, and "
+                        f"unit_bytes={unit_bytes} be >= 1")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if unknown := set(reduce_dtypes) - set(dtypes):
+        raise PlanError(f"reduce dtypes {sorted(unknown)}: give 'fp32' or 'bf16'")
+    nodes = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
+    spans = {"world": (None, world), "node": (nodes[rank // per_node], per_node)}
+    numel = max(world, unit_bytes // FP32 // world * world)
+    out: dict[str, float] = {}
+    for span, (group, size) in spans.items():
+        for kind, name in [("ag", "fp32")] + [("rs", d) for d in reduce_dtypes]:
+            full = torch.zeros(numel, dtype=dtypes[name])
+            part = torch.zeros(numel // size, dtype=dtypes[name])
+
+            def call(full=full, part=part, group=group, kind=kind) -> None:
+                if kind == "ag":
+                    dist.all_gather_single(full, part, group=group)
+                else:
+                    dist.reduce_scatter_single(part, full, group=group)
+            call()  # warm-up
+            out[unit_key(kind, span, name)] = median_everywhere(_median_time(call, repeats))
+    return out
+
+
+__all__ = ["measure_collectives", "measure_cross", "measure_pipeline_send",
+           "measure_unit_collectives", "median_everywhere", "node_pipeline_mesh"]

@@ -1,8 +1,9 @@
 """``measure_cross`` on 4 gloo ranks as 2 "nodes" of 2 (loopback): it prices a call and a
-byte across nodes from real all-reduces (the replicate groups' and one world ring's), every
-rank gets the same figures, and a world that is one node is refused with the fix. And the
-in-node pipeline shape's mesh: its pp groups are a node's consecutive ranks, and a real
-GPipe step over them trains."""
+byte across nodes from real all-reduces (the replicate groups' and one world ring's); a
+pipeline's one-way send and an FSDP unit's calls are timed; every rank gets the same
+figures, and a world that is one node is refused with the fix. And the in-node pipeline
+shape's mesh: its pp groups are a node's consecutive ranks, and a real GPipe step over them
+trains."""
 
 from __future__ import annotations
 
@@ -21,10 +22,16 @@ WORLD = 4
 def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
-    from ray_mesh.planning.measure import measure_cross
     from ray_mesh.planning.cost import PlanError
+    from ray_mesh.planning.measure import (
+        measure_cross,
+        measure_pipeline_send,
+        measure_unit_collectives,
+    )
 
     got = measure_cross(2, 1 << 20, repeats=2)
+    got["send_s"] = measure_pipeline_send(2, 1 << 16, repeats=2)
+    got["unit_s"] = measure_unit_collectives(2, 1 << 18, ("fp32", "bf16"), repeats=2)
     try:
         measure_cross(4, 1 << 10)
         refused = ""
@@ -63,7 +70,8 @@ def _node_pipeline(rank: int) -> dict:
 def test_measure_cross_prices_calls_and_bytes_across_nodes(tmp_path):
     spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, 120, "measure_cross")
     seen = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD)]
-    figures = ("cross_call_s", "cross_Bps", "ring_Bps", "ring_call_s", "refused")
+    figures = ("cross_call_s", "cross_Bps", "ring_Bps", "ring_call_s", "send_s", "unit_s",
+               "refused")
     assert all({k: s[k] for k in figures} == {k: seen[0][k] for k in figures}
                for s in seen), seen  # medians shared by every rank
     first = seen[0]
@@ -72,6 +80,12 @@ def test_measure_cross_prices_calls_and_bytes_across_nodes(tmp_path):
     assert 1e6 < first["ring_Bps"] < 1e12, first
     assert first["cross_call_s"] <= first["ring_call_s"] < 1, first  # never below a tiny call
     assert "2 or more nodes" in first["refused"], first
+    assert 0 < first["send_s"] < 1, first  # 64 KiB one way, the slowest receiver
+    # FSDP2's two calls over the world and over each node, the reduce-scatter in both dtypes
+    assert set(first["unit_s"]) == {f"{k}/{s}/{d}" for s in ("world", "node")
+                                    for k, d in (("ag", "fp32"), ("rs", "fp32"),
+                                                 ("rs", "bf16"))}, first
+    assert all(0 < v < 1 for v in first["unit_s"].values()), first
     # pp groups inside the "nodes" {0, 1} and {2, 3}; every stage trained; both pipelines
     # (same seed, same batch) report the same loss
     assert [s["pp_group"] for s in seen] == [[0, 1], [0, 1], [2, 3], [2, 3]], seen
