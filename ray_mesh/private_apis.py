@@ -90,6 +90,29 @@ def set_mesh_group(mesh: Any, group: Any) -> None:
     mesh._dim_group_names = [group.group_name]
 
 
+def release_mesh_groups(mesh: Any) -> list[Any]:
+    """Empty the process-group registry of ``mesh``, of its root and of the root's flattened
+    meshes; returns the groups they held, each once.
+
+    Internal: ``DeviceMesh._pg_registry`` and ``DeviceMesh._flatten_mapping`` (torch 2.13.0).
+    The root mesh keeps a strong reference to the group of every dim and flattened dim (a
+    registry for torch.compile, cf. pytorch#172272) that ``destroy_process_group`` does not
+    drop: a mesh still referenced keeps every communicator, and its threads, alive until
+    interpreter exit. Call it after ``destroy_process_group``, when the names no longer
+    resolve anyway. Public replacement: none in torch 2.13 (no DeviceMesh teardown, and
+    ``destroy_process_group`` leaves the registry alone).
+    """
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    groups: dict[int, Any] = {}
+    for m in (mesh, root, *getattr(root, "_flatten_mapping", {}).values()):
+        registry = getattr(m, "_pg_registry", None)
+        if registry:
+            for group in registry.values():
+                groups.setdefault(id(group), group)
+            registry.clear()
+    return list(groups.values())
+
+
 def has_batch_p2p_wait_fix() -> bool:
     """True when torch pipelining waits on every ``Work`` of a batched send/recv.
 
@@ -312,6 +335,7 @@ __all__ = [
     "has_batch_p2p_wait_fix",
     "is_head_node",
     "register_fake_pg_backend",
+    "release_mesh_groups",
     "replace_run_data_config",
     "set_mesh_group",
     "startup_timeout_error_type",

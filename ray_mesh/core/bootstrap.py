@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import ray_mesh.private_apis as private_apis
+from ray_mesh.core import teardown
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
 
 logger = logging.getLogger(__name__)
@@ -361,9 +362,11 @@ def init_mesh(
 
 
 def shutdown_mesh() -> None:
-    """Forget the mesh and destroy the process group (safe to call when none exists)."""
+    """Forget the mesh, destroy the process group and free every group of the mesh, its
+    threads joined (safe to call when none exists). Freed here, not at interpreter exit,
+    where a gloo worker can abort the process: see :mod:`ray_mesh.core.teardown`."""
     global _state
     with _lock:
+        mesh = _state.mesh if _state is not None else None
         _state = None
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        teardown.destroy(mesh)

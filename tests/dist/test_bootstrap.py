@@ -59,6 +59,55 @@ def test_torchrun_mesh_groups_and_collectives(tmp_path):
         assert o["sums"]["dp"] == 6.0 and o["sums"]["tp"] == rank
 
 
+SHUTDOWN_SCRIPT = textwrap.dedent("""
+    import json, logging, os, sys
+    import torch, torch.distributed as dist
+    import ray_mesh
+
+    def gloo_threads():  # the names torch 2.13.0 gives gloo's worker and I/O threads
+        names = (open(f"/proc/self/task/{t}/comm").read().strip()
+                 for t in os.listdir("/proc/self/task"))
+        return sorted(n for n in names if "gloo" in n)
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ray_mesh").addHandler(handler)
+    mesh = ray_mesh.init_mesh({"dp_replicate": 2, "dp_shard": -1})
+    rank = dist.get_rank()
+    for d in ("dp_replicate", "dp_shard", "dp"):
+        dist.all_reduce(torch.ones(1), group=mesh.get_group(d))
+    kept = mesh.get_group("dp_replicate") if rank >= 2 else None
+    out = {"before": gloo_threads()}
+    ray_mesh.shutdown_mesh()  # `mesh` is still referenced, as in most scripts
+    out.update(after=gloo_threads(), warnings=warnings)
+    del kept  # its last reference: the group is freed now
+    out["dropped"] = gloo_threads()
+    with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
+        json.dump(out, f)
+""")
+
+
+def test_shutdown_mesh_frees_every_group(tmp_path):
+    """No gloo thread outlives shutdown_mesh() while the script still holds its mesh: one
+    left to interpreter exit could abort the rank (SIGABRT) after its last line (see
+    ray_mesh.core.teardown). A group the script itself keeps is named in a warning."""
+    script = tmp_path / "script.py"
+    script.write_text(SHUTDOWN_SCRIPT)
+    proc = torchrun(script, str(tmp_path), nproc=4, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(4):
+        o = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert o["before"].count("pt_gloo_runloop") >= 6, o  # world, dp_shard, dp_replicate
+        assert o["dropped"] == [], o
+        if rank < 2:
+            assert o["after"] == [] and o["warnings"] == [], o
+            continue
+        assert "pt_gloo_runloop" in o["after"], o
+        assert len(o["warnings"]) == 1 and "dp_replicate are still referenced" in \
+            o["warnings"][0] and "dp_shard" not in o["warnings"][0], o
+
+
 def test_get_mesh_before_init_says_what_to_do():
     assert not ray_mesh.is_initialized()
     with pytest.raises(BootstrapError, match="MeshConfig.*init_mesh"):

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import ray_mesh
 from ray_mesh.checkpointing import integrity, sharded
 from ports import free_port
 from torchrun import spawn_ranks
@@ -101,14 +101,12 @@ def _worker(rank: int, port: int, root: str) -> None:
     try:
         _checks(rank, Path(root))
     finally:
-        dist.destroy_process_group()
-    # Every check passed and the group is gone: leave without the interpreter's teardown.
-    # Once (1 of 8 runs) rank 1 died with SIGABRT, "terminate called without an active
-    # exception" (a C++ thread destroyed while joinable), which usually means teardown; where
-    # it died was not captured. A death before this line still fails the test.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        # Not dist.destroy_process_group() alone: the FSDP models and the mesh of _checks are
+        # unreachable cycles that keep both gloo groups, and their worker threads, alive
+        # until interpreter exit, where a worker can abort the rank (SIGABRT, "terminate
+        # called without an active exception"; see ray_mesh.core.teardown). shutdown_mesh()
+        # also collects them, so every group is freed here.
+        ray_mesh.shutdown_mesh()
 
 
 

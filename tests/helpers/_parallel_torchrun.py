@@ -170,8 +170,10 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         print("ALL_DONE", flush=True)
-    ray_mesh.shutdown_mesh()
 
 
 if __name__ == "__main__":
     main()
+    # Once main's FSDP models are gone: shutdown_mesh() frees their groups too (it warns
+    # about groups something still holds, which could abort the rank at exit).
+    ray_mesh.shutdown_mesh()

@@ -128,6 +128,24 @@ print("ok")
     assert out.strip() == "ok", out
 
 
+def test_release_mesh_groups():
+    out = run_python(FAKE_WORLD + """
+import gc, weakref
+pa.flatten_mesh(mesh[("a", "b")], "ab")
+names = {mesh.get_group(d).group_name for d in ("a", "b", "c", "ab")}
+groups = pa.release_mesh_groups(mesh["a"])  # a submesh: its root's registry is emptied
+assert names <= {g.group_name for g in groups}, "DeviceMesh._pg_registry misses a group"
+assert pa.release_mesh_groups(mesh) == [], "the registry still holds groups"
+refs = [weakref.ref(g) for g in groups]
+del groups
+dist.destroy_process_group()
+gc.collect()
+# The mesh is still referenced here, but no longer keeps any group alive.
+print(sum(r() is not None for r in refs))
+""")
+    assert out.strip() == "0", out
+
+
 def test_has_batch_p2p_wait_fix():
     from torch.distributed.pipelining import schedules
 
