@@ -12,7 +12,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
-
 from ports import free_port
 from torchrun import spawn_ranks
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from ports import free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -27,10 +26,9 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
+from torchrun import spawn_ranks
 
 from ray_mesh.checkpointing import sharded
-from ports import free_port
-from torchrun import spawn_ranks
 
 WORLD = 4
 TRAIN_STEPS = 3

@@ -13,23 +13,20 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from ports import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torchrun import spawn_ranks
 
 import ray_mesh
 from ray_mesh.checkpointing import integrity, sharded
-from ports import free_port
-from torchrun import spawn_ranks
 
 WORLD = 2
 STEPS = 6

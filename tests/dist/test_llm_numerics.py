@@ -10,10 +10,6 @@ the loss falls and validation bits per byte end below the text's unigram entropy
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -9,9 +9,6 @@ the mesh must hold fewer real communicators than one with a real group per dim.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 from torchrun import torchrun
