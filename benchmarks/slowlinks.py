@@ -12,8 +12,8 @@ module as a driver inside the head namespace. One ``fit`` per rate; its train fu
    measures the link as gloo sees it, no model: ``measure_cross`` (a tiny and a large
    all-reduce across nodes in the replicate groups, and one over the whole world),
    ``measure_pipeline_send`` (one microbatch sent one way across, every pipeline at once)
-   and ``measure_unit_collectives`` (one FSDP unit's all-gather and reduce-scatter over the
-   world and over a node). Every
+   and ``measure_unit_collectives`` (one FSDP unit's all-gather and reduce-scatter inside a
+   node). Every
    rate's fit calibrates afresh, and the local shapes a layout's prediction reads are timed
    again between its blocks of steps (``local_s_beside``; 3 steps before each of 4 blocks
    and after the last): on a shared 2-core machine the load drifts within minutes, and a
@@ -366,9 +366,9 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                "nodes, no model); probe_priced_step_s: the link priced from "
                                "the bring-up TCP probe instead; fit_calibration_step_s: local "
                                "shapes from the fit's start only; allreduce_priced_step_s: "
-                               "flat FSDP's collectives and the pipeline's sends priced from "
-                               "the all-reduces (not measure_unit_collectives / "
-                               "measure_pipeline_send)"}
+                               "without measure_pipeline_send (a pipeline's link priced from "
+                               "the all-reduces) and measure_unit_collectives (tp_hsdp's "
+                               "FSDP overhead with the in-node calls it does not run)"}
     with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
         for mbit in rates:
             for node in cluster.nodes:
@@ -419,7 +419,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                 # the link priced from the TCP probe instead of measure_cross
                 probe_priced = replace(beside, cross_call_s=0.0, cross_Bps=0.0, ring_Bps=0.0,
                                        ring_call_s=0.0, send_s=0.0, unit_s={})
-                # FSDP's calls and the pipeline's sends priced from the all-reduces instead
+                # without the pipeline's measured send and the in-node FSDP calls
                 allreduce_priced = replace(beside, send_s=0.0, unit_s={})
                 fastest = predict_calibrated(lay, stats, links, work, cal_min).step_s
                 section[lay.label] = {

@@ -38,13 +38,13 @@ path and gloo's CPU work in it::
 its own, all at once: several flows out of each node); DDP's one ring over the whole world
 (one flow out of each node, each ring step waiting on the one before) is timed as such at
 two sizes (``ring_Bps`` and ``ring_call_s``, what a call costs beyond its bytes: 16 ms at
-20 Mbit/s against 0.5-1 ms for a one-element all-reduce). Where they were measured, flat
-FSDP's own collectives replace the bytes-and-calls terms: one unit's all-gather and
-reduce-scatter (FSDP2's calls, at a unit's size) over the world less the same over a node
-(:meth:`Calibration.unit_comm_s`; gloo's all-gather ring ran its bytes ~10% slower than
-the all-reduces at 20 Mbit/s), and a pipeline's link is one microbatch sent one way across
-nodes, every pipeline at once (``send_s``: a GPipe phase sends one way, an all-reduce both,
-and the reverse data shares the shaped queue with the acknowledgements).
+20 Mbit/s against 0.5-1 ms for a one-element all-reduce). A pipeline's link, where measured,
+is one microbatch sent one way across nodes, every pipeline at once (``send_s``: a GPipe
+phase sends one way, an all-reduce both ways, the reverse data sharing the shaped queue with
+the acknowledgements). Flat FSDP stays priced by the ring: its own calls timed alone
+(one unit's all-gather and reduce-scatter over the world) ran at the link's full rate, 18%
+under its step at 20 Mbit/s, where the step's many concurrent calls moved 7% more bytes
+than their payload and ~87% of the rate.
 
 A raw TCP probe prices only the wire; on the virtual cluster at 1 Gbit/s the network path
 through veth and tc runs on the same cores as the ranks, which the probe does not see. Overlap
@@ -110,7 +110,8 @@ class Calibration:
     ring_Bps: float = 0.0  # the same for one all-reduce over the whole world (0: not measured)
     ring_call_s: float = 0.0  # that all-reduce's fixed cost per call, fitted from two sizes
     send_s: float = 0.0  # one microbatch across a stage boundary, one way (0: not measured)
-    unit_s: dict[str, float] = field(default_factory=dict)  # unit_key -> one FSDP unit's call
+    unit_s: dict[str, float] = field(default_factory=dict)  # unit_key -> an FSDP unit's call
+    # over a node's ranks
 
     def __post_init__(self) -> None:
         for name, v in [("collective_s", self.collective_s), ("p2p_s", self.p2p_s),
@@ -140,17 +141,14 @@ class Calibration:
                 "ring_Bps": self.ring_Bps, "ring_call_s": self.ring_call_s,
                 "send_s": self.send_s, "unit_s": dict(self.unit_s)}
 
-    def unit_comm_s(self, reduce: str) -> float | None:
-        """What one FSDP unit's collectives cost over the world beyond the same calls over
-        a node's ranks (which its local shape ran): two all-gathers (forward, and again in
-        backward: FSDP2 reshards after forward) and a reduce-scatter in ``reduce``; None
-        where they were not measured."""
-        keys = [unit_key(k, s, d) for s in ("world", "node")
-                for k, d in (("ag", "fp32"), ("rs", reduce))]
+    def node_unit_s(self, reduce: str) -> float | None:
+        """One FSDP unit's collectives over a node's ranks: two all-gathers (forward, and
+        again in backward: FSDP2 reshards after forward) and a reduce-scatter in
+        ``reduce``; None where not measured."""
+        keys = [unit_key("ag", "fp32"), unit_key("rs", reduce)]
         if not all(k in self.unit_s for k in keys):
             return None
-        ag_w, rs_w, ag_n, rs_n = (self.unit_s[k] for k in keys)
-        return max(0.0, 2 * (ag_w - ag_n) + rs_w - rs_n)
+        return 2 * self.unit_s[keys[0]] + self.unit_s[keys[1]]
 
 
 ARITHMETIC = "none/fp32"  # the local shape without any data parallel: the arithmetic
@@ -319,7 +317,10 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         if fam == "tp_hsdp":  # FSDP2 wraps the TP blocks over replicate x shard: its hooks,
             # copies and casts, which TP's local shape (no FSDP) does not run, as FSDP's
             # local shape measured them beyond the arithmetic
-            local += max(0.0, cal.local(f"fsdp/{layout.reduce}") - arithmetic)
+            # less the in-node all-gathers and reduce-scatters FSDP's local shape ran and
+            # tp_hsdp's (dp_shard 1) does not, where measured
+            units = blocks * (cal.node_unit_s(layout.reduce) or 0.0) if shard == 1 else 0.0
+            local += max(0.0, cal.local(f"fsdp/{layout.reduce}") - arithmetic - units)
         if fam == "fsdp":  # gloo: all-gather twice + reduce-scatter as an all-reduce
             def ring(k: int) -> float:
                 return (k - 1) / k * (2 * p_b + 2 * g_b)
@@ -355,11 +356,7 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         every = layout.diloco[0]  # DiLoCo's inner step itself)
         volume, calls = volume / every, 1 + (calls - 1) / every
     pipeline = fam in ("pp", "tp_pp")
-    unit = cal.unit_comm_s(layout.reduce) if fam == "fsdp" and n > 1 else None
-    if unit is not None:  # its own collectives, measured at a unit's size; the loss mean
-        # one call over the world
-        comm = blocks * unit + calls * max(cal.ring_call_s, cal.cross_call_s, cal.collective_s)
-    elif cal.cross_Bps and n > 1:  # the link as gloo sees it, measured
+    if cal.cross_Bps and n > 1:  # the link as gloo sees it, measured
         # a collective over the whole world runs one ring through every node (one flow
         # out of each), measured as such where it was; the replicate groups run several
         world_ring = fam in ("ddp", "fsdp") and cal.ring_Bps > 0
@@ -381,14 +378,13 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
 UNIT_KINDS = ("ag", "rs")  # FSDP2's all_gather_single and reduce_scatter_single
 
 
-def unit_key(kind: str, span: str, dtype: str = "fp32") -> str:
-    """Name of one FSDP unit's collective in ``Calibration.unit_s``: ``kind`` all-gather
-    ("ag", parameters, fp32) or reduce-scatter ("rs", gradients in ``dtype``), over the
-    whole world or each node's ranks (``span`` "world" / "node")."""
-    if kind not in UNIT_KINDS or span not in ("world", "node"):
-        raise PlanError(f"unit_key({kind!r}, {span!r}): kind is one of {UNIT_KINDS}, span "
-                        "'world' or 'node'")
-    return f"{kind}/{span}/{dtype}"
+def unit_key(kind: str, dtype: str = "fp32") -> str:
+    """Name of one FSDP unit's collective over a node's ranks in ``Calibration.unit_s``:
+    all-gather ("ag", the fp32 parameters) or reduce-scatter ("rs", gradients in
+    ``dtype``)."""
+    if kind not in UNIT_KINDS:
+        raise PlanError(f"unit_key({kind!r}): kind is one of {UNIT_KINDS}")
+    return f"{kind}/{dtype}"
 
 
 __all__ = ["ARITHMETIC", "UNIT_KINDS", "Calibration", "accumulation", "alone_key", "gpipe_s",

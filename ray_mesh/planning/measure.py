@@ -179,12 +179,11 @@ def measure_pipeline_send(per_node: int, nbytes: int, repeats: int = 5) -> float
 def measure_unit_collectives(per_node: int, unit_bytes: int, reduce_dtypes=("fp32",),
                              repeats: int = 5) -> dict[str, float]:
     """Seconds of one FSDP unit's collectives as FSDP2 issues them (``all_gather_single``
-    of the parameters, ``reduce_scatter_single`` of the gradients), over the whole world
-    (flat FSDP) and over each node's ranks, all nodes at once (the local shape's FSDP):
-    ``{unit_key(...): seconds}``, medians over repeats and ranks. ``unit_bytes`` is one
-    unit's fp32 parameters. Each call's fixed cost, ring steps through the link's queue and
-    gloo's algorithm for that collective are in the figure, where a rate fitted from
-    all-reduces prices only their bytes. A collective; every rank must call it.
+    of the parameters, ``reduce_scatter_single`` of the gradients) over each node's ranks,
+    all nodes at once: ``{unit_key(...): seconds}``, medians over repeats and ranks.
+    ``unit_bytes`` is one unit's fp32 parameters. What a node-local FSDP step spends in its
+    collectives, which a layout with ``dp_shard`` 1 (tp_hsdp) does not run. A collective;
+    every rank must call it.
     """
     import torch
     import torch.distributed as dist
@@ -197,23 +196,21 @@ def measure_unit_collectives(per_node: int, unit_bytes: int, reduce_dtypes=("fp3
     if unknown := set(reduce_dtypes) - set(dtypes):
         raise PlanError(f"reduce dtypes {sorted(unknown)}: give 'fp32' or 'bf16'")
     nodes = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
-    spans = {"world": (None, world), "node": (nodes[rank // per_node], per_node)}
-    numel = max(world, unit_bytes // FP32 // world * world)
+    group = nodes[rank // per_node]
+    numel = max(per_node, unit_bytes // FP32 // per_node * per_node)
     out: dict[str, float] = {}
-    for span, (group, size) in spans.items():
-        for kind, name in [("ag", "fp32")] + [("rs", d) for d in reduce_dtypes]:
-            full = torch.zeros(numel, dtype=dtypes[name])
-            part = torch.zeros(numel // size, dtype=dtypes[name])
+    for kind, name in [("ag", "fp32")] + [("rs", d) for d in reduce_dtypes]:
+        full = torch.zeros(numel, dtype=dtypes[name])
+        part = torch.zeros(numel // per_node, dtype=dtypes[name])
 
-            def call(full=full, part=part, group=group, kind=kind) -> None:
-                if kind == "ag":
-                    dist.all_gather_single(full, part, group=group)
-                else:
-                    dist.reduce_scatter_single(part, full, group=group)
-            call()  # warm-up
-            out[unit_key(kind, span, name)] = median_everywhere(_median_time(call, repeats))
+        def call(full=full, part=part, kind=kind) -> None:
+            if kind == "ag":
+                dist.all_gather_single(full, part, group=group)
+            else:
+                dist.reduce_scatter_single(part, full, group=group)
+        call()  # warm-up
+        out[unit_key(kind, name)] = median_everywhere(_median_time(call, repeats))
     return out
-
 
 __all__ = ["measure_collectives", "measure_cross", "measure_pipeline_send",
            "measure_unit_collectives", "median_everywhere", "node_pipeline_mesh"]

@@ -231,41 +231,38 @@ def test_world_collectives_priced_by_the_ring_measurement():
         replace(ring, ring_call_s=60.0)
 
 
-def test_flat_fsdp_and_pipeline_sends_priced_by_their_own_measured_calls():
+def test_in_node_fsdp_calls_and_pipeline_sends_priced_as_measured():
     links = Links(2, 2, 20.0)
-    units = {unit_key("ag", "world"): 0.20, unit_key("ag", "node"): 0.02,
-             unit_key("rs", "world"): 0.35, unit_key("rs", "node"): 0.05,
-             unit_key("rs", "world", "bf16"): 0.18, unit_key("rs", "node", "bf16"): 0.03}
-    ring = Calibration(0.001, 200e6, 0.002, CAL.local_s, cross_call_s=0.004, cross_Bps=5e6,
-                       ring_Bps=4e6, ring_call_s=0.05)
+    units = {unit_key("ag"): 0.005, unit_key("rs"): 0.01, unit_key("rs", "bf16"): 0.006}
+    ring = Calibration(0.001, 200e6, 0.002, {"none/fp32": 0.2, "fsdp/fp32": 0.5,
+                                             "fsdp/bf16": 0.45, "tp2/fp32": 0.6,
+                                             "tp2/bf16": 0.55},
+                       cross_call_s=0.004, cross_Bps=5e6, ring_Bps=4e6, ring_call_s=0.05)
     cal = replace(ring, unit_s=units)
     blocks = STATS.layers + 1
-    # per unit: two all-gathers and a reduce-scatter over the world, less the same calls
-    # over a node (the local shape ran those); the loss mean at the ring's call cost
-    assert cal.unit_comm_s("fp32") == pytest.approx(2 * (0.20 - 0.02) + 0.35 - 0.05)
-    assert cal.unit_comm_s("bf16") == pytest.approx(2 * (0.20 - 0.02) + 0.18 - 0.03)
-    fsdp = Layout("fsdp", {"dp_shard": 4})
-    got = predict_calibrated(fsdp, STATS, links, WORK, cal)
-    assert got.step_s == pytest.approx(0.3 + blocks * 0.66 + 0.05)
-    assert got.cross_node_bytes_per_step == predict(fsdp, STATS, links, WORK
-                                                    ).cross_node_bytes_per_step
-    # the bf16 variant reads its own reduce-scatter (and needs its own local shape)
-    bf16 = Calibration(0.001, 200e6, 0.002, {"fsdp/bf16": 0.28}, unit_s=units)
-    assert predict_calibrated(Layout("fsdp", {"dp_shard": 4}, "bf16"), STATS, links, WORK,
-                              bf16).step_s == pytest.approx(0.28 + blocks * 0.51 + 0.001)
-    # a missing call (here the node's reduce-scatter) falls back to the ring's bytes
-    partial = replace(ring, unit_s={k: v for k, v in units.items() if "rs/node" not in k})
-    assert partial.unit_comm_s("fp32") is None
-    assert predict_calibrated(fsdp, STATS, links, WORK, partial).step_s == pytest.approx(
-        predict_calibrated(fsdp, STATS, links, WORK, ring).step_s)
-    # hsdp does not read them
-    hsdp = Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2})
-    assert predict_calibrated(hsdp, STATS, links, WORK, cal).step_s == pytest.approx(
-        predict_calibrated(hsdp, STATS, links, WORK, ring).step_s)
+    # one unit over a node: two all-gathers (forward, backward) and a reduce-scatter
+    assert cal.node_unit_s("fp32") == pytest.approx(2 * 0.005 + 0.01)
+    assert cal.node_unit_s("bf16") == pytest.approx(2 * 0.005 + 0.006)
+    assert ring.node_unit_s("fp32") is None
+    # tp_hsdp (dp_shard 1) runs FSDP's hooks and copies but not its in-node collectives:
+    # FSDP's overhead is its local step less the arithmetic less those calls
+    tp_hsdp = Layout("tp_hsdp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2})
+    assert predict_calibrated(tp_hsdp, STATS, links, WORK, cal).compute_s == pytest.approx(
+        0.6 + 0.5 - 0.2 - blocks * 0.02)
+    assert predict_calibrated(tp_hsdp, STATS, links, WORK, ring).compute_s == pytest.approx(
+        0.6 + 0.5 - 0.2)
+    bf16 = Layout("tp_hsdp", tp_hsdp.mesh, "bf16")
+    assert predict_calibrated(bf16, STATS, links, WORK, cal).compute_s == pytest.approx(
+        0.55 + 0.45 - 0.2 - blocks * 0.016)
+    # the layouts that shard inside the node run those calls: unchanged
+    for lay in (Layout("fsdp", {"dp_shard": 4}), Layout("hsdp", {"dp_replicate": 2,
+                                                                 "dp_shard": 2})):
+        assert predict_calibrated(lay, STATS, links, WORK, cal).step_s == pytest.approx(
+            predict_calibrated(lay, STATS, links, WORK, ring).step_s)
     # a pipeline's link stage is the measured one-way send of a microbatch
     staged = Calibration(0.001, 200e6, 0.002, {"none/fp32/mb2": 0.3, "fsdp/fp32": 0.5,
-                                               "none/fp32": 0.2}, cross_call_s=0.004, cross_Bps=5e6,
-                         send_s=0.07)
+                                               "none/fp32": 0.2}, cross_call_s=0.004,
+                         cross_Bps=5e6, send_s=0.07)
     pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK, staged)
     stage = 0.3 / 4
     assert pp.step_s - pp.compute_s == pytest.approx(
@@ -273,10 +270,10 @@ def test_flat_fsdp_and_pipeline_sends_priced_by_their_own_measured_calls():
         + 0.004)  # + the loss mean across nodes
     with pytest.raises(PlanError, match="send_s"):
         replace(staged, send_s=-0.1)
-    with pytest.raises(PlanError, match="ag/world/fp32"):
-        replace(staged, unit_s={unit_key("ag", "world"): 61.0})
+    with pytest.raises(PlanError, match="ag/fp32"):
+        replace(staged, unit_s={unit_key("ag"): 61.0})
     with pytest.raises(PlanError, match="kind is one of"):
-        unit_key("all_to_all", "world")
+        unit_key("all_to_all")
 
 
 def test_local_shapes_and_missing_calibration():
