@@ -43,8 +43,8 @@ is one microbatch sent one way across nodes, every pipeline at once (``send_s``:
 phase sends one way, an all-reduce both ways, the reverse data sharing the shaped queue with
 the acknowledgements). Flat FSDP stays priced by the ring: its own calls timed alone
 (one unit's all-gather and reduce-scatter over the world) ran at the link's full rate, 18%
-under its step at 20 Mbit/s, where the step's many concurrent calls moved 7% more bytes
-than their payload and ~87% of the rate.
+under its step at 20 Mbit/s, where the step moved 7% more bytes than its payload (1% at
+1 Gbit/s) at ~87% of the rate.
 
 A raw TCP probe prices only the wire; on the virtual cluster at 1 Gbit/s the network path
 through veth and tc runs on the same cores as the ranks, which the probe does not see. Overlap
