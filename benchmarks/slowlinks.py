@@ -13,11 +13,11 @@ module as a driver inside the head namespace. One ``fit`` per rate; its train fu
    all-reduce across nodes in the replicate groups, and one over the whole world),
    ``measure_pipeline_send`` (one microbatch sent one way across, every pipeline at once)
    and ``measure_unit_collectives`` (one FSDP unit's all-gather and reduce-scatter inside a
-   node). Every
-   rate's fit calibrates afresh, and the local shapes a layout's prediction reads are timed
-   again between its blocks of steps (``local_s_beside``; 3 steps before each of 4 blocks
-   and after the last): on a shared 2-core machine the load drifts within minutes, and a
-   prediction is only as good as the calibration's match to the conditions it predicts;
+   node). Every rate's fit calibrates afresh, and the local shapes a layout's prediction
+   reads are timed again between its blocks of steps (``local_s_beside``; 3 steps before
+   each of 4 blocks and after the last): on a shared 2-core machine the load drifts within
+   minutes, and a prediction is only as good as the calibration's match to the conditions
+   it predicts;
 2. for each layout of the planner's candidates (``ray_mesh.planning.cost.candidates``)
    builds that mesh on the same process group, trains ``steps`` steps after a warm-up, and
    reads each node's ``tailscale0`` counters around them (every byte that crosses nodes
@@ -211,7 +211,7 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
     from ray_mesh.core.spec import MeshSpec
     from ray_mesh.planning.calibrate import accumulation
     from ray_mesh.planning.cost import Layout
-    from ray_mesh.planning.measure import measure_collectives, median_everywhere
+    from ray_mesh.planning.measure import measure_collectives, median_everywhere, node_groups
 
     cfg, per_node = config["model"], config["per_node"]
     steps = max(config["steps"], 12)  # local shapes are cheap: medians of at least 12
@@ -222,7 +222,7 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
            "local_s": {}, "local_min_s": {}}
     step_fns: dict = {}  # local shape -> its step
     timers: dict = {}  # local shape -> reps -> seconds of that many steps, timed as it is
-    nodes = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
+    nodes = node_groups(per_node)
     for key, raw in config["local_shapes"].items():
         layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
         base = key.removesuffix("@alone")

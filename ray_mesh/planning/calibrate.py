@@ -110,8 +110,7 @@ class Calibration:
     ring_Bps: float = 0.0  # the same for one all-reduce over the whole world (0: not measured)
     ring_call_s: float = 0.0  # that all-reduce's fixed cost per call, fitted from two sizes
     send_s: float = 0.0  # one microbatch across a stage boundary, one way (0: not measured)
-    unit_s: dict[str, float] = field(default_factory=dict)  # unit_key -> an FSDP unit's call
-    # over a node's ranks
+    unit_s: dict[str, float] = field(default_factory=dict)  # unit_key -> a unit's call in a node
 
     def __post_init__(self) -> None:
         for name, v in [("collective_s", self.collective_s), ("p2p_s", self.p2p_s),

@@ -44,6 +44,15 @@ def _median_time(fn, n: int) -> float:
     return statistics.median(times)
 
 
+def node_groups(per_node: int) -> list:
+    """One process group per node (``per_node`` consecutive ranks, as ray_mesh places them),
+    created by every rank in the same order, as ``new_group`` requires."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    return [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
+
+
 def measure_cross(per_node: int, nbytes: int, repeats: int = 3) -> dict[str, float]:
     """``cross_call_s`` and ``cross_Bps``: the link between nodes as gloo sees it.
 
@@ -108,8 +117,7 @@ def measure_collectives(per_node: int, reduce_bytes: int, p2p_bytes: int,
     world, rank = dist.get_world_size(), dist.get_rank()
     if per_node < 1 or world % per_node:
         raise PlanError(f"per_node={per_node} must divide the world size {world}")
-    groups = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
-    mine = groups[rank // per_node]
+    mine = node_groups(per_node)[rank // per_node]
 
     tiny, big = torch.zeros(1), torch.zeros(max(1, reduce_bytes // FP32))
     call = _median_time(lambda: dist.all_reduce(tiny, group=mine), repeats)
@@ -195,8 +203,7 @@ def measure_unit_collectives(per_node: int, unit_bytes: int, reduce_dtypes=("fp3
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if unknown := set(reduce_dtypes) - set(dtypes):
         raise PlanError(f"reduce dtypes {sorted(unknown)}: give 'fp32' or 'bf16'")
-    nodes = [dist.new_group(list(range(s, s + per_node))) for s in range(0, world, per_node)]
-    group = nodes[rank // per_node]
+    group = node_groups(per_node)[rank // per_node]
     numel = max(per_node, unit_bytes // FP32 // per_node * per_node)
     out: dict[str, float] = {}
     for kind, name in [("ag", "fp32")] + [("rs", d) for d in reduce_dtypes]:
@@ -212,5 +219,6 @@ def measure_unit_collectives(per_node: int, unit_bytes: int, reduce_dtypes=("fp3
         out[unit_key(kind, name)] = median_everywhere(_median_time(call, repeats))
     return out
 
+
 __all__ = ["measure_collectives", "measure_cross", "measure_pipeline_send",
-           "measure_unit_collectives", "median_everywhere", "node_pipeline_mesh"]
+           "measure_unit_collectives", "median_everywhere", "node_groups", "node_pipeline_mesh"]
