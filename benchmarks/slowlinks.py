@@ -64,40 +64,29 @@ def _step_fn(layout, mesh, cfg, dp: str = "auto", chunks: int = 1):
     sys.path.insert(0, str(REPO / "examples"))
     import fsdp_tp_transformer as ex
 
-    from ray_mesh.parallel import Pipeline, parallelize, shard_batch
+    from ray_mesh.parallel import parallelize, shard_batch
+    from ray_mesh.parallel.picked import PickedPlan, set_picked_plan
 
     tp = layout.mesh.get("tp", 1)
     precision = "bf16_grads" if layout.reduce == "bf16" else None
     x, y = ex.batch(0, cfg)
-    if layout.mesh.get("pp", 1) > 1:
-        pipe = Pipeline(ex.make_model(cfg), mesh, loss_fn=ex.loss_fn, n_microbatches=4,
-                        schedule="gpipe", tp_plan=ex.tp_plan() if tp > 1 else None,
-                        mixed_precision=precision)
-        params = list(pipe.parameters())
-        optim = torch.optim.SGD(params, lr=cfg["lr"])
-        xs, ys = shard_batch((x, y), mesh)
-
-        def step() -> None:
-            pipe.step(xs, target=ys)
-            optim.step()
-            optim.zero_grad()
-        return step
+    if dp != "replica":  # the layout as mesh: auto's trials run it (the example's make_step)
+        set_picked_plan(PickedPlan(layout.label, dict(layout.mesh), precision or "fp32"))
+        try:
+            return ex.make_step(mesh, cfg)
+        finally:
+            set_picked_plan(None)
     model = parallelize(ex.make_model(cfg), mesh, tp_plan=ex.tp_plan() if tp > 1 else None,
                         mixed_precision=precision, dp=dp)
     optim = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
-    if dp == "replica":
-        xs, ys = shard_batch((x, y), mesh)
+    xs, ys = shard_batch((x, y), mesh)
 
-        def local_step() -> None:
-            for xc, yc in zip(xs.chunk(chunks), ys.chunk(chunks), strict=True):
-                (ex.loss_fn(model(xc), yc) / chunks).backward()
-            optim.step()
-            optim.zero_grad()
-        return local_step
-
-    def step() -> None:
-        ex.train_step(model, optim, x, y, mesh)
-    return step
+    def local_step() -> None:
+        for xc, yc in zip(xs.chunk(chunks), ys.chunk(chunks), strict=True):
+            (ex.loss_fn(model(xc), yc) / chunks).backward()
+        optim.step()
+        optim.zero_grad()
+    return local_step
 
 
 def _node_pipeline_fn(pp: int, cfg: dict, microbatches: int):
@@ -304,6 +293,7 @@ def _train(config: dict) -> None:
     time.sleep(2.0)
     background = (cross_bytes() - b0) / (time.perf_counter() - t0)
     out["background_bytes_per_s"] = background
+    out["trials"], out["trial_s"] = _trials(config, out["compute_s"])
     for raw in config["layouts"]:
         layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
         mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
@@ -318,6 +308,26 @@ def _train(config: dict) -> None:
     if dist.get_rank() == 0:
         write_result(config["out"], out)
     ray.train.report({"done": 1})
+
+
+def _trials(config: dict, compute_s: float) -> tuple[list[dict], float]:
+    """What ``mesh: auto`` with ``plan.step`` does at bring-up: the example's ``make_step``
+    timed on every candidate, in the cost model's order (``compute_s`` as calibrated here,
+    the link at its set rate), on this process group."""
+    sys.path.insert(0, str(REPO / "examples"))
+    import fsdp_tp_transformer as ex
+
+    from ray_mesh.planning.cost import Layout, Links, ModelStats, Workload, predict
+    from ray_mesh.planning.trial import run_trials
+
+    stats, tokens = ModelStats(**config["stats"]), config["tokens"]
+    links = Links(2, config["per_node"], float(config["set_mbit"]))
+    layouts = sorted((Layout(x["name"], x["mesh"], x["reduce"]) for x in config["layouts"]),
+                     key=lambda x: predict(x, stats, links, Workload(tokens, compute_s)).step_s)
+    t0 = time.perf_counter()
+    trials = run_trials(layouts, ex.make_step, config["model"], steps=config["trial_steps"],
+                        budget_s=config["trial_budget_s"])
+    return [t.to_json() for t in trials], time.perf_counter() - t0
 
 
 def _driver(args: dict) -> None:
@@ -338,6 +348,21 @@ def _measured_links(addresses: list[str]) -> dict:
     intra = min(x.mbit_s for x in matrix.links if x.a == x.b)
     return {"cross_mbit": matrix.cross_node_mbit(), "intra_mbit": intra,
             "links": matrix.to_json()}
+
+
+def _trial_section(raw: dict, section: dict) -> dict:
+    """mesh: auto's trials at this rate beside the layouts' own measured steps."""
+    from ray_mesh.planning.trial import Trial, best_trial
+
+    trials = [Trial.from_json(t) for t in raw["trials"]]
+    best = best_trial(trials)
+    fastest = section[section["fastest"]]["measured_step_s"]
+    return {"pick": best and best.label, "seconds": raw["trial_s"],
+            "pick_vs_fastest": best and section[best.label]["measured_step_s"] / fastest,
+            "layouts": raw["trials"],
+            "statistic": "trial: median of up to 3 steps after a warm-up, each the slowest "
+                         "rank's; pick_vs_fastest: the pick's measured_step_s over the "
+                         "fastest layout's"}
 
 
 def measure(rates=RATES, steps: int = 3, model: dict | None = None,
@@ -386,6 +411,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                      for k, x in shapes.items()},
                     "tp_degrees": sorted({x.mesh.get("tp", 1) for x in layouts} - {1}),
                     "storage": str(cluster.root / "results"),
+                    "stats": dict(stats.__dict__), "tokens": tokens, "set_mbit": mbit,
+                    "trial_steps": 3, "trial_budget_s": 120.0,
                     "around_reps": 3,  # local-shape steps before each block and after
                     "blocks": min(4, steps),  # the layout's steps in this many blocks
                     "layouts": [{"name": x.name, "mesh": x.mesh, "reduce": x.reduce,
@@ -445,6 +472,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
             section["fastest"] = min(labels, key=lambda k: section[k]["measured_step_s"])
             section["pick_vs_fastest"] = (section[section["pick"]]["measured_step_s"]
                                           / section[section["fastest"]]["measured_step_s"])
+            section["analytic_pick"] = min(labels, key=lambda k: section[k]["analytic_step_s"])
+            section["trial"] = _trial_section(raw, section)
             out[key] = section
     return out
 

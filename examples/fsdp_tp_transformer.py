@@ -9,7 +9,8 @@ the embedding and the head over ``dp_shard_cp``. The token data is sharded by dp
     ray-mesh run examples/fsdp_tp_transformer.yaml          # 4 CPU workers: dp_shard 2 x tp 2
     torchrun --nproc-per-node 4 examples/fsdp_tp_transformer.py
 
-``make_model``/``build``/``batch``/``train_step`` are importable for benchmarks and tests.
+``make_model``/``build``/``batch``/``train_step``/``make_step`` are importable for benchmarks
+and tests; ``make_step`` is also what ``mesh: auto`` times (``plan.step``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 
 import ray_mesh
 from ray_mesh.observability.progress import log_step
-from ray_mesh.parallel import ParallelError, dp_mean, parallelize, shard_batch
+from ray_mesh.parallel import ParallelError, Pipeline, dp_mean, parallelize, shard_batch
 
 # TP hands FSDP2 the local view of its DTensor outputs (embedding, head); FSDP2 warns that an
 # in-place op on such a view would skip its hook. This model adds out of place only.
@@ -166,6 +167,34 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor,
     optim.step()
     optim.zero_grad()
     return dp_mean(loss, mesh)
+
+
+def make_step(mesh, config: dict | None = None):
+    """One training step on ``mesh`` with a fixed batch: ``mesh: auto``'s ``plan.step``
+    (each candidate layout timed at bring-up). TP where the mesh has tp, a GPipe pipeline
+    (``microbatches``, default 4) where it has pp, FSDP2/DDP over the data-parallel dims in
+    the gradient precision the trial sets (``mixed_precision`` left unset)."""
+    cfg = {**DEFAULTS, **(config or {})}
+    tp = mesh["tp"].size()
+    check_config(cfg, tp)
+    x, y = batch(0, cfg)
+    if mesh["pp"].size() > 1:  # the model is a flat nn.Sequential: the stages cut it
+        pipe = Pipeline(make_model(cfg), mesh, loss_fn=loss_fn,
+                        n_microbatches=cfg.get("microbatches", 4), schedule="gpipe",
+                        tp_plan=tp_plan() if tp > 1 else None,
+                        mixed_precision=cfg["mixed_precision"])
+        optim = torch.optim.SGD(list(pipe.parameters()), lr=cfg["lr"])
+        xs, ys = shard_batch((x, y), mesh)
+
+        def pipeline_step() -> None:
+            pipe.step(xs, target=ys)
+            optim.step()
+            optim.zero_grad()
+        return pipeline_step
+    model = parallelize(make_model(cfg), mesh, tp_plan=tp_plan() if tp > 1 else None,
+                        mixed_precision=cfg["mixed_precision"])
+    optim = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+    return lambda: train_step(model, optim, x, y, mesh)
 
 
 def train_loop(config: dict) -> None:

@@ -18,6 +18,11 @@ plan:
                             # `bf16_grads: true` is the same as this list)
   replicate: [sync, diloco] # replicate modes it accepts (default [sync]); or a mapping
                             # {every: 50, compress: int8}: sync + DiLoCo with these settings
+  step: fsdp_tp_transformer.py:make_step  # optional: make_step(mesh, config) -> step();
+                            # mesh: auto then times every candidate with it at bring-up
+                            # and picks the measured fastest (ray_mesh.planning.trial)
+  trial_steps: 3            # timed steps per candidate, after one warm-up step
+  trial_budget_s: 120       # no candidate starts after this many seconds of trials
 ```
 
 ``mesh: auto`` picks among ``layouts`` x ``precisions`` x ``replicate`` and hands the pick
@@ -27,6 +32,11 @@ follow the picked replicate mode, so a train function written with them follows 
 with no code change. A list without ``fp32`` (or ``sync``) drops the layouts that have a
 bf16 (or DiLoCo) variant in favour of it.
 
+With ``step``, the model's ranking only orders the trials: each candidate's mesh is built
+on the live cluster and the job's own step timed on it (a slow one stopped after one step),
+because a prediction from one ``compute_s`` misses what a step costs the host beyond its
+arithmetic (:mod:`ray_mesh.planning.trial`).
+
 Every key is checked here, on the driver, with the key and the fix in the message.
 """
 
@@ -34,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray_mesh.planning.cost import (
@@ -47,9 +57,11 @@ from ray_mesh.planning.cost import (
     Workload,
     rank_layouts,
 )
+from ray_mesh.planning.trial import StepFactory, check_trial_settings
 
 KEYS = ("model", "tokens_per_step", "compute_s", "microbatches", "link_mbit", "latency_ms",
-        "memory_gb", "backend", "layouts", "bf16_grads", "precisions", "replicate")
+        "memory_gb", "backend", "layouts", "bf16_grads", "precisions", "replicate", "step",
+        "trial_steps", "trial_budget_s")
 PRECISIONS = ("fp32", "bf16_grads")
 REPLICATE_MODES = ("sync", "diloco")
 DILOCO_DEFAULT = (50, "none")  # DiLoCoConfig's every and compress
@@ -80,8 +92,21 @@ class PlanInputs:
     precisions: tuple[str, ...] = ("fp32",)
     diloco: tuple[int, str] | None = None  # DiLoCo allowed: (every, compress)
     sync: bool = True  # sync replication allowed (False: only DiLoCo layouts)
+    step: StepFactory | None = None  # the job's step on a mesh: mesh="auto" times each layout
+    step_config: dict = field(default_factory=dict)  # the step's config (the job's config:)
+    trial_steps: int = 3
+    trial_budget_s: float = 120.0
 
     def __post_init__(self) -> None:
+        if self.step is not None:
+            if not callable(self.step):
+                raise PlanError(f"plan.step: {self.step!r} is not a function; give "
+                                "make_step(mesh, config) -> step() ('file.py:make_step')")
+            if self.diloco is not None:
+                raise PlanError("plan.step times sync layouts only (DiLoCo's outer sync "
+                                "every H steps is not in a few trial steps): use plan.replicate:"
+                                " [sync], or leave plan.step out to rank DiLoCo by prediction")
+            check_trial_settings(self.trial_steps, self.trial_budget_s)
         if not self.precisions or set(self.precisions) - set(PRECISIONS):
             raise PlanError(f"plan.precisions: {list(self.precisions)!r}; give a non-empty list "
                             f"from {', '.join(PRECISIONS)}")
@@ -146,6 +171,14 @@ class PlanInputs:
             raise PlanError(f"plan.precisions: {precisions!r}; give a list like "
                             "[fp32, bf16_grads]")
         sync, diloco = _replicate(data.get("replicate"))
+        step = data.get("step")
+        if step is not None and not isinstance(step, str):
+            raise PlanError(f"plan.step: {step!r}; give 'file.py:make_step' (a function "
+                            "make_step(mesh, config) returning one training step)")
+        trial = {"step": None if step is None else load_factory(step),
+                 "step_config": dict(model_config or {}),
+                 "trial_steps": data.get("trial_steps", 3),
+                 "trial_budget_s": data.get("trial_budget_s", 120.0)}
         return cls(stats, work,
                    None if link is None else float(_number("plan", "link_mbit", link,
                                                            low=1e-3)),
@@ -153,7 +186,7 @@ class PlanInputs:
                                  high=10_000)) / 1e3,
                    None if mem is None else float(_number("plan", "memory_gb", mem,
                                                           low=1e-3)) * 2**30,
-                   backend, tuple(layouts), tuple(precisions), diloco, sync)
+                   backend, tuple(layouts), tuple(precisions), diloco, sync, **trial)
 
 
 def _replicate(value: Any) -> tuple[bool, tuple[int, str] | None]:

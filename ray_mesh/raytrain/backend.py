@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -43,17 +42,21 @@ from ray_mesh.observability.report import wrap_train_report
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
 from ray_mesh.parallel.replicate import parse_replicate
 from ray_mesh.planning.inputs import PlanInputs
+from ray_mesh.raytrain.bounded import BringUpError, wait_bounded
 from ray_mesh.raytrain.data import install_mesh_data_config
 from ray_mesh.raytrain.layout_io import save_layout
-from ray_mesh.raytrain.links import measure_worker_group, node_leaders, pick_mesh
+from ray_mesh.raytrain.links import (
+    Pick,
+    measure_worker_group,
+    node_leaders,
+    pick_mesh,
+    rank_for_cluster,
+)
 from ray_mesh.raytrain.preflight import check_worker_group
+from ray_mesh.raytrain.trials import trial_pick
 from ray_mesh.raytrain.worker_setup import WorkerSetup, setup_on_worker, shutdown_on_worker
 
 logger = logging.getLogger(__name__)
-
-
-class BringUpError(RuntimeError):
-    """The mesh could not be brought up on the workers; the message names ranks and nodes."""
 
 
 @dataclass
@@ -217,27 +220,6 @@ def _release_worker_group(worker_group) -> None:
                            exc_info=True)
 
 
-def _wait_bounded(refs: list, timeout_s: float, what: str, labels: list[str]) -> list:
-    """ray.get with a deadline that fails on the first error instead of waiting for all."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            late = [labels[refs.index(r)] for r in pending]
-            raise BringUpError(
-                f"{what} did not finish within {timeout_s:.0f} s on {len(late)} of {len(refs)} "
-                f"workers: {', '.join(late)}. A process group that never forms usually means "
-                f"the nodes cannot reach each other on the chosen interface or port: run "
-                f"`ray-mesh doctor`, check firewalls, or pass MeshConfig(interface=...). Raise "
-                f"MeshConfig(bringup_timeout_s=...) if the nodes are just slow."
-            )
-        done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-        for ref in done:
-            ray.get(ref)  # re-raises the worker's error at once
-    return ray.get(refs)
-
-
 def plan_for(worker_group, config: MeshConfig
              ) -> tuple[MeshPlan, list[Choice], list[WorkerReport]]:
     """Probe the workers and plan the mesh and interfaces; raises before any process group.
@@ -277,8 +259,24 @@ def _warn_niceness(plan: MeshPlan, results: list, target: int | None) -> None:
         ", ".join(sorted(failed)), first.after, target, first.error, target)
 
 
+def _setups(plan: MeshPlan, choices: list[Choice], config: MeshConfig, fixed: dict[str, str],
+            table: str, pick: Pick | None, links: list | None = None) -> list[WorkerSetup]:
+    """What each worker is told at bring-up, in rank order."""
+    return [WorkerSetup(
+        spec=plan.spec, rank=w.rank, world_size=len(plan.workers), local_rank=w.local_rank,
+        local_world_size=plan.workers_per_node, node_rank=plan.node_rank(w.rank),
+        fixed_env=fixed, collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
+        backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
+        choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
+        hang_timeout_s=config.hang_timeout_s, verbose=config.verbose,
+        wait_sample_s=config.wait_sample_s, links=links,
+        replicate=pick.replicate if pick else config.replicate,
+        picked=pick.plan if pick else None) for w in plan.workers]
+
+
 class _MeshBackend(Backend):
     share_cuda_visible_devices: bool = True
+    trials: list | None = None  # mesh="auto"'s trials (ray_mesh.planning.trial.Trial), if run
 
     def on_start(self, worker_group, backend_config: MeshConfig) -> None:
         try:
@@ -302,42 +300,38 @@ class _MeshBackend(Backend):
         leaders = node_leaders([plan.node_rank(w.rank) for w in plan.workers])
         self.links = measure_worker_group(worker_group, leaders, choices,
                                           config.measure_links, config.link_probe_s)
+        fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
+        interfaces = {i: c.interface for i, c in enumerate(choices)}
         pick = None
         if config.mesh == "auto":
             gpu = any(r.device.startswith("cuda") for r in reports)
-            pick = pick_mesh(config.plan, len(leaders), plan.workers_per_node, self.links,
-                             config.backend or ("nccl" if gpu else "gloo"), config.replicate)
+            args = (config.plan, len(leaders), plan.workers_per_node, self.links,
+                    config.backend or ("nccl" if gpu else "gloo"), config.replicate)
+            if config.plan.step is None:  # by prediction alone
+                pick = pick_mesh(*args)
+            else:  # the job's step timed on every candidate, the world group kept
+                ranked, _ = rank_for_cluster(*args)
+                pick, self.trials = trial_pick(
+                    worker_group, _setups(plan, choices, config, fixed, "", None),
+                    ranked, config.plan, config.bringup_timeout_s, config.replicate)
             plan = plan_mesh(pick.spec, reports,
                              allow_cross_node_inner=config.allow_cross_node_inner)
             install_mesh_data_config(worker_group, plan.spec)
-        fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
-        interfaces = {i: c.interface for i, c in enumerate(choices)}
         table = layout_table(plan, interfaces) + "\n" + node_lines(plan, choices)
-        refs = [
-            worker_group.execute_single_async(w.rank, setup_on_worker, WorkerSetup(
-                spec=plan.spec, rank=w.rank, world_size=len(plan.workers),
-                local_rank=w.local_rank, local_world_size=plan.workers_per_node,
-                node_rank=plan.node_rank(w.rank), fixed_env=fixed,
-                collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
-                backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
-                choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
-                hang_timeout_s=config.hang_timeout_s, verbose=config.verbose,
-                wait_sample_s=config.wait_sample_s, links=self.links and self.links.to_json(),
-                replicate=pick.replicate if pick else config.replicate,
-                picked=pick.plan if pick else None,
-            ))
-            for w in plan.workers
-        ]
+        refs = [worker_group.execute_single_async(w.rank, setup_on_worker, setup)
+                for w, setup in zip(plan.workers, _setups(
+                    plan, choices, config, fixed, table, pick,
+                    self.links and self.links.to_json()), strict=True)]
         labels = [f"rank {w.rank} ({w.node_ip}, {interfaces[w.rank]})" for w in plan.workers]
-        niced = _wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
+        niced = wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
         _warn_niceness(plan, niced, config.worker_niceness)
         save_layout(worker_group, plan, interfaces)
 
     def on_shutdown(self, worker_group, backend_config: MeshConfig) -> None:
         # Also runs after a half-finished on_start: shutdown_mesh tolerates "nothing built".
         try:
-            _wait_bounded(worker_group.execute_async(shutdown_on_worker), 30.0,
-                          "Process group shutdown", [str(i) for i in range(len(worker_group))])
+            wait_bounded(worker_group.execute_async(shutdown_on_worker), 30.0,
+                         "Process group shutdown", [str(i) for i in range(len(worker_group))])
         except Exception as exc:  # noqa: BLE001 - a dead worker must not block the shutdown
             logger.warning("ray_mesh: process group shutdown incomplete: %s", exc)
 

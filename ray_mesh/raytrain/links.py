@@ -111,9 +111,11 @@ class Pick(NamedTuple):
     replicate: DiLoCoConfig | None
 
 
-def pick_mesh(inputs: PlanInputs, nodes: int, per_node: int, matrix: LinkMatrix | None,
-              backend: str, replicate: DiLoCoConfig | None = None) -> Pick:
-    """The fastest predicted layout the plan allows on this cluster; logs the ranking and why.
+def rank_for_cluster(inputs: PlanInputs, nodes: int, per_node: int,
+                     matrix: LinkMatrix | None, backend: str,
+                     replicate: DiLoCoConfig | None = None) -> tuple[list[Prediction], float]:
+    """The layouts the plan allows on this cluster, fastest predicted first, and the node
+    link rate they were predicted for (Mbit/s).
 
     ``replicate``: the job's own DiLoCo settings (its ``replicate:`` section), which make
     DiLoCo the only replicate mode allowed and set its every/compress for the prediction.
@@ -126,17 +128,31 @@ def pick_mesh(inputs: PlanInputs, nodes: int, per_node: int, matrix: LinkMatrix 
     links = Links(nodes, per_node, float(mbit), latency_s=inputs.latency_s,
                   backend=inputs.backend or backend)
     ranked = inputs.rank(links)
-    best = ranked[0].layout
-    why = "; ".join([explain_pick(ranked), *_variant_lines(ranked)])
-    logger.info("ray_mesh: mesh=auto on %d node(s) x %d worker(s), node link %.0f Mbit/s:\n%s"
-                "\n%s", nodes, per_node, mbit, format_ranked(ranked), why)
+    logger.info("ray_mesh: mesh=auto on %d node(s) x %d worker(s), node link %.0f Mbit/s:\n%s",
+                nodes, per_node, mbit, format_ranked(ranked))
+    return ranked, float(mbit)
+
+
+def pick_from(best: Prediction, why: str, replicate: DiLoCoConfig | None = None) -> Pick:
+    """The :class:`Pick` of layout ``best`` (``why``: the reason, logged and shown to the
+    train function)."""
+    lay = best.layout
     print(f"ray_mesh: mesh=auto {why}", flush=True)
-    if best.diloco and replicate is None:
-        replicate = DiLoCoConfig(every=best.diloco[0], compress=best.diloco[1])
-    picked = PickedPlan(best.label, dict(best.mesh),
-                        "bf16_grads" if best.reduce == "bf16" else "fp32",
-                        "diloco" if best.diloco else "sync", why)
-    return Pick(MeshSpec.from_dict(best.mesh), picked, replicate if best.diloco else None)
+    if lay.diloco and replicate is None:
+        replicate = DiLoCoConfig(every=lay.diloco[0], compress=lay.diloco[1])
+    picked = PickedPlan(lay.label, dict(lay.mesh),
+                        "bf16_grads" if lay.reduce == "bf16" else "fp32",
+                        "diloco" if lay.diloco else "sync", why)
+    return Pick(MeshSpec.from_dict(lay.mesh), picked, replicate if lay.diloco else None)
+
+
+def pick_mesh(inputs: PlanInputs, nodes: int, per_node: int, matrix: LinkMatrix | None,
+              backend: str, replicate: DiLoCoConfig | None = None) -> Pick:
+    """The fastest predicted layout the plan allows on this cluster; logs the ranking and why
+    (``mesh="auto"`` without ``plan.step``; with it, :mod:`ray_mesh.raytrain.trials`)."""
+    ranked, _ = rank_for_cluster(inputs, nodes, per_node, matrix, backend, replicate)
+    why = "; ".join([explain_pick(ranked), *_variant_lines(ranked)])
+    return pick_from(ranked[0], why, replicate)
 
 
 def _variant_lines(ranked: list[Prediction]) -> list[str]:

@@ -14,12 +14,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from ray_mesh.core import bootstrap, priority
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.network.interfaces import Choice, apply_env, rank_env_line, user_kept
 from ray_mesh.observability import hang, waits
 from ray_mesh.parallel.picked import PickedPlan, set_picked_plan
 from ray_mesh.parallel.replicate import set_replicate_config
+from ray_mesh.planning.cost import Layout
+from ray_mesh.planning.trial import StepFactory, run_trials
 from ray_mesh.raytrain.driver import quiet_report_lines
 
 logger = logging.getLogger("ray_mesh.raytrain.backend")  # the name users filter on
@@ -51,14 +55,41 @@ class WorkerSetup:
     picked: PickedPlan | None = None  # mesh="auto"'s pick (precision, replicate mode)
 
 
-def setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
-    # First, so the process group's threads inherit it.
+def _prepare(w: WorkerSetup) -> tuple[priority.NicenessResult | None, dict[str, str]]:
+    """Niceness (first, so the process group's threads inherit it) and the environment;
+    returns the niceness result and the environment in force. Twice is harmless (the trials
+    of ``mesh="auto"`` run before the mesh's own set-up)."""
     niced = priority.set_niceness(w.niceness) if w.niceness is not None else None
     os.environ.update(w.fixed_env)
     os.environ.update(RANK=str(w.rank), WORLD_SIZE=str(w.world_size),
                       LOCAL_RANK=str(w.local_rank), LOCAL_WORLD_SIZE=str(w.local_world_size),
                       NODE_RANK=str(w.node_rank))
     applied = apply_env(w.collective_env)
+    return niced, applied
+
+
+def trial_on_worker(w: WorkerSetup, layouts: list[dict[str, Any]], step: StepFactory,
+                    config: dict, steps: int, budget_s: float) -> list[dict[str, Any]]:
+    """``mesh="auto"`` with ``plan.step``: join the world process group (kept for the mesh
+    built next) and time the job's step on each candidate (``ray_mesh.planning.trial``)."""
+    _prepare(w)
+    dev = bootstrap.pick_device(w.backend, w.local_rank, w.device)
+    bootstrap.use_device(dev)
+    if not dist.is_initialized():
+        bootstrap.init_process_group(w.backend or bootstrap.default_backend(dev), dev, w.rank,
+                                     w.world_size, w.timeout_s)
+    cands = [Layout(x["name"], x["mesh"], x["reduce"]) for x in layouts]
+    trials = run_trials(cands, step, config, steps=steps, budget_s=budget_s,
+                        device_type=dev.type, log=_log_line if w.rank == 0 else None)
+    return [t.to_json() for t in trials]
+
+
+def _log_line(line: str) -> None:
+    logger.info("%s", line)  # once on the driver's console (see setup_on_worker)
+
+
+def setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
+    niced, applied = _prepare(w)
     in_force = {**w.fixed_env, **applied}
     line = rank_env_line(w.rank, w.node_rank, w.choice, in_force,
                          user_kept(w.collective_env, applied))

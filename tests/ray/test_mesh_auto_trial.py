@@ -1,0 +1,83 @@
+"""``MeshConfig(mesh="auto", plan=PlanInputs(..., step=make_step))`` on local Ray, 4 CPU
+workers: at bring-up every worker times the job's step on each candidate mesh, the backend
+builds the measured fastest (here not the cost model's first choice: the step makes DDP and
+bf16 reduction slow on purpose), and the train function sees that mesh, its precision and
+why, on the same world process group the trials used."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def make_step(mesh, config: dict):
+    """The job's step on ``mesh``: a real FSDP2/DDP step, plus an extra wait for the layouts
+    this test wants slow (the whole world's replicate dim, or bf16 reduction)."""
+    import torch
+    from torch import nn
+
+    from ray_mesh.parallel import parallelize
+    from ray_mesh.parallel.picked import picked_precision
+
+    slow = mesh["dp_replicate"].size() > 1 or picked_precision() == "bf16_grads"
+    torch.manual_seed(0)
+    model = parallelize(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1)), mesh)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+
+    def step() -> None:
+        nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        optim.zero_grad()
+        time.sleep(config["extra_s"] if slow else 0.0)
+    return step
+
+
+def train_fn(config: dict) -> None:
+    import ray.train
+    import torch.distributed as dist
+
+    import ray_mesh
+    from ray_mesh.parallel.picked import picked_plan
+
+    mesh = ray_mesh.get_mesh()
+    if dist.get_rank() == 0:
+        picked = picked_plan()
+        with open(config["out"], "w") as f:
+            json.dump({"mesh": dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True)),
+                       "precision": picked.precision, "why": picked.why,
+                       "world": dist.get_world_size()}, f)
+    ray.train.report({"done": 1})
+
+
+def test_mesh_auto_times_the_step_and_builds_the_measured_fastest(ray_local, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    import ray_mesh
+    from ray_mesh.planning.cost import Links, ModelStats, Workload
+    from ray_mesh.planning.inputs import PlanInputs
+
+    plan = PlanInputs(ModelStats(params=600, layers=2, hidden=16, heads=4),
+                      Workload(tokens=64, compute_s=0.1), precisions=("fp32", "bf16_grads"),
+                      step=make_step, step_config={"extra_s": 0.5}, trial_steps=2,
+                      trial_budget_s=60)
+    # the model's first choice on one node of 4: DDP, which this step makes slow
+    assert plan.rank(Links(1, 4, 1e5))[0].layout.label == "ddp"
+    out = tmp_path / "picked.json"
+    t0 = time.monotonic()
+    TorchTrainer(train_fn, train_loop_config={"out": str(out)},
+                 scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
+                 torch_config=ray_mesh.MeshConfig(mesh="auto", plan=plan),
+                 run_config=RunConfig(name="auto_trial", storage_path=str(tmp_path))).fit()
+    print(f"fit with trials: {time.monotonic() - t0:.1f} s")
+    got = json.loads(out.read_text())
+    assert got["world"] == 4, got
+    assert got["mesh"]["dp_shard"] == 4 and got["mesh"]["dp_replicate"] == 1, got
+    assert got["precision"] == "fp32", got
+    assert "measured fastest" in got["why"] and "median of 2 trial steps" in got["why"], got
+    assert "the cost model's first choice was ddp" in got["why"], got
