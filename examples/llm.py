@@ -81,6 +81,37 @@ def build(mesh, cfg: dict | None = None) -> nn.Module:
                              mixed_precision=cfg["mixed_precision"])
 
 
+def make_step(mesh, config: dict | None = None):
+    """One training step of this job on ``mesh``: ``mesh: auto``'s ``plan.step`` (each
+    candidate layout timed at bring-up, ``examples/llm_auto.yaml``). A fixed batch of random
+    bytes in the global batch's shape: the trial times the step, not the data loader. The
+    gradient precision follows the trial (``mixed_precision`` unset); no pipeline layouts."""
+    cfg = merged(config)
+    spec = data_spec(cfg)
+    model = build(mesh, cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
+                              weight_decay=cfg["weight_decay"])
+    rows = torch.randint(0, model_config(cfg).vocab_size, (spec.global_batch, spec.seq_len + 1),
+                         generator=torch.Generator().manual_seed(0))
+    tokens = shard_batch(rows, mesh).to(next(model.parameters()).device)
+
+    def step() -> None:
+        dp_mean(optimize(model, optim, tokens, cfg), mesh)  # the loop's loss mean: its call too
+    return step
+
+
+def optimize(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor,
+             cfg: dict) -> torch.Tensor:
+    """Forward, backward, clip, optimizer step on one batch of rows; returns the loss."""
+    loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    if cfg["grad_clip"]:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
@@ -261,13 +292,7 @@ def train_loop(config: dict) -> dict:
         every = cfg["check_peer_batches"]
         if every and step % every == 0:
             check_same_batch(tokens, mesh, step=step)
-        tokens = tokens.to(device)
-        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        if cfg["grad_clip"]:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        optim.step()
-        optim.zero_grad()
+        loss = optimize(model, optim, tokens.to(device), cfg)
         sched.step()
         window_loss.append(dp_mean(loss, mesh).item())  # waits for every dp rank's step
         times["step_s"].append(time.perf_counter() - began)

@@ -56,4 +56,8 @@ def run(args: argparse.Namespace) -> int:
               f"{links.cross_mbit:g} Mbit/s, {inputs.stats.params:,} parameters")
         print(format_ranked(ranked))
         print(explain_pick(ranked))
+        if inputs.step is not None:
+            print(f"mesh: auto times plan.step on these {len(ranked)} layouts at bring-up (in "
+                  f"this order, {inputs.trial_steps} steps each, at most "
+                  f"~{inputs.trial_budget_s:g} s) and builds the measured fastest")
     return 0

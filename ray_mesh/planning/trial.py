@@ -129,6 +129,10 @@ def _free(mesh: Any) -> None:
     for group in private_apis.release_mesh_groups(mesh):
         if group is not world:
             dist.destroy_process_group(group)
+    if mesh.device_type == "cuda":  # the trial model's blocks back to the device
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def run_trials(layouts: Sequence[Layout], make_step: StepFactory, config: dict | None = None,

@@ -2,11 +2,13 @@
 DDP step with a layout-dependent extra wait: it picks the measured fastest, stops a layout
 slower than the best after one step, stops starting layouts past its budget, runs every
 layout in its gradient precision, frees each trial mesh's groups, gives every rank the same
-result, and names the layout and rank when the step fails on one."""
+result, and names the layout and rank when the step fails on one. The examples' own
+``make_step`` (the transformer's pipeline and TP, the LM job's TP + FSDP) run as trials."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +18,7 @@ from ports import free_port
 from torchrun import spawn_ranks
 
 WORLD = 4
+ROOT = Path(__file__).resolve().parents[2]
 EXTRA_S = {"fsdp": 0.4, "ddp": 0.15, "hsdp": 0.0}  # per step, on top of the real step
 
 
@@ -73,7 +76,20 @@ def _worker(rank: int, port: int, out: str) -> None:
         failed = ""
     except TrialError as exc:
         failed = str(exc)
+    # the examples' own make_step: the transformer's pipeline (pp 2 x FSDP) and TP in bf16,
+    # the LM job's TP + FSDP model (tiny preset, short rows)
+    sys.path.insert(0, str(ROOT / "examples"))
+    import fsdp_tp_transformer
+    import llm
+
+    examples = run_trials([Layout("pp", {"pp": 2, "dp_shard": 2}, "fp32"),
+                           Layout("tp_hsdp", {"dp_replicate": 2, "tp": 2}, "bf16")],
+                          fsdp_tp_transformer.make_step, {}, steps=1)
+    examples += run_trials([Layout("tp_hsdp", {"dp_replicate": 2, "tp": 2}, "fp32")],
+                           llm.make_step, {"model": {"preset": "tiny"},
+                                           "data": {"seq_len": 32, "batch_size": 8}}, steps=1)
     Path(out, f"{rank}.json").write_text(json.dumps({
+        "examples": [t.to_json() for t in examples],
         "trials": [t.to_json() for t in trials], "best": best_trial(trials).label,
         "seen": seen, "groups": [groups_before, groups_after],
         "short": [t.to_json() for t in short], "failed": failed}))
@@ -106,3 +122,5 @@ def test_trials_pick_the_measured_fastest_and_stay_bounded(tmp_path):
     assert all("tp_hsdp" in s["failed"] and "this model has no tp plan" in s["failed"]
                and "plan.layouts" in s["failed"] for s in seen), [s["failed"] for s in seen]
     assert "on rank 2" in seen[2]["failed"], seen[2]["failed"]
+    assert [t["label"] for t in first["examples"]] == ["pp", "tp_hsdp+bf16", "tp_hsdp"]
+    assert all(len(t["step_s"]) == 1 and t["step_s"][0] > 0 for t in first["examples"]), first
