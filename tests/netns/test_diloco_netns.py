@@ -10,7 +10,6 @@ HSDP step sends a whole gradient all-reduce.
 from __future__ import annotations
 
 import pytest
-from netns_cluster import NetnsCluster, netns_unavailable_reason
 
 pytestmark = pytest.mark.netns
 
@@ -19,16 +18,16 @@ MODEL = {"vocab": 64, "dim": 64, "heads": 4, "layers": 2, "ffn": 256, "seq": 32,
 
 
 @pytest.mark.timeout(400)
-def test_diloco_across_nodes_trains_and_keeps_replicas_equal():
-    if reason := netns_unavailable_reason():
-        pytest.skip(reason)
+def test_diloco_across_nodes_trains_and_keeps_replicas_equal(plain_cluster):
     from benchmarks.diloco import MODULES, run_on_cluster
 
     args = {"rates": [None], "modes": ["sync", "diloco"], "steps": 12, "val_batches": 2,
             "module": MODULES["toy"][0], "model": MODEL,
             "replicate": {"every": 4, "compress": "int8"}}
-    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
-        raw = run_on_cluster(cluster, args, timeout_s=300)
+    # The 2 x {slot: 2} cluster of tests/netns/conftest.py, shared with test_mesh_auto.py.
+    for node in range(2):
+        plain_cluster.unshape_link(node)
+    raw = run_on_cluster(plain_cluster, args, timeout_s=300)
     sync, dl = raw["phases"]["unshaped/sync"], raw["phases"]["unshaped/diloco"]
     print({k: v for k, v in dl.items() if k != "losses"})
     assert dl["replicas_equal_after_syncs"] == [True, True, True], dl

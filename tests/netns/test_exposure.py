@@ -40,13 +40,10 @@ HEAD_PORTS = {8265, 44227, 44217, 6379}
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    if _REASON:
-        pytest.skip(f"virtual Tailscale cluster unavailable: {_REASON}")
-    # A busy machine can push `ray start` past Ray's fixed 30 s raylet wait: more tries.
-    with NetnsCluster([{"slot": 2}, {"slot": 2}], dashboard=True, start_attempts=4,
-                      ray_start_timeout_s=180) as c:
-        yield c
+def cluster(dashboard_cluster):
+    # tests/netns/conftest.py: a fresh cluster (this module runs before test_multinode.py,
+    # which shares it), 2 nodes x slot: 2 with the dashboard, 4 tries per `ray start`.
+    return dashboard_cluster
 
 
 def _component(pid: int) -> str:

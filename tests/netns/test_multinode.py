@@ -1,8 +1,9 @@
 """Multi-node over a virtual Tailscale cluster: 2 namespaces x 2 workers, real Ray, gloo.
 
-One cluster for the module (starting it costs ~50 s here); each test runs one driver
-inside the head namespace that batches several fits or commands. The link-cut test breaks
-node 1 for good, so it runs last.
+One cluster for the module, shared with tests/netns/test_exposure.py (tests/netns/conftest.py:
+starting one costs ~15 s here); each test runs one driver inside the head namespace that
+batches several fits or commands. The link-cut test breaks node 1 for good, so it runs last
+(and the cluster is stopped after it).
 """
 
 from __future__ import annotations
@@ -18,30 +19,29 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
+from netns_cluster import REPO, NetnsCluster  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
 DRIVER = Path(__file__).resolve().parents[1] / "helpers" / "_multinode_driver.py"
-_REASON = netns_unavailable_reason()
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    if _REASON:
-        pytest.skip(f"virtual Tailscale cluster unavailable: {_REASON}")
-    # slot: 2 per node stands in for 2 GPUs; uneq (3 vs 1) makes Ray place 4 workers
-    # unequally, for the planner's TopologyError.
-    with NetnsCluster([{"slot": 2, "uneq": 3}, {"slot": 2, "uneq": 1}],
-                      dashboard=True) as c:
-        yield c
+def cluster(dashboard_cluster):
+    # tests/netns/conftest.py: shared with test_exposure.py, which runs first. slot: 2 per
+    # node stands in for 2 GPUs; uneq (3 vs 1) makes Ray place 4 workers unequally, for the
+    # planner's TopologyError.
+    return dashboard_cluster
 
 
 def _driver(cluster: NetnsCluster, args: list[str], timeout: float) -> tuple[dict, str]:
     node = cluster.head
     env = cluster.node_env(node)
     env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=f"{REPO}{os.pathsep}{DRIVER.parent}",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1",
+               # Ray Train's controller looks at the workers every 2 s by default: each
+               # fit's start, report and end would wait for it.
+               RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2")
     proc = subprocess.run([*node.exec_prefix(), sys.executable, str(DRIVER), *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
