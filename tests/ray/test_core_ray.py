@@ -67,8 +67,12 @@ def _records(out: Path, n: int) -> list[dict]:
     return [json.loads((out / f"{r}.json").read_text()) for r in range(n)]
 
 
-def test_tutorial_hsdp_groups_collectives_and_env(ray_local, storage, tmp_path):
+def test_tutorial_hsdp_groups_collectives_and_env(ray_local, storage, tmp_path, monkeypatch):
     import ray_mesh
+
+    # Ray Train's controller looks at the workers every 2 s by default: the start, the
+    # report and the end of the run would each wait for it.
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
     out = tmp_path / "out"
     out.mkdir()

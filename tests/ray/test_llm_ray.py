@@ -22,8 +22,10 @@ import pytest
 from llm_job import REPO, check_run, write_job
 
 
-def _run(tmp_path: Path, mesh: str, steps: int, report: int) -> str:
-    """``ray-mesh run`` of the job on an embedded Ray; its checked output."""
+def _run(tmp_path: Path, mesh: str, steps: int, report: int, address: str | None = None
+         ) -> str:
+    """``ray-mesh run`` of the job on an embedded Ray, or on the Ray at ``address``; its
+    checked output."""
     storage = tmp_path / "results"
     job = write_job(tmp_path / "llm.yaml", name="llm_ray_test", mesh=mesh, steps=steps,
                     report=report, storage=storage)
@@ -31,9 +33,14 @@ def _run(tmp_path: Path, mesh: str, steps: int, report: int) -> str:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     ray_tmp = tempfile.mkdtemp(prefix="rm-", dir="/tmp")  # short unix socket paths
     env["RAY_TMPDIR"] = ray_tmp
+    # A report waits for the controller's next look at the workers, every 2 s by default
+    # (Ray Train passes this on to its controller).
+    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
+    cmd = [sys.executable, "-m", "ray_mesh.cli.main", "run", str(job)]
+    if address:
+        cmd += ["--address", address]
     try:
-        proc = subprocess.run([sys.executable, "-m", "ray_mesh.cli.main", "run", str(job)],
-                              cwd=tmp_path, env=env, capture_output=True, text=True,
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=540)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -51,6 +58,9 @@ def test_ray_mesh_run_llm_streams_ray_data(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_llm_tp2_peers_read_identical_ray_data_batches(tmp_path):
-    out = _run(tmp_path, "{dp_shard: 2, tp: 2}", steps=6, report=2)
+def test_llm_tp2_peers_read_identical_ray_data_batches(ray_local, tmp_path):
+    # On the session's Ray (``--address``), not an embedded one of its own: a Ray start and
+    # its dashboard cost ~15 s here; the embedded path is tests/ray/test_main_job.py's.
+    address = ray_local.get_runtime_context().gcs_address
+    out = _run(tmp_path, "{dp_shard: 2, tp: 2}", steps=6, report=2, address=address)
     assert "(dp 2 x tp 2)" in out, out[-3000:]

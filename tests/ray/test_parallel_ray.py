@@ -76,10 +76,12 @@ def test_layouts_match_single_process(ray_local, storage, tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_tp_and_pp_on_the_mesh_meshconfig_builds(ray_local, storage, tmp_path):
+def test_tp_and_pp_on_the_mesh_meshconfig_builds(ray_local, storage, tmp_path, monkeypatch):
     """The user's path on real Ray: MeshConfig(mesh=pp 2 x tp 2) brings the mesh up, the
     train function takes ``ray_mesh.get_mesh()`` as is and trains a TP model and a TP+PP
     pipeline on it (the test above builds its layouts' meshes inside the workers)."""
+    # Ray Train's controller looks at the workers every 2 s by default (start and end wait).
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     result = _fit(_parallel_checks.meshconfig_checks, 4, storage, tmp_path,
                   mesh={"pp": 2, "tp": 2})
     _check(result, tmp_path, 4, ["mc_tp2", "mc_pp2_tp2"])
