@@ -5,6 +5,7 @@ activation checkpointing) matches a one-process run of the same model on the sam
 of standard-library text for 3 steps, losses and gathered parameters at rtol 1e-5; the
 tp-peer batch guard raises on different batches. ``train``: the example's own loop learns:
 the loss falls and validation bits per byte end below the text's unigram entropy.
+The numerics and resume tests share one torchrun launch (a module fixture).
 """
 
 from __future__ import annotations
@@ -26,18 +27,32 @@ def _torchrun(mode: str, tmp_path: Path, *args: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.timeout(360)
-def test_llm_fsdp_tp_matches_one_process(tmp_path):
-    out = _torchrun("numerics", tmp_path)
+@pytest.fixture(scope="module")
+def numerics_and_resume(tmp_path_factory):
+    """One torchrun launch for the two default-tier tests below (``numerics_resume``: the
+    numerics checks, then the resume checks on a mesh built again); each test asserts on
+    its own part of the output."""
+    tmp = tmp_path_factory.mktemp("llm_torchrun")
+    return torchrun(SCRIPT, "numerics_resume", str(tmp / "ckpt"), cwd=tmp, timeout=420)
+
+
+@pytest.mark.timeout(480)
+def test_llm_fsdp_tp_matches_one_process(numerics_and_resume):
+    proc = numerics_and_resume
+    out = proc.stdout
     for name in ("llm_fsdp2_tp2_sp", "llm_fsdp2_tp2_no_sp", "llm_fsdp2_tp2_tied_ac",
                  "llm_ddp2_tp2", "tp_peer_guard"):
-        assert f"PASS {name}" in out, (name, out[-4000:])
+        assert f"PASS {name}" in out, (name, (out + proc.stderr)[-4000:])
+    assert_checks(proc, [])
 
 
-@pytest.mark.timeout(360)
-def test_llm_torchrun_checkpoints_resume_exactly_from_the_newest(tmp_path):
-    out = _torchrun("resume", tmp_path, str(tmp_path / "ckpt"))
-    assert "PASS llm_resume_repeats_steps" in out and "PASS llm_resume_takes_newest" in out
+@pytest.mark.timeout(480)
+def test_llm_torchrun_checkpoints_resume_exactly_from_the_newest(numerics_and_resume):
+    proc = numerics_and_resume
+    out = proc.stdout
+    assert "PASS llm_resume_repeats_steps" in out and "PASS llm_resume_takes_newest" in out, \
+        (out + proc.stderr)[-4000:]
+    assert_checks(proc, [])
 
 
 # Slow tier (~30 s of training): the LM benchmark and the DiLoCo benchmark train the same

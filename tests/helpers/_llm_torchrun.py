@@ -7,6 +7,11 @@ equal batches pass, different ones raise on every rank.
 
 ``resume``: the torchrun checkpoints of the example resume exactly, from the newest.
 
+``numerics_resume``: both, one after the other, in one launch (the test module's fixture:
+a torchrun start costs ~10 s of a 2-core machine), on resume's mesh (dp_shard 2 x tp 2;
+the numerics checks build their own meshes and need only the process group). A second
+``init_mesh`` after ``shutdown_mesh`` in one torchrun process hangs in gloo's rendezvous.
+
 ``train``: the example's own train loop (AdamW, warm-up + cosine, grad clipping) on a tiny
 model and a small slice of the standard library; rank 0 prints its summary as JSON.
 
@@ -32,6 +37,7 @@ from ray_mesh.parallel import ParallelError  # noqa: E402
 DATA = {"paths": ["stdlib"], "seq_len": 32, "batch_size": 8, "validation": 0.05,
         "max_tokens": 40_000, "val_tokens": 4_096}
 TINY = {"preset": "tiny", "max_seq_len": 64}
+RESUME_MESH = ray_mesh.MeshSpec(dp_shard=-1, tp=2)
 
 
 def _pass(name: str, extra: object = "") -> None:
@@ -84,10 +90,11 @@ def train() -> None:
         print("SUMMARY " + json.dumps(summary), flush=True)
 
 
-def resume(out: Path) -> None:
+def resume(out: Path, init: bool = True) -> None:
     """Checkpoints under torchrun: a run resumed from step 4 repeats steps 5..8 exactly, and
     with checkpoints at 4 and 8 on disk the newest one is taken."""
-    ray_mesh.init_mesh(ray_mesh.MeshSpec(dp_shard=-1, tp=2))
+    if init:
+        ray_mesh.init_mesh(RESUME_MESH)
     ex = checks.load_example("llm")
     cfg = {"model": TINY, "steps": 8, "warmup": 2, "report_every": 1, "eval_every": 100,
            "checkpoint_every": 4, "checkpoint_dir": str(out), "data": DATA}
@@ -114,6 +121,11 @@ def main() -> None:
         numerics()
     elif mode == "resume":
         resume(Path(sys.argv[2]))
+    elif mode == "numerics_resume":
+        ray_mesh.init_mesh(RESUME_MESH)
+        numerics()
+        dist.barrier()
+        resume(Path(sys.argv[2]), init=False)
     else:
         train()
     dist.barrier()
