@@ -33,6 +33,7 @@ def _driver(tmp_path: Path, gcs: str, name: str, extra: str, env_vars: dict[str,
         "log_to_driver=True)\n"
         f"sys.exit(main(['run', 'job.yaml', '--address', {gcs!r}]))\n")
     env = {**os.environ, "RAY_ADDRESS": gcs}  # Ray's own helpers (state API) use it too
+    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"  # the controller's poll: 2 s by default
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -35,6 +35,10 @@ def test_ray_mesh_run_hsdp_example(tmp_path):
     # paths under it must stay below 107 bytes, which pytest's tmp_path can exceed.
     ray_tmp = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
     env["RAY_TMPDIR"] = ray_tmp
+    # Each of the job's reports waits for Ray Train's controller to look at the workers,
+    # every 2 s by default (Ray Train passes this on to its controller); nothing printed
+    # depends on it.
+    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "ray_mesh.cli.main", "run", "examples/hsdp.yaml"],
