@@ -18,8 +18,12 @@ MODEL = {"vocab": 64, "dim": 64, "heads": 4, "layers": 2, "ffn": 256, "seq": 32,
 
 
 @pytest.mark.timeout(400)
-def test_diloco_across_nodes_trains_and_keeps_replicas_equal(plain_cluster):
+def test_diloco_across_nodes_trains_and_keeps_replicas_equal(plain_cluster, monkeypatch):
     from benchmarks.diloco import MODULES, run_on_cluster
+
+    # The driver inherits it (NetnsCluster.node_env), Ray Train passes it on: the
+    # controller looks at the workers every 0.2 s, not 2 s (the run's start and end wait).
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
     args = {"rates": [None], "modes": ["sync", "diloco"], "steps": 12, "val_batches": 2,
             "module": MODULES["toy"][0], "model": MODEL,
