@@ -270,6 +270,26 @@ def init_process_group(
     )
 
 
+def join_world(backend: str | None, local_rank: int, device: str | None, rank: int,
+               world_size: int, timeout_s: float = DEFAULT_PG_TIMEOUT_S
+               ) -> tuple[torch.device, str]:
+    """Make this rank's device current and join the world process group (or check the one
+    this process already joined); returns the device and the backend. The mesh is built on
+    it by :func:`setup_worker`; ``mesh="auto"``'s trials join it first and leave it for that.
+    """
+    dev = pick_device(backend, local_rank, device)
+    backend = backend or default_backend(dev)
+    use_device(dev)
+    if not dist.is_initialized():
+        init_process_group(backend, dev, rank, world_size, timeout_s)
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise BootstrapError(
+            f"A process group already exists with rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}, but the mesh wants rank {rank} of {world_size}."
+        )
+    return dev, backend
+
+
 def setup_worker(
     spec: MeshSpec,
     *,
@@ -300,16 +320,7 @@ def setup_worker(
             raise BootstrapError(
                 f"{resolved} has {resolved.world_size} ranks but the world size is {world_size}."
             )
-        dev = pick_device(backend, local_rank, device)
-        backend = backend or default_backend(dev)
-        use_device(dev)
-        if not dist.is_initialized():
-            init_process_group(backend, dev, rank, world_size, timeout_s)
-        elif dist.get_world_size() != world_size or dist.get_rank() != rank:
-            raise BootstrapError(
-                f"A process group already exists with rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, but the mesh wants rank {rank} of {world_size}."
-            )
+        dev, backend = join_world(backend, local_rank, device, rank, world_size, timeout_s)
         mesh = build_device_mesh(resolved, dev.type)
         _state = MeshState(mesh, resolved, rank, world_size, local_rank, dev, backend,
                            dict(env or {}))

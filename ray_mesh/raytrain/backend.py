@@ -310,7 +310,7 @@ class _MeshBackend(Backend):
             if config.plan.step is None:  # by prediction alone
                 pick = pick_mesh(*args)
             else:  # the job's step timed on every candidate, the world group kept
-                ranked, _ = rank_for_cluster(*args)
+                ranked = rank_for_cluster(*args)
                 pick, self.trials = trial_pick(
                     worker_group, _setups(plan, choices, config, fixed, "", None),
                     ranked, config.plan, config.bringup_timeout_s, config.replicate)

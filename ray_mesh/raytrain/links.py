@@ -113,9 +113,9 @@ class Pick(NamedTuple):
 
 def rank_for_cluster(inputs: PlanInputs, nodes: int, per_node: int,
                      matrix: LinkMatrix | None, backend: str,
-                     replicate: DiLoCoConfig | None = None) -> tuple[list[Prediction], float]:
-    """The layouts the plan allows on this cluster, fastest predicted first, and the node
-    link rate they were predicted for (Mbit/s).
+                     replicate: DiLoCoConfig | None = None) -> list[Prediction]:
+    """The layouts the plan allows on this cluster, fastest predicted first (the ranking and
+    the node link rate it was predicted for are logged).
 
     ``replicate``: the job's own DiLoCo settings (its ``replicate:`` section), which make
     DiLoCo the only replicate mode allowed and set its every/compress for the prediction.
@@ -130,7 +130,7 @@ def rank_for_cluster(inputs: PlanInputs, nodes: int, per_node: int,
     ranked = inputs.rank(links)
     logger.info("ray_mesh: mesh=auto on %d node(s) x %d worker(s), node link %.0f Mbit/s:\n%s",
                 nodes, per_node, mbit, format_ranked(ranked))
-    return ranked, float(mbit)
+    return ranked
 
 
 def pick_from(best: Prediction, why: str, replicate: DiLoCoConfig | None = None) -> Pick:
@@ -150,7 +150,7 @@ def pick_mesh(inputs: PlanInputs, nodes: int, per_node: int, matrix: LinkMatrix 
               backend: str, replicate: DiLoCoConfig | None = None) -> Pick:
     """The fastest predicted layout the plan allows on this cluster; logs the ranking and why
     (``mesh="auto"`` without ``plan.step``; with it, :mod:`ray_mesh.raytrain.trials`)."""
-    ranked, _ = rank_for_cluster(inputs, nodes, per_node, matrix, backend, replicate)
+    ranked = rank_for_cluster(inputs, nodes, per_node, matrix, backend, replicate)
     why = "; ".join([explain_pick(ranked), *_variant_lines(ranked)])
     return pick_from(ranked[0], why, replicate)
 

@@ -14,8 +14,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from ray_mesh.core import bootstrap, priority
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.network.interfaces import Choice, apply_env, rank_env_line, user_kept
@@ -73,11 +71,8 @@ def trial_on_worker(w: WorkerSetup, layouts: list[dict[str, Any]], step: StepFac
     """``mesh="auto"`` with ``plan.step``: join the world process group (kept for the mesh
     built next) and time the job's step on each candidate (``ray_mesh.planning.trial``)."""
     _prepare(w)
-    dev = bootstrap.pick_device(w.backend, w.local_rank, w.device)
-    bootstrap.use_device(dev)
-    if not dist.is_initialized():
-        bootstrap.init_process_group(w.backend or bootstrap.default_backend(dev), dev, w.rank,
-                                     w.world_size, w.timeout_s)
+    dev, _ = bootstrap.join_world(w.backend, w.local_rank, w.device, w.rank, w.world_size,
+                                  w.timeout_s)
     cands = [Layout(x["name"], x["mesh"], x["reduce"]) for x in layouts]
     trials = run_trials(cands, step, config, steps=steps, budget_s=budget_s,
                         device_type=dev.type, log=_log_line if w.rank == 0 else None)
