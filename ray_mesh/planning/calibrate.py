@@ -61,9 +61,11 @@ A pipeline is priced as the GPipe schedule it runs (:func:`gpipe_s`): its stages
 local shape's time over the microbatches, backward twice the forward) and the links between
 them (a microbatch's activations at ``cross_Bps``) in one line, so a link faster than a
 stage costs its time once per direction and a slower one sets the pace, instead of its
-bytes adding to every step. The bubble is measured, not assumed: where a node holds ``pp``
-ranks the pipeline itself runs inside each node (:func:`pipeline_key`, on
-``node_pipeline_mesh``), and its step over the same work's ideal schedule
+bytes adding to every step; where a node's ranks are one pipeline (tp_pp), a link carries a
+microbatch only after the receiving stage is done with the one before
+(:mod:`ray_mesh.planning.gpipe`: a send waits for its recv). The bubble is measured, not
+assumed: where a node holds ``pp`` ranks the pipeline itself runs inside each node
+(:func:`pipeline_key`, on ``node_pipeline_mesh``), and its step over the same work's ideal schedule
 (:func:`pipeline_efficiency`, its sends included) scales pp's stages; tp_pp's stage shape
 is timed with every node busy and with one node at a time (:func:`alone_key`), and
 :func:`shared_core_efficiency` runs the fill and drain at the alone speed. On devices of
@@ -95,6 +97,7 @@ from ray_mesh.planning.cost import (
     family,
     predict,
 )
+from ray_mesh.planning.gpipe import gpipe_s, shared_core_efficiency
 
 
 @dataclass(frozen=True)
@@ -221,61 +224,10 @@ def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
     return out
 
 
-def gpipe_s(fwd_s: float, bwd_s: float, link_s: float, microbatches: int, pp: int) -> float:
-    """Seconds of one GPipe step: ``pp`` stages in a line, a link between each two.
-
-    Every microbatch goes forward through stage 0, link, stage 1, ... and, once a stage has
-    run all its forwards (torch's ``ScheduleGPipe``), backward the other way. A stage runs
-    one microbatch at a time, a link carries one at a time per direction, and each starts a
-    microbatch as soon as it is free and the microbatch has arrived (a flow shop). With
-    ``link_s = 0`` this is ``(microbatches + pp - 1) * (fwd_s + bwd_s)``, the bubble; a link
-    slower than a stage becomes the pipeline's slowest stage instead of adding its time to
-    every microbatch.
-    """
-    if microbatches < 1 or pp < 1 or min(fwd_s, bwd_s, link_s) < 0:
-        raise PlanError(f"gpipe_s: microbatches={microbatches}, pp={pp} must be >= 1 and "
-                        f"times (fwd {fwd_s}, bwd {bwd_s}, link {link_s}) >= 0")
-
-    def flow(durations: list[float], ready: list[float], arrive: list[float]) -> list[float]:
-        """Finish times of every microbatch through resources in order; ready: when each
-        resource is free to start."""
-        done = list(arrive)
-        ends = []
-        for dur, free in zip(durations, ready, strict=True):
-            for m in range(microbatches):
-                free = max(free, done[m]) + dur
-                done[m] = free
-            ends.append(free)
-        return ends
-
-    forward = [d for s in range(pp) for d in ((fwd_s, link_s) if s < pp - 1 else (fwd_s,))]
-    ends = flow(forward, [0.0] * len(forward), [0.0] * microbatches)
-    stage_free = ends[::2]  # when each stage has run its last forward
-    backward = [d for s in range(pp) for d in ((bwd_s, link_s) if s < pp - 1 else (bwd_s,))]
-    ready = [t for s in reversed(range(pp))
-             for t in ((stage_free[s], 0.0) if s > 0 else (stage_free[s],))]
-    return flow(backward, ready, [stage_free[-1]] * microbatches)[-1]
-
-
 def alone_key(key: str) -> str:
     """A local shape stepped by one node at a time while the others wait: a stage's speed
     when the other stages idle (a pipeline's fill and drain)."""
     return key + "@alone"
-
-
-def shared_core_efficiency(busy_s: float, alone_s: float, microbatches: int, pp: int) -> float:
-    """A GPipe schedule's time over its ideal ``(microbatches + pp - 1) x busy`` when a
-    stage runs at ``alone_s`` (per step of its shape) with only itself busy and ``busy_s``
-    with every stage busy, linearly between. On devices of their own the two are equal
-    (1.0); on shared cores the fill and drain run faster than the steady state.
-    """
-    if busy_s <= 0 or alone_s <= 0 or microbatches < 1 or pp < 2:
-        raise PlanError(f"shared_core_efficiency: busy {busy_s}, alone {alone_s} must be > 0, "
-                        f"microbatches={microbatches} >= 1, pp={pp} >= 2")
-    slots = microbatches + pp - 1
-    busy = [min(j + 1, pp, microbatches, slots - j) for j in range(slots)]
-    total = sum(alone_s + (busy_s - alone_s) * (k - 1) / (pp - 1) for k in busy)
-    return total / (slots * busy_s)
 
 
 def pipeline_efficiency(cal: Calibration, pp: int, microbatches: int) -> float:
@@ -345,7 +297,10 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
                     + links.latency_s)
         fwd, bwd = stage / 3 * eff, 2 * stage / 3 * eff  # backward: twice the forward
         local = gpipe_s(fwd, bwd, 0.0, mbs, pp)
-        exposed = gpipe_s(fwd, bwd, link, mbs, pp) - local  # what the links add to it
+        # a node's ranks in one pipeline (TP's lockstep, or one rank) receive in turn with
+        # their compute; several pipelines side by side fill each other's gaps (gpipe.py)
+        lockstep = g // (tp * m.get("cp", 1)) == 1
+        exposed = gpipe_s(fwd, bwd, link, mbs, pp, rendezvous=lockstep) - local
         if fam == "pp" and shard > 1:
             local += max(0.0, cal.local("fsdp/fp32") - arithmetic) / pp
         if pipeline_key(pp, mbs) not in cal.local_s:  # else the sends are in eff

@@ -121,8 +121,9 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
     # the link a microbatch's activations cross (wire + gloo's CPU bytes), as a pipeline stage
     boundary = WORK.tokens * STATS.hidden * 4 / 4
     link = boundary * 8 / 100e6 + boundary / 200e6 + links.latency_s
+    # tp_pp: the node's ranks are one pipeline, so a link waits for its receiver's recv
     assert tp_pp.step_s - tp_pp.compute_s == pytest.approx(
-        gpipe_s(0.05, 0.1, link, 4, 2) - gpipe_s(0.05, 0.1, 0, 4, 2) + 0.001)
+        gpipe_s(0.05, 0.1, link, 4, 2, rendezvous=True) - gpipe_s(0.05, 0.1, 0, 4, 2) + 0.001)
     pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK,
                             measured)
     # the arithmetic in 2 chunks x bubble + half of FSDP's overhead + the sends
@@ -182,6 +183,13 @@ def test_gpipe_schedule_by_hand():
     assert gpipe_s(1, 2, 3, 4, 2) == pytest.approx(30)
     # a link faster than the stages adds its time once per direction (fill and drain)
     assert gpipe_s(1, 2, 0.5, 4, 2) == pytest.approx(15 + 2 * 0.5)
+    # rendezvous: the link starts a microbatch only once the receiver is done with the one
+    # before (it posts its recv then): forward 1 + 4 x (3 + 1) = 17 (stage 1 ends at 5, 9,
+    # 13, 17); backward stage 1 ends at 19, then 4 x (link 3 + stage 0's 2) -> 39
+    assert gpipe_s(1, 2, 3, 4, 2, rendezvous=True) == pytest.approx(39)
+    # no link, or one stage: nothing to wait for
+    assert gpipe_s(1, 2, 0, 4, 2, rendezvous=True) == pytest.approx(15)
+    assert gpipe_s(1, 2, 3, 4, 1, rendezvous=True) == pytest.approx(12)
     with pytest.raises(PlanError, match="microbatches"):
         gpipe_s(1, 2, 0, 0, 2)
     with pytest.raises(PlanError, match="link -1"):
@@ -267,7 +275,12 @@ def test_in_node_fsdp_calls_and_pipeline_sends_priced_as_measured():
     stage = 0.3 / 4
     assert pp.step_s - pp.compute_s == pytest.approx(
         gpipe_s(stage / 3, 2 * stage / 3, 0.07, 4, 2) - gpipe_s(stage / 3, 2 * stage / 3, 0, 4, 2)
-        + 0.004)  # + the loss mean across nodes
+        + 0.004)  # + the loss mean across nodes; two pipelines per node: no rendezvous
+    # one rank per node: that rank's one pipeline receives in turn with its compute
+    one = predict_calibrated(Layout("pp", {"pp": 2}), STATS, Links(2, 1, 20.0), WORK, staged)
+    assert one.step_s - one.compute_s == pytest.approx(
+        gpipe_s(stage / 3, 2 * stage / 3, 0.07, 4, 2, rendezvous=True)
+        - gpipe_s(stage / 3, 2 * stage / 3, 0, 4, 2) + 0.004)
     with pytest.raises(PlanError, match="send_s"):
         replace(staged, send_s=-0.1)
     with pytest.raises(PlanError, match="ag/fp32"):
