@@ -17,6 +17,8 @@ Sections (``--only`` picks some):
              (benchmarks/slow.py; also merged into observability).
   recovery   (f) a worker's SIGKILL to the first step after the resume, on local Ray and
              on the netns virtual cluster (root), plus that cluster's bring-up.
+  rendezvous (g) a pipeline's sends across a 20 Mbit/s link with the receiver computing
+             between its recvs, posted late (torch's GPipe) or early (benchmarks/rendezvous.py).
   llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
              runs alternating (llm.py); target ray_mesh >= 0.95x torchrun.
 
@@ -47,7 +49,7 @@ from benchmarks import paired, report, settings  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
-            "slowlinks", "diloco", "slow", "llm")
+            "slowlinks", "rendezvous", "diloco", "slow", "llm")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery", "llm"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
@@ -228,6 +230,14 @@ def section_slowlinks(cfg: dict) -> dict:
     return slowlinks.measure(**cfg["slowlinks"])
 
 
+def section_rendezvous(cfg: dict) -> dict:
+    """(g): a pipeline's sends across a shaped link against its receiver's compute."""
+    from benchmarks import rendezvous
+
+    log("rendezvous: starting the namespace cluster")
+    return rendezvous.measure(**cfg.get("rendezvous", {}))
+
+
 def section_diloco(cfg: dict) -> dict:
     from benchmarks import diloco
 
@@ -346,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             section_recovery(cfg, storage, ["netns"], results["recovery"])
         if "slowlinks" in selected:
             results["slowlinks"] = _section("slowlinks", section_slowlinks, cfg)
+        if "rendezvous" in selected:
+            results["rendezvous"] = _section("rendezvous", section_rendezvous, cfg)
         if "diloco" in selected:
             results["diloco"] = _section("diloco", section_diloco, cfg)
         if "slow" in selected:

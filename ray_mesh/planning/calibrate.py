@@ -61,9 +61,9 @@ A pipeline is priced as the GPipe schedule it runs (:func:`gpipe_s`): its stages
 local shape's time over the microbatches, backward twice the forward) and the links between
 them (a microbatch's activations at ``cross_Bps``) in one line, so a link faster than a
 stage costs its time once per direction and a slower one sets the pace, instead of its
-bytes adding to every step; where a node's ranks are one pipeline (tp_pp), a link carries a
-microbatch only after the receiving stage is done with the one before
-(:mod:`ray_mesh.planning.gpipe`: a send waits for its recv). The bubble is measured, not
+bytes adding to every step; a link carries a microbatch only after the receiving stage is
+done with the one before (:mod:`ray_mesh.planning.gpipe`: a send waits for its recv), and a
+node's pipelines side by side fill each other's gaps. The bubble is measured, not
 assumed: where a node holds ``pp`` ranks the pipeline itself runs inside each node
 (:func:`pipeline_key`, on ``node_pipeline_mesh``), and its step over the same work's ideal schedule
 (:func:`pipeline_efficiency`, its sends included) scales pp's stages; tp_pp's stage shape
@@ -297,10 +297,12 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
                     + links.latency_s)
         fwd, bwd = stage / 3 * eff, 2 * stage / 3 * eff  # backward: twice the forward
         local = gpipe_s(fwd, bwd, 0.0, mbs, pp)
-        # a node's ranks in one pipeline (TP's lockstep, or one rank) receive in turn with
-        # their compute; several pipelines side by side fill each other's gaps (gpipe.py)
-        lockstep = g // (tp * m.get("cp", 1)) == 1
-        exposed = gpipe_s(fwd, bwd, link, mbs, pp, rendezvous=lockstep) - local
+        # a link waits for its receiver's recv (gpipe.py); a node's k pipelines side by
+        # side (pp with dp in the node) each carry a microbatch alone while the others
+        # compute, at k times the shared rate, and together no faster than the link
+        k = max(1, g // (tp * m.get("cp", 1)))
+        exposed = max(gpipe_s(fwd, bwd, link / k, mbs, pp, rendezvous=True),
+                      gpipe_s(fwd, bwd, link, mbs, pp)) - local
         if fam == "pp" and shard > 1:
             local += max(0.0, cal.local("fsdp/fp32") - arithmetic) / pp
         if pipeline_key(pp, mbs) not in cal.local_s:  # else the sends are in eff

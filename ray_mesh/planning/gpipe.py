@@ -15,9 +15,13 @@ the link and the receiving stage take turns, ``send + compute`` per microbatch, 
 larger of the two. Measured on the virtual cluster at 20 Mbit/s (two ranks per node, each
 receiver computing ``c`` between its four recvs of 64 KiB; statistic: one timed repeat after
 two): c = 20 ms -> 288 ms (serial model 300, overlapped 240); c = 100 ms -> 608 ms (serial
-620, overlapped 455). Where a node holds several independent pipelines side by side (pp with
-dp inside the node), their transfers fall into each other's compute and the link stays busy:
-the overlapped schedule fits those (pp at 20 Mbit/s: +8% overlapped, +25% serial).
+620, overlapped 455) (``benchmarks/rendezvous.py``). Where a node holds ``k`` pipelines side
+by side (pp with dp inside the node), each still waits for its own receiver, but carries its
+microbatch alone while the others compute, at ``k`` times the shared rate, and all of them
+together no faster than the link: the step is the larger of the rendezvous schedule at
+``send / k`` and the overlapped one at ``send`` (``predict_calibrated``). In slowlinks runs
+14 and 15 pp's error was -1% / -18% at 100 Mbit/s with the overlapped schedule alone,
++27% / +4% with the lockstep one, +5% / -12% with this.
 """
 
 from __future__ import annotations

@@ -81,3 +81,65 @@ def test_mesh_auto_times_the_step_and_builds_the_measured_fastest(ray_local, tmp
     assert got["precision"] == "fp32", got
     assert "measured fastest" in got["why"] and "median of 2 trial steps" in got["why"], got
     assert "the cost model's first choice was ddp" in got["why"], got
+
+
+def failing_step(mesh, config: dict):
+    """A step that breaks on one rank of one layout (flat FSDP): raises, or stalls."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    bad = mesh["dp_shard"].size() > 1 and dist.get_rank() == 1
+
+    def step() -> None:
+        if bad and config["how"] == "raise":
+            raise ValueError("no kernel for this shard shape")
+        if bad:
+            _time.sleep(config["stall_s"])
+    return step
+
+
+def _fit_auto(tmp_path, name: str, step_config: dict, budget_s: float, bringup_s: float):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    import ray_mesh
+    from ray_mesh.planning.cost import ModelStats, Workload
+    from ray_mesh.planning.inputs import PlanInputs
+
+    plan = PlanInputs(ModelStats(params=600, layers=2, hidden=16, heads=4),
+                      Workload(tokens=64, compute_s=0.1), layouts=("ddp", "fsdp"),
+                      step=failing_step, step_config=step_config, trial_steps=1,
+                      trial_budget_s=budget_s)
+    trainer = TorchTrainer(
+        train_fn, train_loop_config={"out": str(tmp_path / "never.json")},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        torch_config=ray_mesh.MeshConfig(mesh="auto", plan=plan, bringup_timeout_s=bringup_s),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path),
+                             failure_config=FailureConfig(max_failures=0)))
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as info:  # Ray Train wraps the controller's error
+        trainer.fit()
+    return str(info.value), time.monotonic() - t0
+
+
+def test_a_failing_trial_step_reaches_the_driver_with_layout_rank_and_fix(ray_local, tmp_path):
+    """A step that raises on one rank of one layout fails the fit at once (the other rank is
+    left waiting in a collective; the controller does not wait for it), naming the layout,
+    the rank, the error and the fix."""
+    text, took = _fit_auto(tmp_path, "trial_raises", {"how": "raise"}, 60, 120)
+    assert "failed on layout fsdp" in text and "on rank 1" in text, text
+    assert "ValueError: no kernel for this shard shape" in text, text
+    assert "leave the layout's family out of plan.layouts" in text, text
+    assert not (tmp_path / "never.json").exists()  # the train function never ran
+    assert took < 120, took  # the fit ended on the first error, not at the bring-up bound
+
+
+def test_a_stalled_trial_step_ends_at_the_bound_with_what_to_do(ray_local, tmp_path):
+    """A step that stalls on one rank: the controller stops waiting after the trial budget
+    plus the bring-up timeout and names the ranks still out and what to change."""
+    text, took = _fit_auto(tmp_path, "trial_stalls", {"how": "stall", "stall_s": 60}, 2, 10)
+    assert "mesh=auto's trial steps did not finish within 12 s" in text, text
+    assert "Raise plan.trial_budget_s (now 2 s)" in text, text
+    assert "plan.step must do the same collectives on every rank" in text, text
+    assert took < 60, took  # bounded: well before the stalled rank would have returned
