@@ -9,11 +9,16 @@ receivers "compute" ``c`` seconds (a sleep, so no CPU is taken from the network 
 after each microbatch and post the next recv either
 
 * ``late``: just before it is needed (ScheduleGPipe's order), or
-* ``early``: all four recvs at once before the first compute (what overlap would need).
+* ``early``: all four recvs at once before the first compute (what overlap would need), or
+* ``late_tp``: late, the two receivers of a node held in lockstep the way TP ranks are (a
+  one-element all-reduce between them after each compute, as TP's per-layer collectives).
 
 Beside each measurement: ``serial_ms`` = 4 x (send + c) (link and compute take turns) and
 ``overlapped_ms`` = 4 x send + c where the link is the slower, send + 4 x c where the
-compute is (the two in parallel), ``send`` being the measured per-microbatch time at c = 0.
+compute is (the two in parallel), ``side_by_side_ms`` the planner's model for receivers
+that are independent pipelines (each alone on the link at twice the shared rate while the
+other computes, together no faster than the link), ``send`` being the measured
+per-microbatch time at c = 0.
 Statistic: median of ``reps`` repeats (each the slowest rank's time, after one warm-up).
 """
 
@@ -36,8 +41,10 @@ rank = dist.get_rank()
 peer = (rank + 2) % 4
 n = args["microbatches"]
 bufs = [torch.zeros(args["mb_kib"] * 256) for _ in range(n)]
+node_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+one = torch.zeros(1)
 out = {}
-for order in ("late", "early"):
+for order in ("late", "early", "late_tp"):
     for c in args["compute_s"]:
         times = []
         for rep in range(args["reps"] + 1):
@@ -46,10 +53,12 @@ for order in ("late", "early"):
             if rank < 2:
                 for w in [dist.isend(b, peer) for b in bufs]:
                     w.wait()
-            elif order == "late":
+            elif order in ("late", "late_tp"):
                 for b in bufs:
                     dist.irecv(b, peer).wait()
                     time.sleep(c)
+                    if order == "late_tp":
+                        dist.all_reduce(one, group=node_groups[1])
             else:
                 works = [dist.irecv(b, peer) for b in bufs]
                 for w in works:
@@ -106,15 +115,18 @@ def measure(rates=(20,), compute_s=(0.0, 0.02, 0.05, 0.1), reps: int = 5, mb_kib
             raw = json.loads(out.read_text())
         send = statistics.median(raw[f"late/{compute_s[0]}"]) / microbatches
         section: dict = {"send_per_microbatch_ms": send * 1e3}
-        for order in ("late", "early"):
+        for order in ("late", "early", "late_tp"):
             for c in compute_s:
                 got = statistics.median(raw[f"{order}/{c}"])
                 serial = microbatches * (send + c)
                 overlapped = (microbatches * send + c if send >= c
                               else send + microbatches * c)
+                # the planner's model of the 2 receivers as independent pipelines side by
+                # side: each waits for its own recv, alone on the link at twice the rate
+                side = max(microbatches * (send / 2 + c), overlapped)
                 section[f"{order}/compute_{c * 1e3:g}ms"] = {
                     "measured_ms": got * 1e3, "serial_ms": serial * 1e3,
-                    "overlapped_ms": overlapped * 1e3}
+                    "overlapped_ms": overlapped * 1e3, "side_by_side_ms": side * 1e3}
         result[f"{mbit:g}mbit"] = section
     return result
 

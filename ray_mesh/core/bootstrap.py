@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.rendezvous import rendezvous
 
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core import teardown
@@ -260,14 +261,18 @@ def init_process_group(
         # Binding the device lets NCCL create its communicator eagerly and makes
         # barrier()/split_group use the right GPU.
         kwargs["device_id"] = device
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=timeout))
+    # Each joining of the world gets keys of its own. torchrun's store outlives the group
+    # (its agent hosts it), and a second init_process_group after destroy_process_group
+    # names its groups as the first did: gloo read the previous round's addresses and
+    # failed to connect ("Connection refused") after its retries. Every rank adds 1 to a
+    # counter, so all ranks of round r read r (round r + 1 cannot start before round r
+    # has every rank in).
+    joined = store.add("ray_mesh/joined", 1)
+    store = dist.PrefixStore(f"ray_mesh/{(joined - 1) // world_size}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, **kwargs)
 
 
 def join_world(backend: str | None, local_rank: int, device: str | None, rank: int,

@@ -6,22 +6,25 @@ microbatch, and when a link may start carrying one.
 
 A send does not start when the sender is ready. gloo's TCP transport moves a payload only
 once the receiver has posted the matching recv (``Pair::send`` queues the buffer and sends
-NOTIFY_SEND_READY; the bytes go when NOTIFY_RECV_READY comes back), and NCCL's network
-transports match sends to posted receives too. torch's ``ScheduleGPipe`` posts a stage's
+NOTIFY_SEND_READY; the bytes go when NOTIFY_RECV_READY comes back; NCCL is not measured
+here). torch's ``ScheduleGPipe`` posts a stage's
 recv for microbatch ``m`` just before it computes ``m``, after it finished ``m - 1``. So a
 link whose receiving ranks move in lockstep (TP ranks, held together by their per-layer
 collectives; or one rank per node) carries microbatch ``m`` only while the receiver is idle:
 the link and the receiving stage take turns, ``send + compute`` per microbatch, not the
-larger of the two. Measured on the virtual cluster at 20 Mbit/s (two ranks per node, each
-receiver computing ``c`` between its four recvs of 64 KiB; statistic: one timed repeat after
-two): c = 20 ms -> 288 ms (serial model 300, overlapped 240); c = 100 ms -> 608 ms (serial
-620, overlapped 455) (``benchmarks/rendezvous.py``). Where a node holds ``k`` pipelines side
-by side (pp with dp inside the node), each still waits for its own receiver, but carries its
-microbatch alone while the others compute, at ``k`` times the shared rate, and all of them
-together no faster than the link: the step is the larger of the rendezvous schedule at
-``send / k`` and the overlapped one at ``send`` (``predict_calibrated``). In slowlinks runs
-14 and 15 pp's error was -1% / -18% at 100 Mbit/s with the overlapped schedule alone,
-+27% / +4% with the lockstep one, +5% / -12% with this.
+larger of the two. Where a node holds ``k`` pipelines side by side (pp with dp inside the
+node), each still waits for its own receiver, but carries its microbatch alone while the
+others compute, at ``k`` times the shared rate, and all of them together no faster than the
+link: the step is the larger of the rendezvous schedule at ``send / k`` and the overlapped one
+at ``send`` (``predict_calibrated``).
+
+Measured (``benchmarks/rendezvous.py``: 20 Mbit/s, two ranks per node each sending 4 x 64 KiB
+to its peer, the receivers computing c between recvs; median of 5, ms; send 54.6 per
+microbatch): receivers in lockstep as TP's are, c = 20 / 50 / 100: 294 / 414 / 611 (take turns:
+298 / 418 / 618; in parallel: 238 / 268 / 455); the same with every recv posted up front:
+237 / 290 / 480 (in parallel); two independent receivers: 271 / 358 / 530 (side by side:
+238 / 309 / 509). In slowlinks runs 14 and 15 pp's error at 100 Mbit/s was -1% / -18% priced
+in parallel, +27% / +4% as one lockstep pipeline, +5% / -12% side by side.
 """
 
 from __future__ import annotations

@@ -124,3 +124,32 @@ def test_init_mesh_refuses_tp_across_nodes(monkeypatch):
     with pytest.raises(BootstrapError,
                        match=r"tp\*cp = 4\*1 = 4 does not divide the 2 ranks per node"):
         ray_mesh.init_mesh({"tp": 4, "dp_shard": 1})
+
+
+REINIT_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    import ray_mesh
+    sums = []
+    for spec in ({"dp_shard": -1}, {"dp_replicate": 2, "dp_shard": -1}, {"dp_shard": 1, "tp": -1}):
+        mesh = ray_mesh.init_mesh(spec, timeout_s=30)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=mesh.get_group("dp_shard"))
+        dist.all_reduce(t)
+        sums.append(t.item())
+        ray_mesh.shutdown_mesh()
+    with open(os.path.join(sys.argv[1], f"{os.environ['RANK']}.txt"), "w") as f:
+        f.write(repr(sums))
+""")
+
+
+def test_init_mesh_again_after_shutdown_mesh(tmp_path):
+    # torchrun's agent store outlives the world group: before each joining got keys of its
+    # own, the second init_process_group read the first one's gloo addresses and failed to
+    # connect ("Connection refused" after gloo's retries).
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT_SCRIPT)
+    proc = torchrun(script, str(tmp_path), nproc=4, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(4):  # dp_shard 4, 2, 1: its group sums that, the world 4 times it
+        assert (tmp_path / f"{rank}.txt").read_text() == "[16.0, 8.0, 4.0]"

@@ -138,8 +138,10 @@ def test_a_failing_trial_step_reaches_the_driver_with_layout_rank_and_fix(ray_lo
 def test_a_stalled_trial_step_ends_at_the_bound_with_what_to_do(ray_local, tmp_path):
     """A step that stalls on one rank: the controller stops waiting after the trial budget
     plus the bring-up timeout and names the ranks still out and what to change."""
-    text, took = _fit_auto(tmp_path, "trial_stalls", {"how": "stall", "stall_s": 60}, 2, 10)
+    text, took = _fit_auto(tmp_path, "trial_stalls", {"how": "stall", "stall_s": 120}, 2, 10)
     assert "mesh=auto's trial steps did not finish within 12 s" in text, text
     assert "Raise plan.trial_budget_s (now 2 s)" in text, text
     assert "plan.step must do the same collectives on every rank" in text, text
-    assert took < 60, took  # bounded: well before the stalled rank would have returned
+    # bounded: the error at 12 s, then the shutdown's own bounded waits (~60 s in all here:
+    # the stalled worker cannot run the group's teardown), before the stall would end
+    assert took < 100, took
