@@ -162,6 +162,15 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
             add("g slow links", f"{rate}: hsdp bf16 / fp32 cross-node bytes per step",
                 sec["hsdp+bf16"]["cross_node_bytes_per_step"]
                 / sec["hsdp"]["cross_node_bytes_per_step"], "0.5 +- 10%")
+    for rate, sec in (results.get("rendezvous") or {}).items():
+        if not isinstance(sec, dict) or "send_per_microbatch_ms" not in sec:
+            continue
+        for key, v in sec.items():
+            if isinstance(v, dict) and not key.endswith("/compute_0ms"):
+                add("g pipeline sends", f"{rate} {key}: measured / take turns / in parallel "
+                    "/ side by side, ms (median of repeats)",
+                    " / ".join(f"{v[k]:.0f}" for k in ("measured_ms", "serial_ms",
+                                                       "overlapped_ms", "side_by_side_ms")))
     for rate, sec in (results.get("diloco") or {}).items():
         if not isinstance(sec, dict) or "diloco_tokens_s" not in sec:
             continue
@@ -270,6 +279,12 @@ NOTES = """\
   prediction is `ray_mesh.planning.calibrate.predict_calibrated`: a calibration run once per
   benchmark run, on each node alone (nothing crossing nodes, the layouts' own steps never
   timed for it), plus modelled link time; the uncalibrated analytic model beside it.
+- **g pipeline sends**: `benchmarks/rendezvous.py`: 2 namespace nodes x 2 ranks at 20 Mbit/s,
+  gloo; each rank of node 0 sends 4 microbatches of 64 KiB to its peer as torch's GPipe
+  does, the receivers sleep c between recvs, posting each recv just before it is needed
+  (`late`, torch's order), all up front (`early`), or late and held in lockstep as TP
+  ranks are (`late_tp`). Beside: the two models of `ray_mesh.planning.gpipe` (take turns,
+  in parallel) and the planner's side-by-side model for independent pipelines.
 - **i llm**: `benchmarks/llm.py`: `examples/llm.py` + `examples/llm.yaml` (dp_shard 2 x tp 2,
   4 CPU workers), torchrun with in-memory rows vs the job through ray_mesh's runner with Ray
   Data input, runs alternating; tokens/s from rank 0's per-step seconds inside the train loop

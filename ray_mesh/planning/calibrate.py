@@ -65,10 +65,11 @@ bytes adding to every step; a link carries a microbatch only after the receiving
 done with the one before (:mod:`ray_mesh.planning.gpipe`: a send waits for its recv), and a
 node's pipelines side by side fill each other's gaps. The bubble is measured, not
 assumed: where a node holds ``pp`` ranks the pipeline itself runs inside each node
-(:func:`pipeline_key`, on ``node_pipeline_mesh``), and its step over the same work's ideal schedule
-(:func:`pipeline_efficiency`, its sends included) scales pp's stages; tp_pp's stage shape
-is timed with every node busy and with one node at a time (:func:`alone_key`), and
-:func:`shared_core_efficiency` runs the fill and drain at the alone speed. On devices of
+(:func:`pipeline_key`, on ``node_pipeline_mesh``), and its step over the same work's ideal
+schedule (:func:`pipeline_efficiency`, its sends included) scales pp's stages; tp_pp's stage
+shape is timed with every node busy and with one node at a time (:func:`alone_key`), and
+:func:`gpipe_s` runs a stage at the alone speed whenever it computes alone (the fill and
+drain, and a slow link's turns, where the other stage waits). On devices of
 their own both come out 1; on the 2-core virtual cluster the in-node pipeline read
 0.96-1.08 (the bubble costs its share) and TP's stage alone ran in ~0.55 of its busy time
 (its per-layer collectives wait on a partner scheduled away while 4 ranks share 2 cores).
@@ -97,7 +98,7 @@ from ray_mesh.planning.cost import (
     family,
     predict,
 )
-from ray_mesh.planning.gpipe import gpipe_s, shared_core_efficiency
+from ray_mesh.planning.gpipe import gpipe_s
 
 
 @dataclass(frozen=True)
@@ -283,10 +284,10 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         mbs = work.microbatches
         key = local_key(layout, mbs) or ""
         stage = cal.local(key) / mbs  # one microbatch, one stage
-        if fam == "tp_pp" and alone_key(key) in cal.local_s:  # TP's stages: its own speeds
-            eff = shared_core_efficiency(cal.local(key), cal.local(alone_key(key)), mbs, pp)
-        else:
-            eff = pipeline_efficiency(cal, pp, mbs)
+        eff, alone = pipeline_efficiency(cal, pp, mbs), 1.0
+        if fam == "tp_pp" and alone_key(key) in cal.local_s:  # TP's stages: its own speeds,
+            # busy and alone, in the schedule as it runs (gpipe_s)
+            eff, alone = 1.0, min(1.0, cal.local(alone_key(key)) / cal.local(key))
         boundary = work.tokens * stats.hidden * FP32 / mbs  # a node's send per microbatch
         if cal.send_s and n > 1:  # measured as the schedule sends: one way, side by side
             link = cal.send_s
@@ -296,13 +297,13 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
             link = (boundary * 8 / (links.cross_mbit * 1e6) + boundary / cal.gloo_Bps
                     + links.latency_s)
         fwd, bwd = stage / 3 * eff, 2 * stage / 3 * eff  # backward: twice the forward
-        local = gpipe_s(fwd, bwd, 0.0, mbs, pp)
+        local = gpipe_s(fwd, bwd, 0.0, mbs, pp, alone=alone)
         # a link waits for its receiver's recv (gpipe.py); a node's k pipelines side by
         # side (pp with dp in the node) each carry a microbatch alone while the others
         # compute, at k times the shared rate, and together no faster than the link
         k = max(1, g // (tp * m.get("cp", 1)))
-        exposed = max(gpipe_s(fwd, bwd, link / k, mbs, pp, rendezvous=True),
-                      gpipe_s(fwd, bwd, link, mbs, pp)) - local
+        exposed = max(gpipe_s(fwd, bwd, link / k, mbs, pp, rendezvous=True, alone=alone),
+                      gpipe_s(fwd, bwd, link, mbs, pp, alone=alone)) - local
         if fam == "pp" and shard > 1:
             local += max(0.0, cal.local("fsdp/fp32") - arithmetic) / pp
         if pipeline_key(pp, mbs) not in cal.local_s:  # else the sends are in eff
@@ -345,4 +346,4 @@ def unit_key(kind: str, dtype: str = "fp32") -> str:
 
 __all__ = ["ARITHMETIC", "UNIT_KINDS", "Calibration", "accumulation", "alone_key", "gpipe_s",
            "local_key", "local_shapes", "pipeline_efficiency", "pipeline_key",
-           "predict_calibrated", "shared_core_efficiency", "unit_key"]
+           "predict_calibrated", "unit_key"]

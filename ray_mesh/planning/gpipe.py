@@ -31,65 +31,85 @@ from __future__ import annotations
 
 from ray_mesh.planning.cost import PlanError
 
+Op = tuple[str, int, int]  # (kind, stage, microbatch): f/b compute, xf/xb a link's carry
+
+
+def _ops(pp: int, microbatches: int) -> dict[tuple[str, int], list[Op]]:
+    """Every resource's operations in the order it runs them: stage ``s`` all forwards then
+    all backwards (ScheduleGPipe), the link after stage ``s`` one microbatch at a time per
+    direction."""
+    seq: dict[tuple[str, int], list[Op]] = {}
+    for s in range(pp):
+        seq[("stage", s)] = ([("f", s, m) for m in range(microbatches)]
+                             + [("b", s, m) for m in range(microbatches)])
+    for s in range(pp - 1):
+        seq[("fwd link", s)] = [("xf", s, m) for m in range(microbatches)]
+        seq[("bwd link", s)] = [("xb", s, m) for m in range(microbatches)]
+    return seq
+
+
+def _needs(op: Op, pp: int, microbatches: int, rendezvous: bool) -> list[Op]:
+    """What must be done before ``op`` starts (besides its resource's previous op)."""
+    kind, s, m = op
+    if kind == "f":
+        return [("xf", s - 1, m)] if s > 0 else []
+    if kind == "b":
+        return [("xb", s, m)] if s < pp - 1 else []
+    if kind == "xf":  # stage s -> s + 1; the receiver posts recv m after its forward m - 1
+        return [("f", s, m)] + ([("f", s + 1, m - 1)] if rendezvous and m else [])
+    # "xb": stage s + 1 -> s; the receiver posts recv m after its previous op
+    return [("b", s + 1, m)] + ([("b", s, m - 1) if m else ("f", s, microbatches - 1)]
+                                if rendezvous else [])
+
 
 def gpipe_s(fwd_s: float, bwd_s: float, link_s: float, microbatches: int, pp: int,
-            rendezvous: bool = False) -> float:
+            rendezvous: bool = False, alone: float = 1.0) -> float:
     """Seconds of one GPipe step: ``pp`` stages in a line, a link between each two.
 
     Every microbatch goes forward through stage 0, link, stage 1, ... and, once a stage has
     run all its forwards (torch's ``ScheduleGPipe``), backward the other way. A stage runs
     one microbatch at a time, a link carries one at a time per direction, and each starts a
-    microbatch as soon as it is free and the microbatch has arrived (a flow shop). With
-    ``link_s = 0`` this is ``(microbatches + pp - 1) * (fwd_s + bwd_s)``, the bubble; a link
+    microbatch as soon as it is free and the microbatch has arrived. With ``link_s = 0`` and
+    ``alone = 1`` this is ``(microbatches + pp - 1) * (fwd_s + bwd_s)``, the bubble; a link
     slower than a stage becomes the pipeline's slowest stage instead of adding its time to
     every microbatch. ``rendezvous``: a link also waits until its receiving stage is done
-    with the microbatch before (the receiver posts its recv then; module docstring), so the
-    two take turns.
+    with the op before (the receiver posts its recv then; module docstring), so the two
+    take turns.
+
+    ``fwd_s``/``bwd_s`` are a stage's times with every stage computing; ``alone`` is the
+    time with only one computing, as a fraction of that (stages sharing cores: one alone
+    runs faster; 1 on devices of their own), linear in between. The schedule is simulated
+    event by event, so a stage computing while the others wait on a link runs at its
+    alone speed: the fill and drain of the bubble, and a slow link's turns.
     """
-    if microbatches < 1 or pp < 1 or min(fwd_s, bwd_s, link_s) < 0:
-        raise PlanError(f"gpipe_s: microbatches={microbatches}, pp={pp} must be >= 1 and "
-                        f"times (fwd {fwd_s}, bwd {bwd_s}, link {link_s}) >= 0")
-
-    def line(stage_s: float) -> list[tuple[float, bool]]:
-        """(duration, is a link) of every resource in a direction's order."""
-        return [x for s in range(pp)
-                for x in (((stage_s, False), (link_s, True)) if s < pp - 1 else
-                          ((stage_s, False),))]
-
-    def flow(resources: list[tuple[float, bool]], ready: list[float], start: float
-             ) -> list[float]:
-        """When each resource is done with its last microbatch; ready: when each is free
-        to start, start: when the first resource may take microbatch 0."""
-        free = list(ready)
-        for _ in range(microbatches):
-            t = start
-            for r, (dur, is_link) in enumerate(resources):
-                begin = max(free[r], t)
-                if is_link and rendezvous:  # the receiver has posted this microbatch's recv
-                    begin = max(begin, free[r + 1])
-                t = free[r] = begin + dur
-        return free
-
-    forward = line(fwd_s)
-    stage_free = flow(forward, [0.0] * len(forward), 0.0)[::2]  # each stage's last forward
-    ready = [t for s in reversed(range(pp))
-             for t in ((stage_free[s], 0.0) if s > 0 else (stage_free[s],))]
-    return flow(line(bwd_s), ready, stage_free[-1])[-1]
-
-
-def shared_core_efficiency(busy_s: float, alone_s: float, microbatches: int, pp: int) -> float:
-    """A GPipe schedule's time over its ideal ``(microbatches + pp - 1) x busy`` when a
-    stage runs at ``alone_s`` (per step of its shape) with only itself busy and ``busy_s``
-    with every stage busy, linearly between. On devices of their own the two are equal
-    (1.0); on shared cores the fill and drain run faster than the steady state.
-    """
-    if busy_s <= 0 or alone_s <= 0 or microbatches < 1 or pp < 2:
-        raise PlanError(f"shared_core_efficiency: busy {busy_s}, alone {alone_s} must be > 0, "
-                        f"microbatches={microbatches} >= 1, pp={pp} >= 2")
-    slots = microbatches + pp - 1
-    busy = [min(j + 1, pp, microbatches, slots - j) for j in range(slots)]
-    total = sum(alone_s + (busy_s - alone_s) * (k - 1) / (pp - 1) for k in busy)
-    return total / (slots * busy_s)
+    if microbatches < 1 or pp < 1 or min(fwd_s, bwd_s, link_s) < 0 or not 0 < alone <= 1:
+        raise PlanError(f"gpipe_s: microbatches={microbatches}, pp={pp} must be >= 1, times "
+                        f"(fwd {fwd_s}, bwd {bwd_s}, link {link_s}) >= 0 and alone={alone} "
+                        "in (0, 1]")
+    seq = _ops(pp, microbatches)
+    work = {"f": fwd_s, "b": bwd_s, "xf": link_s, "xb": link_s}
+    done: set[Op] = set()
+    nxt = dict.fromkeys(seq, 0)
+    running: dict[tuple[str, int], list] = {}  # resource -> [op, work left]
+    t = 0.0
+    while True:
+        for res, ops in seq.items():
+            if res not in running and nxt[res] < len(ops):
+                op = ops[nxt[res]]
+                if all(d in done for d in _needs(op, pp, microbatches, rendezvous)):
+                    running[res] = [op, work[op[0]]]
+        if not running:
+            return t
+        busy = sum(res[0] == "stage" for res in running)
+        pace = 1.0 if pp == 1 else 1.0 / (alone + (1 - alone) * max(busy - 1, 0) / (pp - 1))
+        rate = {res: pace if res[0] == "stage" else 1.0 for res in running}
+        step = min(left / rate[res] for res, (_, left) in running.items())
+        t += step
+        for res in list(running):
+            running[res][1] -= step * rate[res]
+            if running[res][1] <= 1e-12:
+                done.add(running.pop(res)[0])
+                nxt[res] += 1
 
 
-__all__ = ["gpipe_s", "shared_core_efficiency"]
+__all__ = ["gpipe_s"]

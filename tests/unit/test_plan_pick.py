@@ -17,7 +17,6 @@ from ray_mesh.planning.calibrate import (
     local_shapes,
     pipeline_efficiency,
     predict_calibrated,
-    shared_core_efficiency,
     unit_key,
 )
 from ray_mesh.planning.cost import Layout, Links, ModelStats, PlanError, Workload, predict
@@ -197,13 +196,20 @@ def test_gpipe_schedule_by_hand():
 
 
 def test_tp_pp_bubble_from_its_stage_alone_and_busy():
-    # pp=2, 4 microbatches: 5 slots per direction, the first and last with one stage busy
-    assert shared_core_efficiency(1.0, 0.5, 4, 2) == pytest.approx((0.5 + 3 + 0.5) / 5)
-    assert shared_core_efficiency(1.0, 1.0, 4, 3) == pytest.approx(1.0)  # own devices
-    # pp=3: slots busy 1, 2, 3, 3, 2, 1 -> 0.5, 0.75, 1, 1, 0.75, 0.5
-    assert shared_core_efficiency(1.0, 0.5, 4, 3) == pytest.approx(4.5 / 6)
+    # a stage computing alone runs at half its busy time. pp=2, 4 microbatches, no link:
+    # 5 slots per direction, the first and last with one stage busy -> (0.5 + 3 + 0.5) / 5
+    assert gpipe_s(1, 2, 0, 4, 2, alone=0.5) == pytest.approx(15 * (0.5 + 3 + 0.5) / 5)
+    assert gpipe_s(1, 2, 0, 4, 3, alone=1.0) == pytest.approx(18)  # own devices
+    # pp=3: slots busy 1, 2, 3, 3, 2, 1 -> 0.5, 0.75, 1, 1, 0.75, 0.5 of 6 x 3 s
+    assert gpipe_s(1, 2, 0, 4, 3, alone=0.5) == pytest.approx(18 * 4.5 / 6)
+    # a slow link taken in turns (rendezvous): every stage op then runs alone. Forward:
+    # stage 0 at 0.5 per microbatch while stage 1 waits (done at 2.0); stage 1 takes turns
+    # with the link, 3 + 0.5 each -> 0.5 + 4 x 3.5 = 14.5. Backward: stage 1 alone, 1 each
+    # (15.5 .. 18.5), the link carries microbatch 0 over 15.5-18.5, stage 0 runs it to
+    # 19.5, then 3 more turns of link 3 + stage 0's 1 -> 31.5
+    assert gpipe_s(1, 2, 3, 4, 2, rendezvous=True, alone=0.5) == pytest.approx(31.5)
     with pytest.raises(PlanError, match="alone"):
-        shared_core_efficiency(1.0, 0.0, 4, 2)
+        gpipe_s(1, 2, 0, 4, 2, alone=0.0)
     links = Links(2, 2, 100.0)
     cal = Calibration(0.001, 200e6, 0.002, {"tp2/fp32/mb2": 0.6, "tp2/fp32/mb2@alone": 0.3,
                                             "none/fp32/mb2": 0.3, "pp2/fp32/mb4": 0.45})
