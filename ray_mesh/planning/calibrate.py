@@ -284,10 +284,11 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         mbs = work.microbatches
         key = local_key(layout, mbs) or ""
         stage = cal.local(key) / mbs  # one microbatch, one stage
-        eff, alone = pipeline_efficiency(cal, pp, mbs), 1.0
         if fam == "tp_pp" and alone_key(key) in cal.local_s:  # TP's stages: its own speeds,
             # busy and alone, in the schedule as it runs (gpipe_s)
             eff, alone = 1.0, min(1.0, cal.local(alone_key(key)) / cal.local(key))
+        else:
+            eff, alone = pipeline_efficiency(cal, pp, mbs), 1.0
         boundary = work.tokens * stats.hidden * FP32 / mbs  # a node's send per microbatch
         if cal.send_s and n > 1:  # measured as the schedule sends: one way, side by side
             link = cal.send_s
