@@ -37,6 +37,20 @@ def register_fake_pg_backend() -> bool:
     return True
 
 
+def dcp_set_element(root: Any, path: Any, value: Any) -> None:
+    """Put ``value`` at ``path`` (a flattened key's mapping) of a nested state dict.
+
+    Internal: ``torch.distributed.checkpoint._nested_dict.set_element``, the helper DCP's
+    ``DefaultLoadPlanner.load_bytes`` writes an unflattened bytes entry back with (torch
+    2.13.0). ray_mesh's load planner (``checkpointing/safe_load.py``) replaces only the
+    unpickling of that method and must write the entry back the same way. Public
+    replacement: none in torch 2.13 (a planner hook that receives the loaded object).
+    """
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    set_element(root, path, value)
+
+
 def flatten_mesh(mesh: Any, name: str, backend_override: Any = None) -> Any:
     """``mesh._flatten(mesh_dim_name=name, backend_override=...)``: a named flattened dim.
 
@@ -328,6 +342,7 @@ __all__ = [
     "auth_headers",
     "can_set_mesh_group",
     "dashboard_url_from_gcs",
+    "dcp_set_element",
     "data_config_settings",
     "enable_token_auth",
     "flatten_mesh",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -30,17 +31,22 @@ class NonFiniteError(CheckpointError, ValueError):
     """The model holds NaN or inf: saving it would replace good checkpoints with broken ones."""
 
 
-def check_compatible(path: str | os.PathLike, model: torch.nn.Module) -> None:
+def check_compatible(path: str | os.PathLike, model: torch.nn.Module,
+                     metadata: Any = None) -> None:
     """Raise :class:`CheckpointMismatchError` naming every model key that does not match.
 
     DCP alone ignores extra keys in the checkpoint and fails on the first missing one with an
     internal message; this compares the whole model (names and global shapes) first.
+    ``metadata``: the checkpoint's DCP ``Metadata`` when already read (restricted); else it
+    is read here.
     """
-    try:
-        meta = integrity.read_metadata(Path(path))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"Checkpoint {path} cannot be used: {exc}. Resume from another "
-                              f"checkpoint.") from exc
+    meta = metadata
+    if meta is None:
+        try:
+            meta = integrity.read_metadata(Path(path))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"Checkpoint {path} cannot be used: {exc}. Resume from "
+                                  f"another checkpoint.") from exc
     saved = {k[len("model."):]: v for k, v in meta.state_dict_metadata.items()
              if k.startswith("model.")}
     mine = get_model_state_dict(model)

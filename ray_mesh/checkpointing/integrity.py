@@ -8,10 +8,21 @@ filesystem, a bucket). Three rules follow:
   a manifest of every file the save wrote, with its size and SHA-256.
 * **Only the checkpoint about to be loaded is unpickled**, and first through
   :func:`read_metadata`, an unpickler that admits DCP's metadata classes and nothing else, so
-  a crafted ``.metadata`` is refused before DCP's own (unrestricted) ``pickle.load`` sees it.
+  a crafted ``.metadata`` is refused, and DCP is handed that one checked object (it never
+  reads the file itself: :mod:`ray_mesh.checkpointing.safe_load`).
 * **Deletion only of what ray_mesh created.** :data:`OWNED` is written into a checkpoint
   directory right after it is made, before any shard; only a directory carrying it may be
   removed by ray_mesh.
+* **Nothing for the world.** A checkpoint directory and the files in it lose their "other"
+  permission bits (a shared machine's other users cannot read the weights); JSON files are
+  written through a fresh ``O_EXCL`` temporary name in the target directory, so a symlink
+  planted at a predictable name is never followed.
+
+The manifest detects torn and corrupted saves. It is **no defence against someone who can
+write the storage**: they can recompute it. What defends against them is that loading runs
+nothing from the files (restricted metadata, plain-data bytes entries, ``weights_only``
+tensors) and, above all, storage only the run's own nodes can write (see the docs' trust
+model).
 
 This module is Ray-free and torch-light (torch is imported for the metadata classes).
 """
@@ -26,8 +37,11 @@ import os
 import pickle
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
+
+from ray_mesh.core.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +58,7 @@ _CHUNK = 1 << 20
 # ----------------------------------------------------------------------------- ownership
 def mark_owned(path: Path) -> None:
     """Claim a directory ray_mesh just created (before any shard is written into it)."""
-    (path / OWNED).write_text(json.dumps({"ray_mesh": "checkpoint directory"}) + "\n")
+    write_atomic(path / OWNED, json.dumps({"ray_mesh": "checkpoint directory"}) + "\n")
 
 
 def is_owned(path: Path) -> bool:
@@ -68,8 +82,23 @@ def claim_dir(path: Path) -> str | None:
         logger.warning("ray_mesh: replacing unfinished checkpoint directory %s", path)
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
+    drop_world_access(path)
     mark_owned(path)
     return None
+
+
+def drop_world_access(path: Path) -> None:
+    """Remove the "other" permission bits of ``path`` (group bits follow the user's umask).
+
+    DCP writes shards with the process umask (world-readable by default): model weights on a
+    shared machine are then anyone's. A no-op where the filesystem has no such bits.
+    """
+    try:
+        mode = path.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISLNK(mode) and mode & 0o007:
+            os.chmod(path, stat.S_IMODE(mode) & ~0o007)
+    except (OSError, NotImplementedError) as exc:  # storage without POSIX modes
+        logger.debug("ray_mesh: cannot restrict %s: %s", path, exc)
 
 
 def non_finite_params(model: Any) -> list[str]:
@@ -103,16 +132,17 @@ def rank_files(path: Path, rank: int, extra: tuple[str, ...] = ()) -> list[str]:
 
 
 def describe(path: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """``{name: {"size": bytes, "sha256": hex}}`` for ``names`` in ``path`` (one rank's part)."""
+    """``{name: {"size": bytes, "sha256": hex}}`` for ``names`` in ``path`` (one rank's part);
+    each file loses its world permission bits first (:func:`drop_world_access`)."""
+    for n in names:
+        drop_world_access(path / n)
     return {n: {"size": (path / n).stat().st_size, "sha256": sha256_file(path / n)}
             for n in names}
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Whole or absent: written to a temporary name, then renamed over ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    """Whole or absent: :func:`ray_mesh.core.files.write_atomic` of the JSON text."""
+    write_atomic(path, json.dumps(data, indent=1))
 
 
 def _safe_name(name: Any) -> bool:
@@ -190,8 +220,24 @@ _EXTRA_GLOBALS = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata classes, torch dtypes/sizes/layouts and plain containers only."""
+class _MetadataUnpickler(pickle._Unpickler):
+    """Admits DCP's metadata classes, torch dtypes/sizes/layouts and plain containers only.
+
+    The pure-Python unpickler (``pickle._Unpickler``, stable across CPython 3.x) because its
+    opcodes can be overridden: ``BUILD`` on a class would set attributes of that class in the
+    loading process (``setattr(Metadata, ...)``), so it is refused; ``BUILD`` on an instance
+    (how dataclasses are restored) is kept. ``.metadata`` is small: the speed does not matter.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def load_build(self) -> None:
+        if isinstance(self.stack[-2], type):
+            raise pickle.UnpicklingError(f"it applies BUILD to the class "
+                                         f"{self.stack[-2].__name__} (would change it)")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str) -> Any:
         import torch
@@ -226,26 +272,41 @@ def read_metadata(path: Path) -> Any:
     return meta
 
 
-def metadata_problem(path: Path) -> str | None:
-    """Why the (restricted-unpickled) metadata cannot be loaded, or None.
+def checked_metadata(path: Path) -> Any:
+    """:func:`read_metadata`, and every file it points into is one the manifest vouches for.
 
-    Also checks that every file the metadata points into is one the manifest vouches for.
+    The one read of ``.metadata`` before a load: the object returned is what DCP is handed
+    (:mod:`ray_mesh.checkpointing.safe_load`), so the file is never read a second time.
+
+    Raises:
+        ValueError: why the metadata cannot be loaded (a sentence starting with "its ...").
     """
     try:
         meta = read_metadata(path)
     except (OSError, ValueError) as exc:
-        return f"its {METADATA} is unusable ({exc})"
+        raise ValueError(f"its {METADATA} is unusable ({exc})") from exc
     try:
         listed = set(json.loads((path / MANIFEST).read_text())["files"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"its {MANIFEST} is unreadable ({exc})"
+        raise ValueError(f"its {MANIFEST} is unreadable ({exc})") from exc
     for info in (meta.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
         if rel is not None and str(rel) not in listed:
-            return f"its {METADATA} points into {rel!r}, which the {MANIFEST} does not list"
+            raise ValueError(f"its {METADATA} points into {rel!r}, which the {MANIFEST} does "
+                             f"not list")
+    return meta
+
+
+def metadata_problem(path: Path) -> str | None:
+    """Why the (restricted-unpickled) metadata cannot be loaded, or None."""
+    try:
+        checked_metadata(path)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
-__all__ = ["MANIFEST", "MARKER", "METADATA", "OWNED", "describe", "is_owned", "manifest_problem",
+__all__ = ["MANIFEST", "MARKER", "METADATA", "OWNED", "checked_metadata", "describe",
+           "drop_world_access", "is_owned", "manifest_problem",
            "mark_owned", "metadata_problem", "parse_marker", "rank_files", "read_metadata",
            "sha256_file", "write_json_atomic"]

@@ -18,17 +18,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from ray_mesh.checkpointing import integrity, rng
-from ray_mesh.checkpointing.compat import CheckpointError, CheckpointMismatchError
+from ray_mesh.checkpointing import rng
+from ray_mesh.checkpointing.compat import CheckpointMismatchError
+from ray_mesh.checkpointing.safe_load import load_state
 from ray_mesh.checkpointing.sharded import (
     Optimizers,
     Progress,
     _check_finite,
     _optims,
     _rank,
-    loadable_problem,
+    checked_for_load,
     read_progress,
 )
 from ray_mesh.parallel.diloco import DiLoCo
@@ -56,22 +56,15 @@ def load(path: str | os.PathLike, diloco: DiLoCo, model: torch.nn.Module,
     ``Progress.warnings`` says so when this replica was not in the checkpoint.
     """
     path = Path(path)
-    why = loadable_problem(path, verify)
-    if why:
-        raise CheckpointError(f"Checkpoint {path} cannot be loaded: {why}.")
-    saved = integrity.read_metadata(path).state_dict_metadata
+    meta = checked_for_load(path, verify)
+    saved = meta.state_dict_metadata
     if not any(k.startswith("diloco.") for k in saved):
         raise CheckpointMismatchError(
             f"Checkpoint {path} was not written by a DiLoCo run (no 'diloco' state): resume it "
             f"with replicate mode sync, or start this DiLoCo run in a new run directory.")
     optims = _optims(optimizers)
     state, mine = diloco.checkpoint_state(model, optims, saved)
-    try:
-        dcp.load(state, checkpoint_id=str(path), process_group=group)
-    except CheckpointException as exc:  # a BaseException subclass: caught by name only
-        raise CheckpointError(
-            f"Checkpoint {path} cannot be loaded: DCP could not read it "
-            f"({str(exc).splitlines()[0][:300]}). Resume from an older checkpoint.") from exc
+    load_state(path, state, meta, group)
     diloco.apply_checkpoint_state(state, model, optims, mine)
     progress = read_progress(path)
     progress.warnings += rng.load(path, _rank(group))

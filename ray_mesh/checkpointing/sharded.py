@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -48,6 +47,7 @@ from ray_mesh.checkpointing.compat import (
     check_compatible,
 )
 from ray_mesh.checkpointing.integrity import MANIFEST, MARKER, METADATA, OWNED
+from ray_mesh.checkpointing.safe_load import load_state
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +289,18 @@ def read_progress(path: str | os.PathLike) -> Progress:
 
 
 # ----------------------------------------------------------------------------- load
+def checked_for_load(path: Path, verify: bool) -> Any:
+    """The checkpoint's DCP ``Metadata``, read once through the restricted unpickler after
+    :func:`problem` found nothing; a :class:`CheckpointError` saying why otherwise."""
+    why = problem(path, verify)
+    if why is None:
+        try:
+            return integrity.checked_metadata(path)
+        except (OSError, ValueError) as exc:
+            why = str(exc)
+    raise CheckpointError(f"Checkpoint {path} cannot be loaded: {why}.")
+
+
 def loadable_problem(path: str | os.PathLike, verify: bool = True) -> str | None:
     """:func:`problem`, then (only when that finds nothing) the metadata through the restricted
     unpickler: for the one checkpoint about to be loaded, never for a mere scan."""
@@ -312,26 +324,16 @@ def load(
     ``Progress.warnings``.
     """
     path = Path(path)
-    why = loadable_problem(path, verify)
-    if why:
-        raise CheckpointError(f"Checkpoint {path} cannot be loaded: {why}.")
-    check_compatible(path, model)
+    meta = checked_for_load(path, verify)
+    check_compatible(path, model, meta)
     optims = _optims(optimizers)
     state = _state(model, optims)
-    if optims and not any(k.startswith("optim.") for k in
-                          integrity.read_metadata(path).state_dict_metadata):
+    if optims and not any(k.startswith("optim.") for k in meta.state_dict_metadata):
         raise CheckpointMismatchError(
             f"Checkpoint {path} holds no optimizer state, but an optimizer was passed. Pass "
             f"optimizers=None to load the model alone."
         )
-    try:
-        dcp.load(state, checkpoint_id=str(path), process_group=group)
-    except CheckpointException as exc:  # a BaseException subclass: caught by name only
-        raise CheckpointError(
-            f"Checkpoint {path} cannot be loaded: DCP could not read its shards "
-            f"({str(exc).splitlines()[0][:300]}). A shard is corrupt although its size is "
-            f"right; load with verify=True to name it, or resume from an older checkpoint."
-        ) from exc
+    load_state(path, state, meta, group)
     if optims:
         set_state_dict(model, optims, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
@@ -380,6 +382,7 @@ __all__ = [
     "NonFiniteError",
     "Progress",
     "check_compatible",
+    "checked_for_load",
     "checkpoint_group",
     "dir_name",
     "full_model_state",

@@ -349,13 +349,19 @@ class DiLoCo:
     def load(self, path: str, model: torch.nn.Module,
              optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> bool:
         """Restore what :meth:`save` wrote; False when this replica was not in it (it then
-        starts from the global parameters with a fresh inner optimizer)."""
-        import torch.distributed.checkpoint as dcp
+        starts from the global parameters with a fresh inner optimizer).
+
+        Loads as every ray_mesh checkpoint does (restricted metadata, plain-data entries:
+        :mod:`ray_mesh.checkpointing.safe_load`), so a crafted directory runs nothing.
+        """
+        from pathlib import Path
+
+        from ray_mesh.checkpointing import integrity, safe_load
 
         optims = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        state, mine = self.checkpoint_state(model, optims, saved)
-        dcp.load(state, checkpoint_id=str(path))
+        meta = integrity.read_metadata(Path(path))
+        state, mine = self.checkpoint_state(model, optims, meta.state_dict_metadata)
+        safe_load.load_state(path, state, meta)
         self.apply_checkpoint_state(state, model, optims, mine)
         return mine
 

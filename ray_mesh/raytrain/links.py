@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import ray
 
+from ray_mesh.core.files import write_atomic
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.network.interfaces import Choice
 from ray_mesh.network.links import LinkMatrix, measure_links
@@ -72,9 +73,7 @@ def store(addresses: Sequence[str], matrix: LinkMatrix) -> None:
         except (OSError, ValueError):
             data = {}
         data[_cache_key(addresses)] = {"at": time.time(), "links": matrix.to_json()}
-        tmp = CACHE_FILE.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(CACHE_FILE)
+        write_atomic(CACHE_FILE, json.dumps(data))
     except OSError as exc:  # a cache that cannot be written costs a re-measure, nothing else
         logger.debug("ray_mesh: link cache not written: %s", exc)
 

@@ -82,6 +82,16 @@ def test_register_fake_pg_backend():
     assert out.split() == ["fake", "fake"], out
 
 
+def test_dcp_set_element():
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    nested = {"optim": {"param_groups": [{"lr": 0.1, "params": [0]}]}}
+    flat, mappings = flatten_state_dict(nested)
+    key = next(k for k in flat if k.endswith("lr"))
+    pa.dcp_set_element(nested, mappings[key], 0.5)
+    assert nested["optim"]["param_groups"][0]["lr"] == 0.5, UPGRADE
+
+
 def test_flatten_mesh():
     out = run_python(FAKE_WORLD + """
 flat = pa.flatten_mesh(mesh[("b", "c")], "bc")
