@@ -253,7 +253,7 @@ class _MetadataUnpickler(pickle._Unpickler):
         return obj
 
 
-def read_metadata(path: Path) -> Any:
+def read_metadata(path: str | os.PathLike) -> Any:
     """DCP's ``Metadata`` of checkpoint ``path``, unpickled with the restricted unpickler.
 
     Raises ``ValueError`` naming what was unexpected (a class outside DCP's metadata, or an
@@ -261,7 +261,7 @@ def read_metadata(path: Path) -> Any:
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
-    data = (path / METADATA).read_bytes()
+    data = (Path(path) / METADATA).read_bytes()
     try:
         meta = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001 - any unpickling failure: not DCP metadata

@@ -349,17 +349,12 @@ class DiLoCo:
     def load(self, path: str, model: torch.nn.Module,
              optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> bool:
         """Restore what :meth:`save` wrote; False when this replica was not in it (it then
-        starts from the global parameters with a fresh inner optimizer).
-
-        Loads as every ray_mesh checkpoint does (restricted metadata, plain-data entries:
-        :mod:`ray_mesh.checkpointing.safe_load`), so a crafted directory runs nothing.
-        """
-        from pathlib import Path
-
+        starts from the global parameters with a fresh inner optimizer). Runs nothing
+        from the files (:mod:`ray_mesh.checkpointing.safe_load`)."""
         from ray_mesh.checkpointing import integrity, safe_load
 
         optims = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
-        meta = integrity.read_metadata(Path(path))
+        meta = integrity.read_metadata(path)
         state, mine = self.checkpoint_state(model, optims, meta.state_dict_metadata)
         safe_load.load_state(path, state, meta)
         self.apply_checkpoint_state(state, model, optims, mine)
