@@ -3,6 +3,8 @@ and which requested sections failed (``run.py`` exits non-zero on any)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from benchmarks import paired
 
 PAIRED = "median of paired ratios [q1, q3] n"
@@ -311,6 +313,28 @@ def markdown(results: dict, rows) -> str:
               f"Every figure, per run, is in `{results.get('out', 'benchmarks/results.json')}`.",
               "", NOTES]
     return "\n".join(lines)
+
+
+# RESULTS.md is written anew by every `run.py --results-md`; what lies below this line is
+# written by hand (the figures of runs outside run.py's table: pooled and repeat runs, the
+# detailed tables the manual points to) and is carried over from the file being replaced.
+NOTES_MARK = "<!-- Hand-written notes below: benchmarks/run.py --results-md keeps them. -->"
+
+
+def kept_notes(previous: str | None) -> str:
+    """The hand-written part of a previous RESULTS.md (from NOTES_MARK on), or ''."""
+    if not previous or NOTES_MARK not in previous:
+        return ""
+    return previous[previous.index(NOTES_MARK):]
+
+
+def write_markdown(path: str | Path, results: dict, rows) -> None:
+    """Write RESULTS.md at ``path``: the generated part, then the notes the old file had."""
+    path = Path(path)
+    previous = path.read_text() if path.exists() else None
+    notes = kept_notes(previous)
+    text = markdown(results, rows).rstrip("\n") + "\n"
+    path.write_text(text + ("\n" + notes if notes else ""))
 
 
 def print_table(rows) -> None:

@@ -6,7 +6,7 @@ Runs in a Ray actor (where ``ray.util.metrics`` exports, as in a Train worker) t
 example's toy model (a small step: the worst case for a fixed per-step cost), one process,
 one optimizer step per step. What is added per step is ``ray_mesh.report({"step", "loss"},
 every=N)`` with N never reached: the metrics path only (a dict update per call, Ray metric
-writes every 2 s); the every-N-th ``ray.train.report`` is Ray Train's cost, see README.
+writes every 2 s); the every-N-th ``ray.train.report`` is Ray Train's cost, see docs/monitoring.md.
 Statistic ``overhead_fraction``: mean cost of one call over 20000 calls / median plain step
 time. Cross-check ``paired_median_fraction``: steps alternate with and without a report, the
 ratio of their medians - 1 (on a loaded host it is noise of a few %). Written to

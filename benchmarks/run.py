@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     print(f"\nwrote {args.out}")
     if args.results_md:
-        Path(args.results_md).write_text(report.markdown(results, rows))
+        report.write_markdown(args.results_md, results, rows)  # keeps the hand-written notes
         print(f"wrote {args.results_md}")
     if failed:
         print("\nFAILED sections (exit code 1):\n  " + "\n  ".join(failed), file=sys.stderr)

@@ -35,7 +35,7 @@ def config(quick: bool) -> dict:
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
             "slowlinks": {"rates": [1000, 100, 20], "steps": 16},
             "recovery_where": ["local", "netns"],
-            # the LM job; H, compression and the outer optimizer: see README "DiLoCo"
+            # the LM job; H, compression and the outer optimizer: see docs/diloco.md
             "diloco": {"rates": [100, 20], "steps": 200, "every": 10, "compress": "int8",
                        "streaming": 5, "overlap": 1,
                        "outer_lr": 0.7, "outer_momentum": 0.5, "val_batches": 16,

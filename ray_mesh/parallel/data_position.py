@@ -79,9 +79,12 @@ class ResumableSampler(Sampler[int]):
 
     Args:
         dataset: a sized dataset, or its length.
-        num_replicas, rank: the dp size and this rank's dp index (not the world rank: tp, cp
-            and pp peers share a dp index and must read the same samples).
-        shuffle, seed, drop_last: as in ``DistributedSampler``.
+        num_replicas: the dp size (not the world size: tp, cp and pp peers share a dp index
+            and must read the same samples).
+        rank: this rank's dp index (not the world rank, for the same reason).
+        shuffle: as in ``DistributedSampler``.
+        seed: as in ``DistributedSampler``.
+        drop_last: as in ``DistributedSampler``.
         position: what :meth:`position` returned before (None: epoch 0, from the start).
 
     In the loop, call :meth:`advance` with the number of samples this rank has trained on

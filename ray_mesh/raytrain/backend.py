@@ -65,7 +65,10 @@ class MeshConfig(MeshOptions, TorchConfig):
 
     The options below are :class:`ray_mesh.core.options.MeshOptions` (Ray-free, where their
     defaults and checks live); ``backend``, ``init_method`` and ``timeout_s`` are Ray's
-    ``TorchConfig``'s, and keep their positions first.
+    ``TorchConfig``'s, and keep their positions first: ``backend=None`` picks nccl on GPU
+    workers and gloo on CPU workers; ``timeout_s`` is the torch.distributed collective timeout.
+    (They are Ray's fields, so they are described here rather than under Args, which lists
+    this class's own.)
 
     Args:
         mesh: a :class:`MeshSpec`, a dict of dim sizes, or ``'hsdp'``/``'fsdp'``/``'ddp'``;
@@ -75,8 +78,6 @@ class MeshConfig(MeshOptions, TorchConfig):
         allow_cross_node_inner: accept tp*cp groups that cross nodes (slow; off by default).
         bringup_timeout_s: bound on the whole bring-up (process group and mesh); past it the
             run fails with the ranks that did not finish, instead of hanging.
-        backend: ``None`` picks nccl on GPU workers and gloo on CPU workers.
-        timeout_s: torch.distributed collective timeout.
         preflight: run the bounded network pre-flight (``ray_mesh.raytrain.preflight``)
             before the first process group.
         preflight_timeout_s: bound on the whole pre-flight.

@@ -69,9 +69,10 @@ class MeshDataConfig(DataConfig):
     Args:
         mesh: the run's mesh (a ``MeshSpec``, a dict, or a shorthand); None lets
             ``MeshConfig``'s backend fill it in when the workers start.
-        datasets_to_split, execution_options, enable_shard_locality: as in ``DataConfig``.
-            ``preserve_order`` is always set: deterministic splits need it (it also turns
-            Ray's locality hints off).
+        datasets_to_split: as in ``DataConfig``.
+        execution_options: as in ``DataConfig``. ``preserve_order`` is always set:
+            deterministic splits need it (it also turns Ray's locality hints off).
+        enable_shard_locality: as in ``DataConfig``.
     """
 
     def __init__(self, mesh: Any = None, datasets_to_split: Any = "all",
