@@ -1,7 +1,8 @@
 """ray_mesh: named DeviceMesh training (pp, dp_replicate, dp_shard, cp, tp) on a Ray cluster."""
 
 from ray_mesh.core.bootstrap import get_mesh, get_state, init_mesh, is_initialized, shutdown_mesh
-from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec, MeshSpecError
+from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
+from ray_mesh.errors import MeshSpecError, RayMeshError
 
 __all__ = [
     "Checkpointer",
@@ -11,6 +12,7 @@ __all__ = [
     "MeshDataConfig",
     "MeshSpec",
     "MeshSpecError",
+    "RayMeshError",
     "check_cluster",
     "check_storage",
     "get_mesh",

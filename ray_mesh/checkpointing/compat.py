@@ -17,18 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import ray_mesh.checkpointing.integrity as integrity
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or used; the message names it and the fix."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """The checkpoint holds another model: the message lists the keys that do not match."""
-
-
-class NonFiniteError(CheckpointError, ValueError):
-    """The model holds NaN or inf: saving it would replace good checkpoints with broken ones."""
+from ray_mesh.errors import CheckpointError, CheckpointMismatchError, NonFiniteError
 
 
 def check_compatible(path: str | os.PathLike, model: torch.nn.Module,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
-class StorageError(ValueError):
-    """A storage_path that cannot hold this run's checkpoints; the message says what to use."""
+from ray_mesh.errors import StorageError
 
 
 def run_name_problem(name: object) -> str | None:

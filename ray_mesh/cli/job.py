@@ -41,7 +41,7 @@ from ray_mesh.cli.job_checks import (
 from ray_mesh.core.options import OPTION_DEFAULTS, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
 from ray_mesh.core.values import MAX_SECONDS, describe, read_bool, read_int, read_str
-from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
 from ray_mesh.parallel.replicate import parse_replicate
 from ray_mesh.raytrain.elastic import STARTUP_RETRIES

@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from ray_mesh.core.values import describe, read_str
+from ray_mesh.errors import JobError
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
-
-
-class JobError(ValueError):
-    """A job file that cannot run; the message names the key and the fix."""
 
 
 def check_backend(where: str, backend: Any) -> None:

@@ -13,7 +13,6 @@ import logging
 import sys
 import traceback
 
-from ray_mesh.checkpointing.names import StorageError
 from ray_mesh.cli.flags import (
     CliParser,
     address_flag,
@@ -24,31 +23,7 @@ from ray_mesh.cli.flags import (
     seconds_flag,
 )
 from ray_mesh.cli.job import MAX_WORKERS, Job, JobError
-from ray_mesh.core.spec import MeshSpecError
-from ray_mesh.core.topology import TopologyError
-from ray_mesh.data.spec import DataSpecError
-from ray_mesh.network.interfaces import NetworkError
-from ray_mesh.network.links import LinkError
-from ray_mesh.parallel.errors import ParallelError
-from ray_mesh.planning.cost import PlanError
-
-USER_ERRORS: tuple[type[Exception], ...] = (
-    JobError, MeshSpecError, TopologyError, NetworkError, PlanError, StorageError,
-    DataSpecError, ParallelError, LinkError)
-"""Errors that mean "the input is wrong": one ``ray-mesh: error:`` line, no traceback."""
-RAY_SIDE_ERRORS = {"ray_mesh.raytrain.backend": "BringUpError",
-                   "ray_mesh.raytrain.data": "DataSplitError",
-                   "ray_mesh.models.llama": "ModelConfigError",
-                   "ray_mesh.checkpointing.compat": "CheckpointError",
-                   "ray_mesh.observability.status": "StatusError"}
-"""More user errors, in modules that import Ray or torch: caught when already imported."""
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    """:data:`USER_ERRORS` plus those of :data:`RAY_SIDE_ERRORS` already imported."""
-    more = tuple(getattr(sys.modules[m], name) for m, name in RAY_SIDE_ERRORS.items()
-                 if m in sys.modules)
-    return USER_ERRORS + more
+from ray_mesh.errors import exit_code
 
 # Help text is plain text (the module docstring is for readers of the code).
 DESCRIPTION = """\
@@ -302,12 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as exc:
-        if not isinstance(exc, user_errors()):
+        code = exit_code(exc)  # by class: any ray_mesh.errors.RayMeshError
+        if code is None:  # not one of ours: a bug, with its traceback
             raise
         if args.verbose:  # the traceback only on request; the one line either way
             traceback.print_exc()
         print(f"ray-mesh: error: {exc}", file=sys.stderr)
-        return 2
+        return code
 
 
 if __name__ == "__main__":

@@ -26,14 +26,11 @@ from torch.distributed.rendezvous import rendezvous
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core import teardown
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
+from ray_mesh.errors import BootstrapError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PG_TIMEOUT_S = 600.0
-
-
-class BootstrapError(RuntimeError):
-    """The process group or mesh could not be built; the message says why and what to do."""
 
 
 @dataclass

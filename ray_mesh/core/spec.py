@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from ray_mesh.errors import MeshSpecError
+
 DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh dims, outer to inner."""
 
@@ -37,10 +39,6 @@ NODES = "nodes"
 SHORTHANDS = ("hsdp", "fsdp", "ddp")
 
 DimValue = int | str
-
-
-class MeshSpecError(ValueError):
-    """A mesh spec that cannot describe a mesh; the message says how to fix it."""
 
 
 def _check_dim(name: str, value: Any) -> DimValue:

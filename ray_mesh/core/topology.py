@@ -13,12 +13,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec, MeshSpecError
+from ray_mesh.errors import TopologyError
 
 logger = logging.getLogger(__name__)
-
-
-class TopologyError(ValueError):
-    """The workers' placement cannot host the mesh; the message says how to fix it."""
 
 
 @dataclass(frozen=True)

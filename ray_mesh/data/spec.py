@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_mesh.core.values import read_str
+from ray_mesh.errors import DataSpecError
 
 FORMATS: dict[str, tuple[str, ...]] = {
     "text": (),  # any file
@@ -40,10 +41,6 @@ FORMATS: dict[str, tuple[str, ...]] = {
 STDLIB = "stdlib"
 """The ``paths`` entry naming Python's standard library sources (no site-packages)."""
 GLOB_CHARS = set("*?[")
-
-
-class DataSpecError(ValueError):
-    """A ``data:`` section that cannot feed the job; the message names the key and the fix."""
 
 
 def stdlib_files() -> list[Path]:

@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ray_mesh.errors import ModelConfigError
+
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.43M parameters: unit and numerics tests.
     "tiny": {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 352},
@@ -28,10 +30,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~28.6M: a real run on GPUs.
     "base": {"dim": 512, "n_layers": 9, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 1536},
 }
-
-
-class ModelConfigError(ValueError):
-    """A model config that cannot build or run; the message names the key and the fix."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import psutil
 
 from ray_mesh.core.topology import WorkerReport
+from ray_mesh.errors import NetworkError
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,6 @@ NCCL_VPN_DEFAULTS: dict[str, str] = {
 
 VPN_INTERFACE_PREFIXES = ("tailscale", "wg", "tun", "zt", "nebula")
 """Interface names that are VPN tunnels (Tailscale, WireGuard, OpenVPN, ZeroTier, Nebula)."""
-
-
-class NetworkError(RuntimeError):
-    """An interface or address problem; the message names the node, interface and fix."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from ray_mesh.errors import LinkError
 from ray_mesh.network.gate import GatedListener, new_nonce, read_line, send_nonce
 
 CHUNK = 64 * 1024
@@ -42,10 +43,6 @@ MAX_CLIENTS = 4
 # Sender-side socket buffer: small, so that little is left to drain after the last write.
 SNDBUF = 256 * 1024
 SLOW_FACTOR = 0.5  # a node whose links run below half the others' median is named slow
-
-
-class LinkError(RuntimeError):
-    """A link could not be measured; the message names the pair and what to check."""
 
 
 @dataclass(frozen=True)

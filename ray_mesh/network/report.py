@@ -12,15 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from ray_mesh.network.interfaces import Choice, NetworkError, host_port
+from ray_mesh.errors import PreflightError
+from ray_mesh.network.interfaces import Choice, host_port
 from ray_mesh.network.probe import VERSION_KEYS, ConnectResult, NodeFacts
 from ray_mesh.observability.table import text_table
 
 DEFAULT_TIMEOUT_S = 20.0
-
-
-class PreflightError(NetworkError):
-    """The nodes cannot form a process group; the message lists every failure and its fix."""
 
 
 @dataclass(frozen=True)

@@ -53,16 +53,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
+from ray_mesh.errors import CollectiveHangError
 from ray_mesh.observability.hang_report import P2P_DIM, format_report
 
 logger = logging.getLogger(__name__)
 
 END_GRACE_S = 15.0  # process-group timeout = hang_timeout_s + this: time to gather the report
 SNAPSHOT_WAIT_S = 5.0  # how long the reporter waits for the other ranks' snapshots
-
-
-class CollectiveHangError(RuntimeError):
-    """A collective did not complete within hang_timeout_s; the message is the full report."""
 
 
 def _group_seq(group: dist.ProcessGroup) -> int | None:

@@ -21,6 +21,7 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
   mode) and why; ``parallelize`` and the replicate helpers follow it by themselves
 """
 
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.compose import full_parameters, gather_over, parallelize
 from ray_mesh.parallel.cp import context_parallel_region, cp_unsupported_reason
 from ray_mesh.parallel.data import (
@@ -33,7 +34,6 @@ from ray_mesh.parallel.data import (
     shard_batch,
 )
 from ray_mesh.parallel.data_position import ResumableSampler
-from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
 from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
 from ray_mesh.parallel.picked import picked_plan

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.mesh import submesh
 
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DistributedSampler
 
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.data_position import ResumableSampler
-from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.parallel.mesh import submesh
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.errors import ParallelError
 
 
 @dataclass(frozen=True)

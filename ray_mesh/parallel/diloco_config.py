@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.compress import MODES
-from ray_mesh.parallel.errors import ParallelError
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.mesh import submesh
 from ray_mesh.parallel.picked import picked_precision
 

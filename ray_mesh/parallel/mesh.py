@@ -3,7 +3,7 @@
 Every helper in ``ray_mesh.parallel`` takes the full ray_mesh mesh and picks its own dims.
 Looking a dim up goes through :func:`submesh`, so a mesh without that dim (a hand-built
 ``init_device_mesh``, a 1-D slice passed by mistake) fails the same way everywhere: a
-:class:`~ray_mesh.parallel.errors.ParallelError` naming the dim, the dims the mesh has, and
+:class:`~ray_mesh.errors.ParallelError` naming the dim, the dims the mesh has, and
 how to get a mesh that has it.
 """
 
@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_mesh.core import bootstrap
-from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.errors import ParallelError
 
 GET_MESH_HINT = ("Use the mesh from ray_mesh.get_mesh() (Ray Train, MeshConfig) or "
                  "ray_mesh.init_mesh() (torchrun), which has every ray_mesh dim.")

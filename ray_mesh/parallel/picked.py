@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.errors import ParallelError
 
 
 @dataclass(frozen=True)

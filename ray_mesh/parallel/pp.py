@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
 from ray_mesh.parallel.pp_plan import (
     SCHEDULES,

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import ray_mesh.private_apis as private_apis
-from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.mesh import divisors
 
 SCHEDULES: dict[str, tuple[str, str]] = {

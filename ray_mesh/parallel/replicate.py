@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.diloco import DiLoCo, DiLoCoConfig
-from ray_mesh.parallel.errors import ParallelError
 
 MODES = ("sync", "diloco")
 

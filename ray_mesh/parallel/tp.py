@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ray_mesh.parallel.errors import ParallelError
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.mesh import divisors, submesh
 
 Style = ParallelStyle | str

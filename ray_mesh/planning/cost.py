@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 
 from ray_mesh.core.values import read_int
+from ray_mesh.errors import PlanError
 
 FP32 = 4
 BF16 = 2
@@ -52,10 +53,6 @@ STATE_BYTES_PER_PARAM = 4 * FP32
 # Activation memory per token per layer kept for backward, in units of hidden * 4 bytes
 # (attention and MLP inputs, norms, the MLP's wide hidden): a rough planning figure.
 ACT_FACTOR = 12
-
-
-class PlanError(ValueError):
-    """The cost model's inputs cannot give a plan; the message names the input and the fix."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_mesh.errors import TrialError
 from ray_mesh.planning.cost import Layout, PlanError
 
 StepFactory = Callable[[Any, dict], Callable[[], Any]]  # (DeviceMesh, config) -> step()
@@ -61,10 +62,6 @@ class Trial:
     def from_json(cls, data: dict[str, Any]) -> Trial:
         return cls(data["label"], dict(data["mesh"]), data["status"], list(data["step_s"]),
                    float(data.get("warmup_s", 0.0)))
-
-
-class TrialError(PlanError):
-    """The job's step failed on a candidate mesh; the message names the layout and rank."""
 
 
 def check_trial_settings(steps: Any, budget_s: Any, cut: Any = 1.2) -> None:

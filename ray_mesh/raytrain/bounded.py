@@ -6,10 +6,7 @@ import time
 
 import ray
 
-
-class BringUpError(RuntimeError):
-    """The mesh could not be brought up on the workers; the message names ranks and nodes."""
-
+from ray_mesh.errors import BringUpError
 
 BRINGUP_FIX = ("A process group that never forms usually means the nodes cannot reach each "
                "other on the chosen interface or port: run `ray-mesh doctor`, check firewalls, "

@@ -36,12 +36,9 @@ from ray.train import DataConfig
 
 from ray_mesh import private_apis
 from ray_mesh.core.spec import MeshSpec
+from ray_mesh.errors import DataSplitError
 
 logger = logging.getLogger(__name__)
-
-
-class DataSplitError(ValueError):
-    """The datasets cannot be split by dp rank as configured; the message says the fix."""
 
 
 def peer_count(spec: MeshSpec) -> int:

@@ -16,19 +16,16 @@ from ray.train import CheckpointConfig, LoggingConfig, Result, RunConfig, Scalin
 from ray.train.torch import TorchTrainer
 
 import ray_mesh.private_apis as private_apis
-from ray_mesh.checkpointing.names import StorageError
 from ray_mesh.checkpointing.storage import check_run_name, check_storage
 from ray_mesh.cli.flags import address_problem
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.cli.preray import check_before_ray, user_error_inside
 from ray_mesh.core.priority import RAY_NICENESS_ENV
-from ray_mesh.core.spec import NODES, MeshSpecError
-from ray_mesh.core.topology import TopologyError
+from ray_mesh.core.spec import NODES
+from ray_mesh.errors import ConfigurationError, UserInputError
 from ray_mesh.network.interfaces import NetworkError, host_port, split_host_port
-from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.raytrain.auth import secure_token_file
 from ray_mesh.raytrain.backend import BringUpError, MeshConfig
-from ray_mesh.raytrain.data import DataSplitError
 from ray_mesh.raytrain.driver import CLI_ENV, EMBEDDED_ENV
 from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 
@@ -36,8 +33,7 @@ logger = logging.getLogger(__name__)
 
 DATA_CPUS = 2
 """CPUs an embedded Ray adds for Ray Data's read and pack tasks when the job has ``data:``."""
-USER_ERROR_TYPES = (NetworkError, BringUpError, MeshSpecError, TopologyError, JobError,
-                    StorageError, ParallelError, DataSplitError)
+USER_ERROR_TYPES = (UserInputError, ConfigurationError, NetworkError, BringUpError)
 """Our errors that Ray Train wraps (ControllerError, WorkerGroupError): shown unwrapped."""
 
 

@@ -16,10 +16,10 @@ import torch.nn as nn
 
 import ray_mesh
 from ray_mesh.checkpointing import sharded
+from ray_mesh.errors import ParallelError
 from ray_mesh.parallel import apply_fsdp, full_parameters, parallelize, shard_batch
 from ray_mesh.parallel.compress import average
 from ray_mesh.parallel.diloco import DiLoCo, DiLoCoConfig, replicas_equal
-from ray_mesh.parallel.errors import ParallelError
 
 
 def make_model(dropout: float = 0.0) -> nn.Module:

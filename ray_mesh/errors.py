@@ -1,0 +1,163 @@
+"""Every error ray_mesh raises, in one hierarchy under :class:`RayMeshError`.
+
+Four branches, by who has to act:
+
+* :class:`UserInputError` -- a value the user wrote (a mesh spec, a job file key, a CLI flag, a
+  model or data setting, a run name) cannot work. Fix the input.
+* :class:`ConfigurationError` -- values that are each fine but do not fit together or do not
+  fit the cluster (a mesh the workers' placement cannot host, a plan, a data split, a
+  storage path the nodes do not share). Change the configuration or the cluster.
+* :class:`ClusterError` -- the cluster or its network failed at run time (interfaces,
+  pre-flight, bring-up, a collective that hangs, a cluster that does not answer).
+* :class:`CheckpointError` -- a checkpoint cannot be written or used.
+
+Every message names the problem and the fix. The branches keep the builtin bases the classes
+always had (``ValueError`` for input and configuration, ``RuntimeError`` for the cluster and
+checkpoints), so ``except ValueError`` in existing code still catches what it caught. The
+``ray-mesh`` CLI decides by class alone: a :class:`RayMeshError` is one line and exit code 2,
+anything else a bug with its traceback. Each subclass is also
+importable from the module that raises it. This module imports nothing.
+"""
+
+from __future__ import annotations
+
+
+class RayMeshError(Exception):
+    """Any error ray_mesh raises on purpose; the message names the problem and the fix."""
+
+
+# ----------------------------------------------------------------------------- branches
+class UserInputError(RayMeshError, ValueError):
+    """A value the user wrote cannot work; the message names the key or flag and the fix."""
+
+
+class ConfigurationError(RayMeshError, ValueError):
+    """Settings that do not fit each other or the cluster; the message says what to change."""
+
+
+class ClusterError(RayMeshError, RuntimeError):
+    """The cluster or its network failed; the message names the node, rank or link."""
+
+
+class CheckpointError(RayMeshError, RuntimeError):
+    """A checkpoint that cannot be written or used; the message names it and the fix."""
+
+
+# ----------------------------------------------------------------------------- user input
+class MeshSpecError(UserInputError):
+    """A mesh spec that cannot describe a mesh; the message says how to fix it."""
+
+
+class JobError(UserInputError):
+    """A job file that cannot run; the message names the key and the fix."""
+
+
+class DataSpecError(UserInputError):
+    """A ``data:`` section that cannot feed the job; the message names the key and the fix."""
+
+
+class ModelConfigError(UserInputError):
+    """A model config that cannot build or run; the message names the key and the fix."""
+
+
+# ----------------------------------------------------------------------------- configuration
+class TopologyError(ConfigurationError):
+    """The workers' placement cannot host the mesh; the message says how to fix it."""
+
+
+class PlanError(ConfigurationError):
+    """The cost model's inputs cannot give a plan; the message names the input and the fix."""
+
+
+class TrialError(PlanError):
+    """The job's step failed on a candidate mesh; the message names the layout and rank."""
+
+
+class ParallelError(ConfigurationError):
+    """A model, plan or schedule that cannot be put on the mesh as asked."""
+
+
+class DataSplitError(ConfigurationError):
+    """The datasets cannot be split by dp rank as configured; the message says the fix."""
+
+
+class StorageError(ConfigurationError):
+    """A storage_path that cannot hold this run's checkpoints; the message says what to use."""
+
+
+# ----------------------------------------------------------------------------- cluster
+class NetworkError(ClusterError):
+    """An interface or address problem; the message names the node, interface and fix."""
+
+
+class PreflightError(NetworkError):
+    """The nodes cannot form a process group; the message lists every failure and its fix."""
+
+
+class LinkError(ClusterError):
+    """A link could not be measured; the message names the pair and what to check."""
+
+
+class BootstrapError(ClusterError):
+    """The process group or mesh could not be built; the message says why and what to do."""
+
+
+class BringUpError(ClusterError):
+    """The mesh could not be brought up on the workers; the message names ranks and nodes."""
+
+
+class CollectiveHangError(ClusterError):
+    """A collective did not complete within hang_timeout_s; the message is the full report."""
+
+
+class StatusError(ClusterError):
+    """The cluster could not be asked; the message says what to check."""
+
+
+# ----------------------------------------------------------------------------- checkpoints
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint holds another model: the message lists the keys that do not match."""
+
+
+class NonFiniteError(CheckpointError, ValueError):
+    """The model holds NaN or inf: saving it would replace good checkpoints with broken ones."""
+
+
+EXIT_CODE = 2
+"""``ray-mesh``'s exit code for any :class:`RayMeshError`: one ``ray-mesh: error:`` line, no
+traceback (``-v`` adds it). Anything else is a bug in ray_mesh and keeps its traceback."""
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The CLI's exit code for ``exc``, or None when it is not one of ours (a bug)."""
+    return EXIT_CODE if isinstance(exc, RayMeshError) else None
+
+
+__all__ = [
+    "EXIT_CODE",
+    "BootstrapError",
+    "BringUpError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "ClusterError",
+    "CollectiveHangError",
+    "ConfigurationError",
+    "DataSpecError",
+    "DataSplitError",
+    "JobError",
+    "LinkError",
+    "MeshSpecError",
+    "ModelConfigError",
+    "NetworkError",
+    "NonFiniteError",
+    "ParallelError",
+    "PlanError",
+    "PreflightError",
+    "RayMeshError",
+    "StatusError",
+    "StorageError",
+    "TopologyError",
+    "TrialError",
+    "UserInputError",
+    "exit_code",
+]
