@@ -77,7 +77,13 @@ def read_line(conn: socket.socket, limit: int, deadline: float | None = None) ->
             if left <= 0:
                 raise TimeoutError(f"no complete line by the deadline ({len(buf)} bytes)")
             conn.settimeout(left)
-        data = conn.recv(1)
+        try:
+            data = conn.recv(1)
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise TimeoutError(f"no complete line by the deadline ({len(buf)} bytes)") \
+                from None
         if not data:
             break
         buf += data

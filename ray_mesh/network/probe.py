@@ -209,7 +209,7 @@ def _attempt(source: str, address: str, port: int, deadline: float,
     bounded by ``deadline``; "turned away": the listener closed it without a greeting."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     where = host_port(address, port)
-    connected = False
+    connected = False  # the handshake is done: a timeout from now on is not the link's
     try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.settimeout(max(deadline - time.monotonic(), 0.01))
@@ -236,9 +236,9 @@ def _attempt(source: str, address: str, port: int, deadline: float,
         return False, "connection refused (a firewall rejects the port, or nothing listens)", \
             False
     except (ConnectionResetError, BrokenPipeError):
-        if connected:
-            return False, _turned_away(where, source), True
-        return False, f"connection reset by {where} (a firewall rejects the port)", False
+        # A reset, even one that beats connect()'s return, follows a completed handshake
+        # (a firewall's reject is "refused"): the listener accepted, then turned it away.
+        return False, _turned_away(where, source), True
     except OSError as exc:
         if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
             return False, f"no route to host ({exc.strerror})", False
