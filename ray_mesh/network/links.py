@@ -17,8 +17,9 @@ Each transfer is bounded by bytes and by seconds, so a measurement costs at most
 (32 MB at 10 Gbit/s: ~30 ms). One direction is measured per pair (the lower node index
 sends): VPN links are symmetric enough for planning.
 
-Connections must open with the per-run nonce the orchestrator hands out; any other client
-is dropped, and the server takes at most :data:`MAX_CLIENTS` at once.
+Connections must come from one of the nodes' addresses and open with the per-run nonce
+the orchestrator hands out; any other client is dropped, and the server takes at most
+:data:`MAX_CLIENTS` at once, each for a bounded time (``ray_mesh.network.gate``).
 """
 
 from __future__ import annotations
@@ -81,13 +82,16 @@ class BandwidthServer:
     """Receives transfers on ``address`` and answers each sender with what arrived.
 
     Lives until :meth:`close` or ``lifetime_s``, whichever comes first, so an orchestrator
-    that dies cannot leave a listener behind. Only senders with ``nonce`` are served, at
-    most :data:`MAX_CLIENTS` at once (``ray_mesh.network.gate``).
+    that dies cannot leave a listener behind. Only senders from ``peers`` (None: any
+    address) with ``nonce`` are served, at most :data:`MAX_CLIENTS` at once, each for at
+    most ``session_s`` (``ray_mesh.network.gate``).
     """
 
-    def __init__(self, address: str, nonce: str, lifetime_s: float = 30.0) -> None:
+    def __init__(self, address: str, nonce: str, lifetime_s: float = 30.0,
+                 peers: Sequence[str] | None = None, session_s: float | None = None) -> None:
         self._listener = GatedListener(address, 0, nonce, self._receive,
                                        lifetime_s=lifetime_s, max_clients=MAX_CLIENTS,
+                                       allowed_peers=peers, session_s=session_s,
                                        name="ray_mesh-bandwidth")
         self.port: int = self._listener.port
 
@@ -131,7 +135,7 @@ def send_to(src: str, dst: str, port: int, nonce: str, max_s: float = DEFAULT_MA
                 sock.sendall(payload)
                 sent += CHUNK
             sock.shutdown(socket.SHUT_WR)
-            answer = read_line(sock, 64).decode()
+            answer = read_line(sock, 64, deadline=time.monotonic() + max_s + 5.0).decode()
     except OSError as exc:
         raise LinkError(f"bandwidth probe {src} -> {dst}:{port} failed: {exc}; check that "
                         f"{dst} is reachable from {src} over the chosen interface "
@@ -229,9 +233,10 @@ class LinkMatrix:
 _SERVERS: dict[int, BandwidthServer] = {}
 
 
-def start_server(address: str, nonce: str, lifetime_s: float = 30.0) -> int:
+def start_server(address: str, nonce: str, lifetime_s: float = 30.0,
+                 peers: Sequence[str] | None = None, session_s: float | None = None) -> int:
     """Start a :class:`BandwidthServer` in this process; returns its port."""
-    server = BandwidthServer(address, nonce, lifetime_s)
+    server = BandwidthServer(address, nonce, lifetime_s, peers, session_s)
     _SERVERS[server.port] = server
     return server.port
 
@@ -260,7 +265,9 @@ def measure_links(addresses: Sequence[str], run_on: RunOn, *, max_s: float = DEF
     nonce = new_nonce()
     n = len(addresses)
     lifetime = (n + 1) * (max_s + 10.0)
-    ports = [int(run_on(i, start_server, addresses[i], nonce, lifetime)) for i in range(n)]
+    # Served: the nodes' own addresses only; a transfer and its answer within max_s + 10 s.
+    ports = [int(run_on(i, start_server, addresses[i], nonce, lifetime, list(addresses),
+                        max_s + 10.0)) for i in range(n)]
     rounds = pair_rounds(n) if n > 1 else []
     if within_node:
         rounds.append([(i, i) for i in range(n)])

@@ -6,12 +6,16 @@ test's namespace agent), called by the orchestration in ``ray_mesh.raytrain.pref
 1. :func:`open_listeners` chooses the node's interface (the same rule as the planner) and
    opens a short-lived TCP listener on the chosen address (rank 0's node also on the
    rendezvous port, MASTER_PORT), which proves the address is really on that node;
-2. :func:`probe_peers` connects from the chosen address to every other node's listener
-   and to rank 0's rendezvous port, all at once, each connect with a short timeout;
-3. :func:`close_listeners` stops them, so torch's TCPStore can bind the port at once.
+2. :func:`admit_peers` tells the listeners the other nodes' chosen addresses: until then
+   they serve only the node's own address, and connections from any other source are
+   closed right after accept;
+3. :func:`probe_peers` connects from the chosen address to every other node's listener
+   and to rank 0's rendezvous port, all at once, each within a short deadline;
+4. :func:`close_listeners` stops them, so torch's TCPStore can bind the port at once, and
+   says how many connections they turned away (strangers, clients without the nonce).
 
 The listeners answer only connections that open with the run's nonce, which the
-orchestrator passes to steps 1 and 2, and serve at most :data:`MAX_CLIENTS` at once with
+orchestrator passes to steps 1 and 3, and serve at most :data:`MAX_CLIENTS` at once with
 as many threads (``ray_mesh.network.gate``, shared with the link bandwidth probe).
 
 Nothing here raises on a network problem: every failure is data (:class:`NodeFacts`,
@@ -30,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 
-from ray_mesh.network.gate import GatedListener, send_nonce
+from ray_mesh.network.gate import GatedListener, GateStats, send_nonce
 from ray_mesh.network.interfaces import (
     Choice,
     NetworkError,
@@ -109,6 +113,8 @@ class ConnectResult:
 
 MAX_CLIENTS = 16
 """Pre-flight connections served at once per listener (peers are served in milliseconds)."""
+SESSION_S = 5.0
+"""A served pre-flight conversation (greeting, then the client's close) is cut after this."""
 
 
 def _greet(conn: socket.socket) -> None:
@@ -120,9 +126,11 @@ def _greet(conn: socket.socket) -> None:
 
 
 def _listen(address: str, port: int, lifetime_s: float, nonce: str) -> GatedListener:
-    """A pre-flight listener: answers only clients with this run's nonce (``gate``)."""
+    """A pre-flight listener: answers only clients with this run's nonce (``gate``), from
+    this node's own address until :func:`admit_peers` names the other nodes'."""
     return GatedListener(address, port, nonce, _greet, lifetime_s=lifetime_s,
-                         max_clients=MAX_CLIENTS, name="ray_mesh-preflight")
+                         max_clients=MAX_CLIENTS, allowed_peers=(), session_s=SESSION_S,
+                         name="ray_mesh-preflight")
 
 
 _listeners: dict[str, list[GatedListener]] = {}
@@ -134,7 +142,8 @@ def open_listeners(index: int, node_ip: str, interface: str, rendezvous_port: in
     """Step 1 on node ``index``: choose the interface, listen on its address, report facts.
 
     The listeners answer only clients that send ``nonce`` (the run's, from
-    :func:`ray_mesh.network.gate.new_nonce`), at most :data:`MAX_CLIENTS` at once.
+    :func:`ray_mesh.network.gate.new_nonce`), at most :data:`MAX_CLIENTS` at once, and
+    only from the chosen address itself until :func:`admit_peers`.
     Never raises: every problem is a field of the returned :class:`NodeFacts`.
     """
     facts = NodeFacts(index=index, node_ip=node_ip, hostname=socket.gethostname(),
@@ -164,51 +173,110 @@ def open_listeners(index: int, node_ip: str, interface: str, rendezvous_port: in
     return facts
 
 
-def close_listeners(token: str) -> None:
-    """Step 3: stop this node's listeners (they also stop on their own at their deadline)."""
+def admit_peers(token: str, addresses: Sequence[str]) -> bool:
+    """Step 2: serve connections from ``addresses`` (the nodes' chosen addresses) too.
+
+    Returns False when the listeners are gone (closed, or past their lifetime).
+    """
+    with _listeners_lock:
+        opened = _listeners.get(token, [])
+    for listener in opened:
+        listener.admit(addresses)
+    return bool(opened)
+
+
+def close_listeners(token: str) -> GateStats:
+    """Step 4: stop this node's listeners (they also stop on their own at their deadline);
+    what they served and turned away, summed."""
     with _listeners_lock:
         opened = _listeners.pop(token, [])
     for listener in opened:
         listener.stop()
+    stats = GateStats()
     for listener in opened:
         listener.thread.join(timeout=1.0)
+        stats += listener.stats()
+    return stats
 
 
-def _connect_once(source: str, address: str, port: int, timeout_s: float,
-                  nonce: str) -> ConnectResult:
-    start = time.monotonic()
+CONNECT_TRIES = 3
+"""Tries per probe when the listener closes without a greeting, all within its deadline."""
+
+
+def _attempt(source: str, address: str, port: int, deadline: float,
+             nonce: str) -> tuple[bool, str, bool]:
+    """One connection: (ok, error, turned away) with connect, nonce and greeting all
+    bounded by ``deadline``; "turned away": the listener closed it without a greeting."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    ok, error = False, ""
+    where = host_port(address, port)
+    connected = False  # the handshake is done: a timeout from now on is not the link's
     try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout_s)
+            s.settimeout(max(deadline - time.monotonic(), 0.01))
             if source:
                 s.bind((source, 0))  # leave from the chosen address, as NCCL will
             s.connect((address, port))
+            connected = True
             send_nonce(s, nonce)
             data = b""
             while not data.endswith(b"\n") and len(data) < 64:
+                s.settimeout(max(deadline - time.monotonic(), 0.01))
                 chunk = s.recv(64)
                 if not chunk:
                     break
                 data += chunk
-            if data != GREETING:
-                error = (f"something else answers on {host_port(address, port)} "
-                         f"(not the pre-flight listener)")
-            else:
-                ok = True
     except TimeoutError:
-        error = (f"timed out after {timeout_s:.1f} s (packets dropped: link down, "
-                 f"firewall, or the wrong interface)")
+        if connected:
+            return False, (f"connected, but no greeting before the deadline: the listener "
+                           f"on {where} is swamped or stalled (the TCP connection itself "
+                           f"was made, so this is not a dropped link)"), False
+        return False, ("timed out (packets dropped: link down, firewall, or the wrong "
+                       "interface)"), False
     except ConnectionRefusedError:
-        error = "connection refused (a firewall rejects the port, or nothing listens)"
+        return False, "connection refused (a firewall rejects the port, or nothing listens)", \
+            False
+    except (ConnectionResetError, BrokenPipeError):
+        # A reset, even one that beats connect()'s return, follows a completed handshake
+        # (a firewall's reject is "refused"): the listener accepted, then turned it away.
+        return False, _turned_away(where, source), True
     except OSError as exc:
         if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-            error = f"no route to host ({exc.strerror})"
-        elif exc.errno == errno.EADDRNOTAVAIL:
-            error = f"source address {source} is not on this node ({exc.strerror})"
-        else:
-            error = f"{type(exc).__name__}: {exc}"
+            return False, f"no route to host ({exc.strerror})", False
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return False, f"source address {source} is not on this node ({exc.strerror})", \
+                False
+        return False, f"{type(exc).__name__}: {exc}", False
+    if data == GREETING:
+        return True, "", False
+    if not data:
+        return False, _turned_away(where, source), True
+    return False, f"something else answers on {where} (not the pre-flight listener)", False
+
+
+def _turned_away(where: str, source: str) -> str:
+    return (f"{where} accepted the connection, then closed it without a greeting: "
+            f"either it is not the pre-flight listener of this run, or that listener turned "
+            f"this client away (its source address {source or '(any)'} is not among the "
+            f"nodes' chosen addresses, e.g. NAT between the nodes; or a crowd of other "
+            f"connections pushed it out: see what the listener turned away)")
+
+
+def _connect_once(source: str, address: str, port: int, timeout_s: float,
+                  nonce: str) -> ConnectResult:
+    """One probe within ``timeout_s`` in all, tried again (up to :data:`CONNECT_TRIES`)
+    while time is left if the listener turned it away without a greeting."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    tries = 0
+    while True:
+        tries += 1
+        ok, error, turned_away = _attempt(source, address, port, deadline, nonce)
+        if ok or not turned_away or tries >= CONNECT_TRIES \
+                or deadline - time.monotonic() < 0.2:
+            break
+        time.sleep(0.05)
+    if not ok and turned_away and tries > 1:
+        error += f" ({tries} tries)"
     return ConnectResult(ok, error, round((time.monotonic() - start) * 1000, 1))
 
 
@@ -235,12 +303,15 @@ def probe_peers(source: str, targets: Sequence[Target], timeout_s: float,
 
 
 __all__ = [
+    "CONNECT_TRIES",
     "MAX_CLIENTS",
+    "SESSION_S",
     "RENDEZVOUS",
     "VERSION_KEYS",
     "ConnectResult",
     "NodeFacts",
     "Target",
+    "admit_peers",
     "close_listeners",
     "node_versions",
     "open_listeners",

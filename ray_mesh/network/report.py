@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from ray_mesh.errors import PreflightError
+from ray_mesh.network.gate import GateStats
 from ray_mesh.network.interfaces import Choice, host_port
 from ray_mesh.network.probe import VERSION_KEYS, ConnectResult, NodeFacts
 from ray_mesh.observability.table import text_table
@@ -38,13 +39,15 @@ class PreflightReport:
     """Everything the pre-flight learned; :meth:`format` is what ``ray-mesh doctor`` prints.
 
     ``facts[i]`` is None for a node that did not answer step 1; ``matrix[(i, j)]`` is the
-    connect from node i to node j; ``rendezvous[i]`` node i's connect to rank 0's port.
+    connect from node i to node j; ``rendezvous[i]`` node i's connect to rank 0's port;
+    ``gates[i]`` what node i's listeners served and turned away.
     """
 
     nodes: list[NodeTarget]
     facts: list[NodeFacts | None]
     matrix: dict[tuple[int, int], ConnectResult] = field(default_factory=dict)
     rendezvous: dict[int, ConnectResult] = field(default_factory=dict)
+    gates: dict[int, GateStats] = field(default_factory=dict)
     rendezvous_port: int | None = None
     problems: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -96,6 +99,9 @@ class PreflightReport:
                 out.append(f"    chosen:     NONE: {f.choice_error}")
             out.append("    versions:   " + ", ".join(
                 f"{k} {f.versions.get(k) or '-'}" for k in VERSION_KEYS))
+            gate = self.gates.get(i)
+            if gate is not None and gate.turned_away:
+                out.append(f"    listeners:  {gate.describe()}")
         if self.nodes:
             out += ["", "connectivity (row = from, column = to; ok / FAIL / ? not tried)",
                     self._matrix_table()]
@@ -149,6 +155,7 @@ def find_problems(report: PreflightReport, silent: Sequence[int]) -> list[str]:
             out.append(f"{report.label(i)}: {f.rendezvous_error}. Another process holds "
                        f"it; retry (a new port is picked each run).")
     out += _matrix_problems(report)
+    out += _gate_problems(report)
     out += version_problems([f.versions if f else None for f in report.facts], report.label)
     return out
 
@@ -179,6 +186,22 @@ def _matrix_problems(report: PreflightReport) -> list[str]:
             f"{c0.interface}), or choose another interface."
         )
     return out
+
+
+def _gate_problems(report: PreflightReport) -> list[str]:
+    """When connects failed, the listeners that turned connections away: a crowd of
+    strangers or of slow clients is a likelier cause than the link, and is named as such."""
+    if all(r.ok for r in [*report.matrix.values(), *report.rendezvous.values()]):
+        return []
+    return [
+        f"{report.label(i)}: its pre-flight listeners {g.describe()}. Something other "
+        f"than this run's probes is connecting to the pre-flight's ports (a port scanner, a "
+        f"misconfigured service, or an attack), so failed connects to this node may be its "
+        f"doing rather than the link's. Find it with `ss -tnp` on the node or in the "
+        f"firewall's log, and let only the nodes reach the node's chosen address; if a "
+        f"listed address is one of your nodes, its traffic is rewritten on the way (NAT): "
+        f"give the nodes addresses they reach each other on directly."
+        for i, g in sorted(report.gates.items()) if g.turned_away]
 
 
 def version_problems(versions: Sequence[Mapping[str, str] | None],

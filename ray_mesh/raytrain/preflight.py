@@ -4,10 +4,12 @@ The driver/controller side of the check. It fans the worker-side steps of
 ``ray_mesh.network.probe`` out to one process per node, one function per step:
 
 1. :func:`listen_step`: every node chooses its interface, listens on it, reports facts;
-2. :func:`connect_step`: every node connects to every other node's listener and to rank
+2. :func:`admit_step`: every node's listeners learn the other nodes' chosen addresses,
+   the only sources they serve (a connection from any other address is closed at once);
+3. :func:`connect_step`: every node connects to every other node's listener and to rank
    0's rendezvous port (a node x node matrix);
-3. :func:`close_step`: every node stops its listeners (torch's TCPStore binds the
-   rendezvous port right after).
+4. :func:`close_step`: every node stops its listeners (torch's TCPStore binds the
+   rendezvous port right after) and reports what they turned away.
 
 The whole thing runs under one deadline (default 20 s). A node that does not answer by
 then (its link is down, say) is reported by name like any other failure, and everything
@@ -35,6 +37,7 @@ from ray_mesh.network.interfaces import Choice
 from ray_mesh.network.probe import (
     RENDEZVOUS,
     Target,
+    admit_peers,
     close_listeners,
     open_listeners,
     probe_peers,
@@ -124,6 +127,26 @@ def listen_step(executor: Executor, report: PreflightReport, deadline: float,
     return silent
 
 
+def admit_step(executor: Executor, report: PreflightReport, deadline: float,
+               silent: list[int]) -> None:
+    """Step 2: every listening node serves the nodes' chosen addresses, and only those.
+
+    A node that does not answer in time is added to ``silent`` (its listeners serve only
+    its own address, so the others' probes to it would fail anyway).
+    """
+    addresses = sorted({f.choice.address for f in report.facts
+                        if f is not None and f.choice is not None})
+    calls = [(i, executor.submit(i, admit_peers, f.token, addresses))
+             for i, f in enumerate(report.facts) if f is not None and f.choice is not None]
+    outcomes = executor.wait([h for _, h in calls], _left(deadline) * 0.3)
+    for (i, _), outcome in zip(calls, outcomes, strict=True):
+        if outcome.status == "timeout" and i not in silent:
+            silent.append(i)
+        elif outcome.status == "error":
+            report.problems.append(f"{report.nodes[i].label(i)}: the pre-flight call failed: "
+                                   f"{outcome.value}")
+
+
 def _targets(report: PreflightReport, i: int) -> list[Target]:
     """Where node ``i`` connects: every other listening node, and rank 0's rendezvous port."""
     targets = []
@@ -139,7 +162,7 @@ def _targets(report: PreflightReport, i: int) -> list[Target]:
 
 def connect_step(executor: Executor, report: PreflightReport, deadline: float,
                  silent: list[int], nonce: str) -> None:
-    """Step 2: the matrix, from every node that chose an interface to every listener.
+    """Step 3: the matrix, from every node that chose an interface to every listener.
 
     A node that does not answer is added to ``silent``.
     """
@@ -167,13 +190,18 @@ def connect_step(executor: Executor, report: PreflightReport, deadline: float,
 
 
 def close_step(executor: Executor, report: PreflightReport, deadline: float) -> None:
-    """Step 3: close every node's listeners, and wait for it (a few seconds at most).
+    """Step 4: close every node's listeners, and wait for it (a few seconds at most);
+    what each node's listeners turned away goes to ``report.gates``.
 
     Listeners on a node that does not answer end at their own deadline.
     """
-    closing = [executor.submit(i, close_listeners, f.token)
+    closing = [(i, executor.submit(i, close_listeners, f.token))
                for i, f in enumerate(report.facts) if f is not None]
-    executor.wait(closing, min(max(_left(deadline), 0.0) + 1.0, 3.0))
+    outcomes = executor.wait([h for _, h in closing], min(max(_left(deadline), 0.0) + 1.0,
+                                                          3.0))
+    for (i, _), outcome in zip(closing, outcomes, strict=True):
+        if outcome.ok and outcome.value is not None:
+            report.gates[i] = outcome.value
 
 
 def run_preflight(
@@ -196,6 +224,7 @@ def run_preflight(
     # calls): the listeners answer only this run's probes.
     nonce = new_nonce()
     silent = listen_step(executor, report, deadline, nonce)
+    admit_step(executor, report, deadline, silent)
     connect_step(executor, report, deadline, silent, nonce)
     close_step(executor, report, deadline)
     report.elapsed_s = time.monotonic() - start
@@ -238,6 +267,7 @@ __all__ = [
     "Executor",
     "Outcome",
     "RayRefExecutor",
+    "admit_step",
     "check_worker_group",
     "close_step",
     "connect_step",
