@@ -101,7 +101,7 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
 
 @pytest.mark.ray
 def test_storage_checked_at_start(ray_local, tmp_path):
-    from ray_mesh.raytrain.runner import run_job
+    from ray_mesh.cli.runner import run_job
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")

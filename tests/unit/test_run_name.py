@@ -13,7 +13,7 @@ from ray.train import ScalingConfig
 
 from ray_mesh.checkpointing.storage import StorageError, check_run_name, check_storage
 from ray_mesh.cli.job import Job, JobError
-from ray_mesh.raytrain.runner import build_trainer
+from ray_mesh.cli.runner import build_trainer
 
 TRAIN = str(Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_train.py") + ":train_loop"
 BAD = ["../escaped_run", "..", ".", "a/b", "/abs/run", "a\\b", "~root", "x\0y", "tab\there",
