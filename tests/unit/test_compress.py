@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ray_mesh.parallel.compress import CHUNK, dequantize_int8, quantize_int8, wire_bytes
-from ray_mesh.parallel.diloco import DiLoCoConfig, _fragments
+from ray_mesh.parallel.diloco.config import DiLoCoConfig
+from ray_mesh.parallel.diloco.outer import _fragments
 from ray_mesh.parallel.errors import ParallelError
 
 
