@@ -1,6 +1,6 @@
 """Does a pipeline's send across a slow link overlap the receiver's compute? (gloo, netns)
 
-The planner's GPipe model (``ray_mesh.planning.gpipe``) lets a link carry microbatch ``m``
+The planner's GPipe model (``benchmarks.planning_lab.gpipe``) lets a link carry microbatch ``m``
 only once the receiving stage has posted its recv, which torch's ``ScheduleGPipe`` does
 right before computing ``m``. This measures that on the virtual cluster, without a model:
 2 nodes x 2 ranks, every link shaped; rank j of node 0 sends 4 microbatches (``mb_kib``
