@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ckpt_train import attempts, steps
 from ray_fit import fit
 
+from harness.ckpt_train import attempts, steps
 from ray_mesh.checkpointing import StorageError, check_storage, sharded
 from ray_mesh.cli.job import Job
 
-TRAIN = str(Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_train.py") + ":train_loop"
+TRAIN = str(Path(__file__).resolve().parents[2] / "harness" / "ckpt_train.py") + ":train_loop"
 STEPS = 12
 EVERY = 3
 

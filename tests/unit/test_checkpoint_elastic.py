@@ -15,7 +15,7 @@ from ray_mesh.core.spec import MeshSpec, MeshSpecError
 from ray_mesh.private_apis import startup_timeout_error_type
 from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 
-TRAIN = "tests/helpers/_ckpt_train.py:train_loop"
+TRAIN = "harness/ckpt_train.py:train_loop"
 
 
 def test_only_dp_replicate_may_follow_the_nodes():
