@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ray_mesh.checkpointing import rng
-from ray_mesh.checkpointing.compat import CheckpointMismatchError
+from ray_mesh.checkpointing.errors import CheckpointMismatchError
 from ray_mesh.checkpointing.safe_load import load_state
 from ray_mesh.checkpointing.sharded import (
     Optimizers,

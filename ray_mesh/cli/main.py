@@ -39,7 +39,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
 RAY_SIDE_ERRORS = {"ray_mesh.raytrain.backend": "BringUpError",
                    "ray_mesh.raytrain.data": "DataSplitError",
                    "ray_mesh.models.llama": "ModelConfigError",
-                   "ray_mesh.checkpointing.compat": "CheckpointError",
+                   "ray_mesh.checkpointing.errors": "CheckpointError",
                    "ray_mesh.observability.status": "StatusError"}
 """More user errors, in modules that import Ray or torch: caught when already imported."""
 
