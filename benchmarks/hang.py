@@ -51,7 +51,7 @@ def detect() -> dict:
     config = {"hang_timeout_s": HANG_TIMEOUT_S, "skip_step": 3, "skip_rank": 3,
               "out_dir": str(tmp), "sleep_s": 120}
     start = time.monotonic()
-    _torchrun(REPO / "tests" / "helpers" / "_hang_train.py", json.dumps(config), timeout=300)
+    _torchrun(REPO / "harness" / "hang_train.py", json.dumps(config), timeout=300)
     ended = time.monotonic() - start
     t0 = json.loads((tmp / "hang_start.json").read_text())["t"]
     seen = sorted(json.loads(p.read_text())["t"] - t0 for p in tmp.glob("report_*.json"))

@@ -6,7 +6,7 @@ Variants, run alternately (pair k = the k-th run of each; who goes first alterna
 * ``torchrun``: ``torchrun --nproc-per-node 4 examples/llm.py examples/llm.yaml``: every rank
   reads the training bytes once into a tensor of packed rows, and each step's batch is an
   in-memory gather of it (``global_rows``: a seeded permutation, then this dp rank's slice);
-* ``ray_mesh``: the same job file through ``ray_mesh.raytrain.runner`` (what ``ray-mesh run``
+* ``ray_mesh``: the same job file through ``ray_mesh.cli.runner`` (what ``ray-mesh run``
   does): ``MeshConfig`` + ``TorchTrainer`` + the ``data:`` section as a Ray Data dataset
   (``read_binary_files`` -> ``map_batches`` packing), split by dp rank (``MeshDataConfig``),
   each step's batch from ``iter_torch_batches``.
@@ -107,9 +107,9 @@ def ray_train(config: dict) -> None:
 def run_ray(args: dict, storage: str) -> dict:
     """One run of the job file through the runner ``ray-mesh run`` uses, on this process's
     Ray (``benchmarks/run.py`` started it; its workers have this repository on PYTHONPATH)."""
+    from ray_mesh.cli import runner
     from ray_mesh.cli.job import Job
     from ray_mesh.core.spec import load_yaml
-    from ray_mesh.raytrain import runner
 
     out = result_path("llm")
     doc = load_yaml(JOB)

@@ -1,7 +1,7 @@
 """Recovery time (section f): a worker's SIGKILL to the first training step after the resume.
 
-One ``TorchTrainer`` run of the checkpoint tests' train function (``tests/helpers/
-_ckpt_train.py``: HSDP 2x2 toy model, FSDP2, a ``Checkpointer`` every 2 steps, 4 workers,
+One ``TorchTrainer`` run of the checkpoint tests' train function (``harness/
+ckpt_train.py``: HSDP 2x2 toy model, FSDP2, a ``Checkpointer`` every 2 steps, 4 workers,
 ``MeshConfig``), ``FailureConfig(max_failures=1)``. On the first attempt rank 1 writes a
 marker file and SIGKILLs itself right after step ``kill_at``; Ray Train notices, restarts
 the worker group, ``MeshConfig`` brings the mesh up again and the train function restores
@@ -14,7 +14,7 @@ clock for every process of the machine, namespaces included). Figures of that on
 * ``fit_to_first_step_s``: ``fit()`` called to the first step of the first attempt.
 
 Where: ``local`` on the benchmark's local Ray; ``netns`` on the virtual Tailscale cluster
-(``tests/helpers/netns_cluster.py``: 2 namespace nodes x 2 workers over ``tailscale0``),
+(``harness/netns_cluster.py``: 2 namespace nodes x 2 workers over ``tailscale0``),
 which also gives ``cluster_up_s``: namespaces, links and ``ray start`` on every node until
 the cluster answers. Ray Train's defaults are kept (health check every 2 s:
 ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``), as a user gets them.
@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO  # noqa: E402
 
-HELPERS = REPO / "tests" / "helpers"
-TRAIN = str(HELPERS / "_ckpt_train.py") + ":train_loop"
+TRAIN = str(REPO / "harness" / "ckpt_train.py") + ":train_loop"
 KILL_AT, STEPS, EVERY = 5, 8, 2
 STATISTIC = ("one run per place: seconds from the SIGKILL of worker rank 1 to the first "
              "training step completed after the resume (recovery_s)")
@@ -45,8 +44,7 @@ STATISTIC = ("one run per place: seconds from the SIGKILL of worker rank 1 to th
 
 def _figures(work: Path, t_fit: float) -> dict:
     """The run's figures from rank 0's log and the kill marker (see the module doc)."""
-    sys.path.insert(0, str(HELPERS))
-    from _ckpt_train import attempts, steps
+    from harness.ckpt_train import attempts, steps
 
     def at(line: str) -> float:
         return float(line.rsplit("@", 1)[1])
@@ -105,8 +103,7 @@ def measure_local(work: Path, storage: str) -> dict:
 
 def measure_netns(timeout_s: float = 900.0) -> dict:
     """Bring the virtual cluster up (timed), then the same run from its head namespace."""
-    sys.path.insert(0, str(HELPERS))
-    from netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 
     reason = netns_unavailable_reason()
     if reason:

@@ -1,6 +1,6 @@
 """Does a pipeline's send across a slow link overlap the receiver's compute? (gloo, netns)
 
-The planner's GPipe model (``ray_mesh.planning.gpipe``) lets a link carry microbatch ``m``
+The planner's GPipe model (``benchmarks.planning_lab.gpipe``) lets a link carry microbatch ``m``
 only once the receiving stage has posted its recv, which torch's ``ScheduleGPipe`` does
 right before computing ``m``. This measures that on the virtual cluster, without a model:
 2 nodes x 2 ranks, every link shaped; rank j of node 0 sends 4 microbatches (``mb_kib``
@@ -79,8 +79,7 @@ dist.destroy_process_group()
 def measure(rates=(20,), compute_s=(0.0, 0.02, 0.05, 0.1), reps: int = 5, mb_kib: int = 64,
             microbatches: int = 4, timeout_s: float = 300.0) -> dict:
     """Figures for ``results.json['rendezvous']``: per rate, per recv order and compute."""
-    sys.path.insert(0, str(REPO / "tests" / "helpers"))
-    from netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 
     if reason := netns_unavailable_reason():
         return {"status": f"not run: {reason}"}

@@ -278,14 +278,14 @@ NOTES = """\
 - **g slow links**: `benchmarks/slowlinks.py`: 2 namespace nodes x 2 workers, both node
   links shaped with `tc tbf` per rate; every candidate layout of `fsdp_tp_transformer` for
   a fixed number of steps (median step, bytes from the `tailscale0` counters). The
-  prediction is `ray_mesh.planning.calibrate.predict_calibrated`: a calibration run once per
+  prediction is `benchmarks.planning_lab.calibrate.predict_calibrated`: a calibration run once per
   benchmark run, on each node alone (nothing crossing nodes, the layouts' own steps never
   timed for it), plus modelled link time; the uncalibrated analytic model beside it.
 - **g pipeline sends**: `benchmarks/rendezvous.py`: 2 namespace nodes x 2 ranks at 20 Mbit/s,
   gloo; each rank of node 0 sends 4 microbatches of 64 KiB to its peer as torch's GPipe
   does, the receivers sleep c between recvs, posting each recv just before it is needed
   (`late`, torch's order), all up front (`early`), or late and held in lockstep as TP
-  ranks are (`late_tp`). Beside: the two models of `ray_mesh.planning.gpipe` (take turns,
+  ranks are (`late_tp`). Beside: the two models of `benchmarks.planning_lab.gpipe` (take turns,
   in parallel) and the planner's side-by-side model for independent pipelines.
 - **i llm**: `benchmarks/llm.py`: `examples/llm.py` + `examples/llm.yaml` (dp_shard 2 x tp 2,
   4 CPU workers), torchrun with in-memory rows vs the job through ray_mesh's runner with Ray

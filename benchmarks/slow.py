@@ -52,9 +52,8 @@ def overhead(rounds: int, steps: int) -> dict:
 
 
 def detect() -> dict:
-    sys.path.insert(0, str(REPO / "tests" / "helpers"))
-    from _slow_driver import run_in_cluster
-    from netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.slow_driver import run_in_cluster
 
     if reason := netns_unavailable_reason():
         return {"detect_status": f"not run: {reason}"}

@@ -1,11 +1,11 @@
 """Every candidate layout on shaped links: measured step time and bytes beside the prediction.
 
-The host starts the virtual Tailscale cluster (``tests/helpers/netns_cluster.py``, 2 nodes x
+The host starts the virtual Tailscale cluster (``harness/netns_cluster.py``, 2 nodes x
 2 workers), and for each link rate shapes both nodes' links (``tc ... tbf``) and runs this
 module as a driver inside the head namespace. One ``fit`` per rate; its train function:
 
 1. calibrates on one node, all nodes at once (so they share cores as in the real runs),
-   nothing crossing nodes (:mod:`ray_mesh.planning.calibrate`): the arithmetic (an
+   nothing crossing nodes (:mod:`benchmarks.planning_lab.calibrate`): the arithmetic (an
    unsharded copy per rank), the local shape of each layout family (its step with
    ``dp="replica"``), the pipeline itself inside each node (its schedule's cost on this
    machine), gloo's fixed cost per call and bytes per second, one microbatch's send; then
@@ -99,8 +99,8 @@ def _node_pipeline_fn(pp: int, cfg: dict, microbatches: int):
     sys.path.insert(0, str(REPO / "examples"))
     import fsdp_tp_transformer as ex
 
+    from benchmarks.planning_lab.measure import node_pipeline_mesh
     from ray_mesh.parallel import Pipeline
-    from ray_mesh.planning.measure import node_pipeline_mesh
 
     mesh = node_pipeline_mesh(pp)
     pipe = Pipeline(ex.make_model(cfg), mesh, loss_fn=ex.loss_fn, n_microbatches=microbatches,
@@ -196,11 +196,11 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
     again between each layout's blocks of steps."""
     import torch.distributed as dist
 
+    from benchmarks.planning_lab.calibrate import accumulation
+    from benchmarks.planning_lab.measure import measure_collectives, median_everywhere, node_groups
     from ray_mesh.core.bootstrap import build_device_mesh
     from ray_mesh.core.spec import MeshSpec
-    from ray_mesh.planning.calibrate import accumulation
     from ray_mesh.planning.cost import Layout
-    from ray_mesh.planning.measure import measure_collectives, median_everywhere, node_groups
 
     cfg, per_node = config["model"], config["per_node"]
     steps = max(config["steps"], 12)  # local shapes are cheap: medians of at least 12
@@ -242,7 +242,7 @@ def _interleaved(timers: dict, keys: list[str], reps: int, blocks: int, steps: i
     machine load, as a planner calibrating right before it plans does, and a load swing
     hits both. Returns the step times, the cross-node bytes of the timed steps (Ray's
     background traffic taken out) and the local shapes' medians."""
-    from ray_mesh.planning.measure import median_everywhere
+    from benchmarks.planning_lab.measure import median_everywhere
 
     local: dict[str, list[float]] = {k: [] for k in keys}
     times: list[float] = []
@@ -270,7 +270,7 @@ def _train(config: dict) -> None:
 
     cfg, world = config["model"], dist.get_world_size()
     local0 = ray.train.get_context().get_local_rank() == 0
-    from ray_mesh.planning.measure import (
+    from benchmarks.planning_lab.measure import (
         measure_cross,
         measure_pipeline_send,
         measure_unit_collectives,
@@ -368,10 +368,8 @@ def _trial_section(raw: dict, section: dict) -> dict:
 def measure(rates=RATES, steps: int = 3, model: dict | None = None,
             timeout_s: float = 1500.0) -> dict:
     """Run every layout at every rate; the figures for ``results.json['slowlinks']``."""
-    sys.path.insert(0, str(REPO / "tests" / "helpers"))
-    from netns_cluster import NetnsCluster, netns_unavailable_reason
-
-    from ray_mesh.planning.calibrate import Calibration, local_shapes, predict_calibrated
+    from benchmarks.planning_lab.calibrate import Calibration, local_shapes, predict_calibrated
+    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
     from ray_mesh.planning.cost import Links, ModelStats, Workload, candidates, predict
 
     if reason := netns_unavailable_reason():
@@ -384,7 +382,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
     tokens = cfg["batch_size"] * cfg["seq"]
     out: dict = {"model": {**stats.__dict__, "tokens_per_step": tokens}, "steps": steps,
                  "statistic": "median of the timed steps per layout; bytes: mean per step",
-                 "prediction": "ray_mesh.planning.calibrate.predict_calibrated: one-node "
+                 "prediction": "benchmarks.planning_lab.calibrate.predict_calibrated: one-node "
                                "calibration (nothing crossing nodes; local shapes timed "
                                "between each layout's blocks of steps) + the link priced by "
                                "measure_cross (tiny and large gloo all-reduces across "

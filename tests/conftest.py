@@ -18,7 +18,12 @@ TESTS_DIR = Path(__file__).resolve().parent
 HELPERS_DIR = TESTS_DIR / "helpers"
 # One folder per kind of test; the folder name is also the marker each test gets.
 KINDS = ("unit", "dist", "ray", "netns")
-sys.path.insert(0, str(HELPERS_DIR))  # shared drivers, train functions and fixtures
+sys.path.insert(0, str(HELPERS_DIR))  # the tests' own drivers, train functions and fixtures
+# harness/ (what tests and benchmarks share) and benchmarks/ import from the repository root,
+# as under `python -m pytest` there; this makes a plain `pytest` (or another cwd) alike.
+REPO_DIR = TESTS_DIR.parent
+if str(REPO_DIR) not in sys.path:
+    sys.path.insert(1, str(REPO_DIR))
 
 from require_all import (  # noqa: E402 - a hook pytest finds here; CI fails on skips
     SLOW_ENV,
@@ -28,8 +33,9 @@ from require_all import (  # noqa: E402 - a hook pytest finds here; CI fails on 
 
 
 def worker_runtime_env() -> dict:
-    """Lets Ray workers import train functions defined in test modules (by module name)."""
-    dirs = [str(TESTS_DIR / kind) for kind in KINDS] + [str(HELPERS_DIR)]
+    """Lets Ray workers import train functions defined in test modules and ``harness``
+    (by module name)."""
+    dirs = [str(TESTS_DIR / kind) for kind in KINDS] + [str(HELPERS_DIR), str(REPO_DIR)]
     path = os.pathsep.join(p for p in (*dirs, os.environ.get("PYTHONPATH")) if p)
     return {"env_vars": {"PYTHONPATH": path}}
 

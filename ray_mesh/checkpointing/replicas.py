@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ray_mesh.checkpointing import rng
-from ray_mesh.checkpointing.compat import CheckpointMismatchError
 from ray_mesh.checkpointing.safe_load import load_state
 from ray_mesh.checkpointing.sharded import (
     Optimizers,
@@ -31,6 +30,7 @@ from ray_mesh.checkpointing.sharded import (
     checked_for_load,
     read_progress,
 )
+from ray_mesh.errors import CheckpointMismatchError
 from ray_mesh.parallel.diloco import DiLoCo
 
 

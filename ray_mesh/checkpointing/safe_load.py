@@ -18,6 +18,10 @@ a tensor. Tensor entries DCP already reads with ``weights_only=True``. Every ref
 :class:`CheckpointError` naming the checkpoint, the key and the file.
 
 The integrity manifest is no defence here: anyone who can write the files can recompute it.
+
+Before any of that, :func:`check_compatible` compares the whole model (names and global
+shapes) with the checkpoint's metadata: DCP alone ignores extra keys and fails on the first
+missing one with an internal message.
 """
 
 from __future__ import annotations
@@ -33,12 +37,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from ray_mesh import private_apis
-from ray_mesh.checkpointing.compat import CheckpointError
-from ray_mesh.checkpointing.integrity import METADATA
+from ray_mesh.checkpointing.integrity import METADATA, read_metadata
+from ray_mesh.errors import CheckpointError, CheckpointMismatchError
 
 
 class _CheckedMetadataReader(FileSystemReader):
@@ -134,4 +144,48 @@ def load_state(path: str | os.PathLike, state: dict[str, Any], metadata: Metadat
         ) from exc
 
 
-__all__ = ["load_state"]
+def check_compatible(path: str | os.PathLike, model: torch.nn.Module,
+                     metadata: Any = None) -> None:
+    """Raise :class:`CheckpointMismatchError` naming every model key that does not match.
+
+    DCP alone ignores extra keys in the checkpoint and fails on the first missing one with an
+    internal message; this compares the whole model (names and global shapes) first.
+    ``metadata``: the checkpoint's DCP ``Metadata`` when already read (restricted); else it
+    is read here.
+    """
+    meta = metadata
+    if meta is None:
+        try:
+            meta = read_metadata(Path(path))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"Checkpoint {path} cannot be used: {exc}. Resume from "
+                                  f"another checkpoint.") from exc
+    saved = {k[len("model."):]: v for k, v in meta.state_dict_metadata.items()
+             if k.startswith("model.")}
+    mine = get_model_state_dict(model)
+    missing = sorted(set(mine) - set(saved))
+    unexpected = sorted(set(saved) - set(mine))
+    shapes = []
+    for key in sorted(set(mine) & set(saved)):
+        value, info = mine[key], saved[key]
+        # DTensor.shape is the global shape, as stored in the metadata.
+        if (isinstance(value, torch.Tensor) and isinstance(info, TensorStorageMetadata)
+                and tuple(value.shape) != tuple(info.size)):
+            shapes.append(f"{key}: checkpoint {tuple(info.size)}, model {tuple(value.shape)}")
+    if missing or unexpected or shapes:
+        parts = []
+        for what, items in (("missing from the checkpoint", missing),
+                            ("in the checkpoint but not in the model", unexpected),
+                            ("with another shape", shapes)):
+            if items:
+                shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)"
+                                                if len(items) > 8 else "")
+                parts.append(f"{what}: {shown}")
+        raise CheckpointMismatchError(
+            f"Checkpoint {path} was written by a different model. Keys " + "; keys ".join(parts)
+            + ". Resume it with the model that wrote it, or start this model in a new run "
+            "(another RunConfig(name=...) or storage_path) instead of resuming."
+        )
+
+
+__all__ = ["check_compatible", "load_state"]

@@ -40,14 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 import ray_mesh.checkpointing.integrity as integrity
 import ray_mesh.checkpointing.rng as rng
-from ray_mesh.checkpointing.compat import (
-    CheckpointError,
-    CheckpointMismatchError,
-    NonFiniteError,
-    check_compatible,
-)
 from ray_mesh.checkpointing.integrity import MANIFEST, MARKER, METADATA, OWNED
-from ray_mesh.checkpointing.safe_load import load_state
+from ray_mesh.checkpointing.safe_load import check_compatible, load_state
+from ray_mesh.errors import CheckpointError, CheckpointMismatchError, NonFiniteError
 
 logger = logging.getLogger(__name__)
 

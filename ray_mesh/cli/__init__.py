@@ -1,4 +1,5 @@
-"""The ``ray-mesh`` command (driver side): argument parsing and YAML job files."""
+"""The ``ray-mesh`` command (driver side): argument parsing, YAML job files and the runner
+that runs a job on Ray (``runner``)."""
 
 from __future__ import annotations
 

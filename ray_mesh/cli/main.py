@@ -46,7 +46,7 @@ rank's environment line and Ray Train's own log lines."""
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ray_mesh.raytrain.runner import run_job_outcome
+    from ray_mesh.cli.runner import run_job_outcome
 
     job = Job.from_yaml(args.job)
     if args.num_workers is not None:  # the file's checks again, with the new count
@@ -132,7 +132,7 @@ def _connect_existing(address: str | None) -> None:
     """Join a running cluster (never start one: plan and doctor describe a real cluster)."""
     import os
 
-    from ray_mesh.raytrain.runner import connect
+    from ray_mesh.cli.runner import connect
 
     connect(address or os.environ.get("RAY_ADDRESS") or "auto", 0)
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from ray_mesh.models.llama import Llama
 from ray_mesh.parallel import apply_fsdp, apply_tp, make_style
-from ray_mesh.parallel.pp import mesh_device
+from ray_mesh.parallel.mesh import mesh_device
 
 
 def llama_tp_plan(sequence_parallel: bool = True) -> dict[str, ParallelStyle]:

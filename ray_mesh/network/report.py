@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from ray_mesh.core.table import text_table
 from ray_mesh.errors import PreflightError
 from ray_mesh.network.gate import GateStats
 from ray_mesh.network.interfaces import Choice, host_port
 from ray_mesh.network.probe import VERSION_KEYS, ConnectResult, NodeFacts
-from ray_mesh.observability.table import text_table
 
 DEFAULT_TIMEOUT_S = 20.0
 

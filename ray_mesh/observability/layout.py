@@ -14,9 +14,9 @@ import json
 from typing import Any
 
 from ray_mesh.core.spec import DIM_NAMES
+from ray_mesh.core.table import markdown_table, text_table
 from ray_mesh.core.topology import MeshPlan
 from ray_mesh.network.interfaces import Choice
-from ray_mesh.observability.table import markdown_table, text_table
 
 LAYOUT_JSON = "ray_mesh_layout.json"
 LAYOUT_MD = "ray_mesh_layout.md"

@@ -147,7 +147,7 @@ def recorder() -> ReportRecorder:
     """This process's recorder (exporting only inside a Ray Train worker)."""
     global _recorder
     if _recorder is None:
-        from ray_mesh.observability.progress import in_ray_train
+        from ray_mesh.core.runtime import in_ray_train
 
         _recorder = ReportRecorder(export=in_ray_train())
     return _recorder
@@ -177,7 +177,7 @@ def report(metrics: dict[str, Any], checkpoint: Any = None, *, every: int = 1,
     rec.observe(metrics)
     if checkpoint is None and rec.calls % every:
         return False
-    from ray_mesh.observability.progress import in_ray_train
+    from ray_mesh.core.runtime import in_ray_train
 
     if not in_ray_train():
         return False

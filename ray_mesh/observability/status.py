@@ -33,11 +33,11 @@ from typing import Any
 
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
+from ray_mesh.core.table import text_table
 from ray_mesh.errors import StatusError
 from ray_mesh.network.interfaces import host_port, split_host_port
 from ray_mesh.observability.layout import read_layout
 from ray_mesh.observability.slow import analyze_run, format_analysis
-from ray_mesh.observability.table import text_table
 
 ACTIVE = ("INITIALIZING", "SCHEDULING", "RUNNING", "RESTARTING", "RESIZING")
 DEFAULT_DASHBOARD_PORT = 8265

@@ -17,9 +17,9 @@ from typing import Any
 
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec, MeshSpecError
+from ray_mesh.core.table import text_table
 from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
 from ray_mesh.observability.layout import layout_table
-from ray_mesh.observability.table import text_table
 
 STRATEGIES = ("hsdp", "tp-dp", "tp-pp", "pp-hsdp-tp")
 _BUILTIN = ("CPU", "GPU", "memory", "object_store_memory")

@@ -5,10 +5,11 @@ link rate; on CPU, on small models and on shared cores what a step costs beyond 
 arithmetic is mostly fixed per call and per byte on the host, which no analytic model sees:
 at 1 Gbit/s on the 2-node virtual cluster it ranked first a layout 1.3-2.3x slower than the
 fastest in five of eight runs (``benchmarks/RESULTS.md``, slowlinks). The calibrated model
-(:mod:`ray_mesh.planning.calibrate`) is mostly within 15%, but needs each layout's one-node
-shape run with the job's step. What a user can give is the step itself, so ``mesh="auto"``
-with ``plan.step`` runs it: every candidate, in the order the model predicts, builds its
-mesh, runs one warm-up step and up to ``steps`` timed steps, then frees the mesh's groups.
+(``benchmarks/planning_lab/calibrate.py``, the benchmarks' laboratory) is mostly within 15%,
+but needs each layout's one-node shape run with the job's step. What a user can give is the
+step itself, so ``mesh="auto"`` with ``plan.step`` runs it: every candidate, in the order
+the model predicts, builds its mesh, runs one warm-up step and up to ``steps`` timed steps,
+then frees the mesh's groups.
 
 Bounded: the trials stop starting layouts once ``budget_s`` has passed (a layout under way
 stops after the step that crosses it), and a layout whose fastest step is already slower

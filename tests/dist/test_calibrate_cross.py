@@ -21,12 +21,12 @@ WORLD = 4
 def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
-    from ray_mesh.planning.cost import PlanError
-    from ray_mesh.planning.measure import (
+    from benchmarks.planning_lab.measure import (
         measure_cross,
         measure_pipeline_send,
         measure_unit_collectives,
     )
+    from ray_mesh.planning.cost import PlanError
 
     got = measure_cross(2, 1 << 20, repeats=2)
     got["send_s"] = measure_pipeline_send(2, 1 << 16, repeats=2)
@@ -47,8 +47,8 @@ def _node_pipeline(rank: int) -> dict:
     from torch import nn
 
     import ray_mesh.parallel  # noqa: F401  (sets the pipeline's parallelize step)
+    from benchmarks.planning_lab.measure import node_pipeline_mesh
     from ray_mesh.parallel import Pipeline
-    from ray_mesh.planning.measure import node_pipeline_mesh
 
     mesh = node_pipeline_mesh(2)
     torch.manual_seed(0)

@@ -2,8 +2,9 @@
 
 ``tests/helpers/_diloco_torchrun.py``: every=1 / outer lr 1 / momentum 0 equals sync HSDP;
 one outer step equals the formula; replicas bitwise equal after every sync (none, bf16,
-int8 with streaming fragments); DCP save/resume between syncs is bitwise; an overlapped sync
-lands one step later and keeps that step's progress, and resumes bitwise; bad setups refused.
+int8 with streaming fragments); a checkpoint between syncs (``ray_mesh.checkpointing.
+replicas``, marker and manifest included) resumes bitwise; an overlapped sync lands one step
+later and keeps that step's progress, and resumes bitwise; bad setups refused.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torchrun import torchrun
 
-HELPER = Path(__file__).resolve().parents[1] / "helpers" / "_hang_train.py"
+HELPER = Path(__file__).resolve().parents[2] / "harness" / "hang_train.py"
 HANG_TIMEOUT_S = 8.0
 
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from ray_mesh.observability.slow import RankTimes, analyze
 
-HELPER = Path(__file__).resolve().parents[1] / "helpers" / "_slow_train.py"
+HELPER = Path(__file__).resolve().parents[2] / "harness" / "slow_train.py"
 
 
 def _run(tmp_path: Path, slow_rank: int | None, **extra) -> list[dict]:
     config = {"out_dir": str(tmp_path), "duration_s": 10, "window_s": 3.0,
               "slow_rank": slow_rank, "busy_s": 0.08, "width": 128, **extra}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(HELPER.parents[2]), os.environ.get("PYTHONPATH")) if p)}
+        p for p in (str(HELPER.parents[1]), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
          str(HELPER), json.dumps(config)], capture_output=True, text=True, timeout=300, env=env)

@@ -59,7 +59,7 @@ def main(mode: str, work: Path) -> dict:
     # Two nodes see the same /tmp here: the shared-storage check must accept it.
     storage = check_storage(str(work / "results"))
     trainer = TorchTrainer(
-        load_function(str(HERE / "_ckpt_train.py") + ":train_loop"),
+        load_function(str(HERE.parents[1] / "harness" / "ckpt_train.py") + ":train_loop"),
         # grow: a long enough run for a node to join and the policy to notice it
         train_loop_config={"steps": 40 if mode == "grow" else 10, "every": 2,
                            "step_sleep": 2.5 if mode == "grow" else 1.5,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.checkpointing import sharded
+from ray_mesh.checkpointing import replicas, sharded
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel import apply_fsdp, full_parameters, parallelize, shard_batch
 from ray_mesh.parallel.compress import average
@@ -108,6 +108,13 @@ def compressed_syncs(mesh) -> None:
         check(f"replicas_equal_{mode}", replicas_equal(model, rep))
 
 
+def save(path: Path, dl: DiLoCo, model, opt, step: int) -> None:
+    """A complete DiLoCo checkpoint, as ``Checkpointer(diloco=...)`` writes it: the state
+    laid out per replica (:mod:`ray_mesh.checkpointing.replicas`), then manifest and marker."""
+    replicas.save(path, dl, model, opt)
+    sharded.mark_complete(path, sharded.Progress(step=step))
+
+
 def checkpoint_resume_bitwise(mesh) -> None:
     """Save at an inner step between syncs, restore into fresh objects, continue: bitwise."""
     def build():
@@ -124,9 +131,11 @@ def checkpoint_resume_bitwise(mesh) -> None:
              [m.clone() for m in dl.momentum], [e.clone() for e in dl.error])
     tmp = tempfile.mkdtemp(prefix="diloco_ckpt_") if dist.get_rank() == 0 else None
     path = Path(sharded.broadcast_from_rank0(tmp, None)) / "ckpt"
-    dl.save(str(path), model, opt)
+    save(path, dl, model, opt, step=3)
     model, opt, dl = build()
-    check("own_replica_found", dl.load(str(path), model, opt))
+    progress = replicas.load(path, dl, model, opt)
+    check("own_replica_found", progress.step == 3 and not progress.warnings,
+          str(progress.warnings))
     check("counters_restored", dl.inner_steps == 3, str(dl.inner_steps))
     now = full_parameters(model)
     check("model_restored", all(torch.equal(saved[0][k], now[k]) for k in now))
@@ -198,9 +207,9 @@ def overlap_checkpoint_resume_bitwise(mesh) -> None:
     train(model, opt, 4, mesh, dl)
     tmp = tempfile.mkdtemp(prefix="diloco_ckpt_") if dist.get_rank() == 0 else None
     path = Path(sharded.broadcast_from_rank0(tmp, None)) / "ckpt"
-    dl.save(str(path), model, opt)
+    save(path, dl, model, opt, step=4)
     model, opt, dl = build()
-    dl.load(str(path), model, opt)
+    replicas.load(path, dl, model, opt)
     train(model, opt, 3, mesh, dl, start=4)
     dl.flush()
     resumed = full_parameters(model)

@@ -138,9 +138,9 @@ def _cli(argv: list[str]) -> dict:
 
 
 def cli(unreachable: str) -> None:
+    import ray_mesh.cli.runner  # noqa: F401
     import ray_mesh.planning.cluster  # noqa: F401 - imports first: time only the commands
     import ray_mesh.raytrain.cluster  # noqa: F401
-    import ray_mesh.raytrain.runner  # noqa: F401
 
     address = os.environ["RAY_ADDRESS"]
     out = {}

@@ -22,7 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from netns_cluster import NetnsCluster, netns_unavailable_reason
+
+from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 
 # Fixture name -> NetnsCluster arguments.
 SHARED = {

@@ -29,9 +29,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from _ckpt_train import attempts, steps  # noqa: E402
-from netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
+from harness.ckpt_train import attempts, steps
+from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 

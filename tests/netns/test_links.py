@@ -7,8 +7,8 @@ process orchestrates (as the backend and ``ray-mesh doctor`` do through Ray).
 from __future__ import annotations
 
 import pytest
-from netns_cluster import NetnsCluster, check_rate, netns_unavailable_reason
 
+from harness.netns_cluster import NetnsCluster, check_rate, netns_unavailable_reason
 from ray_mesh.network.links import measure_links
 
 pytestmark = pytest.mark.netns

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 from llm_job import REPO, check_run, write_job
-from netns_cluster import NetnsCluster, netns_unavailable_reason
+
+from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 

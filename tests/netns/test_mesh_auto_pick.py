@@ -8,7 +8,8 @@ import json
 import textwrap
 
 import pytest
-from netns_cluster import NetnsCluster, netns_unavailable_reason
+
+from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray]
 

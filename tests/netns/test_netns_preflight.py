@@ -8,19 +8,15 @@ runs), so this checks the network logic in seconds.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from netns_cluster import NetnsCluster, netns_unavailable_reason  # noqa: E402
-
-from ray_mesh.network.interfaces import collective_env, host_port  # noqa: E402
-from ray_mesh.network.probe import node_versions  # noqa: E402
-from ray_mesh.network.report import NodeTarget  # noqa: E402
-from ray_mesh.raytrain.preflight import Outcome, run_preflight  # noqa: E402
+from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+from ray_mesh.network.interfaces import collective_env, host_port
+from ray_mesh.network.probe import node_versions
+from ray_mesh.network.report import NodeTarget
+from ray_mesh.raytrain.preflight import Outcome, run_preflight
 
 pytestmark = pytest.mark.netns
 _REASON = netns_unavailable_reason()

@@ -1,8 +1,8 @@
 """The slow link and the slow rank, named by ``ray-mesh status`` on the virtual cluster.
 
 2 namespaces x 2 workers, HSDP (dp_replicate across the nodes), real Ray with the dashboard
-and metrics, plain ``dist.all_reduce`` training (tests/helpers/_slow_train.py: no ray_mesh
-code on the training path). The driver (tests/helpers/_slow_driver.py) asks
+and metrics, plain ``dist.all_reduce`` training (harness/slow_train.py: no ray_mesh
+code on the training path). The driver (harness/slow_driver.py) asks
 :func:`ray_mesh.observability.status.collect` every 2 s, as ``ray-mesh status --json`` does:
 
 * node 1's link shaped to 20 Mbit/s (1000 elsewhere): the verdict names the link between the
@@ -16,13 +16,10 @@ The time to the verdict is printed; benchmarks/slow.py records it (target: 60 s)
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from _slow_driver import run_in_cluster  # noqa: E402
+from harness.slow_driver import run_in_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 

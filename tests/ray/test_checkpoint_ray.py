@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ckpt_train import attempts, steps
 from ray_fit import fit
 
+from harness.ckpt_train import attempts, steps
 from ray_mesh.checkpointing import StorageError, check_storage, sharded
 from ray_mesh.cli.job import Job
 
-TRAIN = str(Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_train.py") + ":train_loop"
+TRAIN = str(Path(__file__).resolve().parents[2] / "harness" / "ckpt_train.py") + ":train_loop"
 STEPS = 12
 EVERY = 3
 
@@ -101,7 +101,7 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
 
 @pytest.mark.ray
 def test_storage_checked_at_start(ray_local, tmp_path):
-    from ray_mesh.raytrain.runner import run_job
+    from ray_mesh.cli.runner import run_job
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")

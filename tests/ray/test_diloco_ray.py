@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ckpt_train import attempts, steps
 from ray_fit import fit
 
+from harness.ckpt_train import attempts, steps
 from ray_mesh.checkpointing import sharded
 
 TRAIN = str(Path(__file__).resolve().parents[1] / "helpers" / "_diloco_train.py") + ":train_loop"

@@ -17,11 +17,11 @@ HANG_TIMEOUT_S = 10.0
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # Ray start-up on a busy 2-core machine; the bound is below
 def test_run_ends_with_the_hang_report(ray_local, storage, tmp_path):
-    from _hang_train import hang_loop
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     import ray_mesh
+    from harness.hang_train import hang_loop
 
     trainer = TorchTrainer(
         hang_loop,

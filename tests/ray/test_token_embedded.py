@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import os, ray
 os.umask(0o022)
-from ray_mesh.raytrain.runner import connect
+from ray_mesh.cli.runner import connect
 assert connect(None, 1) is True
 ray.shutdown()
 """

@@ -81,7 +81,7 @@ def test_the_boundary_lists_cover_the_named_packages():
     for name in ("ray_mesh", "ray_mesh.parallel", "ray_mesh.checkpointing",
                  "ray_mesh.checkpointing.sharded", "ray_mesh.core.spec",
                  "ray_mesh.network.probe", "ray_mesh.planning.cluster",
-                 "ray_mesh.observability.table"):
+                 "ray_mesh.core.table"):
         assert name in RAY_FREE, name
     assert "ray_mesh.raytrain.preflight" in RAY_ALLOWED
 

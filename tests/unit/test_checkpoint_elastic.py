@@ -10,12 +10,12 @@ import pytest
 from ray.train import ControllerError
 
 from ray_mesh.cli.job import Job, JobError
+from ray_mesh.cli.runner import check_resources, scaling_for
 from ray_mesh.core.spec import MeshSpec, MeshSpecError
 from ray_mesh.private_apis import startup_timeout_error_type
 from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
-from ray_mesh.raytrain.runner import check_resources, scaling_for
 
-TRAIN = "tests/helpers/_ckpt_train.py:train_loop"
+TRAIN = "harness/ckpt_train.py:train_loop"
 
 
 def test_only_dp_replicate_may_follow_the_nodes():

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from ray_mesh.checkpointing import integrity, sharded
-from ray_mesh.checkpointing.compat import CheckpointError
+from ray_mesh.errors import CheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

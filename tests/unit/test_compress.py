@@ -7,7 +7,8 @@ import torch
 
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.compress import CHUNK, dequantize_int8, quantize_int8, wire_bytes
-from ray_mesh.parallel.diloco import DiLoCoConfig, _fragments
+from ray_mesh.parallel.diloco.config import DiLoCoConfig
+from ray_mesh.parallel.diloco.outer import _fragments
 
 
 @pytest.mark.parametrize("shape", [(7,), (CHUNK,), (3, CHUNK + 5), (64, 33)])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ray_mesh.cli.job import Job, JobError, load_function
-from ray_mesh.raytrain.runner import check_resources, scaling_for
+from ray_mesh.cli.runner import check_resources, scaling_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

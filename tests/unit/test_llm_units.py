@@ -248,7 +248,7 @@ def test_example_schedule_and_step_indexed_batches():
 def test_data_job_needs_a_cpu_left_for_ray_data():
     from ray.train import ScalingConfig
 
-    from ray_mesh.raytrain.runner import check_data_resources
+    from ray_mesh.cli.runner import check_data_resources
 
     job = Job.from_dict(_job(batch_size=8))
     scaling = ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1})

@@ -258,7 +258,7 @@ def test_version_mismatch_names_nodes_and_fix():
 
 def test_address_that_does_not_answer_fails_in_seconds():
     from ray_mesh.cli.job import JobError
-    from ray_mesh.raytrain.runner import check_reachable
+    from ray_mesh.cli.runner import check_reachable
 
     # A port that listens but never accepts: the kernel completes the TCP handshake, the
     # gRPC call then waits for an HTTP/2 answer that never comes. Only the deadline ends it

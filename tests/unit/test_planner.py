@@ -173,7 +173,7 @@ def test_job_file_mesh_auto_needs_a_plan_and_carries_it():
         "compute_s": 0.5, "layouts": ["ddp", "fsdp", "hsdp", "tp_hsdp"]}},
         base_dir=ROOT / "examples")
     assert job.mesh == "auto" and job.plan.stats.heads == 4 and job.plan.work.tokens == 64
-    from ray_mesh.raytrain.runner import mesh_config
+    from ray_mesh.cli.runner import mesh_config
 
     cfg = mesh_config(job)
     assert cfg.mesh == "auto" and cfg.plan is job.plan

@@ -13,9 +13,9 @@ from ray.train import ScalingConfig
 
 from ray_mesh.checkpointing.storage import StorageError, check_run_name, check_storage
 from ray_mesh.cli.job import Job, JobError
-from ray_mesh.raytrain.runner import build_trainer
+from ray_mesh.cli.runner import build_trainer
 
-TRAIN = str(Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_train.py") + ":train_loop"
+TRAIN = str(Path(__file__).resolve().parents[2] / "harness" / "ckpt_train.py") + ":train_loop"
 BAD = ["../escaped_run", "..", ".", "a/b", "/abs/run", "a\\b", "~root", "x\0y", "tab\there",
        " padded ", "", "   ", "n" * 300]
 GOOD = ["hsdp", "run-1.2_x", "TorchTrainer_2026-11-23_10-00-00", "my run", "2024"]
@@ -46,6 +46,6 @@ def test_good_names_pass(tmp_path, name):
 
 def test_yaml_int_name_and_default_name():
     assert Job.from_dict({"name": 2024, "train": TRAIN}).name == "2024"
-    assert Job.from_dict({"train": TRAIN}).name == "_ckpt_train"
+    assert Job.from_dict({"train": TRAIN}).name == "ckpt_train"
     with pytest.raises(JobError, match="not a string"):
         Job.from_dict({"name": ["a"], "train": TRAIN})

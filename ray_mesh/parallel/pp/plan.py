@@ -2,7 +2,7 @@
 
 Pure arithmetic and torch's schedule registry, no process group: build a
 :class:`PipelinePlan` on the driver to validate a config, or on every rank
-(:class:`~ray_mesh.parallel.pp.Pipeline` does) to learn this rank's stages. Everything that
+(:class:`~ray_mesh.parallel.pp.pipeline.Pipeline` does) to learn this rank's stages. Everything that
 can be wrong with the numbers (more stages than layers, microbatches that do not divide the
 batch, a schedule's own microbatch rules, a schedule known to hang on the backend) is
 checked here, on every rank alike, before a stage exists.

@@ -27,7 +27,7 @@ moves beyond what its local shape already moved (gloo spends CPU on every byte i
 reduces, whatever the link); ``cross_calls`` the collectives the cross dim adds.
 
 When the link itself was measured with the collective library (``measure_cross`` in
-:mod:`ray_mesh.planning.measure`: every node's ranks all-reduce with their peers on the
+:mod:`benchmarks.planning_lab.measure`: every node's ranks all-reduce with their peers on the
 other nodes at once, a small and a large buffer), the last three terms become what that
 measurement says a byte and a call across nodes cost, with the wire, the kernel's network
 path and gloo's CPU work in it::
@@ -62,7 +62,7 @@ local shape's time over the microbatches, backward twice the forward) and the li
 them (a microbatch's activations at ``cross_Bps``) in one line, so a link faster than a
 stage costs its time once per direction and a slower one sets the pace, instead of its
 bytes adding to every step; a link carries a microbatch only after the receiving stage is
-done with the one before (:mod:`ray_mesh.planning.gpipe`: a send waits for its recv), and a
+done with the one before (:mod:`benchmarks.planning_lab.gpipe`: a send waits for its recv), and a
 node's pipelines side by side fill each other's gaps. The bubble is measured, not
 assumed: where a node holds ``pp`` ranks the pipeline itself runs inside each node
 (:func:`pipeline_key`, on ``node_pipeline_mesh``), and its step over the same work's ideal
@@ -77,7 +77,7 @@ pp adds FSDP's overhead (its local step less the arithmetic) for one stage's sha
 parameters (the pipeline keeps them gathered across microbatches).
 
 The calibration never runs a cross-node layout, so it never sees the step times it predicts.
-:mod:`ray_mesh.planning.measure` runs on a live process group (torch only, no Ray); the local
+:mod:`benchmarks.planning_lab.measure` runs on a live process group (torch only, no Ray); the local
 shapes need the train step, so their runner lives beside it (``benchmarks/slowlinks.py``).
 """
 
@@ -86,6 +86,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from benchmarks.planning_lab.gpipe import gpipe_s
 from ray_mesh.planning.cost import (
     BF16,
     FP32,
@@ -98,7 +99,6 @@ from ray_mesh.planning.cost import (
     family,
     predict,
 )
-from ray_mesh.planning.gpipe import gpipe_s
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Every function here is a collective (every rank calls it) and returns the same figures on
 every rank (medians over repeats and ranks, :func:`median_everywhere`), so a planner on any
-rank sees one calibration. The figures feed :class:`ray_mesh.planning.calibrate.Calibration`;
-what they mean for a step time is :mod:`ray_mesh.planning.calibrate`'s docstring.
+rank sees one calibration. The figures feed :class:`benchmarks.planning_lab.calibrate.Calibration`;
+what they mean for a step time is :mod:`benchmarks.planning_lab.calibrate`'s docstring.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from ray_mesh.planning.calibrate import unit_key
+from benchmarks.planning_lab.calibrate import unit_key
 from ray_mesh.planning.cost import FP32, PlanError
 
 

@@ -1,6 +1,6 @@
 """The time of one GPipe step: stages and the links between them as a flow shop.
 
-Kept apart from :mod:`ray_mesh.planning.calibrate` (which measures what the stages and links
+Kept apart from :mod:`benchmarks.planning_lab.calibrate` (which measures what the stages and links
 cost) because the schedule's shape is its own question: when a stage may start a
 microbatch, and when a link may start carrying one.
 

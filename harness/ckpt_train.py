@@ -1,4 +1,5 @@
-"""Train function for the Ray checkpoint tests (loaded by path and shipped by value).
+"""Train function for the Ray checkpoint tests and benchmarks/recovery.py (loaded by path
+and shipped by value).
 
 HSDP toy model, deterministic data (a batch depends only on the step and the dp rank), a
 Checkpointer, and two test hooks driven by the config: rank 1 SIGKILLs itself at a chosen

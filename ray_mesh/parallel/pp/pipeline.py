@@ -7,7 +7,7 @@ applies TP then data parallel to each (torchtitan's order), wraps them in ``Pipe
 and runs the schedule.
 
 Everything that can be wrong with the numbers is checked by :class:`PipelinePlan`
-(:mod:`ray_mesh.parallel.pp_plan`, re-exported here) before a stage exists, on every rank
+(:mod:`ray_mesh.parallel.pp.plan`) before a stage exists, on every rank
 alike, so a bad input is an error everywhere and never one rank raising while its peers wait
 in a ``recv``. The per-step batch check goes through one small all-reduce on the pp group
 for the same reason: only the first stage sees the input and only the last sees the target.
@@ -33,12 +33,9 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
-from ray_mesh.parallel.pp_plan import (
-    SCHEDULES,
+from ray_mesh.parallel.pp.plan import (
     PipelinePlan,
-    known_hang,
     named_layers,
-    schedule_info,
 )
 from ray_mesh.parallel.tp import validate_tp_plan
 
@@ -252,5 +249,4 @@ def _batch_size(x: Any) -> int:
                         f"tensors with the batch on dim 0.")
 
 
-__all__ = ["ParallelizeFn", "Pipeline", "PipelinePlan", "SCHEDULES", "known_hang", "mesh_device",
-           "named_layers", "schedule_info"]
+__all__ = ["ParallelizeFn", "Pipeline"]

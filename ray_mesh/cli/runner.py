@@ -1,4 +1,10 @@
-"""Run a :class:`~ray_mesh.cli.job.Job` on Ray: embedded local Ray, or a cluster by address."""
+"""Run a :class:`~ray_mesh.cli.job.Job` on Ray: embedded local Ray, or a cluster by address.
+
+The engine of ``ray-mesh run``: it connects, checks the job against the cluster, builds the
+``TorchTrainer`` from the job's sections and shows our own error out of Ray's wrappers. It
+speaks the job file's and the command line's terms (``--address``, ``scaling.num_workers``),
+so it lives with them in ``cli``, above the Ray glue it drives (``ray_mesh.raytrain``).
+"""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def slow_loop(config: dict, mesh=None) -> int:
 
 
 def main() -> int:
-    """torchrun entry: ``torchrun --nproc-per-node 4 _slow_train.py CONFIG_JSON``.
+    """torchrun entry: ``torchrun --nproc-per-node 4 harness/slow_train.py CONFIG_JSON``.
 
     Each rank writes ``rank_<r>.json``: its node, coordinates and its wait windows.
     """

@@ -2,7 +2,7 @@
 until its verdict names the expected culprit (tests/netns/test_slow_netns.py,
 benchmarks/slow.py).
 
-    python tests/helpers/_slow_driver.py CONFIG_JSON
+    python harness/slow_driver.py CONFIG_JSON
 
 Config: name, storage, dashboard (http://ip:8265), deadline_s (after training starts),
 expect ("link" or "rank"), slow_rank / busy_s / width (for the train loop). Prints one line
@@ -24,7 +24,8 @@ from pathlib import Path
 
 def train_fn(config: dict) -> None:
     import ray.train
-    from _slow_train import slow_loop
+
+    from harness.slow_train import slow_loop
 
     if ray.train.get_context().get_world_rank() == 0:
         with open(config["started_file"], "w") as f:
@@ -51,9 +52,9 @@ def main() -> None:
     os.makedirs(config["storage"], exist_ok=True)
     config["started_file"] = os.path.join(config["storage"], f"{config['name']}.started")
     config["stop_file"] = os.path.join(config["storage"], f"{config['name']}.stop")
-    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `harness` importable
     ray.init(runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-        [os.environ.get("PYTHONPATH", ""), here])}})
+        [os.environ.get("PYTHONPATH", ""), repo])}})
     fit: dict = {}
 
     def run_fit() -> None:
@@ -114,7 +115,7 @@ def run_in_cluster(cluster, config: dict, deadline_s: float, timeout: float = 70
     env = cluster.node_env(node)
     env.update(RAY_ADDRESS=cluster.address, PYTHONUNBUFFERED="1",
                RAY_TRAIN_ENABLE_STATE_TRACKING="1",
-               PYTHONPATH=f"{here.parents[1]}{os.pathsep}{here}")
+               PYTHONPATH=str(here.parent))  # the repository: `harness` importable
     config = {"dashboard": f"http://{node.ip}:8265", "deadline_s": deadline_s, "width": 256,
               **config}
     proc = subprocess.run([*node.exec_prefix(), sys.executable, str(Path(__file__).resolve()),

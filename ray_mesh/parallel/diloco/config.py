@@ -1,7 +1,7 @@
 """DiLoCo's settings (YAML ``replicate: {mode: diloco, ...}``), checked where they are made.
 
-Kept apart from :mod:`ray_mesh.parallel.diloco` (the outer loop) so the driver can validate
-a job's ``replicate:`` section with nothing but this dataclass.
+The settings are the driver's (a job's ``replicate:`` section is checked here, before any
+process group); the outer loop that runs them on the workers is :mod:`.outer`.
 """
 
 from __future__ import annotations

@@ -34,13 +34,17 @@ s, and resumes bitwise like an uninterrupted run that saved there too).
 The model must be sharded inside a replica only: ``apply_fsdp(model, mesh, mode="replica")``
 (or ``parallelize(..., dp="replica")``).
 
-Checkpoints (:meth:`DiLoCo.save` / :meth:`DiLoCo.load`, DCP): between syncs the replicas
-hold *different* parameters and inner optimizer states, and DCP keeps one copy of chunks
-that several ranks hold at the same offsets. So each replica's model and optimizer state
-go under a key of its own (``replica<r>``), and the outer state (global parameters, outer
-momentum, error feedback, counters), equal on every replica, once. A replica index that the
-checkpoint does not have (more nodes than when it was saved) starts from the global
-parameters with a fresh inner optimizer, as a joining replica should.
+Checkpoints (:func:`ray_mesh.checkpointing.replicas.save` / ``.load``, or the
+``Checkpointer(diloco=...)`` of a Ray Train run): between syncs the replicas hold
+*different* parameters and inner optimizer states, and DCP keeps one copy of chunks that
+several ranks hold at the same offsets. So :meth:`DiLoCo.checkpoint_state` puts each
+replica's model and optimizer state under a key of its own (``replica<r>``), and the outer
+state (global parameters, outer momentum, error feedback, counters), equal on every replica,
+once. A replica index that the checkpoint does not have (more nodes than when it was saved)
+starts from the global parameters with a fresh inner optimizer, as a joining replica should.
+The files themselves are written and read by ``ray_mesh.checkpointing`` (a layer above this
+one), with the marker, manifest, random state and restricted loading every ray_mesh
+checkpoint has.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from torch.distributed.tensor import DTensor
 
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.compress import PendingAverage, start_average, wire_bytes
-from ray_mesh.parallel.diloco_config import DiLoCoConfig
+from ray_mesh.parallel.diloco.config import DiLoCoConfig
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -337,28 +341,6 @@ class DiLoCo:
             with torch.no_grad():
                 for p, g in zip(self.params, self.global_params, strict=True):
                     _local(p).copy_(g)
-
-    def save(self, path: str, model: torch.nn.Module,
-             optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
-        """Model, inner optimizer and outer state into ``path`` (DCP; collective)."""
-        import torch.distributed.checkpoint as dcp
-
-        optims = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
-        dcp.save(self.checkpoint_state(model, optims)[0], checkpoint_id=str(path))
-
-    def load(self, path: str, model: torch.nn.Module,
-             optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> bool:
-        """Restore what :meth:`save` wrote; False when this replica was not in it (it then
-        starts from the global parameters with a fresh inner optimizer). Runs nothing
-        from the files (:mod:`ray_mesh.checkpointing.safe_load`)."""
-        from ray_mesh.checkpointing import integrity, safe_load
-
-        optims = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
-        meta = integrity.read_metadata(path)
-        state, mine = self.checkpoint_state(model, optims, meta.state_dict_metadata)
-        safe_load.load_state(path, state, meta)
-        self.apply_checkpoint_state(state, model, optims, mine)
-        return mine
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:

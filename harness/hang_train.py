@@ -57,7 +57,7 @@ def _note_report(out_dir: str) -> None:
 
 
 def main() -> int:
-    """torchrun entry: ``torchrun --nproc-per-node 4 _hang_train.py CONFIG_JSON``."""
+    """torchrun entry: ``torchrun --nproc-per-node 4 harness/hang_train.py CONFIG_JSON``."""
     config = json.loads(sys.argv[1])
     mesh = ray_mesh.init_mesh({"dp_shard": 2, "tp": 2})
     try:

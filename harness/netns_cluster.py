@@ -1,4 +1,4 @@
-"""A virtual Tailscale cluster on one Linux machine, for tests (a reusable fixture library).
+"""A virtual Tailscale cluster on one Linux machine, for tests and benchmarks.
 
 Each "node" is a network namespace with:
 
@@ -21,9 +21,9 @@ concurrent sessions do not collide. :meth:`NetnsCluster.stop` kills exactly the 
 that live in this cluster's namespaces (``ip netns pids``), never ``ray stop``, then deletes
 the namespaces, the bridge and the temp dirs; it runs even when a test fails.
 
-Usage (pytest puts tests/ on sys.path; elsewhere add it)::
+Usage (from the repository root, or with it on ``PYTHONPATH``)::
 
-    from netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 
     if reason := netns_unavailable_reason():        # not root, no `ip netns`, ...
         pytest.skip(reason)
@@ -69,7 +69,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 _instances = itertools.count()
 DEPLOY = REPO / "deploy" / "tailscale"
 TAILNET_IFACE = "tailscale0"

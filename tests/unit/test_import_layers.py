@@ -1,0 +1,311 @@
+"""The package's import graph, read from the source: no cycle, no arrow back up, short modules.
+
+Every ``import`` statement counts, at module level or inside a function (a lazy import is
+still a dependency: it only moves the failure from import time to call time). The layers,
+lowest first, are the folders of ``ray_mesh`` as the data flows (README, "Layout"):
+
+* ``private_apis``: every torch and Ray internal the package touches, with its version; it
+  imports nothing of ours.
+* ``core``: the Ray-free mesh spec and bootstrap every other part builds on.
+* ``network``: interfaces, links and the pre-flight's facts, used from bring-up up.
+* ``observability``: what a person sees (tables, layout, progress, metrics, hang and slow
+  reports); it reads the spec and the network facts and nothing above, and every layer
+  above reports through it.
+* ``parallel``: TP, FSDP, PP, CP, DiLoCo on a mesh.
+* ``models`` and ``data``: a model and a data pipeline built on ``parallel`` (siblings: they
+  do not import each other).
+* ``checkpointing``: saves and loads what ``parallel`` built (DiLoCo's replicas included).
+* ``planning``: the driver's choice of nodes and mesh, priced with the layers below.
+* ``raytrain``: the Ray Train glue that drives all of the above on a cluster.
+* ``cli``: the ``ray-mesh`` program, on top: it parses job files and flags and runs them
+  through ``raytrain``.
+
+``ray_mesh/__init__.py`` is the facade above all of them (lazy exports), so it is exempt.
+Outside the package: ``harness/`` (the virtual multi-node cluster and the train functions
+that tests and benchmarks share) imports only ``ray_mesh``; ``benchmarks/`` imports
+``ray_mesh`` and ``harness`` and never reaches into ``tests/``; the package imports none of
+them. Run this file as a script for the whole report (cycles, back-arrows, sizes).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "ray_mesh"
+MAX_LINES = 400
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("private_apis", "errors"),
+    ("core",),
+    ("network",),
+    ("observability",),
+    ("parallel",),
+    ("models", "data"),
+    ("checkpointing",),
+    ("planning",),
+    ("raytrain",),
+    ("cli",),
+)
+RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+FACADE = "ray_mesh"
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_modules(pkg: Path = PKG) -> dict[str, Path]:
+    return {module_name(p, pkg.parent): p for p in sorted(pkg.rglob("*.py"))}
+
+
+def imports_of(path: Path, modules: dict[str, Path], root: Path = ROOT
+               ) -> list[tuple[str, int]]:
+    """``(module, line)`` for every import of a module in ``modules``, anywhere in the file.
+
+    ``from a.b import c`` counts as an import of ``a.b.c`` when that is a module, else of
+    ``a.b``; an import of an unknown name counts for its closest known parent.
+    """
+    this = module_name(path, root)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[:len(parts) - node.level + 1], *([base] if base else [])])
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != this:
+                found.append((name, node.lineno))
+    return sorted(set(found))
+
+
+def graph(modules: dict[str, Path] | None = None) -> dict[str, list[tuple[str, int]]]:
+    modules = modules if modules is not None else package_modules()
+    return {m: imports_of(p, modules) for m, p in modules.items()}
+
+
+def layer_of(module: str) -> str:
+    """``ray_mesh.network.probe`` -> ``network``; ``ray_mesh.private_apis`` -> itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else FACADE
+
+
+def cycles(g: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
+    """One closed path per strongly connected group of modules (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+    for start in sorted(g):
+        if start in index:
+            continue
+        work = [(start, iter(sorted({t for t, _ in g[start]})))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            for t in targets:
+                if t not in index:
+                    index[t] = low[t] = len(index)
+                    stack.append(t)
+                    on_stack.add(t)
+                    work.append((t, iter(sorted({u for u, _ in g[t]}))))
+                    break
+                if t in on_stack:
+                    low[node] = min(low[node], index[t])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        group.append(m)
+                        if m == node:
+                            break
+                    if len(group) > 1:
+                        groups.append(_closed_path(g, set(group)))
+    return groups
+
+
+def _closed_path(g: dict[str, list[tuple[str, int]]], group: set[str]) -> list[str]:
+    """A shortest cycle through the group's first module (breadth-first inside the group)."""
+    first = min(group)
+    paths = {first: [first]}
+    queue = [first]
+    while queue:
+        m = queue.pop(0)
+        for t, _ in g[m]:
+            if t == first:
+                return [*paths[m], first]
+            if t in group and t not in paths:
+                paths[t] = [*paths[m], t]
+                queue.append(t)
+    return sorted(group)
+
+
+def back_arrows(g: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Imports that point from a layer to a higher one (or to a sibling of its layer)."""
+    bad = []
+    for m, targets in sorted(g.items()):
+        src = layer_of(m)
+        if src == FACADE:
+            continue
+        assert src in RANK, f"{m}: folder {src!r} has no layer; add it to LAYERS"
+        for t, line in targets:
+            dst = layer_of(t)
+            if dst == src:
+                continue
+            if dst == FACADE or RANK[dst] >= RANK[src]:
+                how = "up to" if dst == FACADE or RANK[dst] > RANK[src] else "across to sibling"
+                bad.append(f"{m}:{line} imports {t} ({src} -> {how} {dst})")
+    return bad
+
+
+def long_modules(modules: dict[str, Path] | None = None) -> dict[str, int]:
+    modules = modules if modules is not None else package_modules()
+    return {m: n for m, p in modules.items()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+
+
+# ------------------------------------------------------------------------------ the tests
+def test_every_folder_has_a_layer():
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    files = {p.stem for p in PKG.glob("*.py") if p.stem != "__init__"}
+    missing = (folders | files) - set(RANK)
+    assert not missing, (f"ray_mesh/{', '.join(sorted(missing))} has no layer: add it to "
+                         f"LAYERS in {Path(__file__).name}, below everything that imports it")
+
+
+def test_no_import_cycle():
+    found = cycles(graph())
+    assert not found, (
+        "import cycles (function-level imports count):\n  "
+        + "\n  ".join(" -> ".join(c) for c in found)
+        + "\nMove the piece both need into the lower module (or a new one below both); an "
+          "import moved inside a function is still a cycle.")
+
+
+def test_no_arrow_from_a_lower_layer_up():
+    bad = back_arrows(graph())
+    assert not bad, (
+        "imports against the layers (lowest first: "
+        + " < ".join("/".join(layer) for layer in LAYERS) + "):\n  " + "\n  ".join(bad)
+        + "\nMove the imported code down to the importer's layer or lower, or the importing "
+          "code up to where it is used.")
+
+
+def test_no_module_over_the_line_limit():
+    long = long_modules()
+    assert not long, (f"modules over {MAX_LINES} lines: {long}. Split each by concept (a "
+                      f"package with one module per job), not at the line.")
+
+
+def test_the_checker_sees_lazy_imports_cycles_and_back_arrows(tmp_path):
+    """The checker itself, on a made-up package: a function-level import closes a cycle and
+    points up a layer; both are reported with the module and line."""
+    pkg = tmp_path / "ray_mesh"
+    for sub in ("core", "cli"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("def f():\n    from ray_mesh.cli import b\n")
+    (pkg / "cli" / "b.py").write_text("from ray_mesh.core import a\n")
+    (pkg / "cli" / "c.py").write_text("from . import b\n" + "x = 1\n" * MAX_LINES)
+    modules = package_modules(pkg)
+    g = {m: imports_of(p, modules, tmp_path) for m, p in modules.items()}
+    assert cycles(g) == [["ray_mesh.cli.b", "ray_mesh.core.a", "ray_mesh.cli.b"]]
+    assert back_arrows(g) == ["ray_mesh.core.a:2 imports ray_mesh.cli.b (core -> up to cli)"]
+    assert ("ray_mesh.cli.b", 1) in g["ray_mesh.cli.c"]
+    assert long_modules(modules) == {"ray_mesh.cli.c": MAX_LINES + 1}
+
+
+# ------------------------------------------------------- the package, harness, benchmarks
+TOP = {"ray_mesh", "harness", "benchmarks", "tests", "examples"}
+MAY_IMPORT = {"ray_mesh": set(), "harness": {"ray_mesh"},
+              "benchmarks": {"ray_mesh", "harness", "examples"}}
+
+
+def _top_level_imports(path: Path) -> list[tuple[str, int]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name.split(".")[0], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append((node.module.split(".")[0], node.lineno))
+    return out
+
+
+def _tests_paths(path: Path) -> list[int]:
+    """Lines where code (not a docstring) builds a path into ``tests/``."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+            and (n.value == "tests" or n.value.startswith(("tests/", "tests\\")))]
+
+
+def test_package_harness_and_benchmarks_point_one_way():
+    bad = []
+    for top, allowed in MAY_IMPORT.items():
+        for path in sorted((ROOT / top).rglob("*.py")):
+            where = path.relative_to(ROOT)
+            for name, line in _top_level_imports(path):
+                if name in TOP and name != top and name not in allowed:
+                    bad.append(f"{where}:{line} imports {name}")
+            if top != "ray_mesh":
+                bad += [f"{where}:{line} builds a path into tests/" for line in _tests_paths(path)]
+    assert not bad, (
+        "imports between the package, harness/ and benchmarks/ (allowed: benchmarks -> "
+        "harness -> ray_mesh):\n  " + "\n  ".join(bad)
+        + "\nWhat benchmarks and tests share lives in harness/; the package imports neither.")
+
+
+def test_the_laboratory_is_outside_the_package():
+    """Calibration, the GPipe event simulation and the measurement helpers are benchmarks'
+    tools (``benchmarks/planning_lab/``): the package ships what users call."""
+    for name in ("calibrate", "gpipe", "measure"):
+        assert not (PKG / "planning" / f"{name}.py").exists(), (
+            f"ray_mesh/planning/{name}.py is laboratory code: it belongs in "
+            f"benchmarks/planning_lab/")
+        assert (ROOT / "benchmarks" / "planning_lab" / f"{name}.py").exists(), name
+
+
+def report() -> str:
+    """The whole picture, for a design note: sizes, cycles, back-arrows, long modules."""
+    def lines(top: str) -> int:
+        return sum(len(p.read_text().splitlines()) for p in (ROOT / top).rglob("*.py"))
+
+    g = graph()
+    out = [f"lines: ray_mesh {lines('ray_mesh')}, benchmarks {lines('benchmarks')}, "
+           f"tests {lines('tests')}" + (f", harness {lines('harness')}"
+                                        if (ROOT / 'harness').exists() else ""),
+           f"modules: {len(g)}, imports between them: {sum(len(t) for t in g.values())}"]
+    out += ["cycle: " + " -> ".join(c) for c in cycles(g)] or ["cycles: none"]
+    out += ["back-arrow: " + b for b in back_arrows(g)] or ["back-arrows: none"]
+    out += [f"over {MAX_LINES} lines: {m} ({n})" for m, n in long_modules().items()]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(report())
