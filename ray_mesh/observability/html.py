@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_mesh.core.spec import DIM_NAMES
+from ray_mesh.observability.safe import safe_text
 from ray_mesh.observability.status import ClusterStatus
 
 DATA_ID = "ray-mesh-data"
@@ -46,7 +47,8 @@ svg text{font-family:system-ui,sans-serif}.note{color:#8a5a00}h2+.meta{margin:-4
 
 
 def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    """HTML-escaped, control characters shown as escapes: names come from the cluster."""
+    return html.escape(safe_text(value), quote=True)
 
 
 def _num(value: Any) -> float | None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 from ray_mesh.network.links import LinkMatrix
+from ray_mesh.observability.safe import safe_text
 
 STRAGGLER_GAP = 0.15  # the others wait this share of the time more than the straggler ...
 STRAGGLER_RATIO = 2.0  # ... and at least this many times as long
@@ -231,7 +232,7 @@ def format_analysis(a: dict[str, Any]) -> list[str]:
     if not a["dims"]:
         lines.append("  (no wait windows yet: they appear ~10-20 s after training starts)")
     lines.append(f"  verdict: {a['verdict'] or 'no slow rank or link'}")
-    return lines
+    return [safe_text(line) for line in lines]  # node names and links come from the ranks
 
 
 __all__ = ["Analysis", "DimFinding", "LINK_WAIT", "RankTimes", "STRAGGLER_GAP",
