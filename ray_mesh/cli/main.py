@@ -29,6 +29,7 @@ from ray_mesh.core.topology import TopologyError
 from ray_mesh.data.spec import DataSpecError
 from ray_mesh.network.interfaces import NetworkError
 from ray_mesh.network.links import LinkError
+from ray_mesh.observability.safe import safe_text
 from ray_mesh.parallel.errors import ParallelError
 from ray_mesh.planning.cost import PlanError
 
@@ -82,7 +83,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     outcome = run_job_outcome(job, address=args.address, verbose=args.verbose)
     result = outcome.result
     if result.error is not None:
-        print(f"ray-mesh: the run failed: {result.error}", file=sys.stderr)
+        print(f"ray-mesh: the run failed: {safe_text(result.error, multiline=True)}",
+              file=sys.stderr)
         return 1
     print("\n".join(summary_lines(job.name, outcome)))
     return 0
@@ -128,16 +130,19 @@ def summary_lines(name: str, outcome) -> list[str]:
     elif outcome.metrics_url:
         lines.append(f"  metrics:     {outcome.metrics_url} (Prometheus; series ray_mesh_*), "
                      f"or `ray-mesh status`")
-    return lines
+    # Keys and values of the saved summary come from the run's storage: escaped, one line.
+    return [safe_text(line, 2000) for line in lines]
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from ray_mesh.observability.status import StatusError, collect, format_status
 
     try:
-        status = collect(args.address, timeout_s=args.timeout, all_runs=args.all)
+        status = collect(args.address, timeout_s=args.timeout, all_runs=args.all,
+                         storage=args.storage or (), total_s=args.deadline,
+                         max_bytes=args.max_mb * 2**20)
     except StatusError as exc:
-        print(f"ray-mesh: error: {exc}", file=sys.stderr)
+        print(f"ray-mesh: error: {safe_text(exc, multiline=True)}", file=sys.stderr)
         return 2
     if args.json:
         import dataclasses
@@ -174,10 +179,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _connect_existing(args.address)
     nodes = live_nodes()
     resource = args.resource or ("GPU" if any(n.gpus for n in nodes) else "CPU")
-    print(describe_nodes(nodes, resource))
+    print(safe_text(describe_nodes(nodes, resource), multiline=True))  # nodes' own words
     print()
-    print(plan_cluster(nodes, args.strategy, resource=resource, tp=args.tp,
-                       pp=args.pp).format())
+    print(safe_text(plan_cluster(nodes, args.strategy, resource=resource, tp=args.tp,
+                                 pp=args.pp).format(), multiline=True))
     return 0
 
 
@@ -187,7 +192,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     _connect_existing(args.address)
     nodes = live_nodes()
-    print(describe_nodes(nodes, "GPU"))
+    print(safe_text(describe_nodes(nodes, "GPU"), multiline=True))  # what the nodes report
     print()
     report, links = doctor(nodes, interface=args.interface, timeout_s=args.timeout,
                            rendezvous_port=args.port,
@@ -197,10 +202,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                           "links": links.to_json() if links else [],
                           "verdict": links.verdict() if links else None}, indent=2))
         return 0 if report.ok else 1
-    print(report.format())
+    print(safe_text(report.format(), multiline=True))
     if links is not None:
         print("\nLink bandwidth, Mbit/s (row sends to column; the diagonal is within a node):")
-        print(links.format())
+        print(safe_text(links.format(), multiline=True))
     return 0 if report.ok else 1
 
 
@@ -285,7 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="machine-readable: nodes, runs, ranks, per dim the slowest rank, "
                              "links (Mbit/s) and the verdict")
     status.add_argument("--timeout", type=seconds_flag(), default=5.0,
-                        help="seconds to wait for each answer (default 5)")
+                        help="seconds each answer may take, whole (default 5)")
+    status.add_argument("--deadline", type=seconds_flag(), default=30.0,
+                        help="seconds the whole command may take (default 30); what was not "
+                             "read by then is named in a note")
+    status.add_argument("--max-mb", type=int_flag(1, 4096, example=32), default=32,
+                        help="MiB one answer or layout file may hold (default 32)")
+    status.add_argument("--storage", action="append", type=name_flag, metavar="PATH_OR_URI",
+                        help="read the layout files of runs whose storage_path is exactly "
+                             "this (repeatable). Only storage named here is opened, with this "
+                             "machine's credentials; a path the cluster reports is not")
     status.add_argument("--html", default=None, metavar="FILE",
                         help="also draw nodes, ranks, links and curves into a self-contained "
                              "HTML file (rendering into it again extends the curves)")
@@ -306,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if args.verbose:  # the traceback only on request; the one line either way
             traceback.print_exc()
-        print(f"ray-mesh: error: {exc}", file=sys.stderr)
+        # One line; a message may quote what a cluster, a file or a node said: escaped.
+        print(f"ray-mesh: error: {safe_text(exc, multiline=True)}", file=sys.stderr)
         return 2
 
 

@@ -229,3 +229,44 @@ def test_verbose_shows_the_traceback_and_the_line(cli, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" in out, out[-3000:]
     assert sum(x.startswith("ray-mesh: error:") for x in out.splitlines()) == 1, out[-3000:]
+
+
+# ----------------------------------------------------------------------------- status: hostile
+STATUS_FLAG_CASES = [
+    (["status", "--max-mb", "0"], ["--max-mb", "from 1 to 4096"]),
+    (["status", "--deadline", "0"], ["--deadline", "seconds > 0"]),
+    (["status", "--storage", " "], ["--storage", "non-empty"]),
+]
+
+
+@pytest.mark.parametrize("args, words", STATUS_FLAG_CASES,
+                         ids=["_".join(c[0]) for c in STATUS_FLAG_CASES])
+def test_bad_status_flags_fail_at_parse_time(cli, tmp_path, args, words):
+    assert "--help" in _refused(cli(args, tmp_path), *words)
+
+
+def test_status_escapes_what_the_cluster_says_in_errors_and_notes(cli, tmp_path):
+    """An error page or a run name with escape sequences reaches the terminal escaped."""
+    from hostile_dashboard import Dashboard, train_run
+
+    dash = Dashboard()
+    try:
+        def refuse(h, code: int) -> None:
+            body = b"denied\x1b[2J\x1b]0;owned\x07 \r\n"
+            h.send_response(code)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+
+        dash.serve(runs=[train_run("r\x1b[31mun")])
+        dash.routes["/api/train/v2/runs/v1"] = lambda h: refuse(h, 500)
+        proc = cli(["status", "--address", dash.url, "--timeout", "3"], tmp_path)
+        out = proc.stdout + proc.stderr
+        assert "\x1b" not in out and "\x07" not in out, repr(out[-3000:])
+        assert "denied\\x1b[2J\\x1b]0;owned\\x07" in out, out[-3000:]
+        dash.routes["/api/v0/nodes"] = lambda h: refuse(h, 403)
+        line = _refused(cli(["status", "--address", dash.url, "--timeout", "3"], tmp_path),
+                        "refused the request", "403")
+        assert "denied\\x1b[2J" in line and "\x1b" not in line, line
+    finally:
+        dash.close()
