@@ -215,8 +215,12 @@ def _add_plan_doctor(sub) -> None:
 
     address_help = "Ray cluster address (else RAY_ADDRESS, else the cluster on this machine)"
     plan = sub.add_parser("plan", help="propose a mesh and rank -> node table for the cluster",
-                          description="Propose a mesh for the live cluster and print the "
-                                      "rank -> node table it would give. Starts nothing.")
+                          description="Without JOB: join the running cluster (never start "
+                                      "one) and print the mesh and rank -> node table it "
+                                      "would give. With JOB: rank the job's layouts by "
+                                      "predicted step time, with no Ray at all; the job's "
+                                      "plan.model/plan.step files are imported only with "
+                                      "--import-code.")
     plan.add_argument("--address", default=None, type=address_flag, help=address_help)
     plan.add_argument("--strategy", choices=STRATEGIES, default="hsdp",
                       help="hsdp (default), tp-dp, tp-pp or pp-hsdp-tp")
@@ -237,6 +241,10 @@ def _add_plan_doctor(sub) -> None:
     plan.add_argument("--link-mbit", type=positive_number, default=None,
                       help="with JOB: node link rate in Mbit/s (else plan.link_mbit)")
     plan.add_argument("--json", action="store_true", help="with JOB: machine-readable output")
+    plan.add_argument("--import-code", action="store_true",
+                      help="with JOB: import the files plan.model / plan.step name (this runs "
+                           "their top-level code) to size the model and check the step; "
+                           "without it nothing of yours is imported")
     plan.set_defaults(func=_cmd_plan)
 
     doc = sub.add_parser("doctor", help="check interfaces, versions and connectivity of "

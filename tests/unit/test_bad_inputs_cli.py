@@ -231,6 +231,47 @@ def test_verbose_shows_the_traceback_and_the_line(cli, tmp_path):
     assert sum(x.startswith("ray-mesh: error:") for x in out.splitlines()) == 1, out[-3000:]
 
 
+# ----------------------------------------------------------------------------- plan: no import
+STEP_FILE = """\
+import pathlib
+pathlib.Path(__file__).with_name("IMPORTED").write_text("the step file ran")
+
+
+def make_step(mesh, config):
+    return lambda: None
+"""
+PLAN_JOB = ("name: j\ntrain: t.py:train_loop\nscaling: {num_workers: 4}\nmesh: auto\n"
+            "plan:\n  model: {params: 1000000, layers: 2, hidden: 64, heads: 4}\n"
+            "  tokens_per_step: 1024\n  compute_s: 1.0\n  link_mbit: 100\n")
+PLAN_ARGS = ["--nodes", "2", "--per-node", "2"]
+
+
+def test_plan_imports_no_step_file_unless_asked(cli, tmp_path):
+    """Importing runs a file's top level: ``ray-mesh plan`` does it only with --import-code,
+    and says what it did not do."""
+    job = _job(tmp_path, PLAN_JOB + "  step: s.py:make_step\n")
+    (tmp_path / "s.py").write_text(STEP_FILE)
+    proc = cli(["plan", job, *PLAN_ARGS], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert not (tmp_path / "IMPORTED").exists(), "the step file was imported"
+    assert "did not import plan.step (s.py:make_step)" in out and "--import-code" in out, out
+    assert "Started a local Ray instance" not in out
+    proc = cli(["plan", job, *PLAN_ARGS, "--import-code"], tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert (tmp_path / "IMPORTED").exists() and "imported plan.step" in proc.stdout
+
+
+def test_plan_refuses_a_model_factory_it_may_not_import(cli, tmp_path):
+    job = _job(tmp_path, PLAN_JOB.replace("{params: 1000000, layers: 2, hidden: 64, heads: 4}",
+                                          "m.py:make_model"))
+    (tmp_path / "m.py").write_text(STEP_FILE.replace("make_step(mesh, config)",
+                                                     "make_model(config)"))
+    _refused(cli(["plan", job, *PLAN_ARGS], tmp_path), "plan.model", "m.py:make_model",
+             "--import-code", "{params, layers, hidden, heads}")
+    assert not (tmp_path / "IMPORTED").exists(), "the model file was imported"
+
+
 # ----------------------------------------------------------------------------- status: hostile
 STATUS_FLAG_CASES = [
     (["status", "--max-mb", "0"], ["--max-mb", "from 1 to 4096"]),
