@@ -314,6 +314,10 @@ def render(status: ClusterStatus, *, links: list[dict[str, Any]] | None = None,
             f" node(s) · {len(status.runs)} run(s) · rendered {when}</div>"]
     runs = status.runs or [None]
     for run in runs:
+        if run is not None and run.get("malformed"):  # a report ray_mesh did not write
+            body.append(f"<div class='card malformed'><h2>Run {_e(run['name'])}</h2><div "
+                        f"class='note'>malformed ({_e(run['malformed'])})</div></div>")
+            continue
         if run is None:
             body.append("<div class='card'><h2>No running ray_mesh runs</h2>")
         else:
@@ -324,7 +328,7 @@ def render(status: ClusterStatus, *, links: list[dict[str, Any]] | None = None,
             slow = run.get("slow") or {}
             body.append(f"<div class='meta verdict'>verdict: "
                         f"{_e(slow.get('verdict') or 'no slow rank or link')}</div>")
-        body.append(mesh_svg(status, run, links or (run or {}).get("slow", {}).get("links")))
+        body.append(mesh_svg(status, run, links or ((run or {}).get("slow") or {}).get("links")))
         body.append(_legend())
         if run is not None:
             points = history.get(run["name"], [])

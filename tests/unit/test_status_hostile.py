@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -91,6 +92,36 @@ def test_escape_sequences_are_shown_escaped_in_the_console_and_the_page(dash):
     assert "evil\\x1b[2J" in page
 
 
+def test_chromium_shows_the_escapes_and_loads_nothing_a_name_points_at(dash, tmp_path):
+    """The page in a real browser: markup in a run name is text, control characters are
+    visible escapes, and nothing is fetched from where the names point."""
+    from test_status_html import CHROMIUM, CHROMIUM_ARGS, _browser
+
+    sync_playwright = _browser()
+    bait = Dashboard()
+    try:
+        name = f"<img src='{bait.url}/img'>\x1b[2J<script>fetch('{bait.url}/js')</script>"
+        dash.serve(runs=[train_run(name, [worker(0, ip=f"<a href='{bait.url}'>x</a>"),
+                                          worker(1)])])
+        status = _bounded(lambda: st.collect(dash.url, timeout_s=2))[0]
+        page_file = tmp_path / "mesh.html"
+        page_file.write_text(render(status), encoding="utf-8")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=shutil.which("chromium") or CHROMIUM,
+                                         args=CHROMIUM_ARGS, timeout=60_000)
+            try:
+                page = browser.new_page()
+                page.goto(page_file.as_uri(), wait_until="load", timeout=30_000)
+                text = page.inner_text("body")
+            finally:
+                browser.close()
+        assert "\\x1b[2J" in text and "<img src=" in text and "<script>" in text, text
+        _no_raw_controls(text)
+        assert bait.seen == [], f"the page fetched {bait.seen}"
+    finally:
+        bait.close()
+
+
 def test_hang_and_straggler_reports_escape_what_the_ranks_sent():
     from ray_mesh.observability.hang_report import format_report
     from ray_mesh.observability.slow import format_analysis
@@ -128,6 +159,8 @@ def test_a_non_integer_rank_is_malformed_and_the_other_runs_still_show(dash):
     out = _status_text(dash.url)
     assert "Run bad" in out and "malformed" in out and "'0; rm'" in out, out
     assert "Run good  [RUNNING]" in out, out
+    page = render(_bounded(lambda: st.collect(dash.url, timeout_s=2))[0])
+    assert "malformed (" in page and "&#x27;0; rm&#x27;" in page and "Run good" in page
 
 
 MALFORMED_RUNS = {
