@@ -114,6 +114,15 @@ class StatusError(ClusterError):
     """The cluster could not be asked; the message says what to check."""
 
 
+class SourceError(ClusterError):
+    """One source ``ray-mesh status`` reads (an HTTP answer, a storage file) could not be read
+    within its bounds; the message names it and why."""
+
+
+class Malformed(ClusterError, ValueError):
+    """A record from the cluster that is not what ray_mesh writes; the message says why."""
+
+
 # ----------------------------------------------------------------------------- checkpoints
 class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint holds another model: the message lists the keys that do not match."""
@@ -146,6 +155,7 @@ __all__ = [
     "DataSplitError",
     "JobError",
     "LinkError",
+    "Malformed",
     "MeshSpecError",
     "ModelConfigError",
     "NetworkError",
@@ -154,6 +164,7 @@ __all__ = [
     "PlanError",
     "PreflightError",
     "RayMeshError",
+    "SourceError",
     "StatusError",
     "StorageError",
     "TopologyError",

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_mesh.core.files import write_atomic
+from ray_mesh.core.safe import safe_text
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def claim_dir(path: Path) -> str | None:
             return (f"Checkpoint directory {path} exists and was not created by ray_mesh (no "
                     f"{OWNED}); it is left alone. Remove it yourself, or use another run name "
                     f"or storage_path.")
-        logger.warning("ray_mesh: replacing unfinished checkpoint directory %s", path)
+        logger.warning("ray_mesh: replacing unfinished checkpoint directory %s", safe_text(path))
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     drop_world_access(path)

@@ -42,14 +42,16 @@ import ray_mesh.checkpointing.sharded as sharded
 from ray_mesh.checkpointing.guards import check_args, check_report, train_context
 from ray_mesh.checkpointing.sharded import CheckpointError, Progress
 from ray_mesh.checkpointing.staging import StagingDir
+from ray_mesh.core.safe import safe_text
 
 logger = logging.getLogger(__name__)
 
 
 def _warn(message: str) -> None:
     # Workers' stderr reaches the driver's console (a logger there may be filtered, or
-    # print the line twice through Ray's own handlers).
-    print(message, file=sys.stderr, flush=True)
+    # print the line twice through Ray's own handlers). Escaped: the message names files
+    # in the run directory and quotes markers, which anyone with write access there chose.
+    print(safe_text(message, multiline=True), file=sys.stderr, flush=True)
 
 
 def _mesh_dict() -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from ray_mesh.cli.flags import (
     seconds_flag,
 )
 from ray_mesh.cli.job import MAX_WORKERS, Job, JobError
+from ray_mesh.core.safe import safe_text
 from ray_mesh.errors import exit_code
 
 # Help text is plain text (the module docstring is for readers of the code).
@@ -57,7 +58,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     outcome = run_job_outcome(job, address=args.address, verbose=args.verbose)
     result = outcome.result
     if result.error is not None:
-        print(f"ray-mesh: the run failed: {result.error}", file=sys.stderr)
+        print(f"ray-mesh: the run failed: {safe_text(result.error, multiline=True)}",
+              file=sys.stderr)
         return 1
     print("\n".join(summary_lines(job.name, outcome)))
     return 0
@@ -103,16 +105,19 @@ def summary_lines(name: str, outcome) -> list[str]:
     elif outcome.metrics_url:
         lines.append(f"  metrics:     {outcome.metrics_url} (Prometheus; series ray_mesh_*), "
                      f"or `ray-mesh status`")
-    return lines
+    # Keys and values of the saved summary come from the run's storage: escaped, one line.
+    return [safe_text(line, 2000) for line in lines]
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from ray_mesh.observability.status import StatusError, collect, format_status
 
     try:
-        status = collect(args.address, timeout_s=args.timeout, all_runs=args.all)
+        status = collect(args.address, timeout_s=args.timeout, all_runs=args.all,
+                         storage=args.storage or (), total_s=args.deadline,
+                         max_bytes=args.max_mb * 2**20)
     except StatusError as exc:
-        print(f"ray-mesh: error: {exc}", file=sys.stderr)
+        print(f"ray-mesh: error: {safe_text(exc, multiline=True)}", file=sys.stderr)
         return 2
     if args.json:
         import dataclasses
@@ -149,10 +154,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _connect_existing(args.address)
     nodes = live_nodes()
     resource = args.resource or ("GPU" if any(n.gpus for n in nodes) else "CPU")
-    print(describe_nodes(nodes, resource))
+    print(safe_text(describe_nodes(nodes, resource), multiline=True))  # nodes' own words
     print()
-    print(plan_cluster(nodes, args.strategy, resource=resource, tp=args.tp,
-                       pp=args.pp).format())
+    print(safe_text(plan_cluster(nodes, args.strategy, resource=resource, tp=args.tp,
+                                 pp=args.pp).format(), multiline=True))
     return 0
 
 
@@ -162,7 +167,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     _connect_existing(args.address)
     nodes = live_nodes()
-    print(describe_nodes(nodes, "GPU"))
+    print(safe_text(describe_nodes(nodes, "GPU"), multiline=True))  # what the nodes report
     print()
     report, links = doctor(nodes, interface=args.interface, timeout_s=args.timeout,
                            rendezvous_port=args.port,
@@ -172,10 +177,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                           "links": links.to_json() if links else [],
                           "verdict": links.verdict() if links else None}, indent=2))
         return 0 if report.ok else 1
-    print(report.format())
+    print(safe_text(report.format(), multiline=True))
     if links is not None:
         print("\nLink bandwidth, Mbit/s (row sends to column; the diagonal is within a node):")
-        print(links.format())
+        print(safe_text(links.format(), multiline=True))
     return 0 if report.ok else 1
 
 
@@ -185,8 +190,12 @@ def _add_plan_doctor(sub) -> None:
 
     address_help = "Ray cluster address (else RAY_ADDRESS, else the cluster on this machine)"
     plan = sub.add_parser("plan", help="propose a mesh and rank -> node table for the cluster",
-                          description="Propose a mesh for the live cluster and print the "
-                                      "rank -> node table it would give. Starts nothing.")
+                          description="Without JOB: join the running cluster (never start "
+                                      "one) and print the mesh and rank -> node table it "
+                                      "would give. With JOB: rank the job's layouts by "
+                                      "predicted step time, with no Ray at all; the job's "
+                                      "plan.model/plan.step files are imported only with "
+                                      "--import-code.")
     plan.add_argument("--address", default=None, type=address_flag, help=address_help)
     plan.add_argument("--strategy", choices=STRATEGIES, default="hsdp",
                       help="hsdp (default), tp-dp, tp-pp or pp-hsdp-tp")
@@ -207,6 +216,10 @@ def _add_plan_doctor(sub) -> None:
     plan.add_argument("--link-mbit", type=positive_number, default=None,
                       help="with JOB: node link rate in Mbit/s (else plan.link_mbit)")
     plan.add_argument("--json", action="store_true", help="with JOB: machine-readable output")
+    plan.add_argument("--import-code", action="store_true",
+                      help="with JOB: import the files plan.model / plan.step name (this runs "
+                           "their top-level code) to size the model and check the step; "
+                           "without it nothing of yours is imported")
     plan.set_defaults(func=_cmd_plan)
 
     doc = sub.add_parser("doctor", help="check interfaces, versions and connectivity of "
@@ -260,7 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="machine-readable: nodes, runs, ranks, per dim the slowest rank, "
                              "links (Mbit/s) and the verdict")
     status.add_argument("--timeout", type=seconds_flag(), default=5.0,
-                        help="seconds to wait for each answer (default 5)")
+                        help="seconds each answer may take, whole (default 5)")
+    status.add_argument("--deadline", type=seconds_flag(), default=30.0,
+                        help="seconds the whole command may take (default 30); what was not "
+                             "read by then is named in a note")
+    status.add_argument("--max-mb", type=int_flag(1, 4096, example=32), default=32,
+                        help="MiB one answer or layout file may hold (default 32)")
+    status.add_argument("--storage", action="append", type=name_flag, metavar="PATH_OR_URI",
+                        help="read the layout files of runs whose storage_path is exactly "
+                             "this (repeatable). Only storage named here is opened, with this "
+                             "machine's credentials; a path the cluster reports is not")
     status.add_argument("--html", default=None, metavar="FILE",
                         help="also draw nodes, ranks, links and curves into a self-contained "
                              "HTML file (rendering into it again extends the curves)")
@@ -282,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if args.verbose:  # the traceback only on request; the one line either way
             traceback.print_exc()
-        print(f"ray-mesh: error: {exc}", file=sys.stderr)
+        # One line; a message may quote what a cluster, a file or a node said: escaped.
+        print(f"ray-mesh: error: {safe_text(exc, multiline=True)}", file=sys.stderr)
         return code
 
 

@@ -15,6 +15,8 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Any
 
+from ray_mesh.core.safe import safe_text
+
 STACK_FRAMES = 12  # innermost frames shown per thread
 # Pipeline stages send and receive different numbers of point-to-point ops, so counts on the
 # pp dim differ by design; it is judged only by collectives marked with hang.watched().
@@ -162,9 +164,27 @@ def summary(stalls: list[Stall]) -> str:
             f"({len(stalls)} stalled collective(s) in all; full report above).")
 
 
+FIELD_LIMIT = 1000  # characters kept of one string a rank sent (a code line, a file name)
+
+
+def escaped(value: Any) -> Any:
+    """``value`` with every string in it (keys included) escaped and cut
+    (:func:`~ray_mesh.core.safe.safe_text`): a snapshot's thread names, files, code
+    lines and host come from the ranks' processes, and are printed on the driver."""
+    if isinstance(value, str):
+        return safe_text(value, FIELD_LIMIT)
+    if isinstance(value, dict):
+        return {escaped(k): escaped(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [escaped(v) for v in value]
+    return value
+
+
 def format_report(snaps: dict[int, dict[str, Any]], beats: dict[int, dict[str, Any]],
                   world_size: int, timeout_s: float, end_s: float) -> str:
-    """The message printed on the driver and carried by the run's error."""
+    """The message printed on the driver and carried by the run's error (every string a
+    rank sent escaped)."""
+    snaps, beats = escaped(snaps), escaped(beats)
     stalls = find_stalls(snaps, beats)
     out = [f"ray_mesh: collective hang: a collective did not complete within "
            f"hang_timeout_s={timeout_s:g} s."]
@@ -200,7 +220,7 @@ def format_report(snaps: dict[int, dict[str, Any]], beats: dict[int, dict[str, A
         out += [format_stack(t) for t in relevant_threads(snaps[r].get("threads", []))]
     # Last, so that an error display that keeps only the head and tail (Ray Train's) shows it.
     out.append(summary(stalls))
-    return "\n".join(out)
+    return safe_text("\n".join(out), multiline=True)
 
 
 __all__ = ["Stall", "find_stalls", "format_report", "format_stack", "guess_op",

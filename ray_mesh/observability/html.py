@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ray_mesh.core.safe import safe_text
 from ray_mesh.core.spec import DIM_NAMES
 from ray_mesh.observability.status import ClusterStatus
 
@@ -46,7 +47,8 @@ svg text{font-family:system-ui,sans-serif}.note{color:#8a5a00}h2+.meta{margin:-4
 
 
 def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    """HTML-escaped, control characters shown as escapes: names come from the cluster."""
+    return html.escape(safe_text(value), quote=True)
 
 
 def _num(value: Any) -> float | None:
@@ -312,6 +314,10 @@ def render(status: ClusterStatus, *, links: list[dict[str, Any]] | None = None,
             f" node(s) · {len(status.runs)} run(s) · rendered {when}</div>"]
     runs = status.runs or [None]
     for run in runs:
+        if run is not None and run.get("malformed"):  # a report ray_mesh did not write
+            body.append(f"<div class='card malformed'><h2>Run {_e(run['name'])}</h2><div "
+                        f"class='note'>malformed ({_e(run['malformed'])})</div></div>")
+            continue
         if run is None:
             body.append("<div class='card'><h2>No running ray_mesh runs</h2>")
         else:
@@ -322,7 +328,7 @@ def render(status: ClusterStatus, *, links: list[dict[str, Any]] | None = None,
             slow = run.get("slow") or {}
             body.append(f"<div class='meta verdict'>verdict: "
                         f"{_e(slow.get('verdict') or 'no slow rank or link')}</div>")
-        body.append(mesh_svg(status, run, links or (run or {}).get("slow", {}).get("links")))
+        body.append(mesh_svg(status, run, links or ((run or {}).get("slow") or {}).get("links")))
         body.append(_legend())
         if run is not None:
             points = history.get(run["name"], [])

@@ -4,19 +4,24 @@ Rank 0 prints :func:`layout_table` at start; the same rows are saved next to the
 results (``<storage_path>/<run name>/ray_mesh_layout.json`` and ``.md``, written by
 ``ray_mesh.raytrain.layout_io`` through Ray Train's storage), so that ``ray-mesh status``, a
 human after the run, and tools can see which rank sat where without scraping logs. This
-module only builds and reads those documents: no Ray.
+module only builds and reads those documents: no Ray. ``ray-mesh status`` reads one only
+from storage the viewer named (:func:`read_run_layout`), bounded and checked.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections.abc import Sequence
 from typing import Any
 
-from ray_mesh.core.spec import DIM_NAMES
+from ray_mesh.core.safe import safe_text
+from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.core.table import markdown_table, text_table
 from ray_mesh.core.topology import MeshPlan
 from ray_mesh.network.interfaces import Choice
+from ray_mesh.observability import status_input as si
+from ray_mesh.observability.fetch import SourceError, read_storage_file
 
 LAYOUT_JSON = "ray_mesh_layout.json"
 LAYOUT_MD = "ray_mesh_layout.md"
@@ -79,22 +84,72 @@ def node_lines(plan: MeshPlan, choices: list[Choice]) -> str:
     return "\n".join(lines)
 
 
-def read_layout(storage_path: str, run: str) -> dict[str, Any] | None:
-    """The saved layout of run ``run`` under ``storage_path`` (local or URI), or None."""
-    try:
-        import pyarrow.fs
+LAYOUT_MAX_BYTES = 32 * 2**20
 
-        fs, base = pyarrow.fs.FileSystem.from_uri(storage_path)
-    except Exception:  # noqa: BLE001 - a plain local path
-        import pyarrow.fs
 
-        fs, base = pyarrow.fs.LocalFileSystem(), storage_path
+def read_layout(storage_path: str, run: str, *, timeout_s: float = 30.0,
+                max_bytes: int = LAYOUT_MAX_BYTES) -> dict[str, Any] | None:
+    """The saved layout of run ``run`` under ``storage_path`` (local or URI), or None.
+
+    Read bounded (size and time), but not checked: for storage the caller trusts (its own
+    run's). ``ray-mesh status`` uses :func:`read_run_layout`.
+    """
     try:
-        with fs.open_input_stream(f"{base.rstrip('/')}/{run}/{LAYOUT_JSON}") as f:
-            return json.loads(f.read().decode())
-    except Exception:  # noqa: BLE001 - not written (yet), or storage not reachable from here
+        data = read_storage_file(storage_path, f"{run}/{LAYOUT_JSON}", timeout_s=timeout_s,
+                                 max_bytes=max_bytes, what=LAYOUT_JSON)
+        return json.loads(data.decode()) if data else None
+    except Exception:  # noqa: BLE001 - not written (yet), unreadable, or storage not reachable
         return None
 
 
-__all__ = ["LAYOUT_JSON", "LAYOUT_MD", "layout_document", "layout_table", "read_layout",
-           "to_markdown"]
+def layout_from_state(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Layout rows from a checked Train state run's workers and mesh spec (no interfaces;
+    see :func:`ray_mesh.observability.status_input.parse_run`)."""
+    workers = run["workers"]
+    if not workers:
+        return []
+    nodes = sorted({w["node"] for w in workers})
+    try:
+        spec = MeshSpec.from_dict(run["mesh"]).resolve(len(workers), num_nodes=len(nodes))
+        coords = {w["rank"]: spec.coordinate(w["rank"]) for w in workers}
+    except Exception:  # noqa: BLE001 - show placement without coordinates
+        coords = {}
+    return [{**w, "interface": "?", **{d: coords.get(w["rank"], {}).get(d, "")
+                                       for d in DIM_NAMES}} for w in workers]
+
+
+def named_storage(path: str | None, storage: Sequence[str]) -> str | None:
+    """The viewer's spelling of ``path`` if the viewer named it (a trailing '/' aside)."""
+    if path is None:
+        return None
+    return next((s for s in storage if s.rstrip("/") == path.rstrip("/")), None)
+
+
+def read_run_layout(run: dict[str, Any], storage: Sequence[str], timeout_s: float,
+                    max_bytes: int) -> tuple[dict[str, Any] | None, str | None]:
+    """A checked run's layout file, read only when the viewer named its storage (a URI
+    opens with this machine's cloud credentials); else (None, why not), for a note."""
+    raw, name, shown = run["storage_raw"], run["name"], run["storage_path"]
+    named = named_storage(raw, storage)
+    if raw is None:
+        return None, None
+    if named is None:
+        return None, (f"layout files are in {shown}, storage the cluster reports: not opened, "
+                      f"so this machine's credentials are not used on a place the cluster "
+                      f"chose. If that is storage you trust, name it: --storage {shown}")
+    if not si.safe_component(name):
+        return None, (f"run {name}: its name cannot be a path component under {shown}: "
+                      f"layout file not read")
+    what = safe_text(f"{named}/{name}/{LAYOUT_JSON}", 300)
+    try:
+        data = read_storage_file(named, f"{name}/{LAYOUT_JSON}", timeout_s=timeout_s,
+                                 max_bytes=max_bytes, what=what)
+        return (None, None) if data is None else (si.parse_layout(data, what), None)
+    except si.Malformed as exc:
+        return None, f"run {name}: layout file malformed ({exc}); layout from train state"
+    except SourceError as exc:
+        return None, f"run {name}: layout file not read ({exc}); layout from train state"
+
+
+__all__ = ["LAYOUT_JSON", "LAYOUT_MD", "layout_document", "layout_from_state", "layout_table",
+           "named_storage", "read_layout", "read_run_layout", "to_markdown"]

@@ -246,19 +246,28 @@ def save_summary() -> None:
         logger.debug("ray_mesh: could not save the run summary: %s", exc)
 
 
-def read_summary(run_path: str) -> dict[str, Any]:
-    """The summary rank 0 saved under ``run_path`` (a local path or URI), or {}."""
+SUMMARY_MAX_BYTES = 4 * 2**20
+
+
+def read_summary(run_path: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The summary rank 0 saved under ``run_path`` (a local path or URI), or {}.
+
+    Bounded (size and time: the storage may be slow) and checked: a file that is not a JSON
+    object, or a ``last`` that is not one, reads as {}. The caller escapes what it prints.
+    """
     try:
         import json
 
-        import pyarrow.fs
+        from ray_mesh.observability.fetch import read_storage_file
 
-        fs, base = pyarrow.fs.FileSystem.from_uri(run_path) if "://" in run_path else (
-            pyarrow.fs.LocalFileSystem(), run_path)
-        with fs.open_input_stream(f"{base.rstrip('/')}/{SUMMARY_FILE}") as f:
-            return json.loads(f.read().decode())
+        data = read_storage_file(run_path, SUMMARY_FILE, timeout_s=timeout_s,
+                                 max_bytes=SUMMARY_MAX_BYTES, what=SUMMARY_FILE)
+        doc = json.loads(data.decode()) if data else {}
     except Exception:  # noqa: BLE001 - not written (a failed run), or storage not reachable
         return {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("last", {}), dict):
+        return {}
+    return doc
 
 
 __all__ = ["SUMMARY_FILE", "ReportRecorder", "metric_name", "read_summary", "recorder", "report",

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ray_mesh.core.safe import safe_text
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 from ray_mesh.network.links import LinkMatrix
 
@@ -231,7 +232,7 @@ def format_analysis(a: dict[str, Any]) -> list[str]:
     if not a["dims"]:
         lines.append("  (no wait windows yet: they appear ~10-20 s after training starts)")
     lines.append(f"  verdict: {a['verdict'] or 'no slow rank or link'}")
-    return lines
+    return [safe_text(line) for line in lines]  # node names and links come from the ranks
 
 
 __all__ = ["Analysis", "DimFinding", "LINK_WAIT", "RankTimes", "STRAGGLER_GAP",

@@ -3,44 +3,68 @@
 Everything comes from what a running cluster already publishes, read over HTTP from the
 head's dashboard, so the command needs no driver connection (and creates no Ray job):
 
-* nodes: Ray's state API (``ray.util.state.list_nodes``);
+* nodes: the dashboard's state API (``/api/v0/nodes``);
 * runs: Ray Train V2's run state (``/api/train/v2/runs/v1``; the driver must run with
   ``RAY_TRAIN_ENABLE_STATE_TRACKING=1``); a run is a ray_mesh run when its backend config
   carries a ``mesh`` (``MeshConfig.to_dict``);
-* layout: the ``ray_mesh_layout.json`` rank 0 saved in the run directory when that storage
-  is readable from here, else rebuilt from the Train state's workers and the mesh spec
-  (interfaces are then unknown);
+* layout: the ``ray_mesh_layout.json`` rank 0 saved in the run directory, when the viewer
+  named that storage (``--storage``), else rebuilt from the Train state's workers and the
+  mesh spec (interfaces are then unknown);
 * latest step metrics: the ray_mesh series on every node's Prometheus endpoint (targets
-  from ``/api/prometheus/sd``), matched to ranks by the ``run`` and ``rank`` tags.
+  from ``/api/prometheus/sd``, on the cluster's own node IPs only), matched to ranks by the
+  ``run`` and ``rank`` tags.
 
-Every request is bounded; an address that does not answer fails within seconds with what
-to check.
+What the cluster says is not trusted (:mod:`ray_mesh.observability.status_input`): every
+answer has a byte cap and must arrive whole within ``timeout_s``, the whole command within
+``total_s`` (:mod:`ray_mesh.observability.fetch`); a storage path the cluster reports is
+never opened unless the viewer named it, since opening it would use this machine's cloud
+credentials on a place the cluster chose; a report that is not what ray_mesh writes is shown
+as ``malformed (why)``; every string is printed escaped
+(:func:`~ray_mesh.core.safe.safe_text`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import os
 import socket
 import threading
 import urllib.error
 import urllib.parse
-import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray_mesh.private_apis as private_apis
-from ray_mesh.core.spec import DIM_NAMES, MeshSpec
+from ray_mesh.core.safe import safe_text
+from ray_mesh.core.spec import DIM_NAMES
 from ray_mesh.core.table import text_table
 from ray_mesh.errors import StatusError
 from ray_mesh.network.interfaces import host_port, split_host_port
-from ray_mesh.observability.layout import read_layout
+from ray_mesh.observability import status_input as si
+from ray_mesh.observability.fetch import (
+    Deadline,
+    SourceError,
+    _origin,  # noqa: F401 - kept for callers of status._origin
+    http_get,
+)
+from ray_mesh.observability.layout import layout_from_state, read_run_layout
 from ray_mesh.observability.slow import analyze_run, format_analysis
+from ray_mesh.observability.status_metrics import (
+    LATEST,
+    METRICS_MAX_BYTES,
+    RAW,
+    latest_by_rank,
+    parse_series,
+    scrape,
+)
 
 ACTIVE = ("INITIALIZING", "SCHEDULING", "RUNNING", "RESTARTING", "RESIZING")
 DEFAULT_DASHBOARD_PORT = 8265
+DEFAULT_TOTAL_S = 30.0
+MAX_BYTES = 32 * 2**20  # one dashboard answer or layout file
+NODE_LIMIT = 10_000
 
 
 @dataclass
@@ -66,42 +90,12 @@ def _auth_headers() -> dict[str, str]:
         return {}
 
 
-SECRET_HEADERS = ("authorization", "x-ray-authorization", "cookie", "proxy-authorization")
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    """(scheme, host, port) with the scheme's default port filled in."""
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(
-        scheme)
-
-
-class _SameOriginCredentials(urllib.request.HTTPRedirectHandler):
-    """Follow redirects, but send the cluster token only to the origin it was meant for.
-
-    urllib copies every header to the redirect target, so a dashboard (or anything in
-    between) answering 302 to another host would receive the bearer token. A redirect to
-    another scheme, host or port drops the credential headers; the request then fails there
-    with 401/403 unless that origin needs no token.
-    """
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, D102
-        new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and _origin(newurl) != _origin(req.full_url):
-            for name in list(new.headers):
-                if name.lower() in SECRET_HEADERS:
-                    del new.headers[name]
-        return new
-
-
-_OPENER = urllib.request.build_opener(_SameOriginCredentials)
-
-
-def _get(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> bytes:
-    req = urllib.request.Request(url, headers=headers or {})
-    with _OPENER.open(req, timeout=timeout_s) as resp:  # noqa: S310 - user's cluster
-        return resp.read()
+def _get(url: str, timeout_s: float, headers: dict[str, str] | None = None, *,
+         max_bytes: int = MAX_BYTES, what: str | None = None,
+         deadline: Deadline | None = None) -> bytes:
+    """``url``'s body, bounded (:func:`ray_mesh.observability.fetch.http_get`)."""
+    return http_get(url, timeout_s=timeout_s, max_bytes=max_bytes, headers=headers, what=what,
+                    deadline=deadline)
 
 
 def _tcp_check(host: str, port: int, timeout_s: float, what: str) -> None:
@@ -120,7 +114,24 @@ def _split(address: str, default_port: int) -> tuple[str, int]:
     try:
         return split_host_port(address, default_port)
     except ValueError as exc:
-        raise StatusError(f"Address {address!r}: {exc}") from exc
+        raise StatusError(f"Address {safe_text(address, 200)}: {exc}") from exc
+
+
+def _advertised(url: str, address: str) -> str:
+    """The dashboard URL a GCS advertised, if it is a plain http(s)://host:port."""
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        ok = (parts.scheme in ("http", "https") and parts.hostname and not parts.username
+              and parts.path in ("", "/") and not parts.query and not parts.fragment
+              and parts.port is not None)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise StatusError(f"The Ray cluster at {safe_text(address, 200)} advertises its "
+                          f"dashboard as {safe_text(url, 200)!r}, which is not "
+                          f"http(s)://host:port; pass the dashboard directly: --address "
+                          f"http://<head>:8265.")
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def _dashboard_from_gcs(address: str, timeout_s: float) -> str:
@@ -137,8 +148,8 @@ def _dashboard_from_gcs(address: str, timeout_s: float) -> str:
     worker.start()
     worker.join(timeout_s)
     if "url" in out:
-        return str(out["url"])
-    why = out.get("error") or f"no answer within {timeout_s:.0f} s"
+        return _advertised(str(out["url"]), address)
+    why = safe_text(out.get("error") or f"no answer within {timeout_s:.0f} s", 300)
     raise StatusError(
         f"The Ray cluster at {address} did not tell its dashboard address ({why}). If the "
         f"cluster uses token authentication, make its token available here (~/.ray/auth_token "
@@ -156,6 +167,9 @@ def dashboard_url(address: str | None, timeout_s: float = 5.0) -> str:
         raise StatusError(f"{address!r} is a Ray Client address: pass the GCS address "
                           f"(<head>:6379) or the dashboard (http://<head>:8265).")
     if "://" in address:
+        if not address.lower().startswith(("http://", "https://")):
+            raise StatusError(f"{safe_text(address, 200)!r}: the dashboard is read over "
+                              f"http(s) only: give http://<head>:8265 or <head>:6379.")
         url = address.rstrip("/")
         host, port = _split(url.split("://", 1)[1].split("/", 1)[0], DEFAULT_DASHBOARD_PORT)
         _tcp_check(host, port, timeout_s, "Ray dashboard")
@@ -165,11 +179,14 @@ def dashboard_url(address: str | None, timeout_s: float = 5.0) -> str:
     return _dashboard_from_gcs(address, max(timeout_s, 10.0))
 
 
-def _dashboard_json(base: str, path: str, timeout_s: float) -> Any:
+def _dashboard_json(base: str, path: str, timeout_s: float, *,
+                    deadline: Deadline | None = None, max_bytes: int = MAX_BYTES) -> Any:
+    what = f"the dashboard's answer to {path.split('?')[0]}"
     try:
-        return json.loads(_get(base + path, timeout_s, _auth_headers()))
+        data = _get(base + path, timeout_s, _auth_headers(), max_bytes=max_bytes, what=what,
+                    deadline=deadline)
     except urllib.error.HTTPError as exc:
-        body = exc.read().decode("utf-8", "replace")[:300]
+        body = getattr(exc, "body_text", "")
         if exc.code in (401, 403):
             raise StatusError(
                 f"The dashboard at {base} refused the request ({exc.code}: {body}). Make the "
@@ -177,160 +194,140 @@ def _dashboard_json(base: str, path: str, timeout_s: float) -> Any:
                 f"RAY_AUTH_TOKEN (`ray get-auth-token` on the head prints it)."
             ) from exc
         raise StatusError(f"{base}{path} answered {exc.code}: {body}") from exc
+    except SourceError as exc:
+        raise StatusError(f"{exc}. Raise --timeout/--deadline or --max-mb if the cluster is "
+                          f"just large or slow; else check what answers at {base}.") from exc
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         raise StatusError(
-            f"The dashboard at {base} does not answer {path} ({exc}). Is the head started "
-            f"with the dashboard (ray[default] installed, --include-dashboard=true)?"
+            f"The dashboard at {base} does not answer {path} ({safe_text(exc, 300)}). Is the "
+            f"head started with the dashboard (ray[default] installed, "
+            f"--include-dashboard=true)?"
         ) from exc
+    try:
+        return si.load_json(data, what)
+    except si.Malformed as exc:
+        raise StatusError(str(exc)) from exc
 
 
 # ----------------------------------------------------------------------------- sources
-def _nodes(base: str, timeout_s: float) -> list[dict[str, Any]]:
-    from ray.util.state import list_nodes
-
+def _nodes(base: str, timeout_s: float, deadline: Deadline | None = None,
+           max_bytes: int = MAX_BYTES) -> tuple[list[dict[str, Any]], list[str]]:
+    """The cluster's nodes (the state API ``ray list nodes`` reads), and malformed ones."""
+    path = f"/api/v0/nodes?limit={NODE_LIMIT}&timeout={int(max(timeout_s, 1))}&detail=true"
+    doc = _dashboard_json(base, path, timeout_s, deadline=deadline, max_bytes=max_bytes)
     try:
-        nodes = list_nodes(address=base, detail=True, timeout=int(max(timeout_s, 1)),
-                           raise_on_missing_output=False)
-    except Exception as exc:  # noqa: BLE001
-        raise StatusError(f"Listing nodes through {base} failed: {type(exc).__name__}: "
-                          f"{exc}") from exc
-    out = []
-    for n in nodes:
-        res = n.resources_total or {}
-        out.append({"node_id": n.node_id, "ip": n.node_ip, "state": n.state,
-                    "head": bool(n.is_head_node), "CPU": res.get("CPU", 0),
-                    "GPU": res.get("GPU", 0)})
-    return sorted(out, key=lambda n: (not n["head"], n["ip"], n["node_id"]))
+        return si.parse_nodes(doc)
+    except si.Malformed as exc:
+        raise StatusError(f"The dashboard at {base}: {exc}") from exc
 
 
-def scrape_targets(base: str, timeout_s: float) -> list[str]:
-    """Every node's ``ip:port`` Prometheus target (Ray's own service discovery)."""
-    content = _dashboard_json(base, "/api/prometheus/sd", timeout_s)
-    return [t for group in content for t in group.get("targets", [])]
+def scrape_targets(base: str, timeout_s: float, node_ips: Sequence[str] = (), *,
+                   deadline: Deadline | None = None) -> tuple[list[str], list[str]]:
+    """Every node's ``ip:port`` Prometheus target (Ray's own service discovery), kept only
+    on the cluster's node IPs; and the targets left out."""
+    content = _dashboard_json(base, "/api/prometheus/sd", timeout_s, deadline=deadline,
+                              max_bytes=METRICS_MAX_BYTES)
+    return si.targets_of(content, node_ips)
 
 
-def parse_series(text: str, prefix: str = "ray_mesh_") -> list[tuple[str, dict, float]]:
-    """(name, labels, value) of every sample in Prometheus text whose name has ``prefix``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = []
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith(prefix):
-                out.append((s.name, dict(s.labels), float(s.value)))
-    return out
+def _malformed_run(r: Any, why: str) -> dict[str, Any]:
+    return {"name": si.run_label(r), "id": "?", "status": "?", "started": "?", "mesh": "?",
+            "layout_source": "none", "ranks": [], "slow": None, "malformed": why}
 
 
-def scrape(targets: list[str], timeout_s: float) -> tuple[list[tuple[str, dict, float]],
-                                                           list[str]]:
-    """All ray_mesh samples of all targets, and the targets that did not answer."""
-    samples, dead = [], []
-    for t in targets:
-        try:
-            samples += parse_series(_get(f"http://{t}/metrics", timeout_s).decode())
-        except Exception:  # noqa: BLE001 - one silent node must not hide the others
-            dead.append(t)
-    return samples, dead
-
-
-LATEST = {
-    "ray_mesh_step": "step",
-    "ray_mesh_step_seconds": "step_s",
-    "ray_mesh_samples_per_second": "samples/s",
-    "ray_mesh_tokens_per_second": "tokens/s",
-    "ray_mesh_loss": "loss",
-    "ray_mesh_process_rss_bytes": "rss_MB",
-}
-WAITS = {"ray_mesh_compute_seconds": "compute_s", "ray_mesh_wait_window_seconds": "window_s"}
-RAW = ("wait_s/", "compute_s", "window_s")  # for the analysis; the table shows wait%(dim)
-
-
-def latest_by_rank(samples: list[tuple[str, dict, float]], run: str) -> dict[int, dict]:
-    """rank -> {column: value} from the samples tagged with ``run``."""
-    out: dict[int, dict[str, float]] = {}
-    for name, labels, value in samples:
-        if labels.get("run") != run or not labels.get("rank", "").isdigit():
-            continue
-        row = out.setdefault(int(labels["rank"]), {})
-        if name in LATEST:
-            row[LATEST[name]] = value / 2**20 if name.endswith("rss_bytes") else value
-        elif name == "ray_mesh_collective_fraction":
-            row[f"coll%({labels.get('dim')})"] = 100 * value
-        elif name == "ray_mesh_dim_wait_seconds":
-            row[f"wait_s/{labels.get('dim')}"] = value
-        elif name in WAITS:
-            row[WAITS[name]] = value
-    for row in out.values():
-        if row.get("window_s"):
-            row.update({f"wait%({k[7:]})": 100 * v / row["window_s"] for k, v in list(
-                row.items()) if k.startswith("wait_s/")})
-    return out
-
-
-def _layout_from_state(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """Layout rows from the Train state's workers and the mesh spec (no interfaces)."""
-    attempts = run.get("attempts") or []
-    workers = attempts[-1].get("workers", []) if attempts else []
-    if not workers:
-        return []
-    mesh = (run["run_settings"]["backend_config"].get("config") or {}).get("mesh")
-    nodes = sorted({w.get("node_rank", 0) for w in workers})
+def _run_entry(run: dict[str, Any], samples: list[tuple[str, dict, float]],
+               storage: Sequence[str], timeout_s: float, deadline: Deadline,
+               max_bytes: int, notes: list[str]) -> dict[str, Any]:
+    doc, why = read_run_layout(run, storage, deadline.bound(timeout_s), max_bytes)
+    if why and why not in notes:
+        notes.append(why)
+    rows = doc["ranks"] if doc else layout_from_state(run)
+    metrics = latest_by_rank(samples, run["name"])
+    ranks = [{**row, **metrics.get(row["rank"], {})} for row in rows]
     try:
-        spec = MeshSpec.from_dict(mesh).resolve(len(workers), num_nodes=len(nodes))
-    except Exception:  # noqa: BLE001 - show placement without coordinates
-        spec = None
-    rows = []
-    for w in sorted(workers, key=lambda w: w["world_rank"]):
-        row = {"rank": w["world_rank"], "node": w.get("node_rank", ""),
-               "node_ip": w.get("node_ip", ""), "local_rank": w.get("local_rank", ""),
-               "device": "cuda" if w.get("gpu_ids") else "cpu", "interface": "?"}
-        coord = spec.coordinate(w["world_rank"]) if spec else {}
-        row.update({d: coord.get(d, "") for d in DIM_NAMES})
-        rows.append(row)
-    return rows
-
-
-def collect(address: str | None = None, *, timeout_s: float = 5.0,
-            all_runs: bool = False) -> ClusterStatus:
-    """Ask the cluster at ``address`` for its nodes and ray_mesh runs (bounded)."""
-    _enable_token_auth()
-    base = dashboard_url(address, timeout_s)
-    status = ClusterStatus(dashboard=base, nodes=_nodes(base, timeout_s))
-    try:
-        data = _dashboard_json(base, "/api/train/v2/runs/v1", timeout_s)
-    except StatusError as exc:
-        if "STATE_TRACKING" not in str(exc):
-            raise
-        status.notes.append("Ray Train run state is off: start drivers with "
-                            "RAY_TRAIN_ENABLE_STATE_TRACKING=1 to list runs here.")
-        data = {"train_runs": []}
-    runs = [r for r in data.get("train_runs", [])
-            if "mesh" in ((r.get("run_settings") or {}).get("backend_config") or {}).get(
-                "config", {}) and (all_runs or r.get("status") in ACTIVE)]
-    samples: list[tuple[str, dict, float]] = []
-    if runs:
-        try:
-            samples, dead = scrape(scrape_targets(base, timeout_s), timeout_s)
-            if dead:
-                status.notes.append(f"metrics endpoints not answering: {', '.join(dead)}")
-        except StatusError as exc:
-            status.notes.append(f"no metrics: {exc}")
-    for r in sorted(runs, key=lambda r: r.get("start_time_ns", 0), reverse=True):
-        rc = r["run_settings"]["run_config"]
-        doc = read_layout(rc.get("storage_path") or "", r["name"])
-        rows = doc["ranks"] if doc else _layout_from_state(r)
-        metrics = latest_by_rank(samples, r["name"])
-        ranks = [{**row, **metrics.get(int(row["rank"]), {})} for row in rows]
-        status.runs.append({
-            "name": r["name"], "id": r["id"], "status": r["status"],
-            "started": _dt.datetime.fromtimestamp(r["start_time_ns"] / 1e9,
-                                                  _dt.timezone.utc).strftime("%H:%M:%S UTC"),
-            "mesh": doc["mesh"] if doc else str(
-                r["run_settings"]["backend_config"]["config"]["mesh"]),
+        slow = analyze_run(ranks, samples, run["name"]).to_json()
+    except Exception as exc:  # noqa: BLE001 - odd numbers must not hide the table
+        slow = None
+        notes.append(f"run {run['name']}: no slow-rank analysis ({type(exc).__name__}: "
+                     f"{safe_text(exc, 200)})")
+    started = _dt.datetime.fromtimestamp(run["start_time_ns"] / 1e9, _dt.timezone.utc)
+    return {"name": run["name"], "id": run["id"], "status": run["status"],
+            "started": started.strftime("%H:%M:%S UTC"),
+            "mesh": doc["mesh"] if doc else safe_text(run["mesh"], 300),
             "layout_source": "run dir" if doc else "train state",
-            "ranks": ranks,
-            "slow": analyze_run(ranks, samples, r["name"]).to_json(),
-        })
+            "ranks": ranks, "slow": slow}
+
+
+def _train_runs(base: str, timeout_s: float, all_runs: bool, deadline: Deadline,
+                max_bytes: int, notes: list[str]) -> list[Any]:
+    """The ray_mesh runs of the Train state (unchecked records), newest first."""
+    try:
+        data = _dashboard_json(base, "/api/train/v2/runs/v1", timeout_s, deadline=deadline,
+                               max_bytes=max_bytes)
+    except StatusError as exc:
+        notes.append("Ray Train run state is off: start drivers with "
+                     "RAY_TRAIN_ENABLE_STATE_TRACKING=1 to list runs here."
+                     if "STATE_TRACKING" in str(exc) else f"runs not read: {exc}")
+        return []
+    runs = si.dig(data, "train_runs")
+    if not isinstance(runs, list):
+        notes.append(f"runs not read: the dashboard's answer to /api/train/v2/runs/v1 is "
+                     f"malformed (train_runs is {type(runs).__name__}, not a list)")
+        return []
+    out = [r for r in runs if not isinstance(r, dict) or (
+        si.mesh_of(r) is not None and (all_runs or r.get("status") in ACTIVE))]
+
+    def start(r: Any) -> int:
+        t = si.dig(r, "start_time_ns")
+        return t if isinstance(t, int) and not isinstance(t, bool) else 0
+
+    out.sort(key=start, reverse=True)
+    if len(out) > si.MAX_RUNS:
+        notes.append(f"{len(out) - si.MAX_RUNS} older run(s) not shown")
+    return out[:si.MAX_RUNS]
+
+
+def collect(address: str | None = None, *, timeout_s: float = 5.0, all_runs: bool = False,
+            storage: Sequence[str] = (), total_s: float = DEFAULT_TOTAL_S,
+            max_bytes: int = MAX_BYTES) -> ClusterStatus:
+    """Ask the cluster at ``address`` for its nodes and ray_mesh runs (bounded).
+
+    ``timeout_s`` bounds each answer, ``total_s`` the whole call, ``max_bytes`` each
+    dashboard answer and layout file. Layout files are read only from ``storage``, the
+    storage paths or URIs the viewer names; a run whose storage is not among them gets its
+    layout from the Train state.
+    """
+    deadline = Deadline(total_s)
+    _enable_token_auth()
+    base = dashboard_url(address, deadline.bound(timeout_s))
+    nodes, notes = _nodes(base, timeout_s, deadline, max_bytes)
+    status = ClusterStatus(dashboard=safe_text(base, 300), nodes=nodes)
+    runs = _train_runs(base, timeout_s, all_runs, deadline, max_bytes, notes)
+    samples: list[tuple[str, dict, float]] = []
+    if any(isinstance(r, dict) for r in runs):
+        try:
+            targets, off = scrape_targets(base, timeout_s, [n["ip"] for n in nodes],
+                                          deadline=deadline)
+            if off:
+                notes.append(f"metrics targets not one of the cluster's nodes, not scraped: "
+                             f"{', '.join(off[:10])}")
+            samples, problems = scrape(targets, timeout_s, deadline)
+            notes += problems
+        except StatusError as exc:
+            notes.append(f"no metrics: {exc}")
+    for r in runs:
+        if not isinstance(r, dict):
+            status.runs.append(_malformed_run(r, f"a run entry is {type(r).__name__}, not an "
+                                                 f"object"))
+            continue
+        try:
+            run = si.parse_run(r)
+        except si.Malformed as exc:
+            status.runs.append(_malformed_run(r, str(exc)))
+            continue
+        status.runs.append(_run_entry(run, samples, storage, timeout_s, deadline, max_bytes,
+                                      notes))
+    status.notes = notes
     return status
 
 
@@ -338,29 +335,36 @@ def collect(address: str | None = None, *, timeout_s: float = 5.0,
 LAYOUT_COLUMNS = ["rank", "node", "node_ip", "interface", "device", *DIM_NAMES]
 
 
+def _run_lines(run: dict[str, Any]) -> list[str]:
+    if run.get("malformed"):
+        return ["", f"Run {run['name']}: malformed ({run['malformed']})"]
+    out = ["", f"Run {run['name']}  [{run['status']}]  started {run['started']}  "
+               f"id {str(run['id'])[:12]}  mesh {run['mesh']}  (layout from "
+               f"{run['layout_source']})"]
+    metric_cols = sorted({k for r in run["ranks"] for k in r if not k.startswith(RAW)}
+                         - set(LAYOUT_COLUMNS) - {"hostname", "node_id", "local_rank"},
+                         key=lambda c: (list(LATEST.values()) + [c]).index(c))
+    if run["ranks"]:
+        out.append(text_table(run["ranks"], LAYOUT_COLUMNS + metric_cols))
+    if not metric_cols:
+        out.append("(no step metrics yet: they appear ~10-20 s after the first "
+                   "StepMeter flush)")
+    if run.get("slow"):
+        out += ["Slowest rank per dim, links, verdict:", *format_analysis(run["slow"])]
+    return out
+
+
 def format_status(status: ClusterStatus) -> str:
+    """The console text; every value from the cluster is escaped (:func:`safe_text`)."""
     out = [f"Ray dashboard: {status.dashboard}", "", f"Nodes ({len(status.nodes)}):",
-           text_table([{**n, "node_id": n["node_id"][:12]} for n in status.nodes],
-                 ["node_id", "ip", "state", "head", "CPU", "GPU"])]
+           text_table([{**n, "node_id": str(n["node_id"])[:12]} for n in status.nodes],
+                      ["node_id", "ip", "state", "head", "CPU", "GPU"])]
     if not status.runs:
         out += ["", "No running ray_mesh runs."]
     for run in status.runs:
-        out += ["", f"Run {run['name']}  [{run['status']}]  started {run['started']}  "
-                    f"id {run['id'][:12]}  mesh {run['mesh']}  (layout from "
-                    f"{run['layout_source']})"]
-        metric_cols = sorted({k for r in run["ranks"] for k in r if not k.startswith(RAW)}
-                             - set(LAYOUT_COLUMNS) - {"hostname", "node_id", "local_rank"},
-                             key=lambda c: (list(LATEST.values()) + [c]).index(c))
-        if run["ranks"]:
-            out.append(text_table(run["ranks"], LAYOUT_COLUMNS + metric_cols))
-        if not metric_cols:
-            out.append("(no step metrics yet: they appear ~10-20 s after the first "
-                       "StepMeter flush)")
-        if run.get("slow"):
-            out += ["Slowest rank per dim, links, verdict:",
-                    *format_analysis(run["slow"])]
-    out += [f"note: {n}" for n in status.notes]
-    return "\n".join(out)
+        out += _run_lines(run)
+    out += [f"note: {safe_text(n)}" for n in status.notes]
+    return safe_text("\n".join(out), multiline=True)
 
 
 __all__ = ["ClusterStatus", "StatusError", "collect", "dashboard_url", "format_status",

@@ -332,7 +332,8 @@ def _status_rows(out: str, run: str) -> list[dict[str, str]]:
 def test_status_shows_nodes_run_layout_and_latest_metrics(cluster):
     _wait(lambda: _all_ranks_reported(cluster), METRICS_TIMEOUT_S, "ray_mesh series")
     cli = str(Path(sys.executable).with_name("ray-mesh"))
-    res = subprocess.run([cli, "status", "--address", cluster.address], env=cluster.env,
+    res = subprocess.run([cli, "status", "--address", cluster.address, "--storage",
+                          str(cluster.storage)], env=cluster.env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     out = res.stdout

@@ -229,3 +229,85 @@ def test_verbose_shows_the_traceback_and_the_line(cli, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" in out, out[-3000:]
     assert sum(x.startswith("ray-mesh: error:") for x in out.splitlines()) == 1, out[-3000:]
+
+
+# ----------------------------------------------------------------------------- plan: no import
+STEP_FILE = """\
+import pathlib
+pathlib.Path(__file__).with_name("IMPORTED").write_text("the step file ran")
+
+
+def make_step(mesh, config):
+    return lambda: None
+"""
+PLAN_JOB = ("name: j\ntrain: t.py:train_loop\nscaling: {num_workers: 4}\nmesh: auto\n"
+            "plan:\n  model: {params: 1000000, layers: 2, hidden: 64, heads: 4}\n"
+            "  tokens_per_step: 1024\n  compute_s: 1.0\n  link_mbit: 100\n")
+PLAN_ARGS = ["--nodes", "2", "--per-node", "2"]
+
+
+def test_plan_imports_no_step_file_unless_asked(cli, tmp_path):
+    """Importing runs a file's top level: ``ray-mesh plan`` does it only with --import-code,
+    and says what it did not do."""
+    job = _job(tmp_path, PLAN_JOB + "  step: s.py:make_step\n")
+    (tmp_path / "s.py").write_text(STEP_FILE)
+    proc = cli(["plan", job, *PLAN_ARGS], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert not (tmp_path / "IMPORTED").exists(), "the step file was imported"
+    assert "did not import plan.step (s.py:make_step)" in out and "--import-code" in out, out
+    assert "Started a local Ray instance" not in out
+    proc = cli(["plan", job, *PLAN_ARGS, "--import-code"], tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert (tmp_path / "IMPORTED").exists() and "imported plan.step" in proc.stdout
+
+
+def test_plan_refuses_a_model_factory_it_may_not_import(cli, tmp_path):
+    job = _job(tmp_path, PLAN_JOB.replace("{params: 1000000, layers: 2, hidden: 64, heads: 4}",
+                                          "m.py:make_model"))
+    (tmp_path / "m.py").write_text(STEP_FILE.replace("make_step(mesh, config)",
+                                                     "make_model(config)"))
+    _refused(cli(["plan", job, *PLAN_ARGS], tmp_path), "plan.model", "m.py:make_model",
+             "--import-code", "{params, layers, hidden, heads}")
+    assert not (tmp_path / "IMPORTED").exists(), "the model file was imported"
+
+
+# ----------------------------------------------------------------------------- status: hostile
+STATUS_FLAG_CASES = [
+    (["status", "--max-mb", "0"], ["--max-mb", "from 1 to 4096"]),
+    (["status", "--deadline", "0"], ["--deadline", "seconds > 0"]),
+    (["status", "--storage", " "], ["--storage", "non-empty"]),
+]
+
+
+@pytest.mark.parametrize("args, words", STATUS_FLAG_CASES,
+                         ids=["_".join(c[0]) for c in STATUS_FLAG_CASES])
+def test_bad_status_flags_fail_at_parse_time(cli, tmp_path, args, words):
+    assert "--help" in _refused(cli(args, tmp_path), *words)
+
+
+def test_status_escapes_what_the_cluster_says_in_errors_and_notes(cli, tmp_path):
+    """An error page or a run name with escape sequences reaches the terminal escaped."""
+    from hostile_dashboard import Dashboard, train_run
+
+    dash = Dashboard()
+    try:
+        def refuse(h, code: int) -> None:
+            body = b"denied\x1b[2J\x1b]0;owned\x07 \r\n"
+            h.send_response(code)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+
+        dash.serve(runs=[train_run("r\x1b[31mun")])
+        dash.routes["/api/train/v2/runs/v1"] = lambda h: refuse(h, 500)
+        proc = cli(["status", "--address", dash.url, "--timeout", "3"], tmp_path)
+        out = proc.stdout + proc.stderr
+        assert "\x1b" not in out and "\x07" not in out, repr(out[-3000:])
+        assert "denied\\x1b[2J\\x1b]0;owned\\x07" in out, out[-3000:]
+        dash.routes["/api/v0/nodes"] = lambda h: refuse(h, 403)
+        line = _refused(cli(["status", "--address", dash.url, "--timeout", "3"], tmp_path),
+                        "refused the request", "403")
+        assert "denied\\x1b[2J" in line and "\x1b" not in line, line
+    finally:
+        dash.close()

@@ -140,7 +140,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_plan_cli_ranks_the_example_job_and_gives_json():
     proc = _cli("plan", "examples/plan_demo.yaml", "--nodes", "2", "--per-node", "2",
-                "--link-mbit", "100", "--json")
+                "--link-mbit", "100", "--json", "--import-code")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     steps = [lay["predicted_step_s"] for lay in out["layouts"]]
@@ -153,7 +153,8 @@ def test_plan_cli_ranks_the_example_job_and_gives_json():
 
 
 def test_plan_cli_without_a_link_rate_says_how_to_get_one():
-    proc = _cli("plan", "examples/plan_demo.yaml", "--nodes", "2", "--per-node", "2")
+    proc = _cli("plan", "examples/plan_demo.yaml", "--nodes", "2", "--per-node", "2",
+                "--import-code")
     assert proc.returncode == 2
     assert "--link-mbit" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -83,6 +83,6 @@ def test_the_lm_auto_job_carries_its_step_and_plan_prints_that_it_will_time_it(c
     assert job.mesh == "auto" and job.plan.step.__name__ == "make_step"
     assert job.plan.step_config["model"]["preset"] == "small"  # the job's config: section
     assert main(["plan", str(ROOT / "examples" / "llm_auto.yaml"), "--nodes", "2",
-                 "--per-node", "2", "--link-mbit", "100"]) == 0
+                 "--per-node", "2", "--link-mbit", "100", "--import-code"]) == 0
     out = capsys.readouterr().out
     assert "mesh: auto times plan.step on these 7 layouts at bring-up" in out, out
