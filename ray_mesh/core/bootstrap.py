@@ -21,10 +21,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.rendezvous import rendezvous
 
 import ray_mesh.private_apis as private_apis
-from ray_mesh.core import teardown
+from ray_mesh.core import rendezvous_store, teardown
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
 from ray_mesh.errors import BootstrapError
 
@@ -259,15 +258,20 @@ def init_process_group(
         # barrier()/split_group use the right GPU.
         kwargs["device_id"] = device
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=timeout))
-    # Each joining of the world gets keys of its own. torchrun's store outlives the group
-    # (its agent hosts it), and a second init_process_group after destroy_process_group
-    # names its groups as the first did: gloo read the previous round's addresses and
-    # failed to connect ("Connection refused") after its retries. Every rank adds 1 to a
-    # counter, so all ranks of round r read r (round r + 1 cannot start before round r
-    # has every rank in).
-    joined = store.add("ray_mesh/joined", 1)
-    store = dist.PrefixStore(f"ray_mesh/{(joined - 1) // world_size}", store)
+    # torch's env:// rendezvous, with rank 0's store bound to MASTER_ADDR only and the join
+    # counter checked (ray_mesh.core.rendezvous_store: the store has no authentication).
+    try:
+        store = rendezvous_store.create_store(os.environ["MASTER_ADDR"],
+                                              _env_int("MASTER_PORT"), rank, world_size,
+                                              timeout)
+        # Each joining of the world gets keys of its own. torchrun's store outlives the
+        # group (its agent hosts it), and a second init_process_group after
+        # destroy_process_group names its groups as the first did: gloo read the previous
+        # round's addresses and failed to connect ("Connection refused") after its retries.
+        round_ = rendezvous_store.join_round(store, rank, world_size)
+    except rendezvous_store.RendezvousStoreError as exc:
+        raise BootstrapError(str(exc)) from exc
+    store = dist.PrefixStore(f"ray_mesh/{round_}", store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)
 

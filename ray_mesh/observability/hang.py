@@ -10,11 +10,13 @@ Why this shape:
   reads the counters once per ``poll_s``.
 * **A shared record on the rendezvous store.** Each watchdog publishes a small heartbeat
   (its counter per dim) to a client of the job's own TCPStore (``MASTER_ADDR:MASTER_PORT``,
-  public ``torch.distributed.TCPStore``). When a rank's count on a dim has not moved for
-  ``hang_timeout_s`` while a peer in that group is behind, the peer has not arrived: the
-  first rank to notice asks every rank for a snapshot (counters and Python stacks from
-  ``sys._current_frames``, taken by each rank's watchdog thread), waits a bounded time,
-  then writes one report (:mod:`ray_mesh.observability.hang_report`) and prints it.
+  public ``torch.distributed.TCPStore``); every value read back is bounded and parsed
+  strictly (:mod:`ray_mesh.observability.hang_store`: the store has no authentication, so a
+  malformed value is refused and warned about, never adopted). When a rank's count on a
+  dim has not moved for ``hang_timeout_s`` while a peer in that group is behind, the peer
+  has not arrived: the first rank to notice asks every rank for a snapshot (counters and
+  Python stacks from ``sys._current_frames``, taken by each rank's watchdog thread), waits
+  a bounded time, then writes one report (:mod:`ray_mesh.observability.hang_report`) and prints it.
 * **Ending the run with torch's own tool.** A blocked gloo call cannot be interrupted
   (``ProcessGroup.abort`` does not wake it, checked on torch 2.13), so the watched groups'
   process-group timeout is set to ``hang_timeout_s + END_GRACE_S``: the waiting ranks'
@@ -35,7 +37,6 @@ threads is inside ``torch.distributed``.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -55,6 +56,7 @@ import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 from ray_mesh.errors import CollectiveHangError
 from ray_mesh.observability.hang_report import P2P_DIM, format_report
+from ray_mesh.observability.hang_store import HangStore, connect_store
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +126,7 @@ class HangWatch:
         self.by_dim = {name: (label, g) for label, g in groups.items()
                        for name in label.split("=")}
         self.store = store
+        self.wire = HangStore(store, rank, world_size)
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
         self.poll_s = poll_s or min(1.0, self.timeout_s / 10)
         self.report: str | None = None
@@ -185,22 +188,23 @@ class HangWatch:
             seq = _group_seq(group) or 0
             if self._seq.get(label) != seq:
                 self._seq[label], self._changed[label] = seq, now
-        self.store.set(f"beat/{self.rank}", json.dumps({"seq": self._seq, "t": time.time()}))
+        self.wire.publish_beat(self._seq)
         if self.report_ready.is_set():
             return
-        if self.store.check(["report"]):
-            self._take_report(self.store.get("report").decode())
+        report = self.wire.report()  # None if absent or malformed (warned once)
+        if report is not None:
+            self._take_report(report)
             return
-        if self.store.check(["request"]):
+        if self.wire.request() is not None:
             self.hang_seen.set()
             if not self._snapshot_sent:
-                self.store.set(f"snap/{self.rank}", json.dumps(self.snapshot()))
+                self.wire.send_snapshot(self.snapshot())
                 self._snapshot_sent = True
             return
         stalled = self._stalled_dim(now)
         if stalled:
             self.hang_seen.set()
-            if self.store.add("claim", 1) == 1:
+            if self.wire.claim():
                 self._write_report(stalled)
 
     def _stalled_dim(self, now: float) -> str | None:
@@ -214,7 +218,7 @@ class HangWatch:
         self._last_peer_check = now
         for dim in old:
             peers = [r for r in self.members[dim] if r != self.rank]
-            beats = self._read(f"beat/{r}" for r in peers)
+            beats = self.wire.beats(peers).values()
             if any(b is None or b["seq"].get(dim, 0) < self._seq[dim] for b in beats) and (
                     self._backend[dim] != "gloo" or self._blocked_in_torch()):
                 return dim
@@ -233,12 +237,6 @@ class HangWatch:
                 return True
         return False
 
-    def _read(self, keys: Any) -> list[dict[str, Any] | None]:
-        keys = list(keys)
-        present = [self.store.check([k]) for k in keys]
-        return [json.loads(self.store.get(k)) if ok else None for k, ok in zip(keys, present,
-                                                                                 strict=True)]
-
     def snapshot(self) -> dict[str, Any]:
         """This rank's counters, groups, pending collective and Python stacks."""
         now = time.monotonic()
@@ -255,20 +253,19 @@ class HangWatch:
                 "pending": pending, "threads": threads}
 
     def _write_report(self, dim: str) -> None:
-        self.store.set("request", json.dumps({"by": self.rank, "dim": dim}))
-        self.store.set(f"snap/{self.rank}", json.dumps(self.snapshot()))
+        self.wire.send_request(dim)
+        self.wire.send_snapshot(self.snapshot())
         self._snapshot_sent = True
         deadline = time.monotonic() + SNAPSHOT_WAIT_S
         keys = [f"snap/{r}" for r in range(self.world_size)]
         while time.monotonic() < deadline and not all(self.store.check([k]) for k in keys):
             time.sleep(0.1)
-        snaps = {r: s for r, s in enumerate(self._read(keys)) if s is not None}
-        beats = {r: b for r, b in enumerate(self._read(f"beat/{r}"
-                                                       for r in range(self.world_size)))
-                 if b is not None}
+        ranks = range(self.world_size)
+        snaps, malformed = self.wire.snapshots(ranks)
+        beats = {r: b for r, b in self.wire.beats(ranks).items() if b is not None}
         report = format_report(snaps, beats, self.world_size, self.timeout_s,
-                               self.timeout_s + END_GRACE_S)
-        self.store.set("report", report)
+                               self.timeout_s + END_GRACE_S, malformed=malformed)
+        self.wire.send_report(dim, report)
         print(report, file=sys.stderr, flush=True)
         self._take_report(report)
 
@@ -280,22 +277,6 @@ class HangWatch:
 
 # ----------------------------------------------------------------------------- process-wide
 _watch: HangWatch | None = None
-
-
-def connect_store(prefix: str | None = None, timeout_s: float = 30.0) -> dist.Store:
-    """A client of the job's rendezvous TCPStore (MASTER_ADDR:MASTER_PORT), under a prefix.
-
-    Under Ray each run attempt has its own MASTER_PORT; under torchrun the prefix carries
-    the restart count, so a restarted job never reads an old attempt's report.
-    """
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port:
-        raise RuntimeError("The hang watch needs MASTER_ADDR and MASTER_PORT (the rendezvous "
-                           "store); build the mesh with ray_mesh first.")
-    store = dist.TCPStore(host, int(port), is_master=False,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    prefix = prefix or f"ray_mesh/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return dist.PrefixStore(prefix, store)
 
 
 def start_watch(mesh: DeviceMesh, timeout_s: float, *, pg_timeout_s: float | None = None,

@@ -125,7 +125,11 @@ def _ranks(ranks: Any) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _state_line(rank: int, snap: dict[str, Any] | None, stalls: list[Stall]) -> str:
+def _state_line(rank: int, snap: dict[str, Any] | None, stalls: list[Stall],
+                malformed: dict[int, str] | None = None) -> str:
+    if snap is None and malformed and rank in malformed:
+        return (f"rank {rank}: MALFORMED snapshot in the rendezvous store ({malformed[rank]}); "
+                f"ignored: a client other than this job's ranks wrote it")
     if snap is None:
         return (f"rank {rank}: NO ANSWER (its process died, or its Python interpreter is "
                 f"blocked holding the GIL)")
@@ -181,10 +185,16 @@ def escaped(value: Any) -> Any:
 
 
 def format_report(snaps: dict[int, dict[str, Any]], beats: dict[int, dict[str, Any]],
-                  world_size: int, timeout_s: float, end_s: float) -> str:
+                  world_size: int, timeout_s: float, end_s: float,
+                  malformed: dict[int, str] | None = None) -> str:
     """The message printed on the driver and carried by the run's error (every string a
-    rank sent escaped)."""
+    rank sent escaped).
+
+    ``malformed``: rank -> why the value under its snapshot key was refused
+    (:mod:`ray_mesh.observability.hang_store`); such a rank is listed as malformed.
+    """
     snaps, beats = escaped(snaps), escaped(beats)
+    malformed = escaped(malformed or {})
     stalls = find_stalls(snaps, beats)
     out = [f"ray_mesh: collective hang: a collective did not complete within "
            f"hang_timeout_s={timeout_s:g} s."]
@@ -207,7 +217,7 @@ def format_report(snaps: dict[int, dict[str, Any]], beats: dict[int, dict[str, A
                    "the ranks are inside one collective that does not finish (a network or "
                    "backend problem; try `ray-mesh doctor`).")
     out.append("Rank states:")
-    out += ["  " + _state_line(r, snaps.get(r), stalls) for r in range(world_size)]
+    out += ["  " + _state_line(r, snaps.get(r), stalls, malformed) for r in range(world_size)]
     out.append(
         f"The waiting ranks fail when the process-group timeout ({end_s:g} s) passes. A rank "
         f"that did not arrive usually skipped a collective (a branch on the rank, an early "
