@@ -26,6 +26,33 @@ tailnet_ip() {
 # NCCL/gloo settings shared by every Ray worker on this node (see nccl.env). A value set in
 # the environment before this script runs wins over the file; RAY_MESH_ENV_FILE=none
 # skips the file.
+#
+# The file may set only these keys (every Ray worker inherits them, so a key that loads
+# code, LD_PRELOAD and friends, would run it in every training process):
+#   NCCL_*, GLOO_*, TORCH_NCCL_*, TORCH_DISTRIBUTED_DEBUG, TORCH_CPP_LOG_LEVEL,
+#   OMP_NUM_THREADS, CUDA_DEVICE_ORDER
+# except NCCL's plugin keys (*_PLUGIN*: NCCL loads the library they name) and NCCL_CONF_FILE
+# (a second file of settings). Set those in the systemd unit if you need them. The file
+# must belong to root or to the user running the script, and be writable by no one else.
+ENV_FILE_KEYS='^(NCCL_[A-Z0-9_]+|GLOO_[A-Z0-9_]+|TORCH_NCCL_[A-Z0-9_]+|TORCH_DISTRIBUTED_DEBUG|TORCH_CPP_LOG_LEVEL|OMP_NUM_THREADS|CUDA_DEVICE_ORDER)$'
+ENV_FILE_DENIED='(_PLUGIN|^NCCL_CONF_FILE$)'
+
+file_owner() {
+    stat -L -c '%u' "$1" 2>/dev/null || stat -L -f '%u' "$1"
+}
+
+# Refuse an env file that someone other than root or this user could have written.
+check_env_file_owner() {
+    local file="$1" owner mode
+    owner="$(file_owner "$file")"
+    mode="$(stat -L -c '%a' "$file" 2>/dev/null || stat -L -f '%Lp' "$file")"
+    [[ "$owner" == 0 || "$owner" == "$(id -u)" ]] \
+        || die "$file belongs to uid $owner, not root or $(id -un): every Ray worker would run with the settings someone else wrote. Make root own it: sudo chown root: $file"
+    if ((8#$mode & 8#022)); then
+        die "$file has mode $mode: others can write it, and every Ray worker would run with their settings. Fix: sudo chmod 644 $file"
+    fi
+}
+
 load_env_file() {
     local file="${RAY_MESH_ENV_FILE:-}"
     [[ "$file" == "none" ]] && return 0
@@ -39,11 +66,16 @@ load_env_file() {
     fi
     [[ -z "$file" ]] && return 0
     [[ -r "$file" ]] || die "RAY_MESH_ENV_FILE=$file cannot be read."
-    local line key
+    check_env_file_owner "$file"
+    local line key n=0
     while IFS= read -r line || [[ -n "$line" ]]; do
+        n=$((n + 1))
         [[ "$line" =~ ^[[:space:]]*(#|$) ]] && continue
         key="${line%%=*}"
-        [[ "$key" =~ ^[A-Z_][A-Z0-9_]*$ ]] || die "$file: not a KEY=value line: $line"
+        [[ "$line" == *=* && "$key" =~ ^[A-Z_][A-Z0-9_]*$ ]] || die "$file line $n: not a KEY=value line: $line"
+        if ! [[ "$key" =~ $ENV_FILE_KEYS ]] || [[ "$key" =~ $ENV_FILE_DENIED ]]; then
+            die "$file line $n: $key may not be set from this file (it takes NCCL_*, GLOO_*, TORCH_NCCL_*, TORCH_DISTRIBUTED_DEBUG, TORCH_CPP_LOG_LEVEL, OMP_NUM_THREADS, CUDA_DEVICE_ORDER; no *_PLUGIN or NCCL_CONF_FILE). Set other variables in the systemd unit (Environment=) or the shell that starts Ray."
+        fi
         if [[ -z "${!key+x}" ]]; then
             export "$key=${line#*=}"
         fi

@@ -7,8 +7,9 @@ ray-worker.sh, dashboard on) is listed with ``ss -ltnp`` in each namespace:
   the decoy ``eth0`` address alone;
 * every (component, bound-to) pair seen equals the "What is exposed" table in
   deploy/README.md, so the table cannot go stale silently when Ray changes;
-* torch's rendezvous store and gloo, as Ray Train starts them (MASTER_ADDR = the tailnet
-  address, GLOO_SOCKET_IFNAME=tailscale0), are listed the same way;
+* torch's rendezvous store and gloo, as ray_mesh's bootstrap starts them under Ray Train
+  (MASTER_ADDR = the tailnet address, GLOO_SOCKET_IFNAME=tailscale0), are listed the same
+  way: the store on the tailnet address only (ray_mesh binds it; torch alone binds all);
 * the table's "Token" column for the HTTP endpoints: the three /metrics answer a tailnet
   peer without a token, the dashboard and the agent's HTTP answer 401;
 * deploy/tailscale/firewall.sh (nft and iptables) applied inside a namespace refuses a
@@ -147,11 +148,12 @@ def test_listeners_match_the_readme_table(cluster):
 
 
 _TORCH = """
-import os, sys, time, datetime
+import os, sys, time
+import torch
 import torch.distributed as dist
+from ray_mesh.core.bootstrap import init_process_group
 # _torch_rendezvous: this marker in the command line names the process "torch" in listeners()
-dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2,
-                        timeout=datetime.timedelta(seconds=60))
+init_process_group("gloo", torch.device("cpu"), int(sys.argv[1]), 2, timeout_s=60)
 dist.barrier()
 print("READY", flush=True)
 deadline = time.monotonic() + 60
@@ -163,7 +165,7 @@ dist.destroy_process_group()
 
 
 def test_torch_rendezvous_and_gloo_listeners(cluster, tmp_path):
-    """torch as Ray Train starts it: TCPStore on rank 0, gloo pairs, over tailscale0."""
+    """torch as ray_mesh starts it under Ray Train: TCPStore on rank 0, gloo pairs."""
     port = free_port()
     go = tmp_path / "go"
     procs = []
@@ -195,7 +197,8 @@ def test_torch_rendezvous_and_gloo_listeners(cluster, tmp_path):
                 p.kill()
     print("torch rank 0:", rows0, "\ntorch rank 1:", rows1)
     store = [r for r in rows0 if r[1] == port]
-    assert store and {r[2] for r in store} == {"all interfaces"}, rows0  # TCPStore: *:PORT
+    # TCPStore: bound to MASTER_ADDR by ray_mesh (torch's own would be *:PORT)
+    assert store and {r[2] for r in store} == {"tailnet address"}, rows0
     documented = {r for r in readme_table() if r[0] == "torch"}
     seen = _keyed(rows0 + rows1, documented)
     assert seen == documented, (seen, documented)

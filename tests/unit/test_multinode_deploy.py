@@ -110,19 +110,21 @@ def _firewall(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess
         (bin_dir / name).chmod(0o755)
     return subprocess.run(["bash", str(DEPLOY / "tailscale" / "firewall.sh"), *args],
                           capture_output=True, text=True, timeout=30,
-                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", **(env or {})})
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin",
+                               "RAY_MESH_FW_PEERS_FILE": "/nonexistent", **(env or {})})
 
 
 def test_firewall_print_mode_changes_nothing(tmp_path):
     p = _firewall(tmp_path, env={"RAY_MESH_FW_OPEN": "8888 9090"})
     assert p.returncode == 0, p.stderr
-    assert 'iifname "tailscale0" ip saddr 100.64.0.0/10 accept' in p.stdout
+    assert 'iifname "tailscale0" ip saddr { 100.64.0.0/10 } accept' in p.stdout
     assert "tcp dport { 8888, 9090 } accept" in p.stdout
     assert "tcp dport 1024-65535" in p.stdout and "reject with tcp reset" in p.stdout
     p = _firewall(tmp_path, "print", env={"RAY_MESH_FW_BACKEND": "iptables",
                                           "RAY_MESH_FW_IFACE": "wg0"})
     assert p.returncode == 0, p.stderr
-    assert "ip6tables -w -A RAY_MESH -i wg0 -s fd7a:115c:a1e0::/48 -j RETURN" in p.stdout
+    v6 = p.stdout.split("# ip6tables-restore --noflush")[1]  # one restore input per family
+    assert "-A RAY_MESH -i wg0 -s fd7a:115c:a1e0::/48 -j RETURN" in v6
     assert "--syn --dport 1024:65535 -j REJECT --reject-with tcp-reset" in p.stdout
     assert not (tmp_path / "calls").exists()  # printed, never run
 
@@ -134,5 +136,5 @@ def test_firewall_refuses_bad_settings_with_the_fix(tmp_path):
         p = _firewall(tmp_path, "print", env={key: value})
         assert p.returncode == 2 and f"{key}=" in p.stderr, (key, p.stderr)
     p = _firewall(tmp_path, "frobnicate")
-    assert p.returncode == 2 and "use print (default), apply, remove or status" in p.stderr
+    assert p.returncode == 2 and "use print (default), apply, remove, status or peers" in p.stderr
     assert not (tmp_path / "calls").exists()
