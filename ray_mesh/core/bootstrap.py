@@ -260,17 +260,13 @@ def init_process_group(
     timeout = timedelta(seconds=timeout_s)
     # torch's env:// rendezvous, with rank 0's store bound to MASTER_ADDR only and the join
     # counter checked (ray_mesh.core.rendezvous_store: the store has no authentication).
-    try:
-        store = rendezvous_store.create_store(os.environ["MASTER_ADDR"],
-                                              _env_int("MASTER_PORT"), rank, world_size,
-                                              timeout)
-        # Each joining of the world gets keys of its own. torchrun's store outlives the
-        # group (its agent hosts it), and a second init_process_group after
-        # destroy_process_group names its groups as the first did: gloo read the previous
-        # round's addresses and failed to connect ("Connection refused") after its retries.
-        round_ = rendezvous_store.join_round(store, rank, world_size)
-    except rendezvous_store.RendezvousStoreError as exc:
-        raise BootstrapError(str(exc)) from exc
+    store = rendezvous_store.create_store(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"),
+                                          rank, world_size, timeout)
+    # Each joining of the world gets keys of its own. torchrun's store outlives the group
+    # (its agent hosts it), and a second init_process_group after destroy_process_group
+    # names its groups as the first did: gloo read the previous round's addresses and
+    # failed to connect ("Connection refused") after its retries.
+    round_ = rendezvous_store.join_round(store, rank, world_size)
     store = dist.PrefixStore(f"ray_mesh/{round_}", store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)

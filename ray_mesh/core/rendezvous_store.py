@@ -30,6 +30,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ray_mesh.errors import BootstrapError
+
 logger = logging.getLogger(__name__)
 
 STORE_BIND_ENV = "RAY_MESH_STORE_BIND"
@@ -46,10 +48,6 @@ _FIX = ("Only this job's ranks may write to the rendezvous store (MASTER_ADDR:MA
         "docs/trust-model.md).")
 
 
-class RendezvousStoreError(RuntimeError):
-    """The store could not be bound, or holds a value this job's ranks did not write."""
-
-
 def _torchelastic_agent_store() -> bool:
     """torchrun's agent hosts the store (the same test torch's ``env://`` handler makes)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
@@ -62,7 +60,7 @@ def bind_address(master_addr: str) -> str | None:
     if mode == "all":
         return None
     if mode != "addr":
-        raise RendezvousStoreError(
+        raise BootstrapError(
             f"{STORE_BIND_ENV}={os.environ[STORE_BIND_ENV]!r}: use 'addr' (bind the rendezvous "
             f"store to MASTER_ADDR, the default) or 'all' (every interface, as torch does).")
     try:
@@ -86,14 +84,14 @@ def listen_socket(address: str, port: int) -> socket.socket | None:
         if exc.errno == errno.EADDRINUSE:
             return None
         if exc.errno == errno.EADDRNOTAVAIL:
-            raise RendezvousStoreError(
+            raise BootstrapError(
                 f"MASTER_ADDR={address} is not an address of this host, so rank 0 cannot bind "
                 f"the rendezvous store there (ray_mesh binds it to MASTER_ADDR only, so that "
                 f"other interfaces cannot reach it). Run rank 0 on the host that owns "
                 f"{address}, or set MASTER_ADDR to one of this host's addresses; behind NAT, "
                 f"set {STORE_BIND_ENV}=all to listen on every interface as torch does, and "
                 f"close the port with a firewall.") from exc
-        raise RendezvousStoreError(
+        raise BootstrapError(
             f"rank 0 could not listen on {address}:{port} for the rendezvous store: "
             f"{exc}. Pick another MASTER_PORT.") from exc
     return sock
@@ -107,7 +105,7 @@ def create_store(master_addr: str, port: int, rank: int, world_size: int,
     multi-tenant, libuv unless ``USE_LIBUV=0``, the server waiting for ``world_size`` users.
     """
     if not 0 <= port < 2**16:
-        raise RendezvousStoreError(f"MASTER_PORT={port} is not a port number (0-65535).")
+        raise BootstrapError(f"MASTER_PORT={port} is not a port number (0-65535).")
     use_libuv = os.environ.get("USE_LIBUV", "1") == "1"
     if _torchelastic_agent_store():
         return dist.TCPStore(host_name=master_addr, port=port, world_size=world_size,
@@ -129,7 +127,7 @@ def _as_count(raw: bytes | str, what: str, world_size: int) -> int:
     shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} chars)"
     limit = world_size * MAX_ROUNDS
     if not (text.isascii() and text.isdigit() and len(text) <= 19) or int(text) > limit:
-        raise RendezvousStoreError(
+        raise BootstrapError(
             f"The rendezvous store's join counter {JOIN_KEY!r} {what} {shown!r}, not a join "
             f"count between 0 and {limit} (world size {world_size} x {MAX_ROUNDS} joinings): "
             f"a client other than this job's ranks wrote it. {_FIX}")
@@ -150,20 +148,20 @@ def join_round(store: dist.Store, rank: int, world_size: int) -> int:
     try:
         joined = store.add(JOIN_KEY, 1)
     except RuntimeError as exc:  # DistNetworkError: the server dropped us (a non-integer)
-        raise RendezvousStoreError(
+        raise BootstrapError(
             f"Adding to the rendezvous store's join counter {JOIN_KEY!r} failed ({exc}): it "
             f"no longer holds an integer, so a client other than this job's ranks wrote it. "
             f"{_FIX}") from exc
     joined = _as_count(str(joined), "reached", world_size)
     if joined < 1:
-        raise RendezvousStoreError(f"The join counter {JOIN_KEY!r} reached {joined} after "
+        raise BootstrapError(f"The join counter {JOIN_KEY!r} reached {joined} after "
                                    f"this rank's add: it was moved below zero. {_FIX}")
     round_ = (joined - 1) // world_size
     mine = f"{joined} pid {os.getpid()} {secrets.token_hex(4)}"  # unique to this claim
     taken = store.compare_set(f"{CLAIM_PREFIX}/{round_}/{rank}", "", mine)
     taken = taken.decode(errors="replace") if isinstance(taken, bytes) else str(taken)
     if taken != mine:
-        raise RendezvousStoreError(
+        raise BootstrapError(
             f"Rank {rank}'s slot in joining #{round_} of the world is already taken (by "
             f"{taken[:60]!r}; this rank got join number {joined}): the join counter {JOIN_KEY!r} "
             f"was moved by a client outside this round, another client of the store or an "
@@ -171,5 +169,5 @@ def join_round(store: dist.Store, rank: int, world_size: int) -> int:
     return round_
 
 
-__all__ = ["CLAIM_PREFIX", "JOIN_KEY", "MAX_ROUNDS", "RendezvousStoreError", "STORE_BIND_ENV",
-           "bind_address", "create_store", "join_round", "listen_socket"]
+__all__ = ["CLAIM_PREFIX", "JOIN_KEY", "MAX_ROUNDS", "STORE_BIND_ENV", "bind_address",
+           "create_store", "join_round", "listen_socket"]

@@ -32,6 +32,7 @@ from ports import free_port
 from torchrun import spawn_ranks
 
 from ray_mesh.core import bootstrap, rendezvous_store
+from ray_mesh.errors import BootstrapError
 
 pytestmark = pytest.mark.dist
 OTHER_LOCAL = "127.0.0.2"  # this host too (all of 127/8 is), but not MASTER_ADDR
@@ -93,13 +94,13 @@ def test_store_listens_on_master_addr_only(tmp_path):
 
 
 def test_master_addr_not_on_this_host_says_so():
-    with pytest.raises(rendezvous_store.RendezvousStoreError,
+    with pytest.raises(BootstrapError,
                        match=r"MASTER_ADDR=198\.51\.100\.77 is not an address of this host.*"
                              r"RAY_MESH_STORE_BIND=all"):
         rendezvous_store.listen_socket("198.51.100.77", free_port())
     os.environ["RAY_MESH_STORE_BIND"] = "everywhere"
     try:
-        with pytest.raises(rendezvous_store.RendezvousStoreError, match="use 'addr'"):
+        with pytest.raises(BootstrapError, match="use 'addr'"):
             rendezvous_store.bind_address("127.0.0.1")
     finally:
         del os.environ["RAY_MESH_STORE_BIND"]
