@@ -30,6 +30,7 @@
 #   RAY_MESH_FW_V4          tailnet IPv4 range, without peers (100.64.0.0/10)
 #   RAY_MESH_FW_V6          tailnet IPv6 range, without peers (fd7a:115c:a1e0::/48)
 #   RAY_MESH_FW_BACKEND     nft, iptables or auto (nft if installed, else iptables)
+#   RAY_MESH_PYTHON         the Python that has ray, for `peers` (python3)
 set -euo pipefail
 # shellcheck source=common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -238,10 +239,21 @@ ray_peers() {
     local py="${RAY_MESH_PYTHON:-python3}" out addr
     command -v "$py" >/dev/null 2>&1 || die "'$py' not found: set RAY_MESH_PYTHON to the Python that has ray."
     use_token_auth
-    out="$("$py" - "${1:-${RAY_ADDRESS:-auto}}" <<'EOF'
+    # Bounded: ray.init keeps retrying an address where no GCS answers.
+    out="$(timeout "${RAY_MESH_FW_PEERS_TIMEOUT:-90}" "$py" - "${1:-${RAY_ADDRESS:-auto}}" <<'EOF'
+import socket
 import sys
-import ray
-ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+
+address = sys.argv[1]
+if address != "auto":
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except (OSError, ValueError) as exc:
+        sys.exit(f"nothing answers at {address} ({exc})")
+import ray  # noqa: E402
+
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 for node in ray.nodes():
     if node.get("Alive"):
         print(node["NodeManagerAddress"])
@@ -320,7 +332,7 @@ main() {
                 iptables -w -S "$CHAIN" 2>/dev/null || echo "ray-mesh firewall: not loaded." >&2
             fi
             ;;
-        -h | --help | help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' ;;
+        -h | --help | help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' ;;
         *) die "unknown action '$action': use print (default), apply, remove, status or peers." ;;
     esac
 }
