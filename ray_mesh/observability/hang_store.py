@@ -22,13 +22,14 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from ray_mesh.core.safe import safe_text
 
 logger = logging.getLogger("ray_mesh.observability.hang")
 
@@ -40,7 +41,6 @@ MAX_FRAMES = 48  # innermost frames kept per thread (the report shows the last 1
 MAX_TEXT = 500  # characters kept of a file name, function, code line, host, op or dim
 MAX_DIMS = 64
 WARN_PER_KEY = 10
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 class Malformed(ValueError):
@@ -114,8 +114,9 @@ def parse_report(obj: Any, world_size: int) -> dict[str, Any]:
     rep = _fields(obj, "a hang report", {"by", "dim", "text"})
     _check(isinstance(rep["text"], str) and rep["text"].startswith("ray_mesh: collective hang"),
            "text must be a report ray_mesh wrote (it starts 'ray_mesh: collective hang')")
-    _check(not _CONTROL.search(rep["text"]), "text holds control characters (terminal escapes "
-                                             "and the like) that ray_mesh never writes")
+    _check(safe_text(rep["text"], multiline=True) == rep["text"],
+           "text holds control characters (terminal escapes and the like) that ray_mesh "
+           "never writes")
     return {"by": _int(rep["by"], "by (the reporting rank)", 0, world_size),
             "dim": _text(rep["dim"], "dim"), "text": rep["text"]}
 
@@ -162,11 +163,6 @@ def parse_snapshot(obj: Any, rank: int, world_size: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- writing
-def _escape(text: str) -> str:
-    """Control characters but newline and tab, written as escapes (never sent raw)."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
-
-
 def _cut(text: str) -> str:
     return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 3] + "..."
 
@@ -207,7 +203,7 @@ def encode_report(by: int, dim: str, text: str) -> str:
         head, tail = data[: room // 2].decode(errors="ignore"), data[-room // 4:].decode(
             errors="ignore")
         text = f"{head}\n[... {len(data) - len(head) - len(tail)} bytes cut ...]\n{tail}"
-    return json.dumps({"by": by, "dim": _cut(dim), "text": _escape(text)})
+    return json.dumps({"by": by, "dim": _cut(dim), "text": safe_text(text, multiline=True)})
 
 
 # ----------------------------------------------------------------------------- the store

@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
 from ports import free_port  # noqa: E402
+
+from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 pytestmark = pytest.mark.netns
 
