@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ray_mesh.core.safe import safe_text
+from ray_mesh.errors import Malformed
 
 logger = logging.getLogger("ray_mesh.observability.hang")
 
@@ -41,10 +42,6 @@ MAX_FRAMES = 48  # innermost frames kept per thread (the report shows the last 1
 MAX_TEXT = 500  # characters kept of a file name, function, code line, host, op or dim
 MAX_DIMS = 64
 WARN_PER_KEY = 10
-
-
-class Malformed(ValueError):
-    """A value in the store that this job's ranks did not write as it is."""
 
 
 # ----------------------------------------------------------------------------- checks
