@@ -16,13 +16,10 @@ from pathlib import Path
 
 import ray
 
+from ray_mesh.checkpointing.bucket_probe import PROBE_PREFIX, check_object_storage
 from ray_mesh.checkpointing.names import StorageError, check_run_name, run_name_problem
-
-PROBE_PREFIX = ".ray_mesh_storage_probe_"
-
-
-def _is_uri(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
+from ray_mesh.core.object_store import check_location
+from ray_mesh.core.object_store import is_uri as _is_uri
 
 
 def default_storage_path() -> str:
@@ -68,37 +65,8 @@ def _check_nodes(probe: Path, token: str, timeout_s: float) -> None:
         )
 
 
-def _check_uri(path: str, timeout_s: float) -> str:
-    import concurrent.futures
-
-    import pyarrow.fs
-
-    def probe() -> None:
-        fs, root = pyarrow.fs.FileSystem.from_uri(path)
-        fs.create_dir(root, recursive=True)
-        name = f"{root.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex}"
-        with fs.open_output_stream(name) as f:
-            f.write(b"ok")
-        fs.delete_file(name)
-
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    try:
-        pool.submit(probe).result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError as exc:
-        raise StorageError(f"Writing a probe to storage_path {path!r} did not finish in "
-                           f"{timeout_s:.0f} s: check the network and the credentials.") from exc
-    except Exception as exc:  # noqa: BLE001 - any failure means "cannot store checkpoints"
-        raise StorageError(
-            f"storage_path {path!r} is not writable: {type(exc).__name__}: {exc}. Check the "
-            f"URI, the bucket and the credentials on the driver and every node."
-        ) from exc
-    finally:
-        pool.shutdown(wait=False)
-    return path
-
-
 def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 60.0,
-                  name: str | None = None) -> str:
+                  name: str | None = None, endpoint: str | None = None) -> str:
     """The storage_path to give RunConfig, checked; raises :class:`StorageError`.
 
     * ``name``: the RunConfig name, when given, must be one safe path component
@@ -108,13 +76,18 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
     * a local path: made absolute, created, written to; on a Ray cluster of several nodes
       (``ray.init`` already called), every alive node must see the probe file, else the
       path is node-local and refused.
-    * a URI (``s3://``, ``gs://``, ...): a probe object is written and deleted.
+    * a URI (``s3://``, ``gs://``, ...; ``endpoint``: the URL of an S3-compatible server):
+      the endpoint must answer, the bucket exist, and a probe object with a fresh name is
+      written, read back and deleted (:mod:`ray_mesh.checkpointing.bucket_probe`); each
+      failure is one :class:`~ray_mesh.errors.ObjectStoreError` line saying what to fix.
     """
     if name is not None:
         check_run_name(name)
     path = str(storage_path) if storage_path is not None else default_storage_path()
+    check_location(path, endpoint)
     if _is_uri(path):
-        return _check_uri(path, timeout_s)
+        check_object_storage(path, endpoint, timeout_s=timeout_s)
+        return path
     if path.startswith("file://"):
         path = path[len("file://"):]
     local = Path(path).expanduser().absolute()

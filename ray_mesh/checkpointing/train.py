@@ -163,8 +163,19 @@ class Checkpointer:
             others.sort(key=lambda c: sharded.step_of(c.path) or -1, reverse=True)
             found += others
         elif self.resume_from:
-            found.append(Checkpoint(self.resume_from))
+            found.append(self._resume_checkpoint())
         return found
+
+    def _resume_checkpoint(self) -> Checkpoint:
+        """``resume_from`` as a Ray Checkpoint: an ``s3://`` URI without pyarrow options is
+        read through this run's own filesystem when that is S3 (its endpoint included), so
+        ``resume_from="s3://bucket/runs/a/checkpoint_..."`` works on a MinIO/lab server."""
+        assert self.resume_from is not None
+        fs = self._storage.storage_filesystem
+        if (self.resume_from.startswith("s3://") and "?" not in self.resume_from
+                and fs.type_name == "s3"):
+            return Checkpoint(self.resume_from[len("s3://"):], filesystem=fs)
+        return Checkpoint(self.resume_from)
 
     def _local_dir(self, checkpoint: Checkpoint) -> Path:
         """A local directory holding ``checkpoint`` (downloaded once when it is remote)."""
@@ -231,7 +242,7 @@ class Checkpointer:
         if latest is None and not self.resume_from:
             return Progress(data_seed=self.data_seed)
         candidates = self._candidates(latest) if self._rank == 0 else [
-            latest or Checkpoint(self.resume_from)]
+            latest or self._resume_checkpoint()]
         decision = self._choose(candidates) if self._rank == 0 else None
         chosen_path, warnings = sharded.broadcast_from_rank0(decision, self.group)
         if self._rank == 0:
@@ -244,15 +255,18 @@ class Checkpointer:
                 f"directory, or start a new run (another RunConfig(name=...) or storage_path)."
             )
         chosen = Checkpoint(chosen_path, filesystem=candidates[0].filesystem)
-        # Rank 0 verified the checksums while choosing: the others only check sizes.
+        # Rank 0 verified the checksums while choosing; the others check sizes on shared
+        # storage, and hash their own copy when it came from a bucket (what came back is
+        # what gets loaded).
+        verify = self._rank != 0 and not isinstance(chosen.filesystem, LocalFileSystem)
         if self.diloco is not None:
             from ray_mesh.checkpointing import replicas
 
             progress = replicas.load(self._local_dir(chosen), self.diloco, self.model,
-                                     self.optimizers, group=self.group, verify=False)
+                                     self.optimizers, group=self.group, verify=verify)
         else:
             progress = sharded.load(self._local_dir(chosen), self.model, self.optimizers,
-                                    group=self.group, verify=False)
+                                    group=self.group, verify=verify)
         progress.path = chosen_path
         for w in progress.warnings:
             _warn(f"ray_mesh: {w}.")
