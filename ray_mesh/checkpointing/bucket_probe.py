@@ -87,8 +87,8 @@ def _s3_failure(exc: BaseException, what: str, bucket: str, shown: str,
     code = _code(exc)
     if code == "INVALID_ACCESS_KEY_ID":
         return ObjectStoreError(
-            f"storage {shown}: the server does not know the access key id {what} used (AWS "
-            f"Error INVALID_ACCESS_KEY_ID). Set {CREDENTIALS} to a key of this server.")
+            f"storage {shown}: the server does not know the access key id in use (AWS Error "
+            f"INVALID_ACCESS_KEY_ID when {what}). Set {CREDENTIALS} to a key of this server.")
     if code == "SIGNATURE_DOES_NOT_MATCH":
         return ObjectStoreError(
             f"storage {shown}: the secret key does not match the access key id (AWS Error "
@@ -134,6 +134,12 @@ def _probe(fs: Any, root: str, bucket: str, shown: str, is_s3: bool) -> None:
         fs.create_dir(root, recursive=True)
     name = f"{root.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex}"
     token = uuid.uuid4().hex.encode() * 64
+    if denied:  # may the key read there? Then the credentials are good and writes refused.
+        try:
+            fs.get_file_info(name)
+            denied = False
+        except OSError:
+            pass
     try:
         with fs.open_output_stream(name) as f:
             f.write(token)
@@ -143,23 +149,26 @@ def _probe(fs: Any, root: str, bucket: str, shown: str, is_s3: bool) -> None:
         with fs.open_input_stream(name) as f:
             back = f.read(len(token) + 4096)
     except OSError as exc:
-        raise _s3_failure(exc, "reading the probe object back", bucket, shown, denied) \
-            from None
-    finally:
-        try:
-            fs.delete_file(name)
-        except OSError as exc:  # a write or read error above is replaced: delete first
-            raise ObjectStoreError(
-                f"storage {shown}: the probe object {name} was written but cannot be deleted "
-                f"({_code(exc) or type(exc).__name__}): Ray deletes old checkpoints "
-                f"(num_to_keep) and ray_mesh unfinished ones. Grant s3:DeleteObject, then "
-                f"delete that object.") from None
+        back = exc
+    try:
+        fs.delete_file(name)
+        undeletable = None
+    except OSError as exc:
+        undeletable = exc
+    if isinstance(back, OSError):
+        raise _s3_failure(back, "reading the probe object back", bucket, shown, denied)
     if back != token:
         raise ObjectStoreError(
             f"storage {shown}: the server returned other bytes than were written ({len(token)} "
             f"bytes written, {len(back)} read back): checkpoints would be corrupt. For moto, set "
             f"{CREDENTIALS} (any values: anonymous uploads keep their chunk framing) and use "
             f"moto[server]>=5.2.5; otherwise check the server.")
+    if undeletable is not None:
+        raise ObjectStoreError(
+            f"storage {shown}: the probe object {name} was written but cannot be deleted "
+            f"({_code(undeletable) or type(undeletable).__name__}): Ray deletes old "
+            f"checkpoints (num_to_keep) and ray_mesh unfinished ones. Grant s3:DeleteObject, "
+            f"then delete that object.")
 
 
 def check_object_storage(path: str, endpoint: str | None = None, *,

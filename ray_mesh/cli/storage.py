@@ -82,6 +82,9 @@ def start_server(host: str, port: int, bucket: str,
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
     server = start_server(args.host, args.port, args.bucket)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"

@@ -84,6 +84,10 @@ def check_location(storage_path: str, endpoint: str | None = None) -> None:
     if endpoint is not None:
         parse_endpoint(endpoint)
     if not is_uri(storage_path):
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/?[^/]", storage_path):
+            raise StorageURIError(
+                f"storage_path {storage_path!r} is not a URI (a scheme needs '://'): write "
+                f"e.g. s3://bucket/runs, or ./{storage_path.replace(':', '_')} for a directory.")
         if endpoint is not None:
             raise StorageURIError(
                 f"storage_endpoint {endpoint} was given, but storage_path {storage_path!r} is "
