@@ -77,7 +77,8 @@ class Checkpointer:
             for a local/shared filesystem, upload for anything else.
         timeout_s: bound on every checkpoint collective (a dead peer fails the save within it).
         wait_committed: after reporting a checkpoint, rank 0 waits until Ray has registered
-            it, so that a failure right after it still resumes from it.
+            it and the other ranks wait for rank 0, so that a failure on any rank right after
+            it still resumes from it.
         check_finite: refuse to save (every rank raises ``NonFiniteError``) when a parameter
             is NaN or inf, so broken weights never rotate good checkpoints out.
         data_seed: a data-order seed (e.g. your sampler's) saved with every checkpoint;
@@ -356,16 +357,22 @@ class Checkpointer:
                              checkpoint_dir_name=name,
                              checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         self.last_reported_checkpoint = progress.step
-        if self._rank == 0 and self.wait_committed:
-            self._wait_committed()
+        if self.wait_committed:
+            if self._rank == 0:
+                self._wait_committed()
+            # Every rank waits for rank 0's confirmation: where no collective follows soon
+            # (DiLoCo replicas between syncs), a rank dying right after its report would
+            # otherwise beat the controller's poll, and the restart would use the checkpoint
+            # before this one.
+            sharded._barrier(self.group)
 
     def _wait_committed(self) -> None:
         """Block until Ray's controller has registered the checkpoint just reported.
 
         ``ray.train.report`` returns once the report is queued, before the controller has
         registered the checkpoint; a worker dying in between makes the restart use the
-        checkpoint before this one. Rank 0 waiting here (the others wait for rank 0 at the
-        next collective) closes that gap for one controller round trip per checkpoint.
+        checkpoint before this one. Rank 0 waiting here (the others wait for rank 0 in a
+        barrier right after) closes that gap for one controller round trip per checkpoint.
         """
         try:
             ray.train.get_all_reported_checkpoints(
