@@ -198,3 +198,53 @@ def test_credentials_are_checked_and_never_printed(locked, monkeypatch, who, exp
     assert key[1] not in line and key[0] not in line  # no key in the message
     if who != "read-only":  # the fix names where the credentials come from
         assert "AWS_ACCESS_KEY_ID" in line, line
+
+
+# ----------------------------------------------------------------------------- settings
+def test_run_storage_is_ray_trains_own_pair_without_credentials(monkeypatch):
+    import pickle
+
+    import ray_mesh
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "never-in-the-filesystem")
+    kw = ray_mesh.run_storage("s3://ckpt-bucket/runs/", "http://10.0.0.5:9000")
+    assert kw["storage_path"] == "ckpt-bucket/runs"  # the path inside the filesystem
+    fs = kw["storage_filesystem"]
+    assert fs.type_name == "s3"
+    assert b"never-in-the-filesystem" not in pickle.dumps(fs)  # shipped to every worker
+    options = fs.__reduce__()[1][0]
+    assert options["endpoint_override"] == "10.0.0.5:9000" and options["scheme"] == "http"
+    assert options["access_key"] is None and options["secret_key"] is None
+    assert ray_mesh.run_storage("/shared/results") == {"storage_path": "/shared/results"}
+    with pytest.raises(StorageURIError, match="storage_path is not"):
+        ray_mesh.run_storage(None, "http://10.0.0.5:9000")
+
+
+def test_cli_flags_override_the_job_and_go_through_its_checks(tmp_path):
+    job = Job.from_dict({"train": TRAIN, "run": {"storage_path": str(tmp_path)}})
+    moved = job.with_storage("s3://ckpt-bucket/runs", "https://minio.lan:9000")
+    assert (moved.run.storage_path, moved.run.storage_endpoint) == (
+        "s3://ckpt-bucket/runs", "https://minio.lan:9000")
+    with pytest.raises(JobError, match="is a local path"):
+        job.with_storage(None, "http://minio.lan:9000")  # the file's local path stays
+
+
+def test_status_matches_a_bucket_however_it_is_spelled():
+    from hostile_dashboard import train_run
+
+    from ray_mesh.observability.layout import named_storage
+    from ray_mesh.observability.status_input import parse_run
+
+    r = train_run("hsdp", storage="ckpt-bucket/runs")
+    r["run_settings"]["run_config"]["storage_filesystem"] = (
+        "<pyarrow._s3fs.S3FileSystem object at 0x7f00>")
+    run = parse_run(r)
+    assert run["storage_raw"] == run["storage_path"] == "s3://ckpt-bucket/runs"
+    for viewer in ("s3://ckpt-bucket/runs", "s3://ckpt-bucket/runs/",
+                   "s3://ckpt-bucket/runs?endpoint_override=h:9000&scheme=http"):
+        assert named_storage(run["storage_raw"], [viewer]) == viewer
+    assert named_storage(run["storage_raw"], ["s3://ckpt-bucket/other"]) is None
+    assert named_storage(run["storage_raw"], ["ckpt-bucket/runs"]) is None  # a local path
+    # a plain local path recorded without an S3 filesystem stays a local path
+    assert parse_run(train_run("hsdp", storage="ckpt-bucket/runs"))["storage_raw"] == \
+        "ckpt-bucket/runs"
