@@ -65,6 +65,41 @@ def _check_nodes(probe: Path, token: str, timeout_s: float) -> None:
         )
 
 
+def _node_probe(path: str, endpoint: str | None, timeout_s: float) -> tuple[str, str | None]:
+    """On one node: the bucket probe with that node's own credentials; (ip, why not)."""
+    from ray_mesh.errors import RayMeshError
+
+    ip = ray.util.get_node_ip_address()
+    try:
+        check_object_storage(path, endpoint, timeout_s=timeout_s)
+        return ip, None
+    except RayMeshError as exc:
+        return ip, str(exc)
+
+
+def _check_nodes_uri(path: str, endpoint: str | None, timeout_s: float) -> None:
+    """Every alive node probes the bucket itself: its workers use its own credentials (the
+    AWS environment ``ray start`` ran with) and its own route to the endpoint."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ray_mesh.errors import ObjectStoreError
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    task = ray.remote(num_cpus=0, max_retries=0)(_node_probe)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote(path, endpoint, timeout_s) for n in nodes]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 30)
+    if pending:
+        late = [nodes[refs.index(r)]["NodeManagerAddress"] for r in pending]
+        raise ObjectStoreError(
+            f"Could not check within {timeout_s + 30:.0f} s whether nodes {late} can write "
+            f"{path}: a task on them did not run. Check `ray status`, then retry.")
+    for ip, why in sorted(ray.get(refs), key=lambda r: r[0]):
+        if why:
+            raise ObjectStoreError(f"on node {ip}: {why} (each node uses the AWS credentials "
+                                   f"its `ray start` ran with)")
+
+
 def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 60.0,
                   name: str | None = None, endpoint: str | None = None) -> str:
     """The storage_path to give RunConfig, checked; raises :class:`StorageError`.
@@ -80,6 +115,8 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
       the endpoint must answer, the bucket exist, and a probe object with a fresh name is
       written, read back and deleted (:mod:`ray_mesh.checkpointing.bucket_probe`); each
       failure is one :class:`~ray_mesh.errors.ObjectStoreError` line saying what to fix.
+      With ``ray.init`` called, every alive node repeats the probe with its own credentials
+      and route, and a node that fails is named.
     """
     if name is not None:
         check_run_name(name)
@@ -87,6 +124,8 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
     check_location(path, endpoint)
     if _is_uri(path):
         check_object_storage(path, endpoint, timeout_s=timeout_s)
+        if ray.is_initialized():
+            _check_nodes_uri(path, endpoint, timeout_s)
         return path
     if path.startswith("file://"):
         path = path[len("file://"):]
