@@ -1,6 +1,7 @@
 """ray_mesh: named DeviceMesh training (pp, dp_replicate, dp_shard, cp, tp) on a Ray cluster."""
 
 from ray_mesh.core.bootstrap import get_mesh, get_state, init_mesh, is_initialized, shutdown_mesh
+from ray_mesh.core.object_store import run_storage
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
 from ray_mesh.errors import MeshSpecError, RayMeshError
 
@@ -21,6 +22,7 @@ __all__ = [
     "is_initialized",
     "parallel",
     "report",
+    "run_storage",
     "shutdown_mesh",
 ]
 

@@ -60,6 +60,11 @@ class ModelConfigError(UserInputError):
     """A model config that cannot build or run; the message names the key and the fix."""
 
 
+class StorageURIError(UserInputError):
+    """A storage_path or storage_endpoint that is not a valid location (a malformed URI, a
+    bucket name S3 refuses, an endpoint that is not a server URL); the message shows the form."""
+
+
 # ----------------------------------------------------------------------------- configuration
 class TopologyError(ConfigurationError):
     """The workers' placement cannot host the mesh; the message says how to fix it."""
@@ -83,6 +88,12 @@ class DataSplitError(ConfigurationError):
 
 class StorageError(ConfigurationError):
     """A storage_path that cannot hold this run's checkpoints; the message says what to use."""
+
+
+class ObjectStoreError(StorageError):
+    """An object store (an S3 endpoint and bucket) that cannot hold this run's checkpoints:
+    the endpoint does not answer, the bucket is missing, the credentials are refused, or it
+    refuses writes. One line, naming the endpoint and bucket and what to fix (never a key)."""
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -160,6 +171,7 @@ __all__ = [
     "ModelConfigError",
     "NetworkError",
     "NonFiniteError",
+    "ObjectStoreError",
     "ParallelError",
     "PlanError",
     "PreflightError",
@@ -167,6 +179,7 @@ __all__ = [
     "SourceError",
     "StatusError",
     "StorageError",
+    "StorageURIError",
     "TopologyError",
     "TrialError",
     "UserInputError",

@@ -79,6 +79,12 @@ def ray_local(tmp_path_factory):
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    # Checkpoints in a bucket (tests/ray/test_checkpoint_s3_ray.py, a moto server): every Ray
+    # process resolves AWS credentials from its environment, inherited from here. moto checks
+    # none, but without any pyarrow uploads anonymously and moto stores the chunk framing.
+    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_EC2_METADATA_DISABLED", "true")):
+        os.environ.setdefault(key, value)
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=LOCAL_RAY_CPUS, include_dashboard=False,

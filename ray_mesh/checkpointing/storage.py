@@ -16,13 +16,10 @@ from pathlib import Path
 
 import ray
 
+from ray_mesh.checkpointing.bucket_probe import PROBE_PREFIX, check_object_storage
 from ray_mesh.checkpointing.names import StorageError, check_run_name, run_name_problem
-
-PROBE_PREFIX = ".ray_mesh_storage_probe_"
-
-
-def _is_uri(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
+from ray_mesh.core.object_store import check_location
+from ray_mesh.core.object_store import is_uri as _is_uri
 
 
 def default_storage_path() -> str:
@@ -68,37 +65,43 @@ def _check_nodes(probe: Path, token: str, timeout_s: float) -> None:
         )
 
 
-def _check_uri(path: str, timeout_s: float) -> str:
-    import concurrent.futures
+def _node_probe(path: str, endpoint: str | None, timeout_s: float) -> tuple[str, str | None]:
+    """On one node: the bucket probe with that node's own credentials; (ip, why not)."""
+    from ray_mesh.errors import RayMeshError
 
-    import pyarrow.fs
-
-    def probe() -> None:
-        fs, root = pyarrow.fs.FileSystem.from_uri(path)
-        fs.create_dir(root, recursive=True)
-        name = f"{root.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex}"
-        with fs.open_output_stream(name) as f:
-            f.write(b"ok")
-        fs.delete_file(name)
-
-    pool = concurrent.futures.ThreadPoolExecutor(1)
+    ip = ray.util.get_node_ip_address()
     try:
-        pool.submit(probe).result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError as exc:
-        raise StorageError(f"Writing a probe to storage_path {path!r} did not finish in "
-                           f"{timeout_s:.0f} s: check the network and the credentials.") from exc
-    except Exception as exc:  # noqa: BLE001 - any failure means "cannot store checkpoints"
-        raise StorageError(
-            f"storage_path {path!r} is not writable: {type(exc).__name__}: {exc}. Check the "
-            f"URI, the bucket and the credentials on the driver and every node."
-        ) from exc
-    finally:
-        pool.shutdown(wait=False)
-    return path
+        check_object_storage(path, endpoint, timeout_s=timeout_s)
+        return ip, None
+    except RayMeshError as exc:
+        return ip, str(exc)
+
+
+def _check_nodes_uri(path: str, endpoint: str | None, timeout_s: float) -> None:
+    """Every alive node probes the bucket itself: its workers use its own credentials (the
+    AWS environment ``ray start`` ran with) and its own route to the endpoint."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ray_mesh.errors import ObjectStoreError
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    task = ray.remote(num_cpus=0, max_retries=0)(_node_probe)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote(path, endpoint, timeout_s) for n in nodes]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 30)
+    if pending:
+        late = [nodes[refs.index(r)]["NodeManagerAddress"] for r in pending]
+        raise ObjectStoreError(
+            f"Could not check within {timeout_s + 30:.0f} s whether nodes {late} can write "
+            f"{path}: a task on them did not run. Check `ray status`, then retry.")
+    for ip, why in sorted(ray.get(refs), key=lambda r: r[0]):
+        if why:
+            raise ObjectStoreError(f"on node {ip}: {why} (each node uses the AWS credentials "
+                                   f"its `ray start` ran with)")
 
 
 def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 60.0,
-                  name: str | None = None) -> str:
+                  name: str | None = None, endpoint: str | None = None) -> str:
     """The storage_path to give RunConfig, checked; raises :class:`StorageError`.
 
     * ``name``: the RunConfig name, when given, must be one safe path component
@@ -108,13 +111,22 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
     * a local path: made absolute, created, written to; on a Ray cluster of several nodes
       (``ray.init`` already called), every alive node must see the probe file, else the
       path is node-local and refused.
-    * a URI (``s3://``, ``gs://``, ...): a probe object is written and deleted.
+    * a URI (``s3://``, ``gs://``, ...; ``endpoint``: the URL of an S3-compatible server):
+      the endpoint must answer, the bucket exist, and a probe object with a fresh name is
+      written, read back and deleted (:mod:`ray_mesh.checkpointing.bucket_probe`); each
+      failure is one :class:`~ray_mesh.errors.ObjectStoreError` line saying what to fix.
+      With ``ray.init`` called, every alive node repeats the probe with its own credentials
+      and route, and a node that fails is named.
     """
     if name is not None:
         check_run_name(name)
     path = str(storage_path) if storage_path is not None else default_storage_path()
+    check_location(path, endpoint)
     if _is_uri(path):
-        return _check_uri(path, timeout_s)
+        check_object_storage(path, endpoint, timeout_s=timeout_s)
+        if ray.is_initialized():
+            _check_nodes_uri(path, endpoint, timeout_s)
+        return path
     if path.startswith("file://"):
         path = path[len("file://"):]
     local = Path(path).expanduser().absolute()

@@ -77,7 +77,8 @@ class Checkpointer:
             for a local/shared filesystem, upload for anything else.
         timeout_s: bound on every checkpoint collective (a dead peer fails the save within it).
         wait_committed: after reporting a checkpoint, rank 0 waits until Ray has registered
-            it, so that a failure right after it still resumes from it.
+            it and the other ranks wait for rank 0, so that a failure on any rank right after
+            it still resumes from it.
         check_finite: refuse to save (every rank raises ``NonFiniteError``) when a parameter
             is NaN or inf, so broken weights never rotate good checkpoints out.
         data_seed: a data-order seed (e.g. your sampler's) saved with every checkpoint;
@@ -163,8 +164,19 @@ class Checkpointer:
             others.sort(key=lambda c: sharded.step_of(c.path) or -1, reverse=True)
             found += others
         elif self.resume_from:
-            found.append(Checkpoint(self.resume_from))
+            found.append(self._resume_checkpoint())
         return found
+
+    def _resume_checkpoint(self) -> Checkpoint:
+        """``resume_from`` as a Ray Checkpoint: an ``s3://`` URI without pyarrow options is
+        read through this run's own filesystem when that is S3 (its endpoint included), so
+        ``resume_from="s3://bucket/runs/a/checkpoint_..."`` works on a MinIO/lab server."""
+        assert self.resume_from is not None
+        fs = self._storage.storage_filesystem
+        if (self.resume_from.startswith("s3://") and "?" not in self.resume_from
+                and fs.type_name == "s3"):
+            return Checkpoint(self.resume_from[len("s3://"):], filesystem=fs)
+        return Checkpoint(self.resume_from)
 
     def _local_dir(self, checkpoint: Checkpoint) -> Path:
         """A local directory holding ``checkpoint`` (downloaded once when it is remote)."""
@@ -231,7 +243,7 @@ class Checkpointer:
         if latest is None and not self.resume_from:
             return Progress(data_seed=self.data_seed)
         candidates = self._candidates(latest) if self._rank == 0 else [
-            latest or Checkpoint(self.resume_from)]
+            latest or self._resume_checkpoint()]
         decision = self._choose(candidates) if self._rank == 0 else None
         chosen_path, warnings = sharded.broadcast_from_rank0(decision, self.group)
         if self._rank == 0:
@@ -244,15 +256,18 @@ class Checkpointer:
                 f"directory, or start a new run (another RunConfig(name=...) or storage_path)."
             )
         chosen = Checkpoint(chosen_path, filesystem=candidates[0].filesystem)
-        # Rank 0 verified the checksums while choosing: the others only check sizes.
+        # Rank 0 verified the checksums while choosing; the others check sizes on shared
+        # storage, and hash their own copy when it came from a bucket (what came back is
+        # what gets loaded).
+        verify = self._rank != 0 and not isinstance(chosen.filesystem, LocalFileSystem)
         if self.diloco is not None:
             from ray_mesh.checkpointing import replicas
 
             progress = replicas.load(self._local_dir(chosen), self.diloco, self.model,
-                                     self.optimizers, group=self.group, verify=False)
+                                     self.optimizers, group=self.group, verify=verify)
         else:
             progress = sharded.load(self._local_dir(chosen), self.model, self.optimizers,
-                                    group=self.group, verify=False)
+                                    group=self.group, verify=verify)
         progress.path = chosen_path
         for w in progress.warnings:
             _warn(f"ray_mesh: {w}.")
@@ -342,16 +357,22 @@ class Checkpointer:
                              checkpoint_dir_name=name,
                              checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         self.last_reported_checkpoint = progress.step
-        if self._rank == 0 and self.wait_committed:
-            self._wait_committed()
+        if self.wait_committed:
+            if self._rank == 0:
+                self._wait_committed()
+            # Every rank waits for rank 0's confirmation: where no collective follows soon
+            # (DiLoCo replicas between syncs), a rank dying right after its report would
+            # otherwise beat the controller's poll, and the restart would use the checkpoint
+            # before this one.
+            sharded._barrier(self.group)
 
     def _wait_committed(self) -> None:
         """Block until Ray's controller has registered the checkpoint just reported.
 
         ``ray.train.report`` returns once the report is queued, before the controller has
         registered the checkpoint; a worker dying in between makes the restart use the
-        checkpoint before this one. Rank 0 waiting here (the others wait for rank 0 at the
-        next collective) closes that gap for one controller round trip per checkpoint.
+        checkpoint before this one. Rank 0 waiting here (the others wait for rank 0 in a
+        barrier right after) closes that gap for one controller round trip per checkpoint.
         """
         try:
             ray.train.get_all_reported_checkpoints(

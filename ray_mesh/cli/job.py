@@ -38,10 +38,11 @@ from ray_mesh.cli.job_checks import (
     check_train_ref,
     load_function,
 )
+from ray_mesh.core.object_store import check_location
 from ray_mesh.core.options import OPTION_DEFAULTS, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
 from ray_mesh.core.values import MAX_SECONDS, describe, read_bool, read_int, read_str
-from ray_mesh.errors import ParallelError
+from ray_mesh.errors import ParallelError, StorageURIError
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
 from ray_mesh.parallel.replicate import parse_replicate
 from ray_mesh.raytrain.elastic import STARTUP_RETRIES
@@ -144,6 +145,7 @@ class RunSection:
     """``run:`` where results go, failure handling, elasticity (Ray Train's RunConfig)."""
 
     storage_path: str | None = None
+    storage_endpoint: str | None = None  # an S3-compatible server's URL (MinIO, a lab's)
     max_failures: int = 0
     num_to_keep: int | None = None
     min_workers: int | None = None  # set: an elastic run of min_workers..num_workers
@@ -156,6 +158,16 @@ class RunSection:
                      none_ok=key in ("num_to_keep", "min_workers"), error=JobError)
         read_str("run.storage_path", self.storage_path, none_ok=True, error=JobError,
                  hint=" (a directory path or a URI such as s3://bucket/runs)")
+        read_str("run.storage_endpoint", self.storage_endpoint, none_ok=True, error=JobError,
+                 hint=" (an S3 server's URL such as http://10.0.0.5:9000)")
+        if self.storage_endpoint is not None and self.storage_path is None:
+            raise JobError("run.storage_endpoint is set but run.storage_path is not: write "
+                           "storage_path: s3://BUCKET/path (the bucket on that server).")
+        if self.storage_path is not None:
+            try:  # the text only: the server itself is asked on the driver before Ray
+                check_location(self.storage_path, self.storage_endpoint)
+            except StorageURIError as exc:
+                raise JobError(f"run.{exc}") from None
 
 
 def _keys(cls: type) -> tuple[str, ...]:
@@ -254,6 +266,17 @@ class Job:
     def from_yaml(cls, path: str | Path) -> Job:
         path = Path(path).expanduser()
         return cls.from_dict(load_yaml(path, error=JobError), base_dir=path.resolve().parent)
+
+    def with_storage(self, storage_path: str | None, endpoint: str | None) -> Job:
+        """This job with ``run.storage_path``/``run.storage_endpoint`` replaced where given
+        (``ray-mesh run --storage-path/--storage-endpoint``), re-checked."""
+        changes = {k: v for k, v in (("storage_path", storage_path),
+                                     ("storage_endpoint", endpoint)) if v is not None}
+        if self.source is None:
+            return replace(self, run=replace(self.run, **changes))
+        run = self.source.get("run")
+        run = {**run, **changes} if isinstance(run, dict) else changes
+        return Job.from_dict({**self.source, "run": run}, base_dir=self.base_dir)
 
     def with_num_workers(self, num_workers: int) -> Job:
         """This job on ``num_workers`` workers (``ray-mesh run --num-workers``), re-checked.

@@ -55,6 +55,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             job = job.with_num_workers(args.num_workers)
         except JobError as exc:
             raise JobError(f"--num-workers {args.num_workers}: {exc}") from exc
+    if args.storage_path is not None or args.storage_endpoint is not None:
+        job = job.with_storage(args.storage_path, args.storage_endpoint)
     outcome = run_job_outcome(job, address=args.address, verbose=args.verbose)
     result = outcome.result
     if result.error is not None:
@@ -74,7 +76,8 @@ def summary_lines(name: str, outcome) -> list[str]:
     from ray_mesh.observability.report import read_summary
 
     result = outcome.result
-    saved = read_summary(str(result.path)) if result.path else {}
+    saved = read_summary(str(result.path), filesystem=getattr(result, "filesystem", None)) \
+        if result.path else {}
     # Ray Train keeps a report's metrics in Result only with a checkpoint; rank 0's last
     # report is in the summary it saved.
     metrics = {**saved.get("last", {}), **dict(result.metrics or {})}
@@ -115,6 +118,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     try:
         status = collect(args.address, timeout_s=args.timeout, all_runs=args.all,
                          storage=args.storage or (), total_s=args.deadline,
+                         storage_endpoint=args.storage_endpoint,
                          max_bytes=args.max_mb * 2**20)
     except StatusError as exc:
         print(f"ray-mesh: error: {safe_text(exc, multiline=True)}", file=sys.stderr)
@@ -258,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Ray cluster address (else RAY_ADDRESS, else an embedded local Ray)")
     run.add_argument("--num-workers", type=int_flag(1, MAX_WORKERS, example=4), default=None,
                      help="override scaling.num_workers")
+    run.add_argument("--storage-path", default=None, metavar="PATH_OR_URI",
+                     help="where results and checkpoints go (the job's run.storage_path), "
+                          "e.g. s3://bucket/runs")
+    run.add_argument("--storage-endpoint", default=None, metavar="URL",
+                     help="the S3-compatible server of an s3:// storage path "
+                          "(run.storage_endpoint), e.g. http://10.0.0.5:9000; credentials "
+                          "come from the AWS environment variables or ~/.aws")
     run.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                      help="more output (as ray-mesh -v)")
     run.set_defaults(func=_cmd_run)
@@ -287,7 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also draw nodes, ranks, links and curves into a self-contained "
                              "HTML file (rendering into it again extends the curves)")
     status.set_defaults(func=_cmd_status)
+    status.add_argument("--storage-endpoint", default=None, metavar="URL",
+                        help="the S3 server of the --storage URIs (http://HOST:PORT), as "
+                             "the job's run.storage_endpoint")
     _add_plan_doctor(sub)
+    from ray_mesh.cli.storage import add_parser as add_storage
+
+    add_storage(sub)
     return parser
 
 

@@ -43,11 +43,11 @@ def embedded_capacity_problem(num_workers: int, total_bytes: int) -> str | None:
 
 def check_before_ray(job: Job, embedded: bool) -> None:
     """Driver-side checks that need no Ray; raise JobError/StorageError/NetworkError."""
-    from ray_mesh.checkpointing.storage import _is_uri, check_storage
+    from ray_mesh.checkpointing.storage import check_storage
 
-    path = job.run.storage_path
-    if path is None or not _is_uri(path):  # a URI is probed once Ray is up (one round trip)
-        check_storage(path, name=job.name)
+    # A local path, or a bucket (endpoint, bucket, credentials, a write probe): each failure
+    # is one line here, before Ray or any worker starts.
+    check_storage(job.run.storage_path, name=job.name, endpoint=job.run.storage_endpoint)
     if not embedded:
         return
     import psutil

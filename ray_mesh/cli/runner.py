@@ -26,6 +26,7 @@ from ray_mesh.checkpointing.storage import check_run_name, check_storage
 from ray_mesh.cli.flags import address_problem
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.cli.preray import check_before_ray, user_error_inside
+from ray_mesh.core.object_store import run_storage
 from ray_mesh.core.priority import RAY_NICENESS_ENV
 from ray_mesh.core.spec import NODES
 from ray_mesh.errors import ConfigurationError, UserInputError
@@ -183,7 +184,7 @@ def check_resources(scaling: ScalingConfig, cluster: dict[str, float]) -> None:
 
 def check_cluster(scaling: ScalingConfig, torch_config: MeshConfig | None = None,
                   storage_path: str | None = None, *, check_store: bool = False,
-                  name: str | None = None) -> str | None:
+                  name: str | None = None, storage_endpoint: str | None = None) -> str | None:
     """Driver-side checks before ``fit()``; ``ray-mesh run`` makes the same ones.
 
     Ray Train 2.60 waits forever ("worker group startup timed out", retried) when a
@@ -194,8 +195,8 @@ def check_cluster(scaling: ScalingConfig, torch_config: MeshConfig | None = None
     Checks ``scaling`` against the connected cluster's resources; with ``torch_config``, that
     its mesh can be laid out on the worker count (elastic ranges included); with
     ``check_store`` (or a ``storage_path``), that the storage path is writable and shared by
-    every node (and ``name``, the run name, that it stays inside it). Returns the checked
-    storage path.
+    every node (and ``name``, the run name, that it stays inside it); ``storage_endpoint``:
+    the S3-compatible server of an ``s3://`` storage path. Returns the checked storage path.
     """
     check_resources(scaling, ray.cluster_resources())
     if torch_config is not None and torch_config.mesh != "auto":  # auto: planned at bring-up
@@ -204,7 +205,7 @@ def check_cluster(scaling: ScalingConfig, torch_config: MeshConfig | None = None
         elif NODES not in torch_config.mesh.shape:
             torch_config.mesh.resolve(scaling.num_workers)
     if check_store or storage_path is not None:
-        return check_storage(storage_path, name=name)
+        return check_storage(storage_path, name=name, endpoint=storage_endpoint)
     return storage_path
 
 
@@ -235,7 +236,10 @@ def build_trainer(job: Job, scaling: ScalingConfig, storage_path: str | None = N
     run = job.run
     run_config = RunConfig(
         name=check_run_name(job.name),
-        storage_path=storage_path if storage_path is not None else run.storage_path,
+        # With run.storage_endpoint: RunConfig's storage_filesystem (an S3FileSystem at that
+        # endpoint, no credentials in it) and the path inside it.
+        **run_storage(storage_path if storage_path is not None else run.storage_path,
+                      run.storage_endpoint),
         failure_config=failure_config(run.max_failures, run.startup_retries),
         checkpoint_config=CheckpointConfig(num_to_keep=run.num_to_keep),
         # Ray Train's own INFO lines (state transitions, every report) only with -v.
@@ -304,7 +308,8 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
             # Resources, the mesh against the worker count, and a storage_path that is not
             # writable or node-local on a multi-node cluster: all fail here, not later.
             storage_path = check_cluster(scaling, mesh_config(job), job.run.storage_path,
-                                         check_store=True, name=job.name)
+                                         check_store=True, name=job.name,
+                                         storage_endpoint=job.run.storage_endpoint)
             trainer = build_trainer(job, scaling, storage_path, verbose)
             url = metrics_url()
             t0 = time.monotonic()

@@ -194,10 +194,13 @@ def http_get(url: str, *, timeout_s: float, max_bytes: int,
 
 
 def read_storage_file(storage: str, relpath: str, *, timeout_s: float, max_bytes: int,
-                      what: str) -> bytes | None:
+                      what: str, endpoint: str | None = None,
+                      filesystem: Any = None) -> bytes | None:
     """``<storage>/<relpath>`` through pyarrow (local path or URI), bounded; None: absent.
 
     Only for storage the viewer named: a URI opens with this machine's cloud credentials.
+    ``endpoint``: the S3-compatible server of an ``s3://`` storage (``--storage-endpoint``);
+    ``filesystem``: a pyarrow filesystem ``storage`` is a path in (Ray's ``Result``).
     pyarrow's reads cannot be interrupted, so the read runs in a daemon thread and the
     caller stops waiting at ``timeout_s``.
     """
@@ -207,10 +210,13 @@ def read_storage_file(storage: str, relpath: str, *, timeout_s: float, max_bytes
         try:
             import pyarrow.fs
 
-            if "://" in storage:
-                fs, base = pyarrow.fs.FileSystem.from_uri(storage)
+            from ray_mesh.core.object_store import filesystem as storage_fs
+
+            if filesystem is not None:
+                fs, base = filesystem, storage
             else:
-                fs, base = pyarrow.fs.LocalFileSystem(), storage
+                fs, base = storage_fs(storage, endpoint, timeout_s=timeout_s, retries=1) \
+                    if storage.startswith("s3://") else storage_fs(storage, endpoint)
             path = f"{base.rstrip('/')}/{relpath}"
             if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
                 out["data"] = None

@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ray_mesh.core.object_store import same_location
 from ray_mesh.core.safe import safe_text
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.core.table import markdown_table, text_table
@@ -119,14 +120,20 @@ def layout_from_state(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def named_storage(path: str | None, storage: Sequence[str]) -> str | None:
-    """The viewer's spelling of ``path`` if the viewer named it (a trailing '/' aside)."""
+    """The viewer's spelling of ``path`` if the viewer named it (a trailing '/' aside; for a
+    URI also pyarrow's ``?endpoint_override=`` options, which only say how to reach it)."""
     if path is None:
         return None
-    return next((s for s in storage if s.rstrip("/") == path.rstrip("/")), None)
+    for s in storage:
+        if s.rstrip("/") == path.rstrip("/") or (
+                "://" in s and "://" in path and same_location(s, path)):
+            return s
+    return None
 
 
 def read_run_layout(run: dict[str, Any], storage: Sequence[str], timeout_s: float,
-                    max_bytes: int) -> tuple[dict[str, Any] | None, str | None]:
+                    max_bytes: int, endpoint: str | None = None
+                    ) -> tuple[dict[str, Any] | None, str | None]:
     """A checked run's layout file, read only when the viewer named its storage (a URI
     opens with this machine's cloud credentials); else (None, why not), for a note."""
     raw, name, shown = run["storage_raw"], run["name"], run["storage_path"]
@@ -143,7 +150,8 @@ def read_run_layout(run: dict[str, Any], storage: Sequence[str], timeout_s: floa
     what = safe_text(f"{named}/{name}/{LAYOUT_JSON}", 300)
     try:
         data = read_storage_file(named, f"{name}/{LAYOUT_JSON}", timeout_s=timeout_s,
-                                 max_bytes=max_bytes, what=what)
+                                 max_bytes=max_bytes, what=what,
+                                 endpoint=endpoint if named.startswith("s3://") else None)
         return (None, None) if data is None else (si.parse_layout(data, what), None)
     except si.Malformed as exc:
         return None, f"run {name}: layout file malformed ({exc}); layout from train state"

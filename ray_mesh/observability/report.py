@@ -249,8 +249,10 @@ def save_summary() -> None:
 SUMMARY_MAX_BYTES = 4 * 2**20
 
 
-def read_summary(run_path: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    """The summary rank 0 saved under ``run_path`` (a local path or URI), or {}.
+def read_summary(run_path: str, timeout_s: float = 30.0,
+                 filesystem: Any = None) -> dict[str, Any]:
+    """The summary rank 0 saved under ``run_path`` (a local path or URI, or a path in
+    ``filesystem``: Ray's ``Result.filesystem``, e.g. a bucket at an endpoint), or {}.
 
     Bounded (size and time: the storage may be slow) and checked: a file that is not a JSON
     object, or a ``last`` that is not one, reads as {}. The caller escapes what it prints.
@@ -261,7 +263,8 @@ def read_summary(run_path: str, timeout_s: float = 30.0) -> dict[str, Any]:
         from ray_mesh.observability.fetch import read_storage_file
 
         data = read_storage_file(run_path, SUMMARY_FILE, timeout_s=timeout_s,
-                                 max_bytes=SUMMARY_MAX_BYTES, what=SUMMARY_FILE)
+                                 max_bytes=SUMMARY_MAX_BYTES, what=SUMMARY_FILE,
+                                 filesystem=filesystem)
         doc = json.loads(data.decode()) if data else {}
     except Exception:  # noqa: BLE001 - not written (a failed run), or storage not reachable
         return {}

@@ -237,8 +237,9 @@ def _malformed_run(r: Any, why: str) -> dict[str, Any]:
 
 def _run_entry(run: dict[str, Any], samples: list[tuple[str, dict, float]],
                storage: Sequence[str], timeout_s: float, deadline: Deadline,
-               max_bytes: int, notes: list[str]) -> dict[str, Any]:
-    doc, why = read_run_layout(run, storage, deadline.bound(timeout_s), max_bytes)
+               max_bytes: int, notes: list[str], endpoint: str | None = None
+               ) -> dict[str, Any]:
+    doc, why = read_run_layout(run, storage, deadline.bound(timeout_s), max_bytes, endpoint)
     if why and why not in notes:
         notes.append(why)
     rows = doc["ranks"] if doc else layout_from_state(run)
@@ -289,13 +290,14 @@ def _train_runs(base: str, timeout_s: float, all_runs: bool, deadline: Deadline,
 
 def collect(address: str | None = None, *, timeout_s: float = 5.0, all_runs: bool = False,
             storage: Sequence[str] = (), total_s: float = DEFAULT_TOTAL_S,
-            max_bytes: int = MAX_BYTES) -> ClusterStatus:
+            max_bytes: int = MAX_BYTES, storage_endpoint: str | None = None) -> ClusterStatus:
     """Ask the cluster at ``address`` for its nodes and ray_mesh runs (bounded).
 
     ``timeout_s`` bounds each answer, ``total_s`` the whole call, ``max_bytes`` each
     dashboard answer and layout file. Layout files are read only from ``storage``, the
-    storage paths or URIs the viewer names; a run whose storage is not among them gets its
-    layout from the Train state.
+    storage paths or URIs the viewer names (``storage_endpoint``: the S3 server of the
+    ``s3://`` ones); a run whose storage is not among them gets its layout from the Train
+    state.
     """
     deadline = Deadline(total_s)
     _enable_token_auth()
@@ -326,7 +328,7 @@ def collect(address: str | None = None, *, timeout_s: float = 5.0, all_runs: boo
             status.runs.append(_malformed_run(r, str(exc)))
             continue
         status.runs.append(_run_entry(run, samples, storage, timeout_s, deadline, max_bytes,
-                                      notes))
+                                      notes, storage_endpoint))
     status.notes = notes
     return status
 

@@ -140,6 +140,10 @@ def parse_run(r: dict[str, Any]) -> dict[str, Any]:
     if len(set(ranks)) != len(ranks):
         raise Malformed("two workers have the same world_rank")
     storage = dig(r, "run_settings", "run_config", "storage_path")
+    fs_kind = dig(r, "run_settings", "run_config", "storage_filesystem")
+    if (isinstance(storage, str) and isinstance(fs_kind, str) and "S3FileSystem" in fs_kind
+            and "://" not in storage):
+        storage = f"s3://{storage}"  # RunConfig(storage_filesystem=S3FileSystem(...)): a bucket
     mesh = mesh_of(r)
     if not isinstance(mesh, dict) or len(mesh) > 16:
         raise Malformed(f"the backend config's mesh {shown(mesh)} is not a mesh spec")

@@ -1,0 +1,152 @@
+"""A real S3-compatible server process for the tests: moto, as a user starts it.
+
+:class:`S3Server` runs ``python -m ray_mesh.cli storage serve --host H --port P --bucket B``
+(the home-lab command of the manual) as a child process, waits for its ready line (bounded),
+and stops it with SIGTERM (SIGKILL after a bound). :class:`AuthS3Server` runs a bare
+``moto_server`` that enforces credentials (moto's ``INITIAL_NO_AUTH_ACTION_COUNT``): the
+first few requests set up a bucket, a read-write and a read-only IAM user, and from then on
+a request with an unknown key, a wrong secret or too little permission is refused, as
+MinIO or AWS would.
+
+Credentials: moto checks none (:class:`S3Server`), but the AWS SDK inside pyarrow uploads
+anonymously when it has none, and moto then stores the chunk framing with the bytes; tests
+set :data:`FAKE_CREDENTIALS` in the environment, as a user exports any values for moto.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_EC2_METADATA_DISABLED": "true"}
+START_TIMEOUT_S = 60.0
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+
+class S3Server:
+    """``ray-mesh storage serve`` in a child process; ``endpoint`` is its URL."""
+
+    def __init__(self, bucket: str = "ray-mesh-test", host: str = "127.0.0.1") -> None:
+        self.bucket, self.host, self.port = bucket, host, free_port()
+        self.endpoint = f"http://{host}:{self.port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ray_mesh.cli", "storage", "serve", "--host", host,
+             "--port", str(self.port), "--bucket", bucket],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        self.banner = self._wait_ready()
+
+    def _wait_ready(self) -> str:
+        from ray_mesh.cli.storage import READY
+
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:  # a thread: the pipe must keep draining while the server runs
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        seen: list[str] = []
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            seen.append(line)
+            if line.startswith(READY):
+                return "".join(seen)
+        _stop(self.proc)
+        raise RuntimeError(f"`ray-mesh storage serve` did not get ready within "
+                           f"{START_TIMEOUT_S:g} s: {''.join(seen)}")
+
+    def uri(self, path: str = "runs") -> str:
+        return f"s3://{self.bucket}/{path}"
+
+    def filesystem(self):
+        import pyarrow.fs
+
+        return pyarrow.fs.S3FileSystem(endpoint_override=f"{self.host}:{self.port}",
+                                       scheme="http", access_key="testing",
+                                       secret_key="testing")
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+class AuthS3Server:
+    """A ``moto_server`` that checks credentials, with a bucket and two users set up.
+
+    ``rw`` and ``ro`` are (access key id, secret) pairs: one may read and write the bucket,
+    the other only read it.
+    """
+
+    SETUP_ACTIONS = 7  # create_bucket, 2 x (create_user, put_user_policy, create_access_key)
+
+    def __init__(self, bucket: str = "locked-bucket") -> None:
+        import boto3
+
+        moto = shutil.which("moto_server")
+        if moto is None:
+            raise RuntimeError("moto_server is not installed: pip install 'moto[server]'")
+        self.bucket, self.port = bucket, free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [moto, "-H", "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(self.SETUP_ACTIONS)})
+        try:
+            kw = {"endpoint_url": self.endpoint, "region_name": "us-east-1",
+                  "aws_access_key_id": "setup", "aws_secret_access_key": "setup"}
+            s3, iam = boto3.client("s3", **kw), boto3.client("iam", **kw)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                try:
+                    s3.create_bucket(Bucket=bucket)
+                    break
+                except Exception:  # noqa: BLE001 - not listening yet
+                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                        raise
+                    time.sleep(0.2)
+            self.rw = self._user(iam, "rw", ["s3:*"])
+            self.ro = self._user(iam, "ro", ["s3:GetObject", "s3:ListBucket"])
+        except BaseException:
+            _stop(self.proc)
+            raise
+
+    def _user(self, iam, name: str, actions: list[str]) -> tuple[str, str]:
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName=name, PolicyDocument=json.dumps(
+            {"Version": "2012-10-17",
+             "Statement": [{"Effect": "Allow", "Action": actions, "Resource": "*"}]}))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return key["AccessKeyId"], key["SecretAccessKey"]
+
+    def stop(self) -> None:
+        _stop(self.proc)
