@@ -217,6 +217,8 @@ def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
             pp = int(kind[2:])
             out[key] = Layout.of({"pp": pp, "dp_replicate": world // pp}, reduce=reduce)
             continue
+        if links.per_node % tp:  # a node's ranks cannot hold this tp degree: not a shape
+            continue
         mesh = ({"dp_replicate": world} if kind == "none" else
                 {"dp_replicate": links.nodes, "dp_shard": links.per_node // tp,
                  **({"tp": tp} if tp > 1 else {})})
