@@ -20,8 +20,7 @@ def make_step(mesh, config: dict):
     import torch
     from torch import nn
 
-    from ray_mesh.parallel import parallelize
-    from ray_mesh.parallel import layout_of
+    from ray_mesh.parallel import layout_of, parallelize
 
     slow = mesh["dp_replicate"].size() > 1 or layout_of(mesh).reduce == "bf16"
     torch.manual_seed(0)

@@ -13,6 +13,7 @@ import socket
 import pytest
 from ports import free_port
 
+from ray_mesh.core.layout import LayoutError, family_mesh
 from ray_mesh.core.topology import TopologyError, WorkerReport
 from ray_mesh.network import interfaces as network
 from ray_mesh.network.interfaces import (
@@ -28,7 +29,6 @@ from ray_mesh.network.interfaces import (
 )
 from ray_mesh.network.probe import Target, probe_peers
 from ray_mesh.network.report import NodeTarget, version_problems
-from ray_mesh.core.layout import LayoutError, family_mesh
 from ray_mesh.planning.cluster import NodeInfo, nodes_from_ray, plan_cluster
 from ray_mesh.raytrain.preflight import Outcome, run_preflight
 
