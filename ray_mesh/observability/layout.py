@@ -30,11 +30,13 @@ COLUMNS: tuple[str, ...] = ("rank", "node", "node_ip", "hostname", "local_rank",
                             "interface", *DIM_NAMES)
 
 
-def layout_table(plan: MeshPlan, interfaces: dict[int, str] | None = None) -> str:
-    """The rank -> node -> coordinate table rank 0 prints at start (and ``ray-mesh plan``)."""
+def layout_table(plan: MeshPlan, interfaces: dict[int, str] | None = None,
+                 layout: Layout | None = None) -> str:
+    """The rank -> node -> coordinate table rank 0 prints at start (and ``ray-mesh plan``),
+    titled with the run's layout (default: the plan's dims, fp32, sync)."""
     rows = plan.layout_rows(interfaces)
-    title = (f"ray_mesh: {plan.spec}  on {plan.num_nodes} node(s) x {plan.workers_per_node} "
-             f"worker(s)")
+    title = (f"ray_mesh: layout {layout or Layout(plan.spec)}  on {plan.num_nodes} node(s) x "
+             f"{plan.workers_per_node} worker(s)")
     return title + "\n" + text_table(rows, list(rows[0]))
 
 

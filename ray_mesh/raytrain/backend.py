@@ -335,7 +335,8 @@ class _MeshBackend(Backend):
             plan = plan_mesh(pick.layout.mesh, reports,
                              allow_cross_node_inner=config.allow_cross_node_inner)
             install_mesh_data_config(worker_group, plan.spec)
-        table = layout_table(plan, interfaces) + "\n" + node_lines(plan, choices)
+        layout = replace(pick.layout if pick else config.layout, mesh=plan.spec)
+        table = layout_table(plan, interfaces, layout) + "\n" + node_lines(plan, choices)
         refs = [worker_group.execute_single_async(w.rank, setup_on_worker, setup)
                 for w, setup in zip(plan.workers, _setups(
                     plan, choices, config, fixed, table, pick,
@@ -343,8 +344,7 @@ class _MeshBackend(Backend):
         labels = [f"rank {w.rank} ({w.node_ip}, {interfaces[w.rank]})" for w in plan.workers]
         niced = wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
         _warn_niceness(plan, niced, config.worker_niceness)
-        layout = pick.layout if pick else config.layout
-        save_layout(worker_group, plan, interfaces, replace(layout, mesh=plan.spec))
+        save_layout(worker_group, plan, interfaces, layout)
 
     def on_shutdown(self, worker_group, backend_config: MeshConfig) -> None:
         # Also runs after a half-finished on_start: shutdown_mesh tolerates "nothing built".
