@@ -340,8 +340,8 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
     if run.get("malformed"):
         return ["", f"Run {run['name']}: malformed ({run['malformed']})"]
     out = ["", f"Run {run['name']}  [{run['status']}]  started {run['started']}  "
-               f"id {str(run['id'])[:12]}  layout {run.get('layout', '?')}  (placement "
-               f"from {run['layout_source']})"]
+               f"id {str(run['id'])[:12]}  layout {run.get('layout', '?')}  (layout from "
+               f"{run['layout_source']})"]
     metric_cols = sorted({k for r in run["ranks"] for k in r if not k.startswith(RAW)}
                          - set(LAYOUT_COLUMNS) - {"hostname", "node_id", "local_rank"},
                          key=lambda c: (list(LATEST.values()) + [c]).index(c))

@@ -217,3 +217,14 @@ def test_benchmark_results_are_keyed_by_the_layout_string():
             assert str(parse_layout(key)) == key, key
         for trial in sec["trial"]["layouts"]:
             assert str(parse_layout(trial["layout"])) == trial["layout"]
+
+
+def test_the_pipeline_stage_plan_is_made_from_a_layout():
+    from ray_mesh.errors import ParallelError
+    from ray_mesh.parallel.pp import PipelinePlan
+
+    plan = PipelinePlan.from_layout(parse_layout("pp=2,tp=2/fp32/schedule=gpipe,microbatches=4"),
+                                    num_layers=4)
+    assert (plan.pp, plan.schedule, plan.n_microbatches) == (2, "gpipe", 4)
+    with pytest.raises(ParallelError, match="not sized yet"):
+        PipelinePlan.from_layout(parse_layout("pp=-1,tp=2"), num_layers=4)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 import ray_mesh.private_apis as private_apis
-from ray_mesh.core.layout import SCHEDULES, schedule_name
+from ray_mesh.core.layout import SCHEDULES, Layout, schedule_name
 from ray_mesh.errors import LayoutError, ParallelError
 from ray_mesh.parallel.mesh import divisors
 
@@ -106,6 +107,18 @@ class PipelinePlan:
             reason = known_hang(self.schedule, self.backend)
             if reason:
                 raise ParallelError(reason)
+
+    @classmethod
+    def from_layout(cls, layout: Layout, num_layers: int, **options: Any) -> PipelinePlan:
+        """The stage plan of ``layout``'s pipeline: its ``pp`` (resolved), its schedule
+        (default 1f1b) and microbatches; ``options`` are the other fields (stages_per_rank,
+        layers_per_stage, batch_size, backend)."""
+        pp = layout.mesh.pp
+        if not isinstance(pp, int) or pp < 1:
+            raise ParallelError(f"layout {layout}: pp={pp!r} is not sized yet; resolve the "
+                                "layout on the cluster first (Layout.resolved)")
+        return cls(pp=pp, num_layers=num_layers, n_microbatches=layout.microbatches,
+                   schedule=layout.schedule or "1f1b", **options)
 
     # ------------------------------------------------------------------ checks
     def _check_layers(self) -> None:
