@@ -65,17 +65,12 @@ def _step_fn(layout, mesh, cfg, dp: str = "auto", chunks: int = 1):
     import fsdp_tp_transformer as ex
 
     from ray_mesh.parallel import parallelize, shard_batch
-    from ray_mesh.parallel.picked import PickedPlan, set_picked_plan
 
-    tp = layout.mesh.get("tp", 1)
-    precision = "bf16_grads" if layout.reduce == "bf16" else None
+    tp = layout.mesh.tp
+    precision = layout.precision
     x, y = ex.batch(0, cfg)
-    if dp != "replica":  # the layout as mesh: auto's trials run it (the example's make_step)
-        set_picked_plan(PickedPlan(layout.label, dict(layout.mesh), precision or "fp32"))
-        try:
-            return ex.make_step(mesh, cfg)
-        finally:
-            set_picked_plan(None)
+    if dp != "replica":  # the layout as mesh: auto's trials run it (the example's make_step,
+        return ex.make_step(mesh, cfg)  # on a mesh built for the layout: its reduce dtype)
     model = parallelize(ex.make_model(cfg), mesh, tp_plan=ex.tp_plan() if tp > 1 else None,
                         mixed_precision=precision, dp=dp)
     optim = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
@@ -199,8 +194,7 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
     from benchmarks.planning_lab.calibrate import accumulation
     from benchmarks.planning_lab.measure import measure_collectives, median_everywhere, node_groups
     from ray_mesh.core.bootstrap import build_device_mesh
-    from ray_mesh.core.spec import MeshSpec
-    from ray_mesh.planning.cost import Layout
+    from ray_mesh.core.layout import parse_layout
 
     cfg, per_node = config["model"], config["per_node"]
     steps = max(config["steps"], 12)  # local shapes are cheap: medians of at least 12
@@ -213,16 +207,16 @@ def _calibration(config: dict, world: int) -> tuple[dict, dict]:
     timers: dict = {}  # local shape -> reps -> seconds of that many steps, timed as it is
     nodes = node_groups(per_node)
     for key, raw in config["local_shapes"].items():
-        layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
+        layout = parse_layout(raw)
         base = key.removesuffix("@alone")
         if base != key:  # the same shape (already warm), one node at a time
             timers[key] = (lambda reps, fn=step_fns[base]:
                            _timed_alone(fn, reps, nodes, per_node))
         else:
             if key.startswith("pp"):  # the pipeline inside each node
-                fn = _node_pipeline_fn(layout.mesh["pp"], cfg, accumulation(key))
+                fn = _node_pipeline_fn(layout.mesh.pp, cfg, accumulation(key))
             else:
-                mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
+                mesh = build_device_mesh(layout.mesh.resolve(world), "cpu")
                 fn = _step_fn(layout, mesh, cfg, dp="replica", chunks=accumulation(key))
             step_fns[key] = fn
             timers[key] = lambda reps, fn=fn: _timed(fn, reps, warmup=False)
@@ -265,8 +259,7 @@ def _train(config: dict) -> None:
 
     from benchmarks.workloads import read_counters
     from ray_mesh.core.bootstrap import build_device_mesh
-    from ray_mesh.core.spec import MeshSpec
-    from ray_mesh.planning.cost import Layout
+    from ray_mesh.core.layout import parse_layout
 
     cfg, world = config["model"], dist.get_world_size()
     local0 = ray.train.get_context().get_local_rank() == 0
@@ -295,14 +288,14 @@ def _train(config: dict) -> None:
     out["background_bytes_per_s"] = background
     out["trials"], out["trial_s"] = _trials(config, out["compute_s"])
     for raw in config["layouts"]:
-        layout = Layout(raw["name"], raw["mesh"], raw["reduce"])
-        mesh = build_device_mesh(MeshSpec.from_dict(layout.mesh).resolve(world), "cpu")
+        layout = parse_layout(raw["layout"])
+        mesh = build_device_mesh(layout.mesh.resolve(world), "cpu", layout=layout)
         step = _step_fn(layout, mesh, cfg)
         step()  # warm-up outside the byte count
         times, moved, beside = _interleaved(local_timers, raw["local_keys"],
                                             config["around_reps"], config["blocks"],
                                             config["steps"], step, cross_bytes, background)
-        out["layouts"][layout.label] = {"measured_step_s": statistics.median(times),
+        out["layouts"][str(layout)] = {"measured_step_s": statistics.median(times),
                                         "step_s_all": times, "local_s_beside": beside,
                                         "cross_node_bytes_per_step": moved / len(times)}
     if dist.get_rank() == 0:
@@ -317,12 +310,13 @@ def _trials(config: dict, compute_s: float) -> tuple[list[dict], float]:
     sys.path.insert(0, str(REPO / "examples"))
     import fsdp_tp_transformer as ex
 
-    from ray_mesh.planning.cost import Layout, Links, ModelStats, Workload, predict
+    from ray_mesh.core.layout import parse_layout
+    from ray_mesh.planning.cost import Links, ModelStats, Workload, predict
     from ray_mesh.planning.trial import run_trials
 
     stats, tokens = ModelStats(**config["stats"]), config["tokens"]
     links = Links(2, config["per_node"], float(config["set_mbit"]))
-    layouts = sorted((Layout(x["name"], x["mesh"], x["reduce"]) for x in config["layouts"]),
+    layouts = sorted((parse_layout(x["layout"]) for x in config["layouts"]),
                      key=lambda x: predict(x, stats, links, Workload(tokens, compute_s)).step_s)
     t0 = time.perf_counter()
     trials = run_trials(layouts, ex.make_step, config["model"], steps=config["trial_steps"],
@@ -357,8 +351,8 @@ def _trial_section(raw: dict, section: dict) -> dict:
     trials = [Trial.from_json(t) for t in raw["trials"]]
     best = best_trial(trials)
     fastest = section[section["fastest"]]["measured_step_s"]
-    return {"pick": best and best.label, "seconds": raw["trial_s"],
-            "pick_vs_fastest": best and section[best.label]["measured_step_s"] / fastest,
+    return {"pick": best and best.layout, "seconds": raw["trial_s"],
+            "pick_vs_fastest": best and section[best.layout]["measured_step_s"] / fastest,
             "layouts": raw["trials"],
             "statistic": "trial: median of up to 3 steps after a warm-up, each the slowest "
                          "rank's; pick_vs_fastest: the pick's measured_step_s over the "
@@ -405,15 +399,14 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                     "reduce_bytes": stats.params * 4 // 2,  # hsdp's replicate all-reduce
                     "p2p_bytes": tokens // 2 // 4 * stats.hidden * 4,  # pp: one microbatch
                     "unit_bytes": stats.params * 4 // (stats.layers + 1),  # one FSDP unit
-                    "local_shapes": {k: {"name": x.name, "mesh": x.mesh, "reduce": x.reduce}
-                                     for k, x in shapes.items()},
-                    "tp_degrees": sorted({x.mesh.get("tp", 1) for x in layouts} - {1}),
+                    "local_shapes": {k: str(x) for k, x in shapes.items()},
+                    "tp_degrees": sorted({x.mesh.tp for x in layouts} - {1}),
                     "storage": str(cluster.root / "results"),
                     "stats": dict(stats.__dict__), "tokens": tokens, "set_mbit": mbit,
                     "trial_steps": 3, "trial_budget_s": 120.0,
                     "around_reps": 3,  # local-shape steps before each block and after
                     "blocks": min(4, steps),  # the layout's steps in this many blocks
-                    "layouts": [{"name": x.name, "mesh": x.mesh, "reduce": x.reduce,
+                    "layouts": [{"layout": str(x),
                                  "local_keys": sorted(local_shapes([x], links_set))}
                                 for x in layouts]}
             run_head_driver(cluster, "benchmarks.slowlinks", args, timeout_s,
@@ -437,7 +430,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                              "tp_compute_s": raw["tp_compute_s"],
                              "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
             for lay in layouts:
-                got = raw["layouts"][lay.label]
+                got = raw["layouts"][str(lay)]
                 # the local shapes timed between this layout's blocks of steps (same load)
                 beside = replace(cal, local_s={**cal.local_s, **got["local_s_beside"]})
                 pred = predict_calibrated(lay, stats, links, work, beside)
@@ -447,8 +440,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                 # without the pipeline's measured send and the in-node FSDP calls
                 allreduce_priced = replace(beside, send_s=0.0, unit_s={})
                 fastest = predict_calibrated(lay, stats, links, work, cal_min).step_s
-                section[lay.label] = {
-                    "mesh": lay.mesh, "predicted_step_s": pred.step_s,
+                section[str(lay)] = {
+                    "mesh": lay.dims, "predicted_step_s": pred.step_s,
                     "analytic_step_s": predict(lay, stats, links, work).step_s,
                     "probe_priced_step_s": predict_calibrated(lay, stats, links, work,
                                                               probe_priced).step_s,
@@ -465,7 +458,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                     "predicted_cross_node_bytes_per_step": pred.cross_node_bytes_per_step,
                     "cross_node_bytes_per_step": got["cross_node_bytes_per_step"],
                     "step_error": pred.step_s / got["measured_step_s"] - 1}
-            labels = [x.label for x in layouts]
+            labels = [str(x) for x in layouts]
             section["pick"] = min(labels, key=lambda k: section[k]["predicted_step_s"])
             section["fastest"] = min(labels, key=lambda k: section[k]["measured_step_s"])
             section["pick_vs_fastest"] = (section[section["pick"]]["measured_step_s"]

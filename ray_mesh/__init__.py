@@ -1,6 +1,7 @@
 """ray_mesh: named DeviceMesh training (pp, dp_replicate, dp_shard, cp, tp) on a Ray cluster."""
 
 from ray_mesh.core.bootstrap import get_mesh, get_state, init_mesh, is_initialized, shutdown_mesh
+from ray_mesh.core.layout import Layout, parse_layout
 from ray_mesh.core.object_store import run_storage
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
 from ray_mesh.errors import MeshSpecError, RayMeshError
@@ -9,6 +10,7 @@ __all__ = [
     "Checkpointer",
     "DIM_NAMES",
     "FLATTENED_DIMS",
+    "Layout",
     "MeshConfig",
     "MeshDataConfig",
     "MeshSpec",
@@ -20,6 +22,7 @@ __all__ = [
     "get_state",
     "init_mesh",
     "is_initialized",
+    "parse_layout",
     "parallel",
     "report",
     "run_storage",

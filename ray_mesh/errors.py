@@ -48,6 +48,10 @@ class MeshSpecError(UserInputError):
     """A mesh spec that cannot describe a mesh; the message says how to fix it."""
 
 
+class LayoutError(UserInputError):
+    """A layout string, mapping or family that cannot be read (ray_mesh.core.layout)."""
+
+
 class JobError(UserInputError):
     """A job file that cannot run; the message names the key and the fix."""
 
@@ -165,6 +169,7 @@ __all__ = [
     "DataSpecError",
     "DataSplitError",
     "JobError",
+    "LayoutError",
     "LinkError",
     "Malformed",
     "MeshSpecError",

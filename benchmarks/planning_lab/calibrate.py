@@ -87,16 +87,15 @@ import math
 from dataclasses import dataclass, field
 
 from benchmarks.planning_lab.gpipe import gpipe_s
+from ray_mesh.core.layout import Layout
 from ray_mesh.planning.cost import (
     BF16,
     FP32,
-    Layout,
     Links,
     ModelStats,
     PlanError,
     Prediction,
     Workload,
-    family,
     predict,
 )
 
@@ -160,7 +159,7 @@ ARITHMETIC = "none/fp32"  # the local shape without any data parallel: the arith
 def local_key(layout: Layout, microbatches: int = 4) -> str | None:
     """The one-node shape whose step a layout's prediction starts from; None: ddp (the
     arithmetic, :data:`ARITHMETIC`)."""
-    fam, tp, pp = family(layout), layout.mesh.get("tp", 1), layout.mesh.get("pp", 1)
+    fam, tp, pp = layout.family, layout.mesh.tp, layout.mesh.pp
     chunks = f"/mb{max(1, microbatches // pp)}"
     if fam in ("fsdp", "hsdp"):
         return f"fsdp/{layout.reduce}"
@@ -195,20 +194,20 @@ def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
     arithmetic is the DDP mesh in replica mode (each rank alone on its share of the batch).
     """
     out: dict[str, Layout] = {}
-    keys = [ARITHMETIC] if any(family(x) == "ddp" for x in layouts) else []
+    keys = [ARITHMETIC] if any(x.family == "ddp" for x in layouts) else []
     for lay in layouts:
         key = local_key(lay, microbatches)
         keys += [key] if key else []
-        if family(lay) == "pp" and lay.mesh.get("dp_shard", 1) > 1:
+        if lay.family == "pp" and lay.mesh.dp_shard > 1:
             keys += [ARITHMETIC, "fsdp/fp32"]  # FSDP's overhead: the two of them
-        if family(lay) == "tp_pp" and links.nodes > 1:  # its stage shape, one node at a time
+        if lay.family == "tp_pp" and links.nodes > 1:  # its stage shape, one node at a time
             keys += [alone_key(key or "")]
-        pp = lay.mesh.get("pp", 1)
+        pp = lay.mesh.pp
         if pp > 1 and links.per_node % pp == 0:  # the schedule's own cost, run in a node,
             # against the same work without a pipeline (the arithmetic in chunks)
             keys += [pipeline_key(pp, microbatches),
                      ARITHMETIC + f"/mb{max(1, microbatches // pp)}"]
-        if family(lay) == "tp_hsdp":  # TP's local shape has no FSDP2 wrapper; the layout has
+        if lay.family == "tp_hsdp":  # TP's local shape has no FSDP2 wrapper; the layout has
             keys += [ARITHMETIC, f"fsdp/{lay.reduce}"]
     world = links.nodes * links.per_node
     for key in dict.fromkeys(keys):
@@ -216,12 +215,14 @@ def local_shapes(layouts: list[Layout], links: Links, microbatches: int = 4
         tp = int(kind[2:]) if kind.startswith("tp") else 1
         if kind.startswith("pp"):  # run with the pp dim inside the node (node_pipeline_mesh)
             pp = int(kind[2:])
-            out[key] = Layout("local", {"pp": pp, "dp_replicate": world // pp}, reduce)
+            out[key] = Layout.of({"pp": pp, "dp_replicate": world // pp}, reduce=reduce)
+            continue
+        if links.per_node % tp:  # a node's ranks cannot hold this tp degree: not a shape
             continue
         mesh = ({"dp_replicate": world} if kind == "none" else
                 {"dp_replicate": links.nodes, "dp_shard": links.per_node // tp,
                  **({"tp": tp} if tp > 1 else {})})
-        out[key] = Layout("local", mesh, reduce)
+        out[key] = Layout.of(mesh, reduce=reduce)
     return out
 
 
@@ -249,15 +250,14 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
     """:func:`predict`'s bytes and memory with the step time of the module docstring."""
     base = predict(layout, stats, links, work)
     m = layout.mesh
-    pp, rep, shard, tp = (m.get("pp", 1), m.get("dp_replicate", 1), m.get("dp_shard", 1),
-                          m.get("tp", 1))
+    pp, rep, shard, tp = m.pp, m.dp_replicate, m.dp_shard, m.tp
     n, g = links.nodes, links.per_node
     world = n * g
     p_b = stats.params * FP32 / pp
     g_b = stats.params * (BF16 if layout.reduce == "bf16" else FP32) / pp
     blocks = stats.layers / pp + 1
     arithmetic = cal.local_s.get(ARITHMETIC, work.compute_s / world)  # one rank, its share
-    fam = family(layout)
+    fam = layout.family
     calls = 1.0  # the step's loss mean over dp
     exposed = 0.0  # a pipeline's link time not hidden behind its stages
     if fam == "ddp":
@@ -302,7 +302,7 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
         # a link waits for its receiver's recv (gpipe.py); a node's k pipelines side by
         # side (pp with dp in the node) each carry a microbatch alone while the others
         # compute, at k times the shared rate, and together no faster than the link
-        k = max(1, g // (tp * m.get("cp", 1)))
+        k = max(1, g // (tp * m.cp))
         exposed = max(gpipe_s(fwd, bwd, link / k, mbs, pp, rendezvous=True, alone=alone),
                       gpipe_s(fwd, bwd, link, mbs, pp, alone=alone)) - local
         if fam == "pp" and shard > 1:
@@ -311,7 +311,7 @@ def predict_calibrated(layout: Layout, stats: ModelStats, links: Links, work: Wo
             local += 2 * mbs * (2 if pp > 2 else 1) * cal.p2p_s
         volume = 0.0  # the sends are in the schedule above; calls: the loss mean
     if layout.diloco:  # the replicate dim syncs once every H steps (the local shape is
-        every = layout.diloco[0]  # DiLoCo's inner step itself)
+        every = layout.diloco.every  # DiLoCo's inner step itself)
         volume, calls = volume / every, 1 + (calls - 1) / every
     pipeline = fam in ("pp", "tp_pp")
     if cal.cross_Bps and n > 1:  # the link as gloo sees it, measured

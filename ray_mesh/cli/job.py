@@ -11,6 +11,8 @@ A job file::
     run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
     data: {paths: [stdlib], seq_len: 128, batch_size: 16}   # see ray_mesh.data.spec
     replicate: {mode: diloco, every: 50, compress: int8}  # default mode: sync (HSDP)
+    # or, instead of mesh: and replicate:, the whole layout in one (ray_mesh.core.layout):
+    # layout: dp_replicate=nodes,dp_shard=-1/bf16/sync
     # run.min_workers: N makes the run elastic (num_workers is then the maximum);
     # run.startup_retries bounds the restarts of a group that cannot start (default 3).
 
@@ -38,13 +40,13 @@ from ray_mesh.cli.job_checks import (
     check_train_ref,
     load_function,
 )
+from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.object_store import check_location
 from ray_mesh.core.options import OPTION_DEFAULTS, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
 from ray_mesh.core.values import MAX_SECONDS, describe, read_bool, read_int, read_str
-from ray_mesh.errors import ParallelError, StorageURIError
+from ray_mesh.errors import LayoutError, ParallelError, StorageURIError
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
-from ray_mesh.parallel.replicate import parse_replicate
 from ray_mesh.raytrain.elastic import STARTUP_RETRIES
 
 
@@ -71,6 +73,21 @@ def _mesh_and_plan(top: dict, base_dir: Path, config: dict) -> tuple[MeshSpec | 
         return MeshSpec.from_dict(top.get("mesh")), plan
     except MeshSpecError as exc:
         raise JobError(f"mesh: {exc}") from exc
+
+
+def _layout_section(top: dict) -> Layout | None:
+    """``layout:``, the whole layout in one (its string or mapping), or None; it replaces
+    ``mesh:`` and ``replicate:``, so a job gives one or the other."""
+    if "layout" not in top:
+        return None
+    both = [k for k in ("mesh", "replicate") if k in top]
+    if both:
+        raise JobError(f"layout: already says the mesh and the replicate mode; remove "
+                       f"{' and '.join(both)}: (or remove layout: and keep them)")
+    try:
+        return parse_layout(top["layout"])
+    except LayoutError as exc:
+        raise JobError(f"layout: {exc}") from exc
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -175,7 +192,7 @@ def _keys(cls: type) -> tuple[str, ...]:
 
 
 TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data", "replicate",
-            "plan")
+            "plan", "layout")
 SCALING_KEYS = _keys(ScalingSection)
 NETWORK_KEYS = _keys(NetworkSection)
 RUN_KEYS = _keys(RunSection)
@@ -193,6 +210,7 @@ class Job:
     network: NetworkSection = field(default_factory=NetworkSection)
     run: RunSection = field(default_factory=RunSection)
     replicate: Any = None  # a DiLoCoConfig (replicate: {mode: diloco, ...}) or None (sync)
+    layout: Layout | None = None  # the run's layout (mesh, replicate and the rest); None: auto
     plan: Any = None  # a ray_mesh.planning.inputs.PlanInputs (the plan: section), or None
     base_dir: Path = field(default_factory=Path.cwd)
     data: Any = None
@@ -223,6 +241,9 @@ class Job:
         if not isinstance(config, dict):
             raise JobError(f"config must be a mapping (the train function's config, e.g. "
                            f"config: {{steps: 40}}); got {describe(config)}.")
+        given = _layout_section(top)
+        if given is not None:
+            top = {**top, "mesh": given.mesh}
         mesh, plan = _mesh_and_plan(top, base_dir or Path.cwd(), config)
         name = top.get("name") or Path(str(top["train"]).split(":")[0]).stem
         if isinstance(name, int) and not isinstance(name, bool):
@@ -242,13 +263,16 @@ class Job:
         except DataSpecError as exc:
             raise JobError(str(exc)) from exc
         try:
-            replicate = parse_replicate(top.get("replicate"))
+            replicate = (given.diloco if given is not None
+                         else parse_replicate(top.get("replicate")))
             if mesh != "auto":
                 check_replicate_mesh(replicate, mesh.dp_replicate)
-        except ParallelError as exc:
+        except (ParallelError, LayoutError) as exc:
             raise JobError(str(exc)) from exc
         return cls(
             replicate=replicate,
+            layout=None if mesh == "auto" else replace(given or Layout(), mesh=mesh,
+                                                       diloco=replicate),
             name=name,
             train=str(top["train"]),
             config=config,

@@ -1,6 +1,6 @@
 """The ``ray-mesh`` command: ``ray-mesh run JOB.yaml [--address ADDR]``.
 
-Also ``ray-mesh plan [--address ADDR] [--strategy S]`` (the mesh and rank -> node table
+Also ``ray-mesh plan [--address ADDR] [--layout FAMILY]`` (the mesh and rank -> node table
 proposed for the live cluster) and ``ray-mesh doctor [--address ADDR]`` (the network
 pre-flight on every live node).
 """
@@ -147,9 +147,16 @@ def _connect_existing(address: str | None) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from ray_mesh.core.layout import OLD_FAMILY_SPELLINGS, LayoutError
     from ray_mesh.planning.cluster import describe_nodes, plan_cluster
     from ray_mesh.raytrain.cluster import live_nodes
 
+    if args.strategy is not None:  # the flag before the Layout type: named, not guessed
+        new = OLD_FAMILY_SPELLINGS.get(args.strategy, args.strategy)
+        if args.strategy == "hsdp" and args.tp:
+            new = "tp_hsdp"
+        raise LayoutError(f"--strategy {args.strategy} is now spelled --layout {new} (the "
+                          "layout families: ddp, fsdp, hsdp, tp_hsdp, pp, tp_pp, pp_tp_hsdp)")
     if args.job:
         from ray_mesh.cli import plan
 
@@ -160,7 +167,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     resource = args.resource or ("GPU" if any(n.gpus for n in nodes) else "CPU")
     print(safe_text(describe_nodes(nodes, resource), multiline=True))  # nodes' own words
     print()
-    print(safe_text(plan_cluster(nodes, args.strategy, resource=resource, tp=args.tp,
+    print(safe_text(plan_cluster(nodes, args.layout, resource=resource, tp=args.tp,
                                  pp=args.pp).format(), multiline=True))
     return 0
 
@@ -189,8 +196,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _add_plan_doctor(sub) -> None:
+    from ray_mesh.core.layout import FAMILIES
     from ray_mesh.network.report import DEFAULT_TIMEOUT_S
-    from ray_mesh.planning.cluster import STRATEGIES
 
     address_help = "Ray cluster address (else RAY_ADDRESS, else the cluster on this machine)"
     plan = sub.add_parser("plan", help="propose a mesh and rank -> node table for the cluster",
@@ -201,8 +208,10 @@ def _add_plan_doctor(sub) -> None:
                                       "plan.model/plan.step files are imported only with "
                                       "--import-code.")
     plan.add_argument("--address", default=None, type=address_flag, help=address_help)
-    plan.add_argument("--strategy", choices=STRATEGIES, default="hsdp",
-                      help="hsdp (default), tp-dp, tp-pp or pp-hsdp-tp")
+    plan.add_argument("--layout", choices=FAMILIES, default="hsdp", metavar="FAMILY",
+                      help=f"the layout family to propose: {', '.join(FAMILIES)} (default "
+                           "hsdp; --tp/--pp size its tp and pp dims)")
+    plan.add_argument("--strategy", default=None, help=argparse.SUPPRESS)  # old: an error
     plan.add_argument("--resource", default=None, type=name_flag,
                       help="what one worker takes (default GPU if the cluster has GPUs, else "
                            "CPU; or a custom resource name)")

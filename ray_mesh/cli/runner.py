@@ -226,7 +226,9 @@ def check_data_resources(job: Job, scaling: ScalingConfig, cluster: dict[str, fl
 
 def mesh_config(job: Job, verbose: bool = False) -> MeshConfig:
     """The job's ``mesh`` and ``network`` sections as a :class:`MeshConfig`."""
-    return MeshConfig(mesh=job.mesh, plan=job.plan, verbose=verbose, replicate=job.replicate,
+    where = ({"mesh": "auto", "replicate": job.replicate} if job.layout is None
+             else {"layout": job.layout})
+    return MeshConfig(plan=job.plan, verbose=verbose, **where,
                       **job.network.mesh_config_kwargs())
 
 

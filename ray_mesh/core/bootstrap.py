@@ -7,6 +7,11 @@ Train workers (the backend calls :func:`setup_worker`).
 The mesh lives in a module global because Ray Train V2 runs the train function in another
 thread of the worker process than the one that built the mesh; the CUDA device, which is
 per thread, is set again for the training thread by :func:`use_device`.
+
+The run's :class:`~ray_mesh.core.layout.Layout` (reduce dtype, pipeline, replicate mode) is
+held by the mesh it was built for (:func:`mesh_layout`) and by :class:`MeshState`, and by
+nothing else: the parallel helpers read it off the mesh they are given, so a mesh built for
+a trial carries the trial's layout and the run's mesh the run's, whatever ran before.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -24,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core import rendezvous_store, teardown
+from ray_mesh.core.devices import default_backend, pick_device, use_device
+from ray_mesh.core.layout import Layout, parse_layout
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
 from ray_mesh.errors import BootstrapError
 
@@ -44,6 +51,8 @@ class MeshState:
     device: torch.device
     backend: str
     env: dict[str, str] = field(default_factory=dict)
+    layout: Layout = field(default_factory=Layout)  # the run's layout, dims = spec
+    picked: str = ""  # why mesh="auto" picked the layout ("" for a fixed mesh)
 
     @property
     def coordinate(self) -> dict[str, int]:
@@ -71,35 +80,6 @@ def get_state() -> MeshState:
 
 def is_initialized() -> bool:
     return _state is not None
-
-
-# --------------------------------------------------------------------------- devices
-def pick_device(backend: str | None, local_rank: int, device: str | None = None) -> torch.device:
-    """The device this rank computes on: the one given, else cuda:LOCAL_RANK, else cpu."""
-    if device is not None:
-        dev = torch.device(device)
-    elif backend != "gloo" and torch.cuda.is_available():
-        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
-    else:
-        dev = torch.device("cpu")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise BootstrapError(
-            f"Device {dev} was asked for but CUDA is not available in this process "
-            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Ask for GPUs in the scaling config, "
-            f"or run on CPU with backend='gloo'."
-        )
-    return dev
-
-
-def default_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def use_device(device: torch.device) -> None:
-    """Make ``device`` current for the calling thread (CUDA's current device is per thread)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
 
 
 # --------------------------------------------------------------------------- mesh
@@ -163,7 +143,7 @@ def _share_group(flat_mesh: DeviceMesh, twin_group: dist.ProcessGroup, flat: str
     private_apis.set_mesh_group(flat_mesh, twin_group)
 
 
-def build_device_mesh(spec: MeshSpec, device_type: str, *,
+def build_device_mesh(spec: MeshSpec, device_type: str, *, layout: Layout | None = None,
                       real_size1_groups: bool | None = None) -> DeviceMesh:
     """A DeviceMesh with all five named dims (size 1 included) and the flattened dims.
 
@@ -184,6 +164,9 @@ def build_device_mesh(spec: MeshSpec, device_type: str, *,
 
     ``real_size1_groups=True`` (or ``RAY_MESH_REAL_SIZE1_GROUPS=1``) gives every dim a real
     group of its own again.
+
+    ``layout`` (its reduce dtype, pipeline and replicate mode; its dims become ``spec``'s) is
+    kept on the mesh for :func:`mesh_layout`; None: fp32, sync.
     """
     if not spec.is_resolved:
         raise BootstrapError(f"{spec} must be resolved before the mesh is built.")
@@ -207,10 +190,18 @@ def build_device_mesh(spec: MeshSpec, device_type: str, *,
     # torch (2.11+) warns when a flattened dim is sliced from the root mesh and asks callers
     # to keep the flattened meshes themselves: keep them on the mesh for submesh().
     setattr(mesh, _FLAT_ATTR, flats)
+    setattr(mesh, _LAYOUT_ATTR, replace(layout or Layout(), mesh=spec))
     return mesh
 
 
 _FLAT_ATTR = "_ray_mesh_flattened"
+_LAYOUT_ATTR = "_ray_mesh_layout"
+
+
+def mesh_layout(mesh: DeviceMesh) -> Layout | None:
+    """The layout ``mesh`` was built for (:func:`build_device_mesh`), or None for a mesh
+    ray_mesh did not build (or a slice of one)."""
+    return getattr(mesh, _LAYOUT_ATTR, None)
 
 
 def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
@@ -302,16 +293,22 @@ def setup_worker(
     device: str | None = None,
     timeout_s: float = DEFAULT_PG_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
+    layout: Layout | None = None,
+    picked: str = "",
 ) -> MeshState:
     """Everything a worker does to join the mesh; the Ray backend and torchrun both call it.
 
     ``env`` is the environment already in force (interface names etc.), kept for the
-    layout table. Idempotent for the same spec: a second call returns the existing state.
+    layout table. ``layout``: the run's reduce dtype, pipeline and replicate mode (its dims
+    are taken from ``spec`` once resolved; None: fp32, sync), held by the mesh and the
+    state; ``picked``: why ``mesh="auto"`` chose it. Idempotent for the same spec and
+    layout: a second call returns the existing state.
     """
     global _state
     with _lock:
         if _state is not None:
-            if _state.spec == spec and _state.rank == rank:
+            same = layout is None or replace(layout, mesh=_state.spec) == _state.layout
+            if _state.spec == spec and _state.rank == rank and same:
                 return _state
             raise BootstrapError(
                 f"This process already holds a mesh {_state.spec} as rank {_state.rank}; call "
@@ -323,9 +320,9 @@ def setup_worker(
                 f"{resolved} has {resolved.world_size} ranks but the world size is {world_size}."
             )
         dev, backend = join_world(backend, local_rank, device, rank, world_size, timeout_s)
-        mesh = build_device_mesh(resolved, dev.type)
+        mesh = build_device_mesh(resolved, dev.type, layout=layout)
         _state = MeshState(mesh, resolved, rank, world_size, local_rank, dev, backend,
-                           dict(env or {}))
+                           dict(env or {}), mesh_layout(mesh) or Layout(), picked)
         return _state
 
 
@@ -347,6 +344,7 @@ def _env_int(name: str, default: int | None = None, *alternatives: str) -> int:
 def init_mesh(
     spec: MeshSpec | Mapping | str | None = None,
     *,
+    layout: Layout | Mapping | str | None = None,
     backend: str | None = None,
     device: str | None = None,
     timeout_s: float = DEFAULT_PG_TIMEOUT_S,
@@ -354,7 +352,12 @@ def init_mesh(
     """Build the mesh from torchrun's environment and return it (Ray-free entry point).
 
     ``'nodes'`` dims resolve to WORLD_SIZE / LOCAL_WORLD_SIZE, the node count under torchrun.
+    ``layout`` (a :class:`~ray_mesh.core.layout.Layout`, its string or mapping) gives the
+    reduce dtype, pipeline and replicate mode, and the dims when ``spec`` is None.
     """
+    lay = None if layout is None else parse_layout(layout)
+    if spec is None and lay is not None:
+        spec = lay.mesh
     spec = MeshSpec.from_dict(spec)
     world_size = _env_int("WORLD_SIZE")
     rank = _env_int("RANK")
@@ -371,7 +374,8 @@ def init_mesh(
         raise BootstrapError(f"{problem} Under torchrun the ranks per node are "
                              f"--nproc-per-node.")
     return setup_worker(resolved, rank=rank, world_size=world_size, local_rank=local_rank,
-                        backend=backend, device=device, timeout_s=timeout_s).mesh
+                        backend=backend, device=device, timeout_s=timeout_s,
+                        layout=lay).mesh
 
 
 def shutdown_mesh() -> None:

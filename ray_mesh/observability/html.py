@@ -322,8 +322,9 @@ def render(status: ClusterStatus, *, links: list[dict[str, Any]] | None = None,
             body.append("<div class='card'><h2>No running ray_mesh runs</h2>")
         else:
             body.append(f"<div class='card'><h2>Run {_e(run['name'])} "
-                        f"<span class='meta'>[{_e(run.get('status', ''))}] mesh "
-                        f"{_e(run.get('mesh', ''))} · started {_e(run.get('started', ''))}"
+                        f"<span class='meta'>[{_e(run.get('status', ''))}] layout "
+                        f"{_e(run.get('layout') or run.get('mesh', ''))} · started "
+                        f"{_e(run.get('started', ''))}"
                         f"</span></h2><div class='meta'>{_e(step_summary(run))}</div>")
             slow = run.get("slow") or {}
             body.append(f"<div class='meta verdict'>verdict: "

@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ray_mesh.core.layout import Layout
 from ray_mesh.core.object_store import same_location
 from ray_mesh.core.safe import safe_text
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
@@ -30,23 +31,28 @@ COLUMNS: tuple[str, ...] = ("rank", "node", "node_ip", "hostname", "local_rank",
                             "interface", *DIM_NAMES)
 
 
-def layout_table(plan: MeshPlan, interfaces: dict[int, str] | None = None) -> str:
-    """The rank -> node -> coordinate table rank 0 prints at start (and ``ray-mesh plan``)."""
+def layout_table(plan: MeshPlan, interfaces: dict[int, str] | None = None,
+                 layout: Layout | None = None) -> str:
+    """The rank -> node -> coordinate table rank 0 prints at start (and ``ray-mesh plan``),
+    titled with the run's layout (default: the plan's dims, fp32, sync)."""
     rows = plan.layout_rows(interfaces)
-    title = (f"ray_mesh: {plan.spec}  on {plan.num_nodes} node(s) x {plan.workers_per_node} "
-             f"worker(s)")
+    title = (f"ray_mesh: layout {layout or Layout(plan.spec)}  on {plan.num_nodes} node(s) x "
+             f"{plan.workers_per_node} worker(s)")
     return title + "\n" + text_table(rows, list(rows[0]))
 
 
 def layout_document(plan: MeshPlan, interfaces: dict[int, str] | None = None,
-                    run: str = "") -> dict[str, Any]:
-    """A JSON-ready description of where every rank of ``plan`` sits."""
+                    run: str = "", layout: Layout | None = None) -> dict[str, Any]:
+    """A JSON-ready description of where every rank of ``plan`` sits, and the run's
+    :class:`~ray_mesh.core.layout.Layout` as its canonical string (``layout``; default: the
+    plan's dims, fp32, sync)."""
     rows = plan.layout_rows(interfaces)
     for row, worker in zip(rows, plan.workers, strict=True):
         row["hostname"] = worker.hostname
         row["node_id"] = worker.node_id
     return {
         "run": run,
+        "layout": str(layout or Layout(plan.spec)),
         "mesh": str(plan.spec),
         "shape": dict(zip(DIM_NAMES, plan.spec.shape, strict=True)),
         "num_nodes": plan.num_nodes,
@@ -63,8 +69,8 @@ def to_markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"# ray_mesh layout: {doc.get('run') or 'run'}",
         "",
-        f"{doc['mesh']} on {doc['num_nodes']} node(s) x {doc['workers_per_node']} worker(s); "
-        f"written {doc['created']}.",
+        f"{doc.get('layout') or doc['mesh']} on {doc['num_nodes']} node(s) x "
+        f"{doc['workers_per_node']} worker(s); written {doc['created']}.",
         "",
         markdown_table(doc["ranks"], cols),
     ]

@@ -232,7 +232,7 @@ def scrape_targets(base: str, timeout_s: float, node_ips: Sequence[str] = (), *,
 
 def _malformed_run(r: Any, why: str) -> dict[str, Any]:
     return {"name": si.run_label(r), "id": "?", "status": "?", "started": "?", "mesh": "?",
-            "layout_source": "none", "ranks": [], "slow": None, "malformed": why}
+            "layout": "?", "layout_source": "none", "ranks": [], "slow": None, "malformed": why}
 
 
 def _run_entry(run: dict[str, Any], samples: list[tuple[str, dict, float]],
@@ -255,6 +255,7 @@ def _run_entry(run: dict[str, Any], samples: list[tuple[str, dict, float]],
     return {"name": run["name"], "id": run["id"], "status": run["status"],
             "started": started.strftime("%H:%M:%S UTC"),
             "mesh": doc["mesh"] if doc else safe_text(run["mesh"], 300),
+            "layout": doc["layout"] if doc else run.get("layout", "?"),
             "layout_source": "run dir" if doc else "train state",
             "ranks": ranks, "slow": slow}
 
@@ -341,7 +342,7 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
     if run.get("malformed"):
         return ["", f"Run {run['name']}: malformed ({run['malformed']})"]
     out = ["", f"Run {run['name']}  [{run['status']}]  started {run['started']}  "
-               f"id {str(run['id'])[:12]}  mesh {run['mesh']}  (layout from "
+               f"id {str(run['id'])[:12]}  layout {run.get('layout', '?')}  (layout from "
                f"{run['layout_source']})"]
     metric_cols = sorted({k for r in run["ranks"] for k in r if not k.startswith(RAW)}
                          - set(LAYOUT_COLUMNS) - {"hostname", "node_id", "local_rank"},

@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from ray_mesh.core.layout import LayoutError
+from ray_mesh.core.layout import parse_layout as parse_layout_string
 from ray_mesh.core.safe import NAME_LIMIT, safe_text
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 from ray_mesh.errors import Malformed
@@ -152,7 +154,21 @@ def parse_run(r: dict[str, Any]) -> dict[str, Any]:
             "start_time_ns": integer(r.get("start_time_ns", 0), "start_time_ns", 0, 2**63),
             "storage_path": None if storage is None else text(storage, "storage_path", 4096),
             "storage_raw": storage if isinstance(storage, str) else None,
-            "mesh": mesh, "workers": sorted(workers, key=lambda w: w["rank"])}
+            "mesh": mesh, "workers": sorted(workers, key=lambda w: w["rank"]),
+            "layout": layout_text(dig(r, "run_settings", "backend_config", "config", "layout"),
+                                  "the backend config's layout")}
+
+
+def layout_text(value: Any, what: str) -> str:
+    """A layout the cluster wrote, read with the one layout parser and printed canonically
+    ("?" when absent, "auto" while ``mesh='auto'`` has not picked yet)."""
+    if value is None or value == "auto":
+        return "?" if value is None else "auto"
+    raw = text(value, what, 300)
+    try:
+        return str(parse_layout_string(raw))
+    except LayoutError as exc:
+        raise Malformed(f"{what}: {exc}") from None
 
 
 def run_label(r: Any) -> str:
@@ -197,6 +213,7 @@ def parse_layout(data: bytes, what: str) -> dict[str, Any]:
             out[d] = integer(row.get(d, 0), f"{what}: row {i}: {d}")
         rows.append(out)
     return {"mesh": text(doc.get("mesh", "?"), f"{what}: mesh", 300),
+            "layout": layout_text(doc.get("layout"), f"{what}: layout"),
             "ranks": sorted(rows, key=lambda r: r["rank"])}
 
 

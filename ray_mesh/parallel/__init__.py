@@ -17,8 +17,9 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
   that names the fix when it is missing), its size, this rank's device
 - :func:`replicate_config`, :func:`wrap_replicate` - the replicate dim's mode (sync HSDP or
   DiLoCo, :mod:`ray_mesh.parallel.diloco`): the run's settings and the outer loop, or None
-- :func:`picked_plan` - what ``mesh="auto"`` picked (layout, gradient precision, replicate
-  mode) and why; ``parallelize`` and the replicate helpers follow it by themselves
+- :func:`layout_of`, :func:`pick_reason` - the :class:`~ray_mesh.core.layout.Layout` the
+  mesh was built for (``mesh="auto"``'s pick, or the fixed mesh and its replicate mode) and
+  why it was picked; ``parallelize`` and the replicate helpers read it off the mesh
 """
 
 from ray_mesh.errors import ParallelError
@@ -36,7 +37,7 @@ from ray_mesh.parallel.data import (
 from ray_mesh.parallel.data_position import ResumableSampler
 from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
 from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
-from ray_mesh.parallel.picked import picked_plan
+from ray_mesh.parallel.picked import layout_of, pick_reason
 from ray_mesh.parallel.pp import Pipeline, PipelinePlan, known_hang, schedule_info
 from ray_mesh.parallel.replicate import dp_mode as replicate_dp_mode
 from ray_mesh.parallel.replicate import replicate_config
@@ -70,7 +71,8 @@ __all__ = [
     "mesh_device",
     "mixed_precision_policy",
     "parallelize",
-    "picked_plan",
+    "layout_of",
+    "pick_reason",
     "replicate_config",
     "replicate_dp_mode",
     "resolve_mode",

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ray_mesh.core.diloco_config import COMPRESS_MODES as MODES
+
 CHUNK = 1024
-MODES = ("none", "bf16", "int8")
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

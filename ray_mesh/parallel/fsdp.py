@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.mesh import submesh
-from ray_mesh.parallel.picked import picked_precision
+from ray_mesh.parallel.picked import layout_precision
 
 _DP_HINT = ("Data parallel needs the ray_mesh mesh (dp_replicate, dp_shard, cp and the "
             "flattened dp_shard_cp, dp_cp): get it from ray_mesh.get_mesh() or "
@@ -149,7 +149,8 @@ def apply_fsdp(
     In place for FSDP/HSDP (``fully_shard`` changes the module's class); the DDP path returns
     a ``DistributedDataParallel`` wrapper, so always use the return value. Every rank must
     start from the same weights (one seed): FSDP shards the local copy, it does not broadcast.
-    ``mixed_precision=None`` follows ``mesh="auto"``'s pick (:mod:`ray_mesh.parallel.picked`).
+    ``mixed_precision=None`` follows the reduce dtype of the layout ``mesh`` was built for
+    (:mod:`ray_mesh.parallel.picked`; fp32 for a mesh without one).
     """
     mode = resolve_mode(mesh, mode)
     if mode == "replica" and _size(mesh, "dp_shard_cp") == 1:
@@ -168,7 +169,7 @@ def apply_fsdp(
                                                    device_mesh=submesh(mesh, "dp_cp"))
     dp_mesh = (submesh(mesh, "dp_shard_cp") if mode in ("fsdp", "replica")
                else submesh(mesh, "dp_replicate", "dp_shard_cp"))
-    policy = mixed_precision_policy(picked_precision() if mixed_precision is None
+    policy = mixed_precision_policy(layout_precision(mesh) if mixed_precision is None
                                     else mixed_precision)
     for block in find_blocks(module, blocks):
         if block is module:

@@ -1,58 +1,51 @@
-"""The layout ``mesh="auto"`` picked, as the train function's helpers see it.
+"""The run's layout, as the train function's helpers see it: read off the mesh.
 
-With ``MeshConfig(mesh="auto", plan=...)`` the backend ranks the layouts the plan allows
-(families x gradient precisions x replicate modes) and sets the pick on every worker before
-the train function starts. The helpers a train function already calls read it, so the
-function follows the pick without a code change:
+Every mesh ray_mesh builds carries the :class:`~ray_mesh.core.layout.Layout` it was built
+for (``ray_mesh.core.bootstrap.mesh_layout``): with ``MeshConfig(mesh="auto", plan=...)``
+the layout the backend picked (families x gradient precisions x replicate modes), else the
+fixed mesh with the job's replicate mode. The helpers a train function already calls read
+it from the mesh they are given, so the function follows the pick without a code change:
 
 - :func:`ray_mesh.parallel.parallelize` / :func:`~ray_mesh.parallel.apply_fsdp` with
-  ``mixed_precision`` left unset reduce gradients in the picked dtype
-  (:func:`picked_precision`); an explicit ``mixed_precision`` (``"fp32"`` too) wins;
-- the replicate mode goes through :func:`ray_mesh.parallel.replicate.set_replicate_config`,
-  so ``replicate_config()``, ``dp_mode()`` and ``wrap_replicate()`` see DiLoCo when it was
-  picked.
+  ``mixed_precision`` left unset reduce gradients in the layout's dtype; an explicit
+  ``mixed_precision`` (``"fp32"`` too) wins;
+- ``replicate_config(mesh)``, ``dp_mode(mesh)`` and ``wrap_replicate(model, mesh)``
+  (:mod:`ray_mesh.parallel.replicate`) see DiLoCo when the layout has it.
 
-:func:`picked_plan` tells the train function what was picked and why (for its own logs).
-Ray-free; outside ``mesh="auto"`` nothing is set and everything is as before.
+Nothing here is process-global state of its own: a trial's mesh carries the trial's layout,
+the run's mesh the run's. :func:`pick_reason` says why ``mesh="auto"`` picked it.
+Ray-free; under torchrun, ``ray_mesh.init_mesh(spec, layout=...)`` sets it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from torch.distributed.device_mesh import DeviceMesh
 
-from ray_mesh.errors import ParallelError
-
-
-@dataclass(frozen=True)
-class PickedPlan:
-    """What ``mesh="auto"`` chose: the layout's label and mesh, precision, replicate mode."""
-
-    layout: str
-    mesh: dict[str, int] = field(default_factory=dict)
-    precision: str = "fp32"  # or "bf16_grads"
-    replicate: str = "sync"  # or "diloco"
-    why: str = ""
+from ray_mesh.core import bootstrap
+from ray_mesh.core.layout import Layout
 
 
-_current: PickedPlan | None = None
+def layout_of(mesh: DeviceMesh | None = None) -> Layout | None:
+    """The layout ``mesh`` (default: this process's, ``ray_mesh.get_mesh()``) was built for;
+    None when there is no mesh, or for a mesh ray_mesh did not build."""
+    if mesh is None:
+        if not bootstrap.is_initialized():
+            return None
+        mesh = bootstrap.get_mesh()
+    return bootstrap.mesh_layout(mesh)
 
 
-def set_picked_plan(plan: PickedPlan | None) -> None:
-    """Set this process's pick (the Ray backend does it on every worker; None: no pick)."""
-    global _current
-    if plan is not None and not isinstance(plan, PickedPlan):
-        raise ParallelError(f"set_picked_plan takes a PickedPlan or None, not {plan!r}")
-    _current = plan
+def pick_reason() -> str | None:
+    """Why ``mesh="auto"`` picked this process's layout; None for a fixed mesh or no mesh."""
+    if not bootstrap.is_initialized():
+        return None
+    return bootstrap.get_state().picked or None
 
 
-def picked_plan() -> PickedPlan | None:
-    """The pick of ``mesh="auto"`` in this run, or None (a fixed mesh)."""
-    return _current
+def layout_precision(mesh: DeviceMesh | None) -> str | None:
+    """``"bf16_grads"`` when ``mesh``'s layout reduces gradients in bf16, else None (fp32)."""
+    lay = bootstrap.mesh_layout(mesh) if mesh is not None else None
+    return lay.precision if lay is not None else None
 
 
-def picked_precision() -> str | None:
-    """``"bf16_grads"`` when the pick reduces gradients in bf16, else None (fp32)."""
-    return _current.precision if _current and _current.precision != "fp32" else None
-
-
-__all__ = ["PickedPlan", "picked_plan", "picked_precision", "set_picked_plan"]
+__all__ = ["layout_of", "layout_precision", "pick_reason"]

@@ -9,19 +9,21 @@ on ``dp_replicate`` (one per node, over the slow link) keep together:
   ``replicate: {mode: diloco, every: 50, outer_lr: 0.7, outer_momentum: 0.9,
   compress: int8, streaming: 4}``.
 
-The driver validates the section (:func:`parse_replicate`, :func:`check_mesh`); the backend
-hands the result to every worker (:func:`set_replicate_config`), where the train function
-reads it (:func:`replicate_config`) or simply calls :func:`wrap`, which returns ``None`` in
-sync mode::
+The driver reads the section (:func:`ray_mesh.core.layout.parse_replicate`, re-exported
+here) into the run's :class:`~ray_mesh.core.layout.Layout`, checks it against the mesh
+(:func:`check_mesh`), and every worker's mesh carries that layout; the train function reads
+it from the mesh (:func:`replicate_config`) or simply calls :func:`wrap`, which returns
+``None`` in sync mode::
 
-    model = parallelize(model, mesh, dp=dp_mode())      # 'replica' under DiLoCo, else 'auto'
+    model = parallelize(model, mesh, dp=dp_mode(mesh))  # 'replica' under DiLoCo, else 'auto'
     optim = torch.optim.AdamW(model.parameters())
     dl = wrap(model, mesh)                              # None in sync mode
     for step ...:
         loss.backward(); optim.step(); optim.zero_grad()
         if dl: dl.step()
 
-Ray-free: under torchrun, call :func:`set_replicate_config` yourself or pass ``config=``.
+Ray-free: under torchrun, ``ray_mesh.init_mesh(spec, layout=...)`` gives the mesh its
+replicate mode, or pass ``config=`` to :func:`wrap`.
 """
 
 from __future__ import annotations
@@ -31,38 +33,13 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ray_mesh.core.bootstrap import get_mesh
+from ray_mesh.core.layout import parse_replicate
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.diloco import DiLoCo, DiLoCoConfig
+from ray_mesh.parallel.picked import layout_of
 
 MODES = ("sync", "diloco")
-
-_current: DiLoCoConfig | None = None
-
-
-def parse_replicate(data: Any) -> DiLoCoConfig | None:
-    """The ``replicate:`` section as a :class:`DiLoCoConfig`, or None for sync mode.
-
-    Accepts None, a mapping (``mode`` defaults to ``sync``), a ``DiLoCoConfig``, or the
-    strings ``'sync'``/``'diloco'`` (DiLoCo with its defaults).
-    """
-    if data is None or isinstance(data, DiLoCoConfig):
-        return data
-    if isinstance(data, str):
-        data = {"mode": data}
-    if not isinstance(data, dict):
-        raise ParallelError(f"replicate: {data!r} must be a mapping like "
-                            "{mode: diloco, every: 50} (or mode: sync, the default)")
-    mode = data.get("mode", "sync")
-    if mode not in MODES:
-        raise ParallelError(f"replicate.mode={mode!r}: use 'sync' (HSDP, all-reduce every "
-                            "step) or 'diloco' (sync every `every` steps)")
-    if mode == "sync":
-        extra = sorted(set(data) - {"mode"})
-        if extra:
-            raise ParallelError(f"replicate: {extra} only apply to mode: diloco; add "
-                                "mode: diloco or remove them")
-        return None
-    return DiLoCoConfig.from_dict(data)
 
 
 def check_mesh(config: DiLoCoConfig | None, dp_replicate: Any) -> None:
@@ -76,40 +53,30 @@ def check_mesh(config: DiLoCoConfig | None, dp_replicate: Any) -> None:
             f"or a size >= 2, or use replicate.mode: sync")
 
 
-def set_replicate_config(config: DiLoCoConfig | None) -> None:
-    """Set this process's replicate mode (the Ray backend does it on every worker)."""
-    global _current
-    if config is not None and not isinstance(config, DiLoCoConfig):
-        raise ParallelError(f"set_replicate_config takes a DiLoCoConfig or None, not {config!r}")
-    _current = config
+def replicate_config(mesh: DeviceMesh | None = None) -> DiLoCoConfig | None:
+    """The DiLoCo settings of ``mesh``'s layout (default: this process's mesh), or None in
+    sync mode (and when there is no mesh)."""
+    lay = layout_of(mesh)
+    return lay.diloco if lay is not None else None
 
 
-def replicate_config() -> DiLoCoConfig | None:
-    """This run's DiLoCo settings, or None in sync mode."""
-    return _current
-
-
-def dp_mode() -> str:
-    """The ``dp=`` to give :func:`~ray_mesh.parallel.parallelize` for this replicate mode."""
-    return "replica" if _current is not None else "auto"
+def dp_mode(mesh: DeviceMesh | None = None) -> str:
+    """The ``dp=`` to give :func:`~ray_mesh.parallel.parallelize` for ``mesh``'s replicate
+    mode (default: this process's mesh)."""
+    return "replica" if replicate_config(mesh) is not None else "auto"
 
 
 def wrap(model: torch.nn.Module, mesh: DeviceMesh | None = None,
          config: DiLoCoConfig | None = None) -> DiLoCo | None:
     """A :class:`DiLoCo` around ``model`` when the replicate mode is diloco, else None.
 
-    ``mesh`` defaults to ``ray_mesh.get_mesh()``, ``config`` to :func:`replicate_config`.
+    ``mesh`` defaults to ``ray_mesh.get_mesh()``, ``config`` to ``mesh``'s replicate mode.
     The model must be sharded inside a replica only (``parallelize(..., dp=dp_mode())``).
     """
-    config = config if config is not None else _current
+    config = config if config is not None else replicate_config(mesh)
     if config is None:
         return None
-    if mesh is None:
-        from ray_mesh.core.bootstrap import get_mesh
-
-        mesh = get_mesh()
-    return DiLoCo(model, mesh, config)
+    return DiLoCo(model, mesh if mesh is not None else get_mesh(), config)
 
 
-__all__ = ["MODES", "check_mesh", "dp_mode", "parse_replicate", "replicate_config",
-           "set_replicate_config", "wrap"]
+__all__ = ["MODES", "check_mesh", "dp_mode", "parse_replicate", "replicate_config", "wrap"]

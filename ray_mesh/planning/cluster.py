@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray_mesh.private_apis as private_apis
-from ray_mesh.core.spec import DIM_NAMES, MeshSpec, MeshSpecError
+from ray_mesh.core.layout import FAMILIES, Layout, LayoutError, check_family, family_mesh
+from ray_mesh.core.spec import MeshSpecError
 from ray_mesh.core.table import text_table
 from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
 from ray_mesh.observability.layout import layout_table
 
-STRATEGIES = ("hsdp", "tp-dp", "tp-pp", "pp-hsdp-tp")
 _BUILTIN = ("CPU", "GPU", "memory", "object_store_memory")
 
 
@@ -81,9 +81,10 @@ def group_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> dict[tuple,
 
 @dataclass
 class ClusterPlan:
-    """The mesh ``ray-mesh plan`` proposes: nodes used, nodes left out (with why), layout."""
+    """The layout ``ray-mesh plan`` proposes and where it runs: nodes used, nodes left out
+    (with why), and the rank -> node placement (``mesh``, whose spec is the layout's dims)."""
 
-    strategy: str
+    family: str
     resource: str
     per_node: int
     used: list[NodeInfo]
@@ -101,13 +102,17 @@ class ClusterPlan:
         return (f"ScalingConfig(num_workers={self.num_workers}, "
                 f"resources_per_worker={{'{self.resource}': 1}})")
 
+    @property
+    def layout(self) -> Layout:
+        """The proposed layout (fp32, sync: the family fixes only the dims)."""
+        return Layout(self.mesh.spec)
+
     def format(self) -> str:
         s = self.mesh.spec
-        dims = ", ".join(f"{d}={getattr(s, d)}" for d in DIM_NAMES)
         lines = [
-            f"strategy {self.strategy}: {len(self.used)} node(s) x {self.per_node} worker(s) "
+            f"family {self.family}: {len(self.used)} node(s) x {self.per_node} worker(s) "
             f"per node ({self.resource}) = {self.num_workers} workers",
-            f"mesh: {dims}",
+            f"layout: {self.layout}",
             f"run with: {self.scaling_hint()} and MeshConfig(mesh={s.to_dict()})",
             "",
             "nodes used:",
@@ -127,37 +132,6 @@ class ClusterPlan:
         return "\n".join(lines)
 
 
-def strategy_spec(strategy: str, num_nodes: int, per_node: int, *, tp: int | None = None,
-                  pp: int | None = None) -> MeshSpec:
-    """The mesh a strategy gives on ``num_nodes`` x ``per_node`` workers.
-
-    * ``hsdp``: shard inside a node, replicate across nodes (``tp`` optional, inside).
-    * ``tp-dp``: tensor parallel across a node's workers, data parallel across nodes.
-    * ``tp-pp``: tensor parallel inside a node, one pipeline stage per node.
-    * ``pp-hsdp-tp``: ``pp`` stages (2 when the node count is even) over nodes, ``tp`` (2
-      when a node's workers are even) inside a node, HSDP over the rest.
-    """
-    if strategy == "hsdp":
-        t = _divisor(tp or 1, per_node)
-        return MeshSpec(pp=pp or 1, dp_replicate=-1, dp_shard=per_node // t, tp=t)
-    if strategy == "tp-dp":
-        return MeshSpec(pp=pp or 1, dp_replicate=-1, dp_shard=1, tp=tp or per_node)
-    if strategy == "tp-pp":
-        return MeshSpec(pp=-1, dp_replicate=1, dp_shard=1, tp=tp or per_node)
-    if strategy == "pp-hsdp-tp":
-        p = pp or (2 if num_nodes % 2 == 0 else 1)
-        t = _divisor(tp or (2 if per_node % 2 == 0 else 1), per_node)
-        return MeshSpec(pp=p, dp_replicate=-1, dp_shard=per_node // t, tp=t)
-    raise MeshSpecError(f"Unknown strategy {strategy!r}: use one of {STRATEGIES}.")
-
-
-def _divisor(tp: int, per_node: int) -> int:
-    if per_node % tp:
-        raise MeshSpecError(f"tp={tp} does not divide the {per_node} workers per node: "
-                            f"pass --tp with a divisor of {per_node}.")
-    return tp
-
-
 def _candidates(nodes: Sequence[NodeInfo], resource: str) -> list[tuple[str, int, list]]:
     """(accelerator, workers per node, nodes that can host that many), most workers first."""
     alive = [n for n in nodes if n.alive and n.amount(resource) >= 1]
@@ -173,16 +147,16 @@ def _candidates(nodes: Sequence[NodeInfo], resource: str) -> list[tuple[str, int
 
 def plan_cluster(
     nodes: Sequence[NodeInfo],
-    strategy: str = "hsdp",
+    family: str = "hsdp",
     *,
     resource: str = "GPU",
     tp: int | None = None,
     pp: int | None = None,
     allow_cross_node_inner: bool = False,
 ) -> ClusterPlan:
-    """Propose a mesh for ``nodes``; raises :class:`TopologyError` when none fits."""
-    if strategy not in STRATEGIES:
-        raise TopologyError(f"Unknown strategy {strategy!r}: use one of {STRATEGIES}.")
+    """Propose a layout of ``family`` (:data:`ray_mesh.core.layout.FAMILIES`) for ``nodes``;
+    raises :class:`TopologyError` when none fits."""
+    check_family(family)
     alive = [n for n in nodes if n.alive]
     if not alive:
         raise TopologyError("The cluster has no live nodes: start Ray on the nodes "
@@ -198,14 +172,14 @@ def plan_cluster(
     errors = []
     for accel, k, hosts in candidates:
         try:
-            spec = strategy_spec(strategy, len(hosts), k, tp=tp, pp=pp)
+            spec = family_mesh(family, len(hosts), k, tp=tp, pp=pp)
             reports = [WorkerReport(rank=r, node_id=hosts[r // k].node_id,
                                     node_ip=hosts[r // k].ip, hostname=hosts[r // k].hostname,
                                     local_rank=r % k,
                                     device=f"cuda:{r % k}" if resource == "GPU" else "cpu")
                        for r in range(k * len(hosts))]
             mesh = plan_mesh(spec, reports, allow_cross_node_inner=allow_cross_node_inner)
-        except (MeshSpecError, TopologyError) as exc:
+        except (MeshSpecError, TopologyError, LayoutError) as exc:
             errors.append(f"{len(hosts)} node(s) x {k}: {exc}")
             continue
         used_ids = {n.node_id for n in hosts}
@@ -218,9 +192,9 @@ def plan_cluster(
             notes.append("Ray places workers itself: on unequal nodes it may not put exactly "
                          f"{k} on each, and ray_mesh then stops with a TopologyError. A custom "
                          f"resource of {k} per node (resources_per_worker={{'slot': 1}}) pins it.")
-        return ClusterPlan(strategy, resource, k, list(hosts), left_out, mesh, notes)
-    raise TopologyError(f"No {strategy} mesh fits this cluster:\n  - " + "\n  - ".join(errors)
-                        + "\nChange --strategy, --tp or --pp, or add matching nodes.")
+        return ClusterPlan(family, resource, k, list(hosts), left_out, mesh, notes)
+    raise TopologyError(f"No {family} layout fits this cluster:\n  - " + "\n  - ".join(errors)
+                        + "\nChange --layout, --tp or --pp, or add matching nodes.")
 
 
 def _why_left_out(node: NodeInfo, resource: str, k: int, accel: str) -> str:
@@ -253,12 +227,11 @@ def describe_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> str:
 
 
 __all__ = [
-    "STRATEGIES",
+    "FAMILIES",
     "ClusterPlan",
     "NodeInfo",
     "describe_nodes",
     "group_nodes",
     "nodes_from_ray",
     "plan_cluster",
-    "strategy_spec",
 ]

@@ -41,8 +41,9 @@ off a module built on the meta device).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ray_mesh.core.layout import DiLoCoConfig, Layout, check_family, family_mesh
 from ray_mesh.core.values import read_int
 from ray_mesh.errors import PlanError
 
@@ -143,21 +144,6 @@ class Workload:
             raise PlanError(f"microbatches={self.microbatches!r}: give an integer >= 1")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A candidate: mesh dims plus the dtype gradients are reduced in."""
-
-    name: str
-    mesh: dict[str, int]
-    reduce: str = "fp32"
-    diloco: tuple[int, str] | None = None  # (every H, compress) of replicate mode diloco
-
-    @property
-    def label(self) -> str:
-        tail = f"+diloco{self.diloco[0]}/{self.diloco[1]}" if self.diloco else ""
-        return self.name + ("+bf16" if self.reduce == "bf16" else "") + tail
-
-
 @dataclass
 class Prediction:
     layout: Layout
@@ -170,12 +156,8 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
-        replicate = ({"mode": "diloco", "every": self.layout.diloco[0],
-                      "compress": self.layout.diloco[1]} if self.layout.diloco
-                     else {"mode": "sync"})
-        return {"layout": self.layout.label, "mesh": self.layout.mesh,
-                "reduce_dtype": self.layout.reduce, "replicate": replicate,
-                "predicted_step_s": self.step_s,
+        return {"layout": str(self.layout), "family": self.layout.family,
+                **self.layout.to_dict(), "predicted_step_s": self.step_s,
                 "compute_s": self.compute_s, "cross_s": self.cross_s, "intra_s": self.intra_s,
                 "cross_node_bytes_per_step": self.cross_node_bytes_per_step,
                 "memory_bytes_per_rank": self.memory_bytes_per_rank}
@@ -205,60 +187,65 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-FAMILIES = ("ddp", "fsdp", "hsdp", "tp_hsdp", "pp", "tp_pp")
 DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
+PLANNED_FAMILIES = ("ddp", "fsdp", "hsdp", "tp_hsdp", "pp", "tp_pp")
+"""The families the cost model ranks (:data:`ray_mesh.core.layout.FAMILIES` less pp_tp_hsdp)."""
 
 
-def family(layout: Layout) -> str:
-    return "tp_hsdp" if layout.name.endswith("_hsdp") else layout.name
-
-
-def candidates(stats: ModelStats, links: Links, families: tuple[str, ...] = FAMILIES,
-               bf16: bool = True, diloco: tuple[int, str] | None = None) -> list[Layout]:
+def candidates(stats: ModelStats, links: Links, families: tuple[str, ...] = PLANNED_FAMILIES,
+               bf16: bool = True, diloco: DiLoCoConfig | None = None) -> list[Layout]:
     """Every layout of the families below that fits the cluster and the model.
 
     ddp, fsdp (flat), hsdp, tp_hsdp (tp inside a node), pp (stages across nodes, FSDP
     inside), tp_pp (stages across nodes, TP inside: the seed blog's layout); fsdp and the
     hsdp family also with gradients reduced in bf16 (their reduction is what crosses);
-    with ``diloco=(H, compress)`` the hsdp and tp_hsdp layouts also in replicate mode diloco.
+    with ``diloco`` the hsdp and tp_hsdp layouts also in replicate mode diloco.
     """
+    unknown = sorted(set(families) - set(PLANNED_FAMILIES))
+    if unknown:
+        for name in unknown:
+            check_family(name)  # an old spelling is named as such
+        raise PlanError(f"the planner does not rank the families {unknown}; choose from "
+                        f"{', '.join(PLANNED_FAMILIES)}")
     n, g = links.nodes, links.per_node
-    world = n * g
-    out = [Layout("ddp", {"dp_replicate": world}),
-           Layout("fsdp", {"dp_shard": world})]
+    out: list[tuple[str, Layout]] = [("ddp", Layout.of(family_mesh("ddp", n, g))),
+                                     ("fsdp", Layout.of(family_mesh("fsdp", n, g)))]
     if n > 1:
-        out.append(Layout("hsdp", {"dp_replicate": n, "dp_shard": g}))
+        out.append(("hsdp", Layout.of(family_mesh("hsdp", n, g))))
     for t in _divisors(g):
         if t > 1 and stats.heads % t == 0 and stats.hidden % t == 0:
-            out.append(Layout(f"tp{t}_hsdp" if t < g else "tp_hsdp",
-                              {"dp_replicate": n, "dp_shard": g // t, "tp": t}))
+            out.append(("tp_hsdp", Layout.of(family_mesh("tp_hsdp", n, g, tp=t))))
     if n > 1 and stats.layers >= n:
-        out.append(Layout("pp", {"pp": n, "dp_shard": g}))
+        out.append(("pp", Layout.of(family_mesh("pp", n, g))))
         if g > 1 and stats.heads % g == 0 and stats.hidden % g == 0:
-            out.append(Layout("tp_pp", {"pp": n, "tp": g}))
-    unknown = sorted(set(families) - set(FAMILIES))
-    if unknown:
-        raise PlanError(f"unknown layout families {unknown}; choose from {', '.join(FAMILIES)}")
-    out = [lay for lay in out if family(lay) in families]
+            out.append(("tp_pp", Layout.of(family_mesh("tp_pp", n, g))))
+    # The family that proposed a layout decides what is kept and varied (hsdp on one worker
+    # per node has ddp's dims; it is still what plan.layouts: [hsdp] asked for).
+    kept: list[tuple[str, Layout]] = []
+    for fam, lay in out:
+        if fam in families and all(lay != other for _, other in kept):
+            kept.append((fam, lay))
     if bf16:  # bf16 gradient reduction where the reduction is what crosses nodes
-        out += [Layout(lay.name, lay.mesh, "bf16") for lay in out
-                if lay.name == "fsdp" or lay.name.endswith("hsdp")]
+        kept += [(fam, replace(lay, reduce="bf16")) for fam, lay in kept
+                 if fam in ("fsdp", "hsdp", "tp_hsdp")]
     if diloco:
-        out += [Layout(lay.name, lay.mesh, "fp32", diloco) for lay in out
-                if lay.name.endswith("hsdp") and lay.reduce == "fp32"
-                and lay.mesh.get("dp_replicate", 1) > 1]
-    return out
+        kept += [(fam, replace(lay, diloco=diloco)) for fam, lay in kept
+                 if fam in ("hsdp", "tp_hsdp") and lay.reduce == "fp32"
+                 and lay.mesh.dp_replicate > 1]
+    return [lay for _, lay in kept]
 
 
 def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> Prediction:
     """Step time, cross-node bytes and memory of one layout (see the module docstring)."""
     m = layout.mesh
-    pp, rep, shard, tp = (m.get("pp", 1), m.get("dp_replicate", 1), m.get("dp_shard", 1),
-                          m.get("tp", 1))
+    if not m.is_resolved:
+        raise PlanError(f"layout {layout}: give every dim a size to predict it (resolve "
+                        "-1 and nodes against the cluster first)")
+    pp, rep, shard, tp = m.pp, m.dp_replicate, m.dp_shard * m.cp, m.tp
     n, g = links.nodes, links.per_node
     world = pp * rep * shard * tp
     if world != n * g:
-        raise PlanError(f"layout {layout.label} has {world} ranks, the cluster {n * g}")
+        raise PlanError(f"layout {layout} has {world} ranks, the cluster {n * g}")
     p_b = stats.params * FP32
     g_b = stats.params * (BF16 if layout.reduce == "bf16" else FP32)
     stage_p, stage_g = p_b / pp, g_b / pp
@@ -282,7 +269,7 @@ def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> 
         else:
             intra += shard_vol * g / shard
     if rep > 1 and layout.diloco:  # one sync every H inner steps, amortised per step
-        every, compress = layout.diloco
+        every, compress = layout.diloco.every, layout.diloco.compress
         calls += (2 if compress == "int8" else 1) * blocks / every
         volume = diloco_sync_bytes(rep, stage_p, compress) / every  # the node's shards
         if tp * shard * rep > g:
@@ -323,15 +310,16 @@ def predict(layout: Layout, stats: ModelStats, links: Links, work: Workload) -> 
         cross = 0.0
     state = STATE_BYTES_PER_PARAM * stats.params / (pp * shard * tp)
     if layout.diloco:  # global params, outer momentum, int8 error feedback
-        state *= 1 + (3 if layout.diloco[1] == "int8" else 2) * FP32 / STATE_BYTES_PER_PARAM
+        state *= 1 + (3 if layout.diloco.compress == "int8" else 2) * FP32 / STATE_BYTES_PER_PARAM
     act_mem = tokens_dp / tp * stats.hidden * FP32 * ACT_FACTOR * stats.layers / pp
     return Prediction(layout, compute + cross_s + intra_s, compute, cross_s, intra_s,
                       cross * n, state + act_mem, notes)
 
 
 def rank_layouts(stats: ModelStats, links: Links, work: Workload,
-                 memory_limit_bytes: float | None = None, families: tuple[str, ...] = FAMILIES,
-                 bf16: bool = True, diloco: tuple[int, str] | None = None) -> list[Prediction]:
+                 memory_limit_bytes: float | None = None,
+                 families: tuple[str, ...] = PLANNED_FAMILIES, bf16: bool = True,
+                 diloco: DiLoCoConfig | None = None) -> list[Prediction]:
     """Every candidate's prediction, fastest first; those over the memory limit left out.
 
     Raises :class:`PlanError` when no layout fits the memory limit.
@@ -341,14 +329,14 @@ def rank_layouts(stats: ModelStats, links: Links, work: Workload,
     if not preds:
         raise PlanError(f"no layout of the families {list(families)} fits {links.nodes} "
                         f"node(s) x {links.per_node} worker(s) and this model; allow more "
-                        f"families (plan.layouts) from {', '.join(FAMILIES)}")
+                        f"families (plan.layouts) from {', '.join(PLANNED_FAMILIES)}")
     fits = [p for p in preds
             if memory_limit_bytes is None or p.memory_bytes_per_rank <= memory_limit_bytes]
     if not fits:
         least = min(preds, key=lambda p: p.memory_bytes_per_rank)
         raise PlanError(
             f"the model ({stats.params:,} parameters) fits no layout on {links.nodes} node(s) x "
-            f"{links.per_node} rank(s): the leanest, {least.layout.label}, needs "
+            f"{links.per_node} rank(s): the leanest, {least.layout}, needs "
             f"{least.memory_bytes_per_rank / 2**30:.1f} GiB per rank, the limit is "
             f"{memory_limit_bytes / 2**30:.1f} GiB. Use more ranks, a smaller model or "
             "a smaller batch (activations), or raise the limit")
@@ -358,25 +346,25 @@ def rank_layouts(stats: ModelStats, links: Links, work: Workload,
 def explain_pick(ranked: list[Prediction]) -> str:
     """One line on why the first layout won (for logs and ``ray-mesh plan``)."""
     best = ranked[0]
-    line = (f"picked {best.layout.label} {best.layout.mesh}: predicted {best.step_s:.3g} s/step "
+    line = (f"picked {best.layout}: predicted {best.step_s:.3g} s/step "
             f"({best.compute_s:.3g} compute, {best.cross_s:.3g} across nodes, "
             f"{best.cross_node_bytes_per_step / 1e6:.3g} MB over node links)")
     if len(ranked) > 1:
         nxt = ranked[1]
-        line += f"; next {nxt.layout.label} at {nxt.step_s:.3g} s"
+        line += f"; next {nxt.layout} at {nxt.step_s:.3g} s"
     return line
 
 
 def format_ranked(ranked: list[Prediction]) -> str:
-    rows = [(p.layout.label, " x ".join(f"{k}={v}" for k, v in p.layout.mesh.items()),
-             f"{p.step_s:.3g}", f"{p.cross_node_bytes_per_step / 1e6:.3g}",
+    rows = [(str(p.layout), p.layout.family, f"{p.step_s:.3g}",
+             f"{p.cross_node_bytes_per_step / 1e6:.3g}",
              f"{p.memory_bytes_per_rank / 2**20:.0f}") for p in ranked]
-    header = ("layout", "mesh", "step s", "cross-node MB/step", "MiB/rank")
+    header = ("layout", "family", "step s", "cross-node MB/step", "MiB/rank")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
                      for r in [header, *rows])
 
 
-__all__ = ["DATA_PARALLEL", "FAMILIES", "Layout", "Links", "ModelStats", "PlanError",
-           "Prediction", "Workload", "candidates", "diloco_sync_bytes", "explain_pick", "family",
+__all__ = ["DATA_PARALLEL", "PLANNED_FAMILIES", "Links", "ModelStats", "PlanError",
+           "Prediction", "Workload", "candidates", "diloco_sync_bytes", "explain_pick",
            "format_ranked", "predict", "rank_layouts"]

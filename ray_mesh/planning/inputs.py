@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ray_mesh.core.layout import DiLoCoConfig, LayoutError, check_family
 from ray_mesh.planning.cost import (
     DATA_PARALLEL,
-    FAMILIES,
+    PLANNED_FAMILIES,
     Links,
     ModelStats,
     PlanError,
@@ -64,7 +65,6 @@ KEYS = ("model", "tokens_per_step", "compute_s", "microbatches", "link_mbit", "l
         "trial_steps", "trial_budget_s")
 PRECISIONS = ("fp32", "bf16_grads")
 REPLICATE_MODES = ("sync", "diloco")
-DILOCO_DEFAULT = (50, "none")  # DiLoCoConfig's every and compress
 
 
 def _number(section: str, key: str, value: Any, *, low: float, high: float = math.inf,
@@ -90,7 +90,7 @@ class PlanInputs:
     backend: str | None = None
     layouts: tuple[str, ...] = DATA_PARALLEL
     precisions: tuple[str, ...] = ("fp32",)
-    diloco: tuple[int, str] | None = None  # DiLoCo allowed: (every, compress)
+    diloco: DiLoCoConfig | None = None  # DiLoCo allowed, with these settings
     sync: bool = True  # sync replication allowed (False: only DiLoCo layouts)
     step: StepFactory | None = None  # the job's step on a mesh: mesh="auto" times each layout
     step_config: dict = field(default_factory=dict)  # the step's config (the job's config:)
@@ -121,10 +121,10 @@ class PlanInputs:
         """The allowed layouts for ``links``, fastest predicted first."""
         ranked = rank_layouts(self.stats, links, self.work, self.memory_bytes, self.layouts,
                               self.bf16_grads, self.diloco)
-        labels = {p.layout.label for p in ranked}
+        layouts = {p.layout for p in ranked}
         kept = [p for p in ranked if (self.sync or p.layout.diloco) and (
             "fp32" in self.precisions or p.layout.reduce == "bf16"
-            or f"{p.layout.label}+bf16" not in labels)]
+            or replace(p.layout, reduce="bf16") not in layouts)]
         if not kept:
             raise PlanError(f"no layout of {list(self.layouts)} runs with precisions "
                             f"{list(self.precisions)} and replicate "
@@ -159,10 +159,18 @@ class PlanInputs:
             raise PlanError(f"plan.backend: {backend!r}; use gloo or nccl (default: the "
                             "cluster's, nccl with GPUs)")
         layouts = data.get("layouts", list(DATA_PARALLEL))
-        if (not isinstance(layouts, list) or not layouts
-                or any(x not in FAMILIES for x in layouts)):
-            raise PlanError(f"plan.layouts: {layouts!r}; give a list from {', '.join(FAMILIES)} "
-                            "(the layouts the train function can run)")
+        if not isinstance(layouts, list) or not layouts:
+            raise PlanError(f"plan.layouts: {layouts!r}; give a list of layout families from "
+                            f"{', '.join(PLANNED_FAMILIES)} (the ones the train function "
+                            "can run)")
+        for name in layouts:
+            try:
+                check_family(name)
+            except LayoutError as exc:
+                raise PlanError(f"plan.layouts: {exc}") from None
+            if name not in PLANNED_FAMILIES:
+                raise PlanError(f"plan.layouts: the planner does not rank {name!r}; choose "
+                                f"from {', '.join(PLANNED_FAMILIES)}")
         bf16 = data.get("bf16_grads", False)
         if not isinstance(bf16, bool):
             raise PlanError(f"plan.bf16_grads: {bf16!r} must be true or false")
@@ -189,18 +197,18 @@ class PlanInputs:
                    backend, tuple(layouts), tuple(precisions), diloco, sync, **trial)
 
 
-def _replicate(value: Any) -> tuple[bool, tuple[int, str] | None]:
+def _replicate(value: Any) -> tuple[bool, DiLoCoConfig | None]:
     """``plan.replicate`` -> (sync allowed, DiLoCo's (every, compress) if allowed)."""
     if isinstance(value, list):
         if not value or set(value) - set(REPLICATE_MODES):
             raise PlanError(f"plan.replicate: {value!r}; give a list from sync, diloco, or a "
                             "mapping {every: 50, compress: int8} (sync + DiLoCo so set)")
-        return "sync" in value, DILOCO_DEFAULT if "diloco" in value else None
+        return "sync" in value, DiLoCoConfig() if "diloco" in value else None
     return True, _diloco(value)
 
 
-def _diloco(value: Any) -> tuple[int, str] | None:
-    """``plan.replicate: {every: H, compress: none|bf16|int8}`` -> (H, compress)."""
+def _diloco(value: Any) -> DiLoCoConfig | None:
+    """``plan.replicate: {every: H, compress: none|bf16|int8}`` -> DiLoCo's settings."""
     if value is None:
         return None
     if not isinstance(value, Mapping) or set(value) - {"every", "compress", "mode"}:
@@ -212,7 +220,7 @@ def _diloco(value: Any) -> tuple[int, str] | None:
     compress = value.get("compress", "none")
     if compress not in ("none", "bf16", "int8"):
         raise PlanError(f"plan.replicate.compress: {compress!r}; use none, bf16 or int8")
-    return every, compress
+    return DiLoCoConfig(every=every, compress=compress)
 
 
 def _model_stats(value: Any, load_factory: Callable[[str], Callable[..., Any]],

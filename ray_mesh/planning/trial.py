@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_mesh.errors import TrialError
-from ray_mesh.planning.cost import Layout, PlanError
+from ray_mesh.core.layout import Layout
+from ray_mesh.errors import PlanError, TrialError
 
 StepFactory = Callable[[Any, dict], Callable[[], Any]]  # (DeviceMesh, config) -> step()
 
@@ -44,8 +44,7 @@ class Trial:
     ``timed`` (all its steps), ``cut`` (slower than the best so far: stopped) or
     ``budget`` (the time budget ran out before or during it)."""
 
-    label: str
-    mesh: dict[str, int]
+    layout: str  # the canonical string of its Layout
     status: str
     step_s: list[float] = field(default_factory=list)
     warmup_s: float = 0.0
@@ -55,13 +54,13 @@ class Trial:
         return statistics.median(self.step_s) if self.step_s else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"label": self.label, "mesh": dict(self.mesh), "status": self.status,
+        return {"layout": self.layout, "status": self.status,
                 "step_s": list(self.step_s), "warmup_s": self.warmup_s,
                 "median_s": self.median_s}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Trial:
-        return cls(data["label"], dict(data["mesh"]), data["status"], list(data["step_s"]),
+        return cls(data["layout"], data["status"], list(data["step_s"]),
                    float(data.get("warmup_s", 0.0)))
 
 
@@ -87,14 +86,15 @@ def best_trial(trials: Sequence[Trial]) -> Trial | None:
 def format_trials(trials: Sequence[Trial], predicted: dict[str, float] | None = None) -> str:
     """A table: layout, predicted and measured seconds per step, how its trial ended."""
     predicted = predicted or {}
-    lines = [f"{'layout':<22} {'predicted':>10} {'measured':>10}  trial"]
+    width = max([len("layout"), *(len(t.layout) for t in trials)])
+    lines = [f"{'layout':<{width}} {'predicted':>10} {'measured':>10}  trial"]
     for t in trials:
-        pred = predicted.get(t.label)
+        pred = predicted.get(t.layout)
         med = t.median_s
         how = {TIMED: f"median of {len(t.step_s)}",
                CUT: f"stopped after {len(t.step_s)} (slower than the best)",
                BUDGET: f"budget spent ({len(t.step_s)} timed)"}[t.status]
-        lines.append(f"{t.label:<22} {'-' if pred is None else f'{pred:.3g} s':>10} "
+        lines.append(f"{t.layout:<{width}} {'-' if pred is None else f'{pred:.3g} s':>10} "
                      f"{'-' if med is None else f'{med:.3g} s':>10}  {how}")
     return "\n".join(lines)
 
@@ -140,36 +140,32 @@ def run_trials(layouts: Sequence[Layout], make_step: StepFactory, config: dict |
     """Time ``make_step(mesh, config)`` on every layout's mesh; the same list on every rank.
 
     ``make_step`` builds the job's model on the mesh it is given (``parallelize`` with
-    ``mixed_precision`` unset follows each layout's gradient precision: the layout is set as
-    the picked plan while it runs) and returns a function that runs one training step on a
-    fixed batch. ``log`` (rank 0's printer, or None) gets one line per layout.
+    ``mixed_precision`` unset follows each layout's gradient precision: the trial's mesh
+    carries its layout, and nothing of the process is changed) and returns a function that
+    runs one training step on a fixed batch. ``log`` (rank 0's printer, or None) gets one
+    line per layout.
     """
     import torch
     import torch.distributed as dist
 
     from ray_mesh.core.bootstrap import build_device_mesh
-    from ray_mesh.core.spec import MeshSpec
-    from ray_mesh.parallel.picked import PickedPlan, picked_plan, set_picked_plan
 
     check_trial_settings(steps, budget_s, cut)
     world, rank = dist.get_world_size(), dist.get_rank()
     device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
               else torch.device("cpu"))
-    before = picked_plan()
     start = time.perf_counter()
     trials: list[Trial] = []
     best: float | None = None
     for i, lay in enumerate(layouts):
         if _max_everywhere([time.perf_counter() - start], device)[0] > budget_s:
-            trials.append(Trial(lay.label, dict(lay.mesh), BUDGET))
+            trials.append(Trial(str(lay), BUDGET))
             continue
         if lay.diloco:
-            raise PlanError(f"trial of {lay.label}: DiLoCo's outer sync every "
-                            f"{lay.diloco[0]} steps is not in a few trial steps; trials time "
-                            "sync layouts only (plan.replicate: [sync])")
-        precision = "bf16_grads" if lay.reduce == "bf16" else "fp32"
-        set_picked_plan(PickedPlan(lay.label, dict(lay.mesh), precision, "sync", "trial"))
-        mesh = build_device_mesh(MeshSpec.from_dict(lay.mesh).resolve(world), device_type)
+            raise PlanError(f"trial of {lay}: DiLoCo's outer sync every "
+                            f"{lay.diloco.every} steps is not in a few trial steps; trials "
+                            "time sync layouts only (plan.replicate: [sync])")
+        mesh = build_device_mesh(lay.mesh.resolve(world), device_type, layout=lay)
         status, times, warm = TIMED, [], 0.0
         try:
             t0 = time.perf_counter()
@@ -196,20 +192,19 @@ def run_trials(layouts: Sequence[Layout], make_step: StepFactory, config: dict |
                     break
         except Exception as exc:
             raise TrialError(f"mesh=auto: the job's step (plan.step) failed on layout "
-                             f"{lay.label} {dict(lay.mesh)} on rank {rank}: "
+                             f"{lay} on rank {rank}: "
                              f"{type(exc).__name__}: {exc}. Fix the step for that mesh, or "
                              "leave the layout's family out of plan.layouts") from exc
         finally:
-            set_picked_plan(before)
             step = None  # noqa: F841 - the model goes with it, before its groups
             _free(mesh)
-        trial = Trial(lay.label, dict(lay.mesh), status, times, warm)
+        trial = Trial(str(lay), status, times, warm)
         trials.append(trial)
         if trial.median_s is not None and status != CUT:
             best = trial.median_s if best is None else min(best, trial.median_s)
         if log is not None:
             med = trial.median_s
-            log(f"ray_mesh: mesh=auto trial {i + 1}/{len(layouts)} {lay.label}: "
+            log(f"ray_mesh: mesh=auto trial {i + 1}/{len(layouts)} {lay}: "
                 f"{'-' if med is None else f'{med:.3g} s/step'} "
                 f"({len(times)} timed, {status}; warm-up {warm:.2g} s)")
     return trials

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -22,6 +22,7 @@ from ray.train.torch import TorchConfig
 
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core import bootstrap, priority
+from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.options import MeshOptions
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
@@ -40,7 +41,6 @@ from ray_mesh.observability import hang, waits
 from ray_mesh.observability.layout import layout_table, node_lines
 from ray_mesh.observability.report import wrap_train_report
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
-from ray_mesh.parallel.replicate import parse_replicate
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.raytrain.bounded import BringUpError, wait_bounded
 from ray_mesh.raytrain.data import install_mesh_data_config
@@ -105,9 +105,15 @@ class MeshConfig(MeshOptions, TorchConfig):
             by default rank 0 logs the layout and one interface line per node.
         replicate: how replicas keep together over ``dp_replicate``: None / ``'sync'`` (HSDP,
             the default), or a ``DiLoCoConfig`` / mapping like ``{'mode': 'diloco', 'every':
-            50, 'compress': 'int8'}`` (the YAML ``replicate:`` section). Every worker can read
-            it with ``ray_mesh.parallel.replicate_config()``; ``wrap_replicate(model)`` builds
-            the outer loop (see ``ray_mesh.parallel.replicate``).
+            50, 'compress': 'int8'}`` (the YAML ``replicate:`` section). With the mesh it makes
+            the run's :class:`~ray_mesh.core.layout.Layout` (:attr:`layout`), which every
+            worker's mesh carries: ``ray_mesh.parallel.replicate_config()`` reads it there,
+            ``wrap_replicate(model)`` builds the outer loop (``ray_mesh.parallel.replicate``).
+        layout: the whole layout at once instead of ``mesh``/``replicate``: a
+            :class:`~ray_mesh.core.layout.Layout`, its string
+            (``'dp_replicate=nodes,dp_shard=-1/bf16/sync'``) or mapping (a job's ``layout:``);
+            its reduce dtype is what ``parallelize`` reduces gradients in. After construction
+            this field holds the run's Layout (None with ``mesh='auto'``, which picks it).
 
     Inside the train function, ``ray.train.report`` also feeds ray_mesh's metrics (see
     ``ray_mesh.observability.report``): every number reported becomes a mesh-tagged metric.
@@ -115,9 +121,17 @@ class MeshConfig(MeshOptions, TorchConfig):
 
     plan: PlanInputs | None = None
     replicate: Any = None
+    layout: Any = None
 
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
+        given = None
+        if self.layout is not None:
+            given = parse_layout(self.layout)
+            if self.mesh is not None or self.replicate is not None:
+                raise ValueError("give MeshConfig(layout=...) or mesh=/replicate=, not both: "
+                                 f"the layout {given} already says the mesh and replicate mode")
+            self.mesh, self.replicate = given.mesh, given.diloco
         if self.mesh == "auto":
             if not isinstance(self.plan, PlanInputs):
                 raise ValueError("mesh='auto' needs plan=PlanInputs(...) (the model's size, "
@@ -136,6 +150,8 @@ class MeshConfig(MeshOptions, TorchConfig):
         self.replicate = parse_replicate(self.replicate)
         if self.mesh != "auto":
             check_replicate_mesh(self.replicate, self.mesh.dp_replicate)
+        self.layout = None if self.mesh == "auto" else replace(
+            given or Layout(), mesh=self.mesh, diloco=self.replicate)
         if self.init_method != "env":
             raise ValueError("MeshConfig sets MASTER_ADDR/MASTER_PORT itself: use "
                              f"init_method='env' (got {self.init_method!r}).")
@@ -156,6 +172,7 @@ class MeshConfig(MeshOptions, TorchConfig):
         out = super().to_dict()
         out.update(self.options_dict())
         out["replicate"] = None if self.replicate is None else vars(self.replicate)
+        out["layout"] = "auto" if self.layout is None else str(self.layout)
         return out
 
 
@@ -271,8 +288,8 @@ def _setups(plan: MeshPlan, choices: list[Choice], config: MeshConfig, fixed: di
         choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
         hang_timeout_s=config.hang_timeout_s, verbose=config.verbose,
         wait_sample_s=config.wait_sample_s, links=links,
-        replicate=pick.replicate if pick else config.replicate,
-        picked=pick.plan if pick else None) for w in plan.workers]
+        layout=replace(pick.layout if pick else config.layout or Layout(), mesh=plan.spec),
+        picked=pick.why if pick else "") for w in plan.workers]
 
 
 class _MeshBackend(Backend):
@@ -314,11 +331,12 @@ class _MeshBackend(Backend):
                 ranked = rank_for_cluster(*args)
                 pick, self.trials = trial_pick(
                     worker_group, _setups(plan, choices, config, fixed, "", None),
-                    ranked, config.plan, config.bringup_timeout_s, config.replicate)
-            plan = plan_mesh(pick.spec, reports,
+                    ranked, config.plan, config.bringup_timeout_s)
+            plan = plan_mesh(pick.layout.mesh, reports,
                              allow_cross_node_inner=config.allow_cross_node_inner)
             install_mesh_data_config(worker_group, plan.spec)
-        table = layout_table(plan, interfaces) + "\n" + node_lines(plan, choices)
+        layout = replace(pick.layout if pick else config.layout, mesh=plan.spec)
+        table = layout_table(plan, interfaces, layout) + "\n" + node_lines(plan, choices)
         refs = [worker_group.execute_single_async(w.rank, setup_on_worker, setup)
                 for w, setup in zip(plan.workers, _setups(
                     plan, choices, config, fixed, table, pick,
@@ -326,7 +344,7 @@ class _MeshBackend(Backend):
         labels = [f"rank {w.rank} ({w.node_ip}, {interfaces[w.rank]})" for w in plan.workers]
         niced = wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
         _warn_niceness(plan, niced, config.worker_niceness)
-        save_layout(worker_group, plan, interfaces)
+        save_layout(worker_group, plan, interfaces, layout)
 
     def on_shutdown(self, worker_group, backend_config: MeshConfig) -> None:
         # Also runs after a half-finished on_start: shutdown_mesh tolerates "nothing built".

@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import ray.train
 
+from ray_mesh.core.layout import Layout
 from ray_mesh.core.topology import MeshPlan
 from ray_mesh.observability.layout import LAYOUT_JSON, LAYOUT_MD, layout_document, to_markdown
 from ray_mesh.raytrain.preflight import AsyncWorkerGroup
@@ -41,10 +42,10 @@ def _write_on_worker(doc: dict[str, Any]) -> str:
 
 
 def save_layout(worker_group: AsyncWorkerGroup, plan: MeshPlan,
-                interfaces: dict[int, str]) -> str | None:
+                interfaces: dict[int, str], layout: Layout | None = None) -> str | None:
     """From the backend (controller): have rank 0 save the layout. Never raises."""
     try:
-        doc = layout_document(plan, interfaces)
+        doc = layout_document(plan, interfaces, layout=layout)
         # Bounded: slow storage must not hold up the start of training for long.
         ref = worker_group.execute_single_async(0, _write_on_worker, doc)
         run_dir = ray.get(ref, timeout=SAVE_TIMEOUT_S)

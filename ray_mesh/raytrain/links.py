@@ -28,11 +28,9 @@ from typing import NamedTuple
 import ray
 
 from ray_mesh.core.files import write_atomic
-from ray_mesh.core.spec import MeshSpec
+from ray_mesh.core.layout import DiLoCoConfig, Layout
 from ray_mesh.network.interfaces import Choice
 from ray_mesh.network.links import LinkMatrix, measure_links
-from ray_mesh.parallel.diloco import DiLoCoConfig
-from ray_mesh.parallel.picked import PickedPlan
 from ray_mesh.planning.cost import Links, Prediction, explain_pick, format_ranked
 from ray_mesh.planning.inputs import PlanInputs
 
@@ -103,11 +101,10 @@ def measure_worker_group(worker_group, leaders: Sequence[int], choices: Sequence
 
 
 class Pick(NamedTuple):
-    """``mesh="auto"``'s choice: the mesh, what the workers are told, the replicate mode."""
+    """``mesh="auto"``'s choice: the layout every worker's mesh is built for, and why."""
 
-    spec: MeshSpec
-    plan: PickedPlan
-    replicate: DiLoCoConfig | None
+    layout: Layout
+    why: str
 
 
 def rank_for_cluster(inputs: PlanInputs, nodes: int, per_node: int,
@@ -117,10 +114,10 @@ def rank_for_cluster(inputs: PlanInputs, nodes: int, per_node: int,
     the node link rate it was predicted for are logged).
 
     ``replicate``: the job's own DiLoCo settings (its ``replicate:`` section), which make
-    DiLoCo the only replicate mode allowed and set its every/compress for the prediction.
+    DiLoCo the only replicate mode allowed, with those settings.
     """
     if replicate is not None:
-        inputs = replace(inputs, diloco=(replicate.every, replicate.compress), sync=False)
+        inputs = replace(inputs, diloco=replicate, sync=False)
     mbit = inputs.link_mbit or (matrix.cross_node_mbit() if matrix else None)
     if mbit is None or mbit == float("inf"):
         mbit = 1e5  # one node: nothing crosses, the rate does not matter
@@ -132,17 +129,11 @@ def rank_for_cluster(inputs: PlanInputs, nodes: int, per_node: int,
     return ranked
 
 
-def pick_from(best: Prediction, why: str, replicate: DiLoCoConfig | None = None) -> Pick:
-    """The :class:`Pick` of layout ``best`` (``why``: the reason, logged and shown to the
-    train function)."""
-    lay = best.layout
+def pick_from(best: Prediction, why: str) -> Pick:
+    """The :class:`Pick` of layout ``best`` (``why``: the reason, logged and kept on every
+    worker's mesh state for the train function)."""
     print(f"ray_mesh: mesh=auto {why}", flush=True)
-    if lay.diloco and replicate is None:
-        replicate = DiLoCoConfig(every=lay.diloco[0], compress=lay.diloco[1])
-    picked = PickedPlan(lay.label, dict(lay.mesh),
-                        "bf16_grads" if lay.reduce == "bf16" else "fp32",
-                        "diloco" if lay.diloco else "sync", why)
-    return Pick(MeshSpec.from_dict(lay.mesh), picked, replicate if lay.diloco else None)
+    return Pick(best.layout, why)
 
 
 def pick_mesh(inputs: PlanInputs, nodes: int, per_node: int, matrix: LinkMatrix | None,
@@ -151,7 +142,7 @@ def pick_mesh(inputs: PlanInputs, nodes: int, per_node: int, matrix: LinkMatrix 
     (``mesh="auto"`` without ``plan.step``; with it, :mod:`ray_mesh.raytrain.trials`)."""
     ranked = rank_for_cluster(inputs, nodes, per_node, matrix, backend, replicate)
     why = "; ".join([explain_pick(ranked), *_variant_lines(ranked)])
-    return pick_from(ranked[0], why, replicate)
+    return pick_from(ranked[0], why)
 
 
 def _variant_lines(ranked: list[Prediction]) -> list[str]:
@@ -159,11 +150,11 @@ def _variant_lines(ranked: list[Prediction]) -> list[str]:
     best = ranked[0].layout
     same = [p for p in ranked[1:] if p.layout.mesh == best.mesh]
     lines = []
-    mode = "diloco" if best.diloco else "sync"
     for what, differs in ((f"gradient reduction {best.reduce}", lambda x: x.reduce != best.reduce),
-                          (f"replicate {mode}", lambda x: bool(x.diloco) != bool(best.diloco))):
+                          (f"replicate {best.replicate}",
+                           lambda x: x.replicate != best.replicate)):
         other = next((p for p in same if differs(p.layout)), None)
         if other is not None:
-            lines.append(f"{what}: {ranked[0].step_s:.3g} s/step vs {other.layout.label} "
+            lines.append(f"{what}: {ranked[0].step_s:.3g} s/step vs {other.layout} "
                          f"{other.step_s:.3g} s/step")
     return lines

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ray_mesh.parallel.diloco import DiLoCoConfig
 from ray_mesh.planning.cost import Prediction
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.planning.trial import Trial, best_trial, format_trials
@@ -22,11 +21,9 @@ from ray_mesh.raytrain.worker_setup import WorkerSetup, trial_on_worker
 
 
 def trial_pick(worker_group, setups: Sequence[WorkerSetup], ranked: list[Prediction],
-               plan: PlanInputs, bringup_timeout_s: float,
-               replicate: DiLoCoConfig | None = None) -> tuple[Pick, list[Trial]]:
+               plan: PlanInputs, bringup_timeout_s: float) -> tuple[Pick, list[Trial]]:
     """Time every ranked layout on the workers; the :class:`Pick` of the measured fastest."""
-    layouts = [{"name": p.layout.name, "mesh": dict(p.layout.mesh), "reduce": p.layout.reduce}
-               for p in ranked]
+    layouts = [p.layout for p in ranked]
     print(f"ray_mesh: mesh=auto timing the job's step (plan.step) on {len(layouts)} "
           f"candidate layout(s), at most ~{plan.trial_budget_s:.0f} s", flush=True)
     refs = [worker_group.execute_single_async(i, trial_on_worker, w, layouts, plan.step,
@@ -41,25 +38,25 @@ def trial_pick(worker_group, setups: Sequence[WorkerSetup], ranked: list[Predict
                            "mesh=auto's trial steps", [f"rank {w.rank}" for w in setups], fix)
     trials = [Trial.from_json(t) for t in results[0]]
     best = best_trial(trials)
-    predicted = {p.layout.label: p.step_s for p in ranked}
+    predicted = {str(p.layout): p.step_s for p in ranked}
     table = format_trials(trials, predicted)
     if best is None:
         raise BringUpError(f"mesh=auto: no candidate layout ran a timed step within "
                            f"plan.trial_budget_s={plan.trial_budget_s:g} s:\n{table}\nRaise the "
                            "budget, or leave plan.step out to pick by prediction alone.")
-    chosen = next(p for p in ranked if p.layout.label == best.label)
-    runner_up = best_trial([t for t in trials if t.label != best.label])
-    why = (f"picked {best.label} {dict(chosen.layout.mesh)}: measured fastest, "
+    chosen = next(p for p in ranked if str(p.layout) == best.layout)
+    runner_up = best_trial([t for t in trials if t.layout != best.layout])
+    why = (f"picked {best.layout}: measured fastest, "
            f"{best.median_s:.3g} s/step (median of {len(best.step_s)} trial steps)")
     if runner_up is not None:
-        why += f" vs {runner_up.label} {runner_up.median_s:.3g} s/step"
+        why += f" vs {runner_up.layout} {runner_up.median_s:.3g} s/step"
     if chosen is not ranked[0]:
-        why += (f"; the cost model's first choice was {ranked[0].layout.label} "
+        why += (f"; the cost model's first choice was {ranked[0].layout} "
                 f"(predicted {ranked[0].step_s:.3g} s/step)")
     # The controller's stdout reaches the driver's console; its log file does not.
     print(f"ray_mesh: mesh=auto trials (predicted: the cost model; measured: the slowest "
           f"rank's step):\n{table}", flush=True)
-    return pick_from(chosen, why, replicate), trials
+    return pick_from(chosen, why), trials
 
 
 __all__ = ["trial_pick"]

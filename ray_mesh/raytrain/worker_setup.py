@@ -3,8 +3,8 @@
 ``MeshConfig``'s backend (``ray_mesh.raytrain.backend``) plans the mesh on the controller and
 sends each worker one :class:`WorkerSetup`; :func:`setup_on_worker` applies it inside the
 worker actor: niceness first (the process group's threads inherit it), the environment,
-the replicate mode and ``mesh="auto"``'s pick, the process group and mesh (the Ray-free
-core), then the hang watch and the wait sampler.
+the process group and the mesh, built for the run's layout (the Ray-free core: the layout
+is held by the mesh and its state, nothing else), then the hang watch and the wait sampler.
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_mesh.core import bootstrap, priority
+from ray_mesh.core.layout import Layout
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.network.interfaces import Choice, apply_env, rank_env_line, user_kept
 from ray_mesh.observability import hang, waits
-from ray_mesh.parallel.picked import PickedPlan, set_picked_plan
-from ray_mesh.parallel.replicate import set_replicate_config
-from ray_mesh.planning.cost import Layout
 from ray_mesh.planning.trial import StepFactory, run_trials
 from ray_mesh.raytrain.driver import quiet_report_lines
 
@@ -49,8 +47,8 @@ class WorkerSetup:
     wait_sample_s: float | None = None
     links: list[dict[str, Any]] | None = None  # the measured matrix; rank 0 exports it
     verbose: bool = False
-    replicate: Any = None  # a DiLoCoConfig, or None (sync)
-    picked: PickedPlan | None = None  # mesh="auto"'s pick (precision, replicate mode)
+    layout: Layout = Layout()  # the run's layout (reduce dtype, pipeline, replicate mode)
+    picked: str = ""  # why mesh="auto" picked the layout ("" for a fixed mesh)
 
 
 def _prepare(w: WorkerSetup) -> tuple[priority.NicenessResult | None, dict[str, str]]:
@@ -66,15 +64,14 @@ def _prepare(w: WorkerSetup) -> tuple[priority.NicenessResult | None, dict[str, 
     return niced, applied
 
 
-def trial_on_worker(w: WorkerSetup, layouts: list[dict[str, Any]], step: StepFactory,
+def trial_on_worker(w: WorkerSetup, layouts: list[Layout], step: StepFactory,
                     config: dict, steps: int, budget_s: float) -> list[dict[str, Any]]:
     """``mesh="auto"`` with ``plan.step``: join the world process group (kept for the mesh
     built next) and time the job's step on each candidate (``ray_mesh.planning.trial``)."""
     _prepare(w)
     dev, _ = bootstrap.join_world(w.backend, w.local_rank, w.device, w.rank, w.world_size,
                                   w.timeout_s)
-    cands = [Layout(x["name"], x["mesh"], x["reduce"]) for x in layouts]
-    trials = run_trials(cands, step, config, steps=steps, budget_s=budget_s,
+    trials = run_trials(layouts, step, config, steps=steps, budget_s=budget_s,
                         device_type=dev.type, log=_log_line if w.rank == 0 else None)
     return [t.to_json() for t in trials]
 
@@ -93,11 +90,10 @@ def setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
     logger.log(logging.INFO if w.verbose else logging.DEBUG, "%s", line)
     if not w.verbose:
         quiet_report_lines()  # Ray Train's INFO line per report (not under its log level)
-    set_replicate_config(w.replicate)
-    set_picked_plan(w.picked)
     bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
-                           timeout_s=w.timeout_s, env=in_force)
+                           timeout_s=w.timeout_s, env=in_force, layout=w.layout,
+                           picked=w.picked)
     if w.hang_timeout_s:
         hang.try_start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
     if w.wait_sample_s:

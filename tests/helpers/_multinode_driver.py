@@ -149,7 +149,7 @@ def cli(unreachable: str) -> None:
     out["plan"] = _cli(["plan", "--address", address, "--resource", "slot"])
     out["plan_uneq"] = _cli(["plan", "--address", address, "--resource", "uneq"])
     out["plan_tp"] = _cli(["plan", "--address", address, "--resource", "slot",
-                           "--strategy", "tp-pp"])
+                           "--layout", "tp_pp"])
     out["doctor"] = _cli(["doctor", "--address", address])
     out["doctor_decoy"] = _cli(["doctor", "--address", address, "--interface", "eth0"])
     out["doctor_missing"] = _cli(["doctor", "--address", address, "--interface", "wlan0"])

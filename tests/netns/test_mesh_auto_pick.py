@@ -24,7 +24,7 @@ DRIVER = textwrap.dedent("""\
     def train_fn(config):
         import torch
         import torch.distributed as dist
-        from ray_mesh.parallel import (parallelize, picked_plan, replicate_config,
+        from ray_mesh.parallel import (layout_of, parallelize, replicate_config,
                                        replicate_dp_mode, wrap_replicate)
         mesh = ray_mesh.get_mesh()
         torch.manual_seed(0)
@@ -40,14 +40,14 @@ DRIVER = textwrap.dedent("""\
             if dl:
                 dl.step()
         if dist.get_rank() == 0:
-            cfg, picked = replicate_config(), picked_plan()
+            cfg, picked = replicate_config(), layout_of(mesh)
             with open(config["out"], "w") as f:
                 json.dump({"mesh": dict(zip(mesh.mesh_dim_names, mesh.mesh.shape)),
                            "mode": "diloco" if cfg else "sync",
                            "every": cfg.every if cfg else None,
                            "dp_mode": replicate_dp_mode(),
                            "outer_steps": dl.outer_steps if dl else 0,
-                           "picked": picked.layout, "precision": picked.precision}, f)
+                           "picked": str(picked), "precision": picked.reduce}, f)
         ray.train.report({"done": 1})
 
     ray.init()
@@ -81,5 +81,6 @@ def test_mesh_auto_runs_diloco_when_allowed_on_a_slow_link(tmp_path):
     assert seen["mesh"]["dp_replicate"] == 2 and seen["mesh"]["dp_shard"] == 2, seen
     assert seen["mode"] == "diloco" and seen["every"] == 2 and seen["dp_mode"] == "replica", seen
     assert seen["outer_steps"] == 2, seen  # 4 inner steps, a sync every 2
-    assert seen["picked"] == "hsdp+diloco2/none" and seen["precision"] == "fp32", seen
+    assert seen["picked"] == "dp_replicate=2,dp_shard=2/fp32/diloco:every=2", seen
+    assert seen["precision"] == "fp32", seen
     assert "replicate diloco:" in log, log[-4000:]  # why, against the sync twin

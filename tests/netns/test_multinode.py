@@ -151,7 +151,7 @@ def test_plan_doctor_and_unreachable_address(cluster):
 
     tp = out["plan_tp"]
     assert tp["rc"] == 0, tp
-    assert "pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=2" in tp["out"]
+    assert "layout: pp=2,tp=2/fp32/sync" in tp["out"]
 
     doc = out["doctor"]
     assert doc["rc"] == 0, doc

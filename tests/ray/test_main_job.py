@@ -49,7 +49,7 @@ def test_ray_mesh_run_hsdp_example(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     lines = _lines(out)
     # The layout table and the interface line, once each.
-    assert sum("ray_mesh: MeshSpec(pp=1, dp_replicate=2, dp_shard=2, cp=1, tp=1)" in x
+    assert sum("ray_mesh: layout dp_replicate=2,dp_shard=2/fp32/sync  on" in x
                for x in lines) == 1, out[-4000:]
     assert sum(re.search(r"ray_mesh: node 0 \(.*\): ranks 0-3 use interface", x) is not None
                for x in lines) == 1, out[-4000:]

@@ -20,10 +20,9 @@ def make_step(mesh, config: dict):
     import torch
     from torch import nn
 
-    from ray_mesh.parallel import parallelize
-    from ray_mesh.parallel.picked import picked_precision
+    from ray_mesh.parallel import layout_of, parallelize
 
-    slow = mesh["dp_replicate"].size() > 1 or picked_precision() == "bf16_grads"
+    slow = mesh["dp_replicate"].size() > 1 or layout_of(mesh).reduce == "bf16"
     torch.manual_seed(0)
     model = parallelize(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1)), mesh)
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -42,14 +41,14 @@ def train_fn(config: dict) -> None:
     import torch.distributed as dist
 
     import ray_mesh
-    from ray_mesh.parallel.picked import picked_plan
+    from ray_mesh.parallel import layout_of, pick_reason
 
     mesh = ray_mesh.get_mesh()
     if dist.get_rank() == 0:
-        picked = picked_plan()
         with open(config["out"], "w") as f:
             json.dump({"mesh": dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True)),
-                       "precision": picked.precision, "why": picked.why,
+                       "precision": layout_of(mesh).precision or "fp32",
+                       "layout": str(layout_of()), "why": pick_reason(),
                        "world": dist.get_world_size()}, f)
     ray.train.report({"done": 1})
 
@@ -67,7 +66,7 @@ def test_mesh_auto_times_the_step_and_builds_the_measured_fastest(ray_local, tmp
                       step=make_step, step_config={"extra_s": 0.5}, trial_steps=2,
                       trial_budget_s=60)
     # the model's first choice on one node of 4: DDP, which this step makes slow
-    assert plan.rank(Links(1, 4, 1e5))[0].layout.label == "ddp"
+    assert str(plan.rank(Links(1, 4, 1e5))[0].layout) == "dp_replicate=4/fp32/sync"
     out = tmp_path / "picked.json"
     t0 = time.monotonic()
     TorchTrainer(train_fn, train_loop_config={"out": str(out)},
@@ -79,8 +78,9 @@ def test_mesh_auto_times_the_step_and_builds_the_measured_fastest(ray_local, tmp
     assert got["world"] == 4, got
     assert got["mesh"]["dp_shard"] == 4 and got["mesh"]["dp_replicate"] == 1, got
     assert got["precision"] == "fp32", got
+    assert got["layout"] == "dp_shard=4/fp32/sync", got  # the mesh's layout is the pick
     assert "measured fastest" in got["why"] and "median of 2 trial steps" in got["why"], got
-    assert "the cost model's first choice was ddp" in got["why"], got
+    assert "the cost model's first choice was dp_replicate=4/fp32/sync" in got["why"], got
 
 
 def failing_step(mesh, config: dict):
@@ -128,7 +128,7 @@ def test_a_failing_trial_step_reaches_the_driver_with_layout_rank_and_fix(ray_lo
     left waiting in a collective; the controller does not wait for it), naming the layout,
     the rank, the error and the fix."""
     text, took = _fit_auto(tmp_path, "trial_raises", {"how": "raise"}, 60, 120)
-    assert "failed on layout fsdp" in text and "on rank 1" in text, text
+    assert "failed on layout dp_shard=2/fp32/sync" in text and "on rank 1" in text, text
     assert "ValueError: no kernel for this shard shape" in text, text
     assert "leave the layout's family out of plan.layouts" in text, text
     assert not (tmp_path / "never.json").exists()  # the train function never ran

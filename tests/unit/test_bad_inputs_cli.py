@@ -181,10 +181,11 @@ def test_run_refuses_what_is_not_a_job_file(cli, tmp_path, target, words):
 
 FLAG_CASES = [
     (["plan", "--tp", "0"], ["--tp", "int >= 1"]),
-    (["plan", "--strategy", "tp-pp", "--pp", "-1"], ["--pp", "int >= 1"]),
+    (["plan", "--layout", "tp_pp", "--pp", "-1"], ["--pp", "int >= 1"]),
     (["plan", "--nodes", "0"], ["--nodes"]),
     (["plan", "--link-mbit", "nan"], ["--link-mbit", "finite"]),
-    (["plan", "--strategy", "tpp"], ["--strategy", "tp-pp"]),
+    (["plan", "--layout", "tpp"], ["--layout", "tp_pp"]),
+    (["plan", "--strategy", "tp-pp"], ["--strategy tp-pp is now spelled --layout tp_pp"]),
     (["plan", "--address", "http://10.0.0.1:8265"], ["--address", "10.0.0.1:6379"]),
     (["doctor", "--timeout", "0"], ["--timeout", "seconds > 0"]),
     (["doctor", "--timeout", "-5"], ["--timeout", "seconds > 0"]),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from ray_mesh.cli.job import Job, JobError
+from ray_mesh.core.layout import Layout
 from ray_mesh.parallel.diloco import DiLoCoConfig
 from ray_mesh.parallel.replicate import parse_replicate
 from ray_mesh.planning.cost import (
-    Layout,
     Links,
     ModelStats,
     PlanError,
@@ -69,9 +69,10 @@ def test_meshconfig_carries_replicate():
 
 
 def test_diloco_cross_bytes_are_sync_over_h_times_ratio():
-    sync = predict(Layout("hsdp", HSDP), STATS, LINKS, WORK)
+    sync = predict(Layout.of(HSDP), STATS, LINKS, WORK)
     for compress, ratio in (("none", 1.0), ("bf16", 0.5), ("int8", 0.25 * (1 + 4 / 1024))):
-        dl = predict(Layout("hsdp", HSDP, diloco=(50, compress)), STATS, LINKS, WORK)
+        dl = predict(Layout.of(HSDP, diloco=DiLoCoConfig(every=50, compress=compress)), STATS,
+                     LINKS, WORK)
         assert dl.cross_node_bytes_per_step == pytest.approx(
             sync.cross_node_bytes_per_step / 50 * ratio), compress
         assert dl.cross_s < sync.cross_s / 50 * 1.01
@@ -82,21 +83,21 @@ def test_diloco_cross_bytes_are_sync_over_h_times_ratio():
 
 
 def test_diloco_layouts_listed_and_win_on_a_slow_link():
-    lays = candidates(STATS, LINKS, ("hsdp", "tp_hsdp", "fsdp"), bf16=False,
-                      diloco=(50, "int8"))
-    labels = [lay.label for lay in lays]
-    assert "hsdp+diloco50/int8" in labels and "tp_hsdp+diloco50/int8" in labels
-    assert not any(lab.startswith("fsdp+diloco") for lab in labels)  # no replicate dim
+    int8 = DiLoCoConfig(every=50, compress="int8")
+    lays = candidates(STATS, LINKS, ("hsdp", "tp_hsdp", "fsdp"), bf16=False, diloco=int8)
+    labels = [str(lay) for lay in lays]
+    assert "dp_replicate=2,dp_shard=2/fp32/diloco:every=50,compress=int8" in labels
+    assert "dp_replicate=2,tp=2/fp32/diloco:every=50,compress=int8" in labels
+    assert not any(lay.diloco for lay in lays if lay.family == "fsdp")  # no replicate dim
     ranked = rank_layouts(STATS, LINKS, WORK, families=("hsdp", "fsdp"), bf16=False,
-                          diloco=(50, "int8"))
-    assert ranked[0].layout.diloco == (50, "int8")
-    assert ranked[0].to_json()["replicate"] == {"mode": "diloco", "every": 50,
-                                                "compress": "int8"}
+                          diloco=int8)
+    assert ranked[0].layout.diloco == int8
+    assert ranked[0].to_json()["replicate"] == {"mode": "diloco", **vars(int8)}
     # without plan.replicate nothing changes
     assert all(p.layout.diloco is None for p in rank_layouts(STATS, LINKS, WORK))
     # one node: no replicate dim, no DiLoCo layout
     one = Links(nodes=1, per_node=4, cross_mbit=20.0)
-    assert not any(lay.diloco for lay in candidates(STATS, one, diloco=(50, "none")))
+    assert not any(lay.diloco for lay in candidates(STATS, one, diloco=DiLoCoConfig()))
 
 
 def test_plan_replicate_section():
@@ -104,7 +105,7 @@ def test_plan_replicate_section():
             "compute_s": 1.0}
     inputs = PlanInputs.from_dict({**base, "replicate": {"every": 20, "compress": "bf16"}},
                                   load_factory=lambda ref: None)
-    assert inputs.diloco == (20, "bf16")
+    assert inputs.diloco == DiLoCoConfig(every=20, compress="bf16")
     assert PlanInputs.from_dict(base, load_factory=lambda ref: None).diloco is None
     for bad, match in (({"every": 0}, "every"), ({"compress": "zip"}, "compress"),
                        ({"evry": 3}, "plan.replicate"), ({"mode": "sync"}, "only diloco")):

@@ -13,6 +13,7 @@ import socket
 import pytest
 from ports import free_port
 
+from ray_mesh.core.layout import LayoutError, family_mesh
 from ray_mesh.core.topology import TopologyError, WorkerReport
 from ray_mesh.network import interfaces as network
 from ray_mesh.network.interfaces import (
@@ -28,7 +29,7 @@ from ray_mesh.network.interfaces import (
 )
 from ray_mesh.network.probe import Target, probe_peers
 from ray_mesh.network.report import NodeTarget, version_problems
-from ray_mesh.planning.cluster import NodeInfo, nodes_from_ray, plan_cluster, strategy_spec
+from ray_mesh.planning.cluster import NodeInfo, nodes_from_ray, plan_cluster
 from ray_mesh.raytrain.preflight import Outcome, run_preflight
 
 TABLE = {
@@ -151,19 +152,24 @@ def test_plan_heterogeneous_uses_the_set_with_most_workers_and_says_why():
     # 4+4+8 (using 4 of the 8) beats 8 alone on a single accelerator type; on a tie the
     # fuller nodes win (8 on one node beats 4+4 across two).
     mixed = [_node("100.64.0.1", 4, head=True), _node("100.64.0.2", 4), _node("100.64.0.3", 8)]
-    plan3 = plan_cluster(mixed, "tp-dp")
+    plan3 = plan_cluster(mixed, "tp_hsdp")
     assert plan3.num_workers == 12 and plan3.mesh.spec.tp == 4
     assert any("uses 4 of them" in n for n in plan3.notes)
     tie = plan_cluster([_node("100.64.0.1", 4, head=True), _node("100.64.0.3", 8)], "hsdp")
     assert [n.ip for n in tie.used] == ["100.64.0.3"] and tie.per_node == 8
 
 
-def test_strategies_and_what_cannot_fit():
-    assert strategy_spec("tp-pp", 2, 4).resolve(8, 2).shape == (2, 1, 1, 1, 4)
-    assert strategy_spec("pp-hsdp-tp", 4, 4).resolve(16, 4).shape == (2, 2, 2, 1, 2)
-    assert strategy_spec("tp-dp", 3, 2).resolve(6, 3).shape == (1, 3, 1, 1, 2)
-    with pytest.raises(TopologyError, match="No pp-hsdp-tp mesh fits"):
-        plan_cluster([_node("100.64.0.1", 3), _node("100.64.0.2", 3)], "pp-hsdp-tp", tp=2)
+def test_families_and_what_cannot_fit():
+    assert family_mesh("tp_pp", 2, 4).shape == (2, 1, 1, 1, 4)
+    assert family_mesh("pp_tp_hsdp", 4, 4).shape == (2, 2, 2, 1, 2)
+    assert family_mesh("tp_hsdp", 3, 2).shape == (1, 3, 1, 1, 2)
+    assert family_mesh("hsdp", 2, 4, tp=2).shape == (1, 2, 2, 1, 2)  # hsdp with tp inside
+    assert str(plan_cluster([_node("100.64.0.1", 4), _node("100.64.0.2", 4)], "tp_pp")
+               .layout) == "pp=2,tp=4/fp32/sync"
+    with pytest.raises(TopologyError, match="No pp_tp_hsdp layout fits"):
+        plan_cluster([_node("100.64.0.1", 3), _node("100.64.0.2", 3)], "pp_tp_hsdp", tp=2)
+    with pytest.raises(LayoutError, match="'tp-pp' is now spelled 'tp_pp'"):
+        plan_cluster([_node("100.64.0.1", 4)], "tp-pp")
     with pytest.raises(TopologyError, match="No live node has 'GPU'"):
         plan_cluster([_node("100.64.0.1", 0, slot=2)], "hsdp")
     assert plan_cluster([_node("100.64.0.1", 0, slot=2)], "hsdp", resource="slot").per_node == 2

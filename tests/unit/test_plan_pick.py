@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from ray_mesh.core.layout import parse_layout
 from ray_mesh.parallel.diloco import DiLoCoConfig
-from ray_mesh.parallel.picked import PickedPlan, picked_precision, set_picked_plan
 from ray_mesh.planning.cost import Links, ModelStats, PlanError, Workload
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.raytrain.links import pick_mesh
@@ -29,35 +29,39 @@ def pick(plan: PlanInputs, mbit: float, replicate: DiLoCoConfig | None = None):
 
 def test_diloco_allowed_on_a_slow_link_is_picked_and_handed_to_the_workers():
     chosen = pick(inputs(replicate=["sync", "diloco"]), 20)
-    assert chosen.plan.replicate == "diloco" and "diloco" in chosen.plan.layout
-    assert isinstance(chosen.replicate, DiLoCoConfig) and chosen.replicate.every == 50
-    assert chosen.spec.dp_replicate == 2
-    assert "replicate diloco" in chosen.plan.why  # logged against the sync twin
+    lay = chosen.layout
+    assert lay.replicate == "diloco" and "/diloco:every=50" in str(lay)
+    assert isinstance(lay.diloco, DiLoCoConfig) and lay.diloco.every == 50
+    assert lay.mesh.dp_replicate == 2
+    assert "replicate diloco" in chosen.why  # logged against the sync twin
+    assert parse_layout(str(lay)) == lay  # what the workers are told reads back the same
     # the mapping form carries the settings into the prediction and the workers
     chosen = pick(inputs(replicate={"every": 20, "compress": "int8"}), 20)
-    assert (chosen.replicate.every, chosen.replicate.compress) == (20, "int8")
+    assert (chosen.layout.diloco.every, chosen.layout.diloco.compress) == (20, "int8")
 
 
 def test_bf16_allowed_on_a_slow_link_is_picked():
     for extra in ({"precisions": ["fp32", "bf16_grads"]}, {"bf16_grads": True}):
         chosen = pick(inputs(**extra), 20)
-        assert chosen.plan.precision == "bf16_grads" and chosen.plan.layout.endswith("+bf16")
-        assert chosen.replicate is None and chosen.plan.replicate == "sync"
-        assert "gradient reduction bf16" in chosen.plan.why
+        assert chosen.layout.reduce == "bf16" and "/bf16/" in str(chosen.layout)
+        assert chosen.layout.precision == "bf16_grads"
+        assert chosen.layout.diloco is None and chosen.layout.replicate == "sync"
+        assert "gradient reduction bf16" in chosen.why
 
 
 def test_nothing_not_allowed_is_ever_picked():
     for mbit in (1, 20, 100, 10_000):
-        chosen = pick(inputs(), mbit)
-        assert (chosen.plan.precision, chosen.plan.replicate, chosen.replicate) == (
-            "fp32", "sync", None)
-        assert chosen.plan.layout in ("hsdp", "fsdp", "ddp")
+        lay = pick(inputs(), mbit).layout
+        assert (lay.reduce, lay.replicate, lay.diloco) == ("fp32", "sync", None)
+        assert lay.family in ("hsdp", "fsdp", "ddp")
     # bf16 only: fsdp/hsdp always in bf16 (ddp has no bf16 variant and may stay)
     ranked = inputs(precisions=["bf16_grads"]).rank(Links(2, 2, 20.0))
-    assert all(p.layout.reduce == "bf16" or p.layout.name == "ddp" for p in ranked)
-    # diloco only (the job's own replicate: section under mesh auto): only DiLoCo layouts
-    chosen = pick(inputs(), 10_000, DiLoCoConfig(every=10))
-    assert chosen.plan.replicate == "diloco" and chosen.replicate.every == 10
+    assert all(p.layout.reduce == "bf16" or p.layout.family == "ddp" for p in ranked)
+    # diloco only (the job's own replicate: section under mesh auto): only DiLoCo layouts,
+    # with the job's own settings
+    chosen = pick(inputs(), 10_000, DiLoCoConfig(every=10, outer_lr=0.5))
+    assert chosen.layout.replicate == "diloco"
+    assert chosen.layout.diloco == DiLoCoConfig(every=10, outer_lr=0.5)
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -70,15 +74,3 @@ def test_nothing_not_allowed_is_ever_picked():
 def test_bad_allowed_lists_name_the_key(extra, match):
     with pytest.raises(PlanError, match=match):
         inputs(**extra)
-
-
-def test_apply_fsdp_default_precision_follows_the_pick():
-    try:
-        set_picked_plan(PickedPlan("hsdp+bf16", {"dp_replicate": 2, "dp_shard": 2},
-                                   "bf16_grads"))
-        assert picked_precision() == "bf16_grads"
-        set_picked_plan(PickedPlan("hsdp", {"dp_replicate": 2, "dp_shard": 2}))
-        assert picked_precision() is None
-    finally:
-        set_picked_plan(None)
-    assert picked_precision() is None

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ray_mesh.core.layout import Layout, parse_layout
 from ray_mesh.planning.cost import (
-    Layout,
     Links,
     ModelStats,
     PlanError,
@@ -31,39 +31,49 @@ def links(mbit: float, nodes: int = 2, per_node: int = 2, backend: str = "gloo")
     return Links(nodes, per_node, mbit, intra_mbit=20_000, backend=backend)
 
 
+# The planner's proposals on 2 nodes x 2 workers, in the one layout spelling.
+HSDP = "dp_replicate=2,dp_shard=2/fp32/sync"
+HSDP_BF16 = "dp_replicate=2,dp_shard=2/bf16/sync"
+FSDP = "dp_shard=4/fp32/sync"
+PP = "pp=2,dp_shard=2/fp32/sync"
+
+
 def by_label(ranked):
-    return {p.layout.label: p for p in ranked}
+    """Predictions by their layout's canonical string (which parses back to the layout)."""
+    out = {str(p.layout): p for p in ranked}
+    assert all(parse_layout(k) == p.layout for k, p in out.items())
+    return out
 
 
 def test_hsdp_crosses_at_the_all_reduce_minimum_and_flat_fsdp_three_times_it_on_gloo():
     preds = by_label(rank_layouts(STATS, links(100), WORK))
     minimum = 2 * (2 - 1) * STATS.params * 4  # all node links together, 2 nodes
-    assert preds["hsdp"].cross_node_bytes_per_step == pytest.approx(minimum)
+    assert preds[HSDP].cross_node_bytes_per_step == pytest.approx(minimum)
     # Measured on the virtual cluster (gloo): flat FSDP moved 3.0x HSDP's bytes.
-    ratio = preds["fsdp"].cross_node_bytes_per_step / preds["hsdp"].cross_node_bytes_per_step
+    ratio = preds[FSDP].cross_node_bytes_per_step / preds[HSDP].cross_node_bytes_per_step
     assert ratio == pytest.approx(3.0)
     # NCCL's reduce-scatter moves half of gloo's (no all-reduce underneath).
     nccl = by_label(rank_layouts(STATS, links(100, backend="nccl"), WORK))
-    assert nccl["fsdp"].cross_node_bytes_per_step / minimum == pytest.approx(2.25)
+    assert nccl[FSDP].cross_node_bytes_per_step / minimum == pytest.approx(2.25)
 
 
 def test_bf16_reduce_halves_the_replicate_bytes():
     preds = by_label(rank_layouts(STATS, links(100), WORK))
-    assert preds["hsdp+bf16"].cross_node_bytes_per_step == pytest.approx(
-        preds["hsdp"].cross_node_bytes_per_step / 2)
+    assert preds[HSDP_BF16].cross_node_bytes_per_step == pytest.approx(
+        preds[HSDP].cross_node_bytes_per_step / 2)
 
 
 @pytest.mark.parametrize("mbit", [1000, 100, 20])
 def test_hsdp_beats_flat_fsdp_and_slower_links_cost_more(mbit):
     preds = by_label(rank_layouts(STATS, links(mbit), WORK))
-    assert preds["hsdp"].step_s < preds["fsdp"].step_s
+    assert preds[HSDP].step_s < preds[FSDP].step_s
     slower = by_label(rank_layouts(STATS, links(mbit / 10), WORK))
-    assert slower["hsdp"].step_s > preds["hsdp"].step_s
+    assert slower[HSDP].step_s > preds[HSDP].step_s
 
 
 def test_pipeline_sends_activations_only_and_pays_its_bubble():
     preds = by_label(rank_layouts(STATS, links(20), WORK))
-    pp = preds["pp"]
+    pp = preds[PP]
     assert pp.cross_node_bytes_per_step == pytest.approx(2 * WORK.tokens * STATS.hidden * 4)
     assert pp.compute_s == pytest.approx(WORK.compute_s / 4 * (4 + 1) / 4)
 
@@ -75,7 +85,7 @@ def test_one_node_has_no_cross_node_traffic():
 
 def test_candidates_respect_heads_and_layers():
     odd = ModelStats(params=1000, layers=1, hidden=30, heads=3)
-    names = {c.name for c in candidates(odd, links(100))}
+    names = {c.family for c in candidates(odd, links(100))}
     assert "pp" not in names and not any(n.startswith("tp") for n in names)
     assert {"ddp", "fsdp", "hsdp"} <= names
 
@@ -95,7 +105,7 @@ def test_bad_links_are_refused(kw):
 
 def test_layout_world_size_must_match():
     with pytest.raises(PlanError, match="ranks"):
-        predict(Layout("x", {"dp_shard": 3}), STATS, links(100), WORK)
+        predict(Layout.of({"dp_shard": 3}), STATS, links(100), WORK)
 
 
 def _load(_ref):
@@ -146,10 +156,13 @@ def test_plan_cli_ranks_the_example_job_and_gives_json():
     steps = [lay["predicted_step_s"] for lay in out["layouts"]]
     assert steps == sorted(steps) and out["pick"] == out["layouts"][0]
     names = [lay["layout"] for lay in out["layouts"]]
-    assert names.index("hsdp") < names.index("fsdp")
+    assert names.index(HSDP) < names.index(FSDP)
     for lay in out["layouts"]:
-        assert {"mesh", "predicted_step_s", "cross_node_bytes_per_step",
-                "memory_bytes_per_rank"} <= set(lay)
+        assert {"mesh", "family", "reduce", "replicate", "predicted_step_s",
+                "cross_node_bytes_per_step", "memory_bytes_per_rank"} <= set(lay)
+        # the JSON's string and its mapping are the same layout, through the one parser
+        mapping = {k: lay[k] for k in ("mesh", "reduce", "pipeline", "replicate")}
+        assert parse_layout(lay["layout"]) == parse_layout(mapping)
 
 
 def test_plan_cli_without_a_link_rate_says_how_to_get_one():

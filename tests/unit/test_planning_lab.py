@@ -21,7 +21,8 @@ from benchmarks.planning_lab.calibrate import (
     predict_calibrated,
     unit_key,
 )
-from ray_mesh.planning.cost import Layout, Links, ModelStats, PlanError, Workload, predict
+from ray_mesh.core.layout import Layout
+from ray_mesh.planning.cost import Links, ModelStats, PlanError, Workload, predict
 
 STATS = ModelStats(params=10_000_000, layers=4, hidden=256, heads=4)
 WORK = Workload(tokens=4096, compute_s=4.0)
@@ -33,7 +34,7 @@ CAL = Calibration(collective_s=0.001, gloo_Bps=200e6, p2p_s=0.002,
 
 def test_calibrated_prediction_is_local_step_plus_modelled_communication():
     links = Links(2, 2, 100.0)
-    hsdp = Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2})
+    hsdp = Layout.of({"dp_replicate": 2, "dp_shard": 2})
     got = predict_calibrated(hsdp, STATS, links, WORK, CAL)
     base = predict(hsdp, STATS, links, WORK)
     # the shard's all-reduce over 2 replicas: one rank moves its shard (half of 40 MB)
@@ -41,13 +42,13 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
     calls = 1 + STATS.layers + 1
     assert got.step_s == pytest.approx(0.3 + base.cross_s + volume / 200e6 + calls * 0.001)
     assert got.cross_node_bytes_per_step == base.cross_node_bytes_per_step
-    ddp = predict_calibrated(Layout("ddp", {"dp_replicate": 4}), STATS, links, WORK, CAL)
+    ddp = predict_calibrated(Layout.of({"dp_replicate": 4}), STATS, links, WORK, CAL)
     assert ddp.compute_s == pytest.approx(WORK.compute_s / 4)  # arithmetic only
     measured = Calibration(0.001, 200e6, 0.002, {"none/fp32": 0.2, "tp2/fp32/mb2": 0.6,
                                                   "none/fp32/mb2": 0.3, "fsdp/fp32": 0.5})
-    ddp = predict_calibrated(Layout("ddp", {"dp_replicate": 4}), STATS, links, WORK, measured)
+    ddp = predict_calibrated(Layout.of({"dp_replicate": 4}), STATS, links, WORK, measured)
     assert ddp.compute_s == pytest.approx(0.2)
-    tp_pp = predict_calibrated(Layout("tp_pp", {"pp": 2, "tp": 2}), STATS, links, WORK, measured)
+    tp_pp = predict_calibrated(Layout.of({"pp": 2, "tp": 2}), STATS, links, WORK, measured)
     assert tp_pp.compute_s == pytest.approx(0.6 * 5 / 4 + 2 * 4 * 0.002)
     # the link a microbatch's activations cross (wire + gloo's CPU bytes), as a pipeline stage
     boundary = WORK.tokens * STATS.hidden * 4 / 4
@@ -55,7 +56,7 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
     # tp_pp: the node's ranks are one pipeline, so a link waits for its receiver's recv
     assert tp_pp.step_s - tp_pp.compute_s == pytest.approx(
         gpipe_s(0.05, 0.1, link, 4, 2, rendezvous=True) - gpipe_s(0.05, 0.1, 0, 4, 2) + 0.001)
-    pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK,
+    pp = predict_calibrated(Layout.of({"pp": 2, "dp_shard": 2}), STATS, links, WORK,
                             measured)
     # the arithmetic in 2 chunks x bubble + half of FSDP's overhead + the sends
     assert pp.compute_s == pytest.approx(0.3 * 5 / 4 + (0.5 - 0.2) / 2 + 2 * 4 * 0.002)
@@ -63,16 +64,16 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
     # (here 0.9 / (0.3 x 5/4): stages sharing cores fill part of it) and the in-node sends
     in_node = Calibration(0.001, 200e6, 0.002, {**measured.local_s, "pp2/fp32/mb4": 0.45})
     assert pipeline_efficiency(in_node, 2, 4) == pytest.approx(0.45 / (0.3 * 5 / 4))
-    pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK,
+    pp = predict_calibrated(Layout.of({"pp": 2, "dp_shard": 2}), STATS, links, WORK,
                             in_node)
     assert pp.compute_s == pytest.approx(0.45 + (0.5 - 0.2) / 2)
-    tp_pp = predict_calibrated(Layout("tp_pp", {"pp": 2, "tp": 2}), STATS, links, WORK,
+    tp_pp = predict_calibrated(Layout.of({"pp": 2, "tp": 2}), STATS, links, WORK,
                                in_node)
     assert tp_pp.compute_s == pytest.approx(0.6 * 5 / 4 * 0.45 / (0.3 * 5 / 4))
     # tp_hsdp: TP's local shape + FSDP's overhead (its local step less the arithmetic)
     tp_cal = Calibration(0.001, 200e6, 0.002, {"none/fp32": 0.2, "fsdp/fp32": 0.5,
                                                "tp2/fp32": 0.6})
-    tp_hsdp = predict_calibrated(Layout("tp_hsdp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
+    tp_hsdp = predict_calibrated(Layout.of({"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
                                  STATS, links, WORK, tp_cal)
     assert tp_hsdp.compute_s == pytest.approx(0.6 + (0.5 - 0.2))
     # slower links only add wire time
@@ -84,12 +85,12 @@ def test_calibrated_prediction_is_local_step_plus_modelled_communication():
 def test_calibrated_prediction_prices_the_link_as_measure_cross_saw_it():
     links = Links(2, 2, 100.0)
     cal = Calibration(0.001, 200e6, 0.002, CAL.local_s, cross_call_s=0.004, cross_Bps=5e6)
-    hsdp = Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2})
+    hsdp = Layout.of({"dp_replicate": 2, "dp_shard": 2})
     base = predict(hsdp, STATS, links, WORK)
     calls = 1 + STATS.layers + 1  # the loss mean + one replicate all-reduce per block
     assert predict_calibrated(hsdp, STATS, links, WORK, cal).step_s == pytest.approx(
         0.3 + base.cross_node_bytes_per_step / 2 / 5e6 + calls * 0.004)
-    fsdp = Layout("fsdp", {"dp_shard": 4})
+    fsdp = Layout.of({"dp_shard": 4})
     fbase = predict(fsdp, STATS, links, WORK)
     # flat FSDP: every block's 2 all-gathers and reduce-scatter pay the cross call's extra
     extra = 3 * (STATS.layers + 1) * (0.004 - 0.001)
@@ -145,7 +146,7 @@ def test_tp_pp_bubble_from_its_stage_alone_and_busy():
     links = Links(2, 2, 100.0)
     cal = Calibration(0.001, 200e6, 0.002, {"tp2/fp32/mb2": 0.6, "tp2/fp32/mb2@alone": 0.3,
                                             "none/fp32/mb2": 0.3, "pp2/fp32/mb4": 0.45})
-    tp_pp = predict_calibrated(Layout("tp_pp", {"pp": 2, "tp": 2}), STATS, links, WORK, cal)
+    tp_pp = predict_calibrated(Layout.of({"pp": 2, "tp": 2}), STATS, links, WORK, cal)
     # its own alone/busy speeds (0.8), not the non-TP pipeline's efficiency (1.2)
     assert tp_pp.compute_s == pytest.approx(0.6 * 5 / 4 * 0.8)
 
@@ -154,21 +155,21 @@ def test_world_collectives_priced_by_the_ring_measurement():
     links = Links(2, 2, 20.0)
     ring = Calibration(0.001, 200e6, 0.002, CAL.local_s, cross_call_s=0.004, cross_Bps=5e6,
                        ring_Bps=4e6, ring_call_s=0.05)
-    ddp = Layout("ddp", {"dp_replicate": 4})
+    ddp = Layout.of({"dp_replicate": 4})
     base = predict(ddp, STATS, links, WORK)
     got = predict_calibrated(ddp, STATS, links, WORK, ring)
     # the ring's bytes at its rate, every call (loss mean + DDP's buckets) at its fixed cost
     buckets = -(-STATS.params * 4 // 25_000_000)
     assert got.step_s - got.compute_s == pytest.approx(
         base.cross_node_bytes_per_step / 2 / 4e6 + (1 + buckets) * 0.05)
-    fsdp = Layout("fsdp", {"dp_shard": 4})
+    fsdp = Layout.of({"dp_shard": 4})
     fbase = predict(fsdp, STATS, links, WORK)
     blocks = STATS.layers + 1  # the local shape paid each collective's in-node cost
     assert predict_calibrated(fsdp, STATS, links, WORK, ring).step_s == pytest.approx(
         0.3 + fbase.cross_node_bytes_per_step / 2 / 4e6 + 0.05
         + 3 * blocks * (0.05 - 0.001))
     # hsdp's replicate groups keep the per-group figure
-    hsdp = Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2})
+    hsdp = Layout.of({"dp_replicate": 2, "dp_shard": 2})
     assert predict_calibrated(hsdp, STATS, links, WORK, ring).step_s == pytest.approx(
         predict_calibrated(hsdp, STATS, links, WORK, replace(ring, ring_Bps=0.0)).step_s)
     with pytest.raises(PlanError, match="ring_Bps"):
@@ -192,16 +193,16 @@ def test_in_node_fsdp_calls_and_pipeline_sends_priced_as_measured():
     assert ring.node_unit_s("fp32") is None
     # tp_hsdp (dp_shard 1) runs FSDP's hooks and copies but not its in-node collectives:
     # FSDP's overhead is its local step less the arithmetic less those calls
-    tp_hsdp = Layout("tp_hsdp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2})
+    tp_hsdp = Layout.of({"dp_replicate": 2, "dp_shard": 1, "tp": 2})
     assert predict_calibrated(tp_hsdp, STATS, links, WORK, cal).compute_s == pytest.approx(
         0.6 + 0.5 - 0.2 - blocks * 0.02)
     assert predict_calibrated(tp_hsdp, STATS, links, WORK, ring).compute_s == pytest.approx(
         0.6 + 0.5 - 0.2)
-    bf16 = Layout("tp_hsdp", tp_hsdp.mesh, "bf16")
+    bf16 = Layout.of(tp_hsdp.mesh, reduce="bf16")
     assert predict_calibrated(bf16, STATS, links, WORK, cal).compute_s == pytest.approx(
         0.55 + 0.45 - 0.2 - blocks * 0.016)
     # the layouts that shard inside the node run those calls: unchanged
-    for lay in (Layout("fsdp", {"dp_shard": 4}), Layout("hsdp", {"dp_replicate": 2,
+    for lay in (Layout.of({"dp_shard": 4}), Layout.of({"dp_replicate": 2,
                                                                  "dp_shard": 2})):
         assert predict_calibrated(lay, STATS, links, WORK, cal).step_s == pytest.approx(
             predict_calibrated(lay, STATS, links, WORK, ring).step_s)
@@ -209,7 +210,7 @@ def test_in_node_fsdp_calls_and_pipeline_sends_priced_as_measured():
     staged = Calibration(0.001, 200e6, 0.002, {"none/fp32/mb2": 0.3, "fsdp/fp32": 0.5,
                                                "none/fp32": 0.2}, cross_call_s=0.004,
                          cross_Bps=5e6, send_s=0.07)
-    pp = predict_calibrated(Layout("pp", {"pp": 2, "dp_shard": 2}), STATS, links, WORK, staged)
+    pp = predict_calibrated(Layout.of({"pp": 2, "dp_shard": 2}), STATS, links, WORK, staged)
     stage = 0.3 / 4
     # two pipelines per node: each waits for its receiver, alone on the link at twice the
     # shared rate; both together no faster than the link (+ the loss mean across nodes)
@@ -218,7 +219,7 @@ def test_in_node_fsdp_calls_and_pipeline_sends_priced_as_measured():
         max(gpipe_s(fwd, bwd, 0.035, 4, 2, rendezvous=True), gpipe_s(fwd, bwd, 0.07, 4, 2))
         - gpipe_s(fwd, bwd, 0, 4, 2) + 0.004)
     # one rank per node: that rank's one pipeline receives in turn with its compute
-    one = predict_calibrated(Layout("pp", {"pp": 2}), STATS, Links(2, 1, 20.0), WORK, staged)
+    one = predict_calibrated(Layout.of({"pp": 2}), STATS, Links(2, 1, 20.0), WORK, staged)
     assert one.step_s - one.compute_s == pytest.approx(
         gpipe_s(fwd, bwd, 0.07, 4, 2, rendezvous=True) - gpipe_s(fwd, bwd, 0, 4, 2) + 0.004)
     with pytest.raises(PlanError, match="send_s"):
@@ -230,25 +231,25 @@ def test_in_node_fsdp_calls_and_pipeline_sends_priced_as_measured():
 
 
 def test_local_shapes_and_missing_calibration():
-    lays = [Layout("fsdp", {"dp_shard": 4}), Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}),
-            Layout("hsdp", {"dp_replicate": 2, "dp_shard": 2}, "bf16"),
-            Layout("tp_hsdp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
-            Layout("ddp", {"dp_replicate": 4}), Layout("pp", {"pp": 2, "dp_shard": 2}),
-            Layout("tp_pp", {"pp": 2, "tp": 2})]
+    lays = [Layout.of({"dp_shard": 4}), Layout.of({"dp_replicate": 2, "dp_shard": 2}),
+            Layout.of({"dp_replicate": 2, "dp_shard": 2}, reduce="bf16"),
+            Layout.of({"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
+            Layout.of({"dp_replicate": 4}), Layout.of({"pp": 2, "dp_shard": 2}),
+            Layout.of({"pp": 2, "tp": 2})]
     shapes = local_shapes(lays, Links(2, 2, 100.0))
     assert set(shapes) == {"fsdp/fp32", "fsdp/bf16", "tp2/fp32", "none/fp32", "none/fp32/mb2",
                            "tp2/fp32/mb2", "tp2/fp32/mb2@alone", "pp2/fp32/mb4"}
     assert shapes["tp2/fp32/mb2@alone"] == shapes["tp2/fp32/mb2"]
     assert accumulation("tp2/fp32/mb2@alone") == 2
-    assert shapes["none/fp32/mb2"].mesh == {"dp_replicate": 4}
-    assert shapes["pp2/fp32/mb4"].mesh == {"pp": 2, "dp_replicate": 2}
+    assert shapes["none/fp32/mb2"] == Layout.of({"dp_replicate": 4})
+    assert shapes["pp2/fp32/mb4"].dims == {"pp": 2, "dp_replicate": 2}
     # a node of one rank cannot hold a 2-stage pipeline: the bubble stays modelled
     assert "pp2/fp32/mb4" not in local_shapes(lays, Links(4, 1, 100.0))
     assert accumulation("tp2/fp32/mb2") == 2 and accumulation("fsdp/bf16") == 1
-    assert shapes["tp2/fp32"].mesh == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
+    assert shapes["tp2/fp32"].dims == {"dp_replicate": 2, "tp": 2}
     assert local_key(lays[4]) is None
     with pytest.raises(PlanError, match="no local step for 'tp2/bf16'"):
-        predict_calibrated(Layout("tp_hsdp", lays[3].mesh, "bf16"), STATS, Links(2, 2, 100.0),
+        predict_calibrated(Layout.of(lays[3].mesh, reduce="bf16"), STATS, Links(2, 2, 100.0),
                            WORK, CAL)
     with pytest.raises(PlanError, match="gloo_Bps"):
         Calibration(0.001, 0.0, 0.0)

@@ -58,14 +58,15 @@ def test_a_step_that_is_not_a_function_is_refused_in_python_too():
 
 
 def test_the_fastest_median_wins_and_the_table_says_how_each_trial_ended():
-    trials = [Trial("ddp", {"dp_replicate": 4}, CUT, [0.9]),
-              Trial("hsdp", {"dp_replicate": 2, "dp_shard": 2}, TIMED, [0.30, 0.20, 0.25]),
-              Trial("fsdp", {"dp_shard": 4}, TIMED, [0.22, 0.40, 0.26]),
-              Trial("tp_hsdp", {"dp_replicate": 2, "tp": 2}, BUDGET, [])]
+    ddp, hsdp = "dp_replicate=4/fp32/sync", "dp_replicate=2,dp_shard=2/fp32/sync"
+    trials = [Trial(ddp, CUT, [0.9]),
+              Trial(hsdp, TIMED, [0.30, 0.20, 0.25]),
+              Trial("dp_shard=4/fp32/sync", TIMED, [0.22, 0.40, 0.26]),
+              Trial("dp_replicate=2,tp=2/fp32/sync", BUDGET, [])]
     best = best_trial(trials)
-    assert best is not None and best.label == "hsdp" and best.median_s == 0.25
+    assert best is not None and best.layout == hsdp and best.median_s == 0.25
     assert best_trial([trials[-1]]) is None  # no timed step: nothing to pick
-    table = format_trials(trials, {"ddp": 0.1, "hsdp": 0.3})
+    table = format_trials(trials, {ddp: 0.1, hsdp: 0.3})
     rows = table.splitlines()
     assert rows[0].split() == ["layout", "predicted", "measured", "trial"]
     assert "stopped after 1 (slower than the best)" in rows[1] and "0.1 s" in rows[1]

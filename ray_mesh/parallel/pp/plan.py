@@ -12,44 +12,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 import ray_mesh.private_apis as private_apis
-from ray_mesh.errors import ParallelError
+from ray_mesh.core.layout import SCHEDULES, Layout, schedule_name
+from ray_mesh.errors import LayoutError, ParallelError
 from ray_mesh.parallel.mesh import divisors
-
-SCHEDULES: dict[str, tuple[str, str]] = {
-    "gpipe": ("GPipe", "single"),
-    "1f1b": ("1F1B", "single"),
-    "interleaved1f1b": ("Interleaved1F1B", "loop"),
-    "loopedbfs": ("LoopedBFS", "loop"),
-    "interleavedzerobubble": ("InterleavedZeroBubble", "loop"),
-    "zbvzerobubble": ("ZBVZeroBubble", "v"),
-    "dualpipev": ("DualPipeV", "v"),
-}
-"""normalised name -> (torch schedule name, stage placement style)."""
-
-_ALIASES = {"interleaved": "interleaved1f1b", "zbv": "zbvzerobubble",
-            "interleavedzb": "interleavedzerobubble"}
 
 
 def schedule_info(name: str) -> tuple[str, str]:
-    """(torch schedule name, placement style) for a schedule name in any common spelling.
+    """(torch schedule name, placement style) for a schedule name in any common spelling
+    (the names are :data:`ray_mesh.core.layout.SCHEDULES`, a layout's spelling of them).
 
     Placement: ``single`` = one stage per rank; ``loop`` = rank r holds stages r, r+pp, ...;
     ``v`` = rank r holds stages r and 2*pp-1-r (ZBV, DualPipeV).
     """
-    key = str(name).strip().lower().replace("_", "").replace("-", "").replace(" ", "")
-    key = key.removeprefix("schedule")
-    key = _ALIASES.get(key, key)
-    if key not in SCHEDULES:
-        raise ParallelError(
-            f"Unknown pipeline schedule {name!r}: use one of gpipe, 1f1b, interleaved_1f1b, "
-            f"looped_bfs, interleaved_zero_bubble, zbv_zero_bubble, dualpipev."
-        )
-    return SCHEDULES[key]
+    try:
+        return SCHEDULES[schedule_name(name)]
+    except LayoutError as exc:
+        raise ParallelError(str(exc)) from None
 
 
 def known_hang(schedule: str, backend: str) -> str | None:
@@ -123,6 +107,18 @@ class PipelinePlan:
             reason = known_hang(self.schedule, self.backend)
             if reason:
                 raise ParallelError(reason)
+
+    @classmethod
+    def from_layout(cls, layout: Layout, num_layers: int, **options: Any) -> PipelinePlan:
+        """The stage plan of ``layout``'s pipeline: its ``pp`` (resolved), its schedule
+        (default 1f1b) and microbatches; ``options`` are the other fields (stages_per_rank,
+        layers_per_stage, batch_size, backend)."""
+        pp = layout.mesh.pp
+        if not isinstance(pp, int) or pp < 1:
+            raise ParallelError(f"layout {layout}: pp={pp!r} is not sized yet; resolve the "
+                                "layout on the cluster first (Layout.resolved)")
+        return cls(pp=pp, num_layers=num_layers, n_microbatches=layout.microbatches,
+                   schedule=layout.schedule or "1f1b", **options)
 
     # ------------------------------------------------------------------ checks
     def _check_layers(self) -> None:
