@@ -49,8 +49,11 @@ def run(cmd: list[str], *, check: bool = True, timeout: float = 30,
     return proc
 
 
-def netns_unavailable_reason() -> str | None:
-    """Why a namespace cluster cannot run here (None when it can)."""
+def netns_unavailable_reason(tunnel: str = "wireguard") -> str | None:
+    """Why a namespace cluster with this ``tunnel`` cannot run here (None when it can).
+
+    Tests skip with this reason locally (CI turns a skip into a failure); a cluster built
+    anyway raises the same message."""
     if sys.platform != "linux":
         return "network namespaces need Linux"
     if os.geteuid() != 0:
@@ -64,6 +67,10 @@ def netns_unavailable_reason() -> str | None:
         run(["ip", "netns", "del", name], timeout=10)
     except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
         return f"`ip netns add` does not work here: {exc}"
+    if tunnel == "wireguard":
+        from harness.netns.wireguard import wireguard_unavailable_reason
+
+        return wireguard_unavailable_reason()
     return None
 
 

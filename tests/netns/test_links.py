@@ -16,7 +16,7 @@ pytestmark = pytest.mark.netns
 
 @pytest.fixture(scope="module")
 def shaped():
-    if reason := netns_unavailable_reason():
+    if reason := netns_unavailable_reason(tunnel="veth"):
         pytest.skip(reason)
     # Node 2 is the slow node: 20 Mbit/s where the others have 100. Plain veth: this checks
     # the shaper's accuracy (within 15%), and WireGuard's CPU-bound ceiling on this 2-core
