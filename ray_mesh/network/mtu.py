@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import socket
 import threading
 import time
@@ -29,12 +30,12 @@ from dataclasses import asdict, dataclass
 import psutil
 
 from ray_mesh.network.gate import new_nonce, peer_key
-from ray_mesh.network.interfaces import local_interfaces
 
 # Linux socket options (not all of them are in Python's socket module).
 IP_MTU_DISCOVER, IP_PMTUDISC_DO = 10, 2
 IPV6_MTU_DISCOVER, IPV6_PMTUDISC_DO = 23, 2
 HEADERS = {socket.AF_INET: 28, socket.AF_INET6: 48}  # IP + UDP headers
+MAX_PACKET = 65535  # an IPv4 packet's largest total length
 FLOOR = 576  # the smallest probe; IPv4's minimum reassembly size
 DEFAULT_PROBE_S = 0.3
 TRIES = 2
@@ -93,12 +94,23 @@ class EchoServer:
 
 
 def interface_of(address: str) -> tuple[str, int]:
-    """The name and MTU of the local interface holding ``address`` ("", 1500 if none)."""
+    """The name and MTU of the local interface holding ``address`` (or, failing that, the
+    subnet it lies in, as 127.0.0.2 in lo's 127.0.0.0/8); ("", 1500) if none."""
     stats = psutil.net_if_stats()
-    for name, addrs in local_interfaces().items():
-        if address in addrs and name in stats:
-            return name, int(stats[name].mtu)
-    return "", 1500
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    inside = ""
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family not in (socket.AF_INET, socket.AF_INET6) or name not in stats:
+                continue
+            if a.address.split("%", 1)[0] == str(ip):
+                return name, int(stats[name].mtu)
+            with contextlib.suppress(ValueError, TypeError):
+                net = ipaddress.ip_network(f"{a.address.split('%', 1)[0]}/{a.netmask}",
+                                          strict=False)
+                if ip in net and not inside:
+                    inside = name
+    return (inside, int(stats[inside].mtu)) if inside else ("", 1500)
 
 
 class _Prober:
@@ -141,6 +153,7 @@ def probe_paths(src: str, targets: Sequence[tuple[str, int]], nonce: str,
                 probe_s: float = DEFAULT_PROBE_S) -> list[dict[str, object]]:
     """From this node (address ``src``): the path MTU to each ``(address, echo port)``."""
     iface, iface_mtu = interface_of(src)
+    iface_mtu = min(iface_mtu, MAX_PACKET)  # loopback's 65536 is more than one IP packet
 
     def one(target: tuple[str, int]) -> dict[str, object]:
         dst, port = target
