@@ -84,7 +84,6 @@ def test_one_slow_path_is_named_as_probably_relayed(tailnet):
     hint = matrix.relay_hints()[0]
     assert "probably relayed (Tailscale DERP)" in hint
     assert f"`tailscale ping {ip[2]}`" in hint and "`tailscale status`" in hint
-    assert matrix.slow_nodes() == []  # no node is slow on all its links
 
 
 def test_doctor_cli_over_the_tunnel_names_the_relayed_pair_and_measures_mtu():
