@@ -41,7 +41,7 @@ Usage (from the repository root, or with it on ``PYTHONPATH``)::
         cluster.cut_link(1); cluster.restore_link(1)  # node 1 off the bridge and back
         cluster.shape_link(1, 20)                   # node 1's link: 20 Mbit/s each way
         cluster.shape_pair(1, 2, 2)                 # only the 1 <-> 2 path: 2 Mbit/s
-        cluster.set_link_mtu(2, 1300)               # frames over 1300 B to node 2: dropped
+        cluster.set_link_mtu(2, 1300)               # frames over 1300 B to/from 2: dropped
         cluster.kill_node(1)                        # its Ray processes die (a crash)
         cluster.add_node({"slot": 2})               # a new node joins (elastic tests)
 
