@@ -97,10 +97,11 @@ def measure(model: dict, timeout_s: float = 600.0) -> dict:
         from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
     except ImportError as exc:
         return {"status": f"not run: harness/netns_cluster.py is not importable ({exc})"}
-    reason = netns_unavailable_reason()
+    reason = netns_unavailable_reason(tunnel="veth")
     if reason:
         return {"status": f"not run: {reason}"}
-    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
+    with NetnsCluster([{"slot": 2}, {"slot": 2}],
+                      tunnel="veth") as cluster:  # bare veth, as the recorded figures
         env = cluster.node_env(cluster.head)
         env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         storage = str(cluster.root / "results")

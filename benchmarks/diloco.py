@@ -251,7 +251,7 @@ def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "
     """Both modes at every rate and unshaped; the figures for ``results.json['diloco']``."""
     from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 
-    if reason := netns_unavailable_reason():
+    if reason := netns_unavailable_reason(tunnel="veth"):
         return {"status": f"not run: {reason}"}
     path, overrides = MODULES.get(module, (module, {}))
     replicate = {"every": every, "compress": compress, "outer_lr": outer_lr,
@@ -260,7 +260,8 @@ def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "
             "module": path, "model": {**overrides, **(model or {})}, "replicate": replicate,
             "val_batches": val_batches}
     t0, load0 = time.monotonic(), os.getloadavg()
-    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
+    with NetnsCluster([{"slot": 2}, {"slot": 2}],
+                      tunnel="veth") as cluster:  # bare veth, as the recorded figures
         raw = run_on_cluster(cluster, args, timeout_s)
     phases = raw["phases"]
     out: dict = {"module": path, "model": {**_module(path).DEFAULTS, **args["model"]},

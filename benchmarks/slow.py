@@ -55,12 +55,13 @@ def detect() -> dict:
     from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
     from harness.slow_driver import run_in_cluster
 
-    if reason := netns_unavailable_reason():
+    if reason := netns_unavailable_reason(tunnel="veth"):
         return {"detect_status": f"not run: {reason}"}
     out: dict = {}
     storage = tempfile.mkdtemp(prefix="rmbench_slow_")
     with NetnsCluster([{"slot": 2}, {"slot": 2}], dashboard=True, link_mbit=1000,
-                      node_mbit={1: 20}, start_attempts=3) as cluster:
+                      node_mbit={1: 20}, start_attempts=3,
+                      tunnel="veth") as cluster:  # bare veth, as the recorded figures
         for key, config, rate in (
                 ("link", {"name": "benchlink", "expect": "link"}, None),
                 ("rank", {"name": "benchrank", "expect": "rank", "slow_rank": 3,

@@ -366,7 +366,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
     from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
     from ray_mesh.planning.cost import Links, ModelStats, Workload, candidates, predict
 
-    if reason := netns_unavailable_reason():
+    if reason := netns_unavailable_reason(tunnel="veth"):
         return {"status": f"not run: {reason}"}
     sys.path.insert(0, str(REPO / "examples"))
     import fsdp_tp_transformer as ex
@@ -386,7 +386,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                "without measure_pipeline_send (a pipeline's link priced from "
                                "the all-reduces) and measure_unit_collectives (tp_hsdp's "
                                "FSDP overhead with the in-node calls it does not run)"}
-    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as cluster:
+    with NetnsCluster([{"slot": 2}, {"slot": 2}],
+                      tunnel="veth") as cluster:  # bare veth, as the recorded figures
         for mbit in rates:
             for node in cluster.nodes:
                 cluster.shape_link(node.index, mbit)

@@ -1,9 +1,11 @@
 """What tests and benchmarks share: the virtual multi-node cluster and the train functions
-both run on it. Both import it (``from harness.netns_cluster import NetnsCluster``); it
-imports neither, only ``ray_mesh`` (``tests/unit/test_import_layers.py`` holds that).
+both run on it. Both import it (``from harness.netns import NetnsCluster``; the older
+``harness.netns_cluster`` names the same); it imports neither, only ``ray_mesh``
+(``tests/unit/test_import_layers.py`` holds that).
 
-* :mod:`.netns_cluster`: a virtual Tailscale cluster on one Linux machine (network
-  namespaces, a ``tailscale0`` per node, Ray started with ``deploy/tailscale``'s scripts);
+* :mod:`.netns`: a virtual Tailscale cluster on one Linux machine (per node a network and
+  a private mount namespace, a real WireGuard ``tailscale0`` over a LAN veth, Ray started
+  with ``deploy/tailscale``'s scripts);
 * :mod:`.ckpt_train`: the checkpoint and recovery train function (a SIGKILL mid-run, the
   resume read back from its log);
 * :mod:`.hang_train`: the train loop in which one rank skips a collective.

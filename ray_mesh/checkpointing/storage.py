@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -149,5 +150,46 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
     return str(local)
 
 
-__all__ = ["StorageError", "check_run_name", "check_storage", "default_storage_path",
-           "run_name_problem"]
+def check_seen_by_all_ranks(directory: str | os.PathLike, group: Any = None) -> None:
+    """Collective, in the train function: rank 0 writes a probe into ``directory`` and every
+    rank must read it back; else :class:`StorageError` naming the ranks and nodes that
+    cannot, before any training step.
+
+    Without it a node-local ``storage_path`` used through the Python API (which does not go
+    through :func:`check_storage`) failed at the first checkpoint save, after ``every``
+    steps of work (found on the virtual cluster once each node had its own files).
+    """
+    import torch.distributed as dist
+
+    from ray_mesh.checkpointing.sharded import _barrier, _rank, broadcast_from_rank0
+
+    if not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return
+    token = broadcast_from_rank0(uuid.uuid4().hex, group)
+    probe = Path(directory) / f"{PROBE_PREFIX}{token}"
+    if _rank(group) == 0:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token)
+    _barrier(group)
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    found: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, (dist.get_rank(), ray.util.get_node_ip_address(), seen),
+                           group=group)
+    _barrier(group)
+    if _rank(group) == 0:
+        probe.unlink(missing_ok=True)
+    blind = [(rank, ip) for rank, ip, ok in found if not ok]
+    if blind:
+        raise StorageError(
+            f"storage_path directory {str(directory)!r} is local to each node: ranks "
+            f"{[r for r, _ in blind]} on nodes {sorted({ip for _, ip in blind})} do not see "
+            f"the file rank 0 wrote there, so their checkpoint shards would be written to "
+            f"their own disks and lost. Use a shared filesystem mounted at the same path on "
+            f"every node (NFS, a cluster filesystem), or a cloud URI (s3://bucket/path).")
+
+
+__all__ = ["StorageError", "check_run_name", "check_seen_by_all_ranks", "check_storage",
+           "default_storage_path", "run_name_problem"]

@@ -42,6 +42,7 @@ import ray_mesh.checkpointing.sharded as sharded
 from ray_mesh.checkpointing.guards import check_args, check_report, train_context
 from ray_mesh.checkpointing.sharded import CheckpointError, Progress
 from ray_mesh.checkpointing.staging import StagingDir
+from ray_mesh.checkpointing.storage import check_seen_by_all_ranks
 from ray_mesh.core.safe import safe_text
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ class Checkpointer:
         self._storage = ctx.get_storage()
         self.upload = (not isinstance(self._storage.storage_filesystem, LocalFileSystem)
                        if upload is None else bool(upload))
+        if not self.upload:  # every rank writes its shards straight there: must be shared
+            check_seen_by_all_ranks(self._storage.experiment_fs_path, self.group)
         # Private (0700, unpredictable name), per run and rank; removed by close() or when
         # this object goes away -- never a shared, guessable /tmp path (see staging.py).
         self._staging = StagingDir(ctx.get_experiment_name(), self._rank)

@@ -180,19 +180,28 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     nodes = live_nodes()
     print(safe_text(describe_nodes(nodes, "GPU"), multiline=True))  # what the nodes report
     print()
-    report, links = doctor(nodes, interface=args.interface, timeout_s=args.timeout,
-                           rendezvous_port=args.port,
-                           link_probe_s=None if args.no_links else args.link_probe)
+    report, links, mtu = doctor(nodes, interface=args.interface, timeout_s=args.timeout,
+                                rendezvous_port=args.port,
+                                link_probe_s=None if args.no_links else args.link_probe)
+    # A blackholed path fails the check: a collective over it hangs. A relayed link only
+    # costs speed: it is named, not failed.
+    ok = report.ok and not (mtu and mtu.blackholes())
     if args.json:
-        print(json.dumps({"ok": report.ok, "problems": report.problems,
+        print(json.dumps({"ok": ok, "problems": report.problems + (mtu.problems() if mtu else []),
                           "links": links.to_json() if links else [],
-                          "verdict": links.verdict() if links else None}, indent=2))
-        return 0 if report.ok else 1
+                          "verdict": links.verdict() if links else None,
+                          "relayed": links.relay_hints() if links else [],
+                          "links_error": links.error if links else "",
+                          "path_mtu": mtu.to_json() if mtu else []}, indent=2))
+        return 0 if ok else 1
     print(safe_text(report.format(), multiline=True))
+    if mtu is not None:
+        print()
+        print(safe_text(mtu.format(), multiline=True))
     if links is not None:
         print("\nLink bandwidth, Mbit/s (row sends to column; the diagonal is within a node):")
         print(safe_text(links.format(), multiline=True))
-    return 0 if report.ok else 1
+    return 0 if ok else 1
 
 
 def _add_plan_doctor(sub) -> None:
@@ -250,7 +259,8 @@ def _add_plan_doctor(sub) -> None:
     doc.add_argument("--json", action="store_true",
                      help="machine-readable: ok, problems, links [{a, b, mbit_s}], verdict")
     doc.add_argument("--no-links", action="store_true",
-                     help="skip the link bandwidth measurement after the pre-flight")
+                     help="skip the link measurements (path MTU, bandwidth) after the "
+                          "pre-flight")
     doc.add_argument("--link-probe", type=seconds_flag(30), default=1.0, metavar="S",
                      help="bound on each link transfer in seconds (default 1)")
     doc.set_defaults(func=_cmd_doctor)

@@ -44,6 +44,9 @@ MAX_CLIENTS = 4
 # Sender-side socket buffer: small, so that little is left to drain after the last write.
 SNDBUF = 256 * 1024
 SLOW_FACTOR = 0.5  # a node whose links run below half the others' median is named slow
+# A link below a quarter of the other links' median is probably relayed: Tailscale falls
+# back to its DERP relays (a few to tens of Mbit/s) when two nodes cannot connect directly.
+RELAY_FACTOR = 0.25
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class LinkMatrix:
     """Measured links, one per node pair plus one per node (a == b)."""
 
     links: list[Link]
+    error: str = ""  # why the measurement stopped early (a pair failed), if it did
 
     def to_json(self) -> list[dict[str, object]]:
         return [asdict(link) for link in self.links]
@@ -188,6 +192,29 @@ class LinkMatrix:
         if not slow and len(self.nodes()) == 2 and cross:
             return []  # two nodes, one link: nothing to compare it with
         return slow
+
+    def relayed(self) -> list[tuple[Link, float]]:
+        """Links far slower than the rest (below RELAY_FACTOR x the median of the other
+        cross-node links), with that median; needs 3+ links to compare."""
+        cross = self.cross()
+        if len(cross) < 3:
+            return []
+        out = []
+        for link in cross:
+            others = statistics.median(x.mbit_s for x in cross if x is not link)
+            if link.mbit_s < RELAY_FACTOR * others:
+                out.append((link, others))
+        return out
+
+    def relay_hints(self) -> list[str]:
+        """For each :meth:`relayed` link: the pair, the numbers and the commands to check."""
+        return [f"link {x.a} <-> {x.b}: {x.mbit_s:.1f} Mbit/s, {med / x.mbit_s:.0f}x slower "
+                f"than the other links ({med:.0f} Mbit/s): probably relayed (Tailscale DERP) "
+                f"instead of direct. Check on {x.a}: `tailscale ping {x.b}` ('via DERP(...)' "
+                f"is relayed, 'via IP:port' direct) and `tailscale status` (the peer's line "
+                f"says relay or direct); a direct path usually needs UDP 41641 open on both "
+                f"nodes' firewalls, or a NAT that is not symmetric."
+                for x, med in self.relayed()]
 
     def verdict(self) -> str:
         """One line a person reads: the slow node and its rate, or the slowest link."""
@@ -222,7 +249,8 @@ class LinkMatrix:
         widths = [max(len(str(r[k])) for r in [header, *rows]) for k in range(len(header))]
         lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True))
                  for r in [header, *rows]]
-        return "\n".join([*lines, self.verdict()])
+        tail = [f"bandwidth measurement stopped: {self.error}"] if self.error else []
+        return "\n".join([*lines, self.verdict(), *self.relay_hints(), *tail])
 
     def dumps(self) -> str:
         return json.dumps({"links": self.to_json()})

@@ -13,7 +13,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_mesh.errors import LinkError
 from ray_mesh.network.links import LinkMatrix, measure_links
+from ray_mesh.network.mtu import MtuReport, measure_path_mtu
 from ray_mesh.network.probe import node_versions
 from ray_mesh.network.report import DEFAULT_TIMEOUT_S, NodeTarget, PreflightReport
 from ray_mesh.planning.cluster import NodeInfo, nodes_from_ray
@@ -63,17 +65,32 @@ class NodeAgents:
                                         for n in self.nodes],
                              rendezvous_port=rendezvous_port, timeout_s=timeout_s)
 
+    def _run_on(self, bound_s: float) -> Callable[..., Any]:
+        def run_on(i: int, fn: Callable[..., Any], *args: Any) -> Any:
+            return ray.get(self.agents[i].call.remote(fn, *args), timeout=bound_s)
+
+        return run_on
+
     def links(self, report: PreflightReport, max_s: float = 1.0) -> LinkMatrix | None:
         """Link bandwidth between the nodes (and each to itself) over the interfaces the
-        pre-flight chose; None when the pre-flight failed (no pair to trust)."""
+        pre-flight chose; None when the pre-flight failed (no pair to trust). A transfer
+        that fails (a blackholed path stalls) ends the measurement: the matrix is empty and
+        says why in ``error``, next to the path MTU findings that usually explain it."""
         if not report.ok or not self.nodes:
             return None
         addresses = [report.choice(i).address for i in range(len(self.nodes))]
+        try:
+            return measure_links(addresses, self._run_on(max_s + 20.0), max_s=max_s)
+        except (LinkError, ray.exceptions.RayError, TimeoutError) as exc:
+            return LinkMatrix([], error=f"{type(exc).__name__}: {exc}")
 
-        def run_on(i: int, fn: Callable[..., Any], *args: Any) -> Any:
-            return ray.get(self.agents[i].call.remote(fn, *args), timeout=max_s + 20.0)
-
-        return measure_links(addresses, run_on, max_s=max_s)
+    def path_mtu(self, report: PreflightReport) -> MtuReport | None:
+        """Every ordered pair's path MTU over the chosen interfaces (``ray_mesh.network.
+        mtu``); None when the pre-flight failed."""
+        if not report.ok or not self.nodes:
+            return None
+        addresses = [report.choice(i).address for i in range(len(self.nodes))]
+        return measure_path_mtu(addresses, self._run_on(60.0))
 
     def close(self) -> None:
         for a in self.agents:
@@ -94,9 +111,10 @@ def doctor(
     rendezvous_port: int | None = None,
     startup_timeout_s: float = 60.0,
     link_probe_s: float | None = 1.0,
-) -> tuple[PreflightReport, LinkMatrix | None]:
+) -> tuple[PreflightReport, LinkMatrix | None, MtuReport | None]:
     """Run the pre-flight on every live node through short-lived node agents, then (when it
-    passed and ``link_probe_s`` is not None) measure the links between them.
+    passed and ``link_probe_s`` is not None) measure the path MTU and the bandwidth of the
+    links between them (MTU first: a blackholed path would stall the bandwidth transfer).
 
     A run's rendezvous port is a random free one, which the matrix's random listener
     ports already stand for; pass ``rendezvous_port`` to check a fixed MASTER_PORT too.
@@ -105,8 +123,10 @@ def doctor(
                     startup_timeout_s) as agents:
         report = agents.preflight(interface=interface, timeout_s=timeout_s,
                                   rendezvous_port=rendezvous_port)
-        links = agents.links(report, link_probe_s) if link_probe_s else None
-        return report, links
+        if not link_probe_s:
+            return report, None, None
+        mtu = agents.path_mtu(report)
+        return report, agents.links(report, link_probe_s), mtu
 
 
 __all__ = ["NodeAgent", "NodeAgents", "doctor", "live_nodes"]

@@ -15,7 +15,6 @@ Prints one ``RESULT {json}`` line.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -33,18 +32,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def storage_refused(work: Path) -> dict:
-    """A path only this driver sees (a tmpfs in its own mount namespace) must be refused."""
-    private = work / "driver_only"
-    private.mkdir(exist_ok=True)
-    # `ip netns exec` gave this driver its own mount namespace: the mount stays in it.
-    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(private)], check=True)
+    """A path only the driver's node has (the head's own disk) must be refused.
+
+    ``/tmp/ray-mesh-node`` is private to each node of the virtual cluster
+    (``harness.netns.namespaces``): what a local path is on a real multi-node cluster."""
+    private = Path("/tmp/ray-mesh-node/ckpt_elastic")
     try:
         check_storage(str(private / "results"))
         return {"ok": True, "error": None}
     except StorageError as exc:
         return {"ok": False, "error": str(exc)}
-    finally:
-        subprocess.run(["umount", str(private)], check=False)
 
 
 def main(mode: str, work: Path) -> dict:
@@ -56,7 +53,9 @@ def main(mode: str, work: Path) -> dict:
     workers: int | tuple[int, int] = (2, 4) if elastic else 4
     if isinstance(workers, tuple):
         check_elastic_mesh(spec, *workers)
-    # Two nodes see the same /tmp here: the shared-storage check must accept it.
+    # ``work`` is pytest's tmp_path, which every node of the virtual cluster sees: it
+    # stands for a shared filesystem (NFS) until S3 storage (moto) is in the harness. The
+    # shared-storage check must accept it.
     storage = check_storage(str(work / "results"))
     trainer = TorchTrainer(
         load_function(str(HERE.parents[1] / "harness" / "ckpt_train.py") + ":train_loop"),

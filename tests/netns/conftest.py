@@ -10,7 +10,10 @@ same kind of cluster, and leave it as they found it, share one:
   (last: its link-cut test breaks node 1 for good);
 * ``plain_cluster``: 2 nodes x ``slot: 2``, no dashboard (its idle traffic would blur the
   DiLoCo test's byte counts), links shaped by each test itself, for
-  tests/netns/test_diloco_netns.py and tests/netns/test_mesh_auto.py.
+  tests/netns/test_diloco_netns.py, tests/netns/test_mesh_auto.py and
+  tests/netns/test_private_files.py (last: it only reads and writes node-local files).
+
+Both run on real WireGuard (the harness's default ``tunnel``).
 
 The modules that use one cluster are run one after another, in the order ``ORDER`` gives
 (collection moves them up to the place of the first of them), and the cluster is stopped
@@ -34,7 +37,8 @@ SHARED = {
 }
 # The order of the modules that share a cluster (others: after these, in file order).
 ORDER = {"dashboard_cluster": ["test_exposure.py", "test_slow_netns.py", "test_multinode.py"],
-         "plain_cluster": ["test_diloco_netns.py", "test_mesh_auto.py"]}
+         "plain_cluster": ["test_diloco_netns.py", "test_mesh_auto.py",
+                           "test_private_files.py"]}
 _live: dict[str, NetnsCluster] = {}
 
 
