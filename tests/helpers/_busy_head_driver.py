@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -111,6 +112,7 @@ def main() -> None:
         "runs": [{"name": r.get("name"), "status": r.get("status")} for r in status.runs],
         "notes": status.notes}), flush=True)
     ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
