@@ -5,7 +5,8 @@ Run-state tracking (``RAY_TRAIN_ENABLE_STATE_TRACKING``, what ``ray-mesh status`
 dashboard read) is decided on the driver when ``fit()`` starts. It is only worth turning on
 where the cluster serves Ray's state API (the dashboard, ``ray[default]``): without it, Ray's
 ``TrainStateActor`` and ``PlacementGroupCleaner`` poll an API that is not there and fill the
-console with warnings and tracebacks. :func:`enable_state_tracking` asks once, bounded.
+console with warnings and tracebacks. :func:`enable_state_tracking` asks once, bounded, and
+keeps tracking on where the API is only slow (state_api.py tells slow from absent).
 
 An embedded Ray shares the machine with any other Ray instance on it. Ray's own actors
 (``PlacementGroupCleaner``, ``TrainStateActor``) find "their" cluster through
@@ -21,10 +22,12 @@ import logging
 import os
 import warnings
 
+from ray_mesh.raytrain import state_api
+
 logger = logging.getLogger(__name__)
 
 STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"
-STATE_API_TIMEOUT_S = 3.0
+STATE_API_TIMEOUT_S = state_api.PROBE_TIMEOUT_S
 # Ray Train 2.60 loggers that only speak about things an embedded one-machine Ray lacks:
 # the autoscaler (there is none: its resource request times out on a busy machine) and the
 # state API behind the placement-group cleaner (ray.shutdown removes every group anyway).
@@ -47,27 +50,29 @@ def state_api_available(timeout_s: float = STATE_API_TIMEOUT_S) -> bool:
 
     if not ray.is_initialized():
         return False
-    try:
-        from ray.util.state import list_nodes
-
-        list_nodes(limit=1, timeout=int(max(1, timeout_s)), raise_on_missing_output=False)
-        return True
-    except Exception as exc:  # noqa: BLE001 - no dashboard, another instance, a timeout
-        logger.debug("ray_mesh: Ray's state API does not answer (%s: %s)",
-                     type(exc).__name__, exc)
-        return False
+    return state_api.probe(timeout_s=timeout_s).verdict is state_api.Verdict.ANSWERS
 
 
 def enable_state_tracking() -> bool:
     """Turn on Ray Train's run-state tracking for this driver's next ``fit()`` where the
-    state API exists; a value the user set wins. Returns whether tracking is on."""
+    state API exists; a value the user set wins. Returns whether tracking is on.
+
+    Decided on "exists", not on "answered within 3 s": the flag is read once when ``fit()``
+    builds its callbacks, so a slow answer (a busy head) keeps tracking on and a background
+    thread keeps asking, bounded (see state_api.py)."""
+    import ray
+
     if STATE_TRACKING_ENV in os.environ:
         return os.environ[STATE_TRACKING_ENV] not in ("0", "", "false", "False")
-    on = state_api_available()
+    if not ray.is_initialized():
+        return False
+    first = state_api.probe(timeout_s=STATE_API_TIMEOUT_S)
+    on = first.verdict.tracking
     os.environ[STATE_TRACKING_ENV] = "1" if on else "0"
-    if not on:
-        logger.info("ray_mesh: Ray's state API does not answer here (no dashboard: install "
-                    "ray[default]); run-state tracking, which `ray-mesh status` reads, is off.")
+    if first.verdict is not state_api.Verdict.ANSWERS:
+        logger.info("%s", state_api.message(first, STATE_API_TIMEOUT_S))
+    if first.verdict is state_api.Verdict.SLOW:
+        state_api.retry_in_background(first.url)
     return on
 
 
