@@ -268,17 +268,22 @@ class RunOutcome:
     embedded: bool  # the endpoint went away with the embedded Ray
 
 
-def metrics_url() -> str | None:
-    """``http://<ip>:<port>/metrics`` of this driver's Ray node, or None."""
-    try:
-        node_id = ray.get_runtime_context().get_node_id()
-        for node in ray.nodes():
-            if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
-                where = host_port(node["NodeManagerAddress"], node["MetricsExportPort"])
-                return f"http://{where}/metrics"
-    except Exception:  # noqa: BLE001 - a summary line is not worth failing for
-        pass
+def node_metrics_url(nodes: list[dict[str, Any]], node_id: str) -> str | None:
+    """``http://<ip>:<port>/metrics`` of node ``node_id`` in ``ray.nodes()``, or None when it
+    opened no metrics port: Ray then answers -1 (or 0), not an address to show."""
+    for node in nodes:
+        port = node.get("MetricsExportPort")
+        if node.get("NodeID") == node_id and isinstance(port, int) and port > 0:
+            return f"http://{host_port(node['NodeManagerAddress'], port)}/metrics"
     return None
+
+
+def metrics_url() -> str | None:
+    """:func:`node_metrics_url` of this driver's Ray node, or None."""
+    try:
+        return node_metrics_url(ray.nodes(), ray.get_runtime_context().get_node_id())
+    except Exception:  # noqa: BLE001 - a summary line is not worth failing for
+        return None
 
 
 def run_job(job: Job, address: str | None = None, verbose: bool = False) -> Result:

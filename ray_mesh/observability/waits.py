@@ -156,9 +156,9 @@ class WaitSampler:
         if filename.endswith(_C10D):
             local = frame.f_locals
             for key in _GROUP_LOCALS:
-                group = local.get(key)
-                if group is not None and hasattr(group, "group_name"):
-                    return self._by_name.get(group.group_name)  # None: not a mesh group
+                name = _group_name(local.get(key))
+                if name is not None:
+                    return self._by_name.get(name)  # None: not a mesh group
             return self._latest() if "wait(" in _line(frame) else None
         if filename.endswith(_FUNCOL) or ".wait(" in _line(frame):
             return self._latest()
@@ -185,6 +185,22 @@ class WaitSampler:
                 self._callback_failed = True
                 logger.warning("ray_mesh wait sampler: exporting a window failed: %s: %s",
                                type(exc).__name__, exc)
+
+
+def _group_name(group: Any) -> str | None:
+    """The name of a ``group`` local, or None when it has none (yet).
+
+    A frame inside ``distributed_c10d`` may hold a group that ``new_group`` is still
+    building (DCP's checkpoint save creates one): its ``group_name`` raises RuntimeError
+    ("ProcessGroup name not set") until c10d names it, and ``hasattr`` only hides
+    AttributeError. Such a group is not one of the mesh's, whose names are known."""
+    if group is None:
+        return None
+    try:
+        name = group.group_name
+    except (AttributeError, RuntimeError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 def _line(frame: Any) -> str:
