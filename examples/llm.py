@@ -39,9 +39,6 @@ from ray_mesh.models.schedule import warmup_cosine
 from ray_mesh.observability.progress import in_ray_train
 from ray_mesh.parallel import dp_mean, dp_size, local_batch_size, shard_batch
 
-# TP hands FSDP2 the local view of its DTensor outputs; this model adds out of place only.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-
 DEFAULTS: dict = {
     "model": {"preset": "small", "max_seq_len": 256},
     "data": {"paths": ["stdlib"], "seq_len": 128, "batch_size": 16, "validation": 0.05,

@@ -80,6 +80,14 @@ def test_model_sizes_gqa_and_tied_embeddings():
     assert num_params(tied) == sizes["tiny"] - cfg.vocab_size * cfg.dim
 
 
+def test_logits_are_a_tensor_of_their_own_not_a_view():
+    """nn.Linear on a 3-D input returns a view of its 2-D matmul: wrapped with FSDP2 such an
+    output warns on every forward (an in-place op on it would skip FSDP's all-gather)."""
+    model = Llama(LlamaConfig.from_dict({"preset": "tiny", "max_seq_len": 16}))
+    logits = model(torch.randint(0, 256, (2, 8)))
+    assert logits._base is None and logits.shape == (2, 8, 256)
+
+
 def test_causal_model_ignores_future_tokens():
     model = Llama(LlamaConfig.from_dict({"preset": "tiny"})).eval()
     x = torch.randint(0, 256, (1, 12))
