@@ -37,7 +37,8 @@ def main() -> None:
 
     scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.gpu)
     # Replicate across nodes, shard inside a node: resolved on the real topology.
-    mesh_config = ray_mesh.MeshConfig(mesh=ray_mesh.MeshSpec(dp_replicate=2, dp_shard=-1))
+    mesh_config = ray_mesh.MeshConfig(mesh=ray_mesh.MeshSpec(dp_replicate=2, dp_shard=-1),
+                                      total_steps=args.steps)  # the progress line's /N, ETA
     # What only the driver can check (it needs the ScalingConfig): resources (Ray would wait
     # forever for GPUs a CPU-only cluster lacks) and the mesh against the worker count.
     ray_mesh.check_cluster(scaling, mesh_config)

@@ -20,7 +20,6 @@ __all__ = [
     "init_mesh",
     "is_initialized",
     "parallel",
-    "report",
     "shutdown_mesh",
 ]
 
@@ -43,10 +42,6 @@ def __getattr__(name: str):
         from ray_mesh import checkpointing
 
         return getattr(checkpointing, name)
-    if name == "report":  # metrics every step; ray.train.report every N-th call
-        from ray_mesh.observability.report import report
-
-        return report
     if name == "parallel":  # TP/FSDP/PP helpers: torch-only, loaded on first use
         import importlib
 

@@ -224,9 +224,13 @@ def check_data_resources(job: Job, scaling: ScalingConfig, cluster: dict[str, fl
 
 
 def mesh_config(job: Job, verbose: bool = False) -> MeshConfig:
-    """The job's ``mesh`` and ``network`` sections as a :class:`MeshConfig`."""
+    """The job's ``mesh`` and ``network`` sections as a :class:`MeshConfig`; the job's
+    ``config.steps`` (when a whole number) sizes the progress line's ``step i/N`` and ETA."""
+    steps = (job.config or {}).get("steps")
+    total = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 \
+        else None
     return MeshConfig(mesh=job.mesh, plan=job.plan, verbose=verbose, replicate=job.replicate,
-                      **job.network.mesh_config_kwargs())
+                      total_steps=total, **job.network.mesh_config_kwargs())
 
 
 def build_trainer(job: Job, scaling: ScalingConfig, storage_path: str | None = None,

@@ -4,7 +4,8 @@
 sends each worker one :class:`WorkerSetup`; :func:`setup_on_worker` applies it inside the
 worker actor: niceness first (the process group's threads inherit it), the environment,
 the replicate mode and ``mesh="auto"``'s pick, the process group and mesh (the Ray-free
-core), then the hang watch and the wait sampler.
+core), then the worker's observability (``observability.owner``: report recorder, hang
+watch, wait sampler, started in that order and stopped in reverse before the mesh goes).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 from ray_mesh.core import bootstrap, priority
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.network.interfaces import Choice, apply_env, rank_env_line, user_kept
-from ray_mesh.observability import hang, waits
+from ray_mesh.observability import active
+from ray_mesh.observability.owner import Observability, ObservabilitySettings
 from ray_mesh.parallel.picked import PickedPlan, set_picked_plan
 from ray_mesh.parallel.replicate import set_replicate_config
 from ray_mesh.planning.cost import Layout
@@ -51,6 +53,7 @@ class WorkerSetup:
     verbose: bool = False
     replicate: Any = None  # a DiLoCoConfig, or None (sync)
     picked: PickedPlan | None = None  # mesh="auto"'s pick (precision, replicate mode)
+    total_steps: int | None = None  # for the progress line (MeshConfig.total_steps)
 
 
 def _prepare(w: WorkerSetup) -> tuple[priority.NicenessResult | None, dict[str, str]]:
@@ -98,17 +101,18 @@ def setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
     bootstrap.setup_worker(w.spec, rank=w.rank, world_size=w.world_size,
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force)
-    if w.hang_timeout_s:
-        hang.try_start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
-    if w.wait_sample_s:
-        waits.try_start_sampler(bootstrap.get_mesh(), w.wait_sample_s,
-                                w.links if w.rank == 0 else None)
+    Observability(ObservabilitySettings(
+        hang_timeout_s=w.hang_timeout_s, pg_timeout_s=w.timeout_s,
+        wait_sample_s=w.wait_sample_s, links=w.links if w.rank == 0 else None,
+        total_steps=w.total_steps)).start(bootstrap.get_mesh(), rank=w.rank,
+                                          device=bootstrap.get_state().device)
     if w.rank == 0:
         logger.info("%s", w.layout_table)
     return niced
 
 
 def shutdown_on_worker() -> None:
-    waits.stop_sampler()
-    hang.stop_watch()
+    owner = active.current()
+    if owner is not None:  # None after a bring-up that failed before it
+        owner.stop()
     bootstrap.shutdown_mesh()

@@ -50,7 +50,7 @@ def test_numbers_of_a_report_become_metric_values():
 
 
 def test_recorder_derives_step_time_from_the_step_key():
-    rec = rep.ReportRecorder(export=False, flush_every_s=3600)
+    rec = rep.ReportRecorder(None, flush_every_s=3600)
     for step in range(1, 11):
         rec.observe({"step": step * 2, "loss": 1.0 / step})
         time.sleep(0.01)
@@ -61,12 +61,21 @@ def test_recorder_derives_step_time_from_the_step_key():
     assert rec.summary()["reports"] == 10
 
 
-def test_report_outside_ray_train_records_only(monkeypatch):
-    monkeypatch.setattr(rep, "_recorder", rep.ReportRecorder(export=False))
-    assert rep.report({"step": 1, "loss": 2.0}, every=1) is False
-    assert rep.recorder().latest == {"step": 1, "loss": 2.0}
-    with pytest.raises(ValueError, match="every"):
-        rep.report({"step": 2}, every=0)
+def test_one_way_to_report_a_step():
+    """ray.train.report is the way: no ray_mesh.report, no meter object, no log_step."""
+    import importlib
+
+    import ray_mesh
+
+    assert "report" not in ray_mesh.__all__
+    with pytest.raises(AttributeError):
+        ray_mesh.report  # noqa: B018
+    for gone in ("ray_mesh.observability.meter",):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(gone)
+    from ray_mesh.observability import progress
+
+    assert not hasattr(progress, "log_step") and not hasattr(rep, "recorder")
 
 
 # ----------------------------------------------------------------------------- end of a run
