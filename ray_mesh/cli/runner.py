@@ -246,12 +246,8 @@ def build_trainer(job: Job, scaling: ScalingConfig, storage_path: str | None = N
         logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING"),
     )
     # A data: section: its Ray Data datasets stream to the workers, and the train function
-    # finds the checked spec in its config under "data".
-    datasets, config = None, job.config
-    if job.data is not None:
-        from ray_mesh.data.text import ray_datasets
-
-        datasets, config = ray_datasets(job.data), {**job.config, "data": job.data.to_dict()}
+    # finds the checked spec in its config under "data" (the job's own business).
+    datasets, config = job.trainer_inputs()
     return TorchTrainer(
         job.load_train_fn(),
         train_loop_config=config,

@@ -294,3 +294,16 @@ def test_warmup_cosine_schedule():
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up, reaching 1 at its last step
     assert f[4] == 1.0 and all(a >= b for a, b in zip(f[4:], f[5:], strict=False))  # decays
     assert f[12] == pytest.approx(0.1) and f[13] == pytest.approx(0.1)  # the floor, held
+
+
+def test_the_general_runner_wires_no_model_or_corpus_by_special_case():
+    """ray_mesh.data and ray_mesh.models are public parts of the package; the runner hands a
+    job's data: section over through the job (Job.trainer_inputs), whatever the model."""
+    import ast
+
+    tree = ast.parse((ROOT / "ray_mesh" / "cli" / "runner.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith(("ray_mesh.data", "ray_mesh.models"))}
+    job = Job.from_dict({"train": "x.py:f", "config": {"steps": 3}})
+    assert job.trainer_inputs() == (None, {"steps": 3})
