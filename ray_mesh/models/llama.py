@@ -262,14 +262,9 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
-        logits = self.output(self.norm(h))
-        # The logits come back as a view: of the matmul's 2-D result (nn.Linear on a 3-D
-        # input), or, under tensor parallel, of the all-gathered buffer of a replicated
-        # DTensor. Wrapped with FSDP2, a view output is unsafe (an in-place op on it, a
-        # caller's ``logits += bias``, drops FSDP's pre-backward hook and skips the
-        # all-gather) and torch warns on every forward. One copy makes it a tensor of its
-        # own: b x s x vocab numbers, ~1/dim of the output projection's own work.
-        return logits.clone() if logits._base is not None else logits
+        # A view (nn.Linear on 3-D input): wrapped with FSDP2, apply_fsdp's own_output hook
+        # makes it a tensor of its own (ray_mesh.parallel.fsdp).
+        return self.output(self.norm(h))
 
 
 def num_params(model: nn.Module, *, exclude_embeddings: bool = False) -> int:

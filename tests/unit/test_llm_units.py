@@ -80,12 +80,24 @@ def test_model_sizes_gqa_and_tied_embeddings():
     assert num_params(tied) == sizes["tiny"] - cfg.vocab_size * cfg.dim
 
 
-def test_logits_are_a_tensor_of_their_own_not_a_view():
-    """nn.Linear on a 3-D input returns a view of its 2-D matmul: wrapped with FSDP2 such an
-    output warns on every forward (an in-place op on it would skip FSDP's all-gather)."""
-    model = Llama(LlamaConfig.from_dict({"preset": "tiny", "max_seq_len": 16}))
-    logits = model(torch.randint(0, 256, (2, 8)))
-    assert logits._base is None and logits.shape == (2, 8, 256)
+def test_fsdp_wrapped_modules_return_tensors_of_their_own_not_views():
+    """nn.Linear on a 3-D input returns a view of its 2-D matmul, tensor parallel the local
+    view of a gathered buffer (the llm and fsdp_tp_transformer examples' outputs): wrapped
+    with FSDP2 such an output warns on every forward (an in-place op on it would skip FSDP's
+    all-gather). apply_fsdp registers own_output on every module it wraps: it copies them."""
+    from ray_mesh.parallel.fsdp import own_output
+
+    head = torch.nn.Linear(16, 32)
+    x = torch.randn(2, 8, 16)
+    assert head(x)._base is not None  # the plain module's output is a view
+    head.register_forward_hook(own_output)
+    out = head(x)
+    assert out._base is None and out.shape == (2, 8, 32)
+    with torch.no_grad():  # no grad: nothing for FSDP to hook, no copy
+        assert head(x)._base is not None
+    view = torch.randn(4, 4, requires_grad=True).view(16)
+    pair = own_output(head, (), (view, out))
+    assert isinstance(pair, tuple) and all(t._base is None for t in pair)
 
 
 def test_causal_model_ignores_future_tokens():
