@@ -31,6 +31,10 @@ def main() -> None:
     if args.address:
         ray.init(address=args.address, runtime_env=runtime_env)
     else:
+        # An embedded Ray shares the machine with any other Ray on it: this hook (the one
+        # `ray-mesh run` uses) points every process of this instance at it, or Ray Train's
+        # own actors fail to pick one with a traceback (ray_mesh.raytrain.driver).
+        runtime_env["worker_process_setup_hook"] = "ray_mesh.raytrain.driver.embedded_worker_setup"
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers),
                  runtime_env=runtime_env)
     from hsdp import train_loop  # noqa: E402  (importable once working_dir is on the path)

@@ -191,7 +191,8 @@ def _group_name(group: Any) -> str | None:
     """The name of a ``group`` local, or None when it has none (yet).
 
     A frame inside ``distributed_c10d`` may hold a group that ``new_group`` is still
-    building (DCP's checkpoint save creates one): its ``group_name`` raises RuntimeError
+    building (the checkpointer's gloo group, ``checkpointing.sharded.checkpoint_group``,
+    made while training runs): its ``group_name`` raises RuntimeError
     ("ProcessGroup name not set") until c10d names it, and ``hasattr`` only hides
     AttributeError. Such a group is not one of the mesh's, whose names are known."""
     if group is None:

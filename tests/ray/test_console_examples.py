@@ -99,6 +99,10 @@ def _run(cmd: list[str], timeout: int) -> str:
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr
+    keep = os.environ.get("RAY_MESH_CONSOLE_OUT")  # a folder: keep each console to read
+    if keep:
+        name = Path(cmd[-1]).stem if cmd[-1].endswith(".yaml") else "driver"
+        Path(keep, f"{name}.log").write_text(out)
     assert proc.returncode == 0, out[-5000:]
     return out
 

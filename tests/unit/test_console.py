@@ -109,7 +109,7 @@ def test_summary_shows_no_metrics_address_for_a_node_without_a_metrics_port():
 
 def test_wait_sampler_skips_a_group_that_has_no_name_yet():
     """A frame in distributed_c10d holding a process group that ``new_group`` is still
-    building (DCP's checkpoint save makes one): its ``group_name`` raises RuntimeError
+    building (the checkpointer's gloo group): its ``group_name`` raises RuntimeError
     'ProcessGroup name not set', which stopped the sampler for the rest of the run."""
     import torch.distributed as dist
 
