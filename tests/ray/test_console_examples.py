@@ -6,6 +6,10 @@ Each job runs with its own embedded Ray, as ``ray-mesh run examples/X.yaml`` doe
 copy of the example's YAML (few steps, a small model: the console, not the training, is under
 test; the training is tested in test_parallel_examples.py, test_llm_ray.py, ...). The python
 driver runs as ``python examples/driver.py --steps N``.
+
+Cost (measured 2026-11-25, this 2-core VM, load average 3-8 from other jobs): the module in
+549 s, 49-82 s per example (an embedded Ray's start and stop are most of it); under a load
+of 25-50 the same module took 1595 s. ``RAY_MESH_CONSOLE_OUT=DIR`` keeps every console.
 """
 
 from __future__ import annotations
