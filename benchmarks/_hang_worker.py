@@ -3,6 +3,7 @@ off and on, in alternating windows, plus the per-call cost of a watched all_redu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 import ray_mesh
 from ray_mesh.observability import hang
+from ray_mesh.observability.owner import watch_mesh
 
 
 def main() -> None:
@@ -50,14 +52,14 @@ def main() -> None:
         order = (False, True) if r % 2 == 0 else (True, False)
         for on in order:
             if on:
-                hang.start_watch(mesh, 60.0)
-                watched.append(window(True))
-                hang.stop_watch()
+                with watch_mesh(mesh, 60.0):  # the owner hang.all_reduce finds
+                    watched.append(window(True))
             else:
                 plain.append(window(False))
     # Per call: the watched() context around a 1-element all_reduce vs the bare call.
     t = torch.ones(1)
-    hang.start_watch(mesh, 60.0)
+    running = contextlib.ExitStack()
+    running.enter_context(watch_mesh(mesh, 60.0))
     per_call = {}
     for name, fn in (("plain", lambda: dist.all_reduce(t, group=dp)),
                      ("watched", lambda: hang.all_reduce(t, "dp"))):
@@ -80,7 +82,7 @@ def main() -> None:
     for _ in range(50):
         watch._tick()
     tick_s = (time.perf_counter() - t0) / 50
-    hang.stop_watch()
+    running.close()
     if dist.get_rank() == 0:
         ratios = [w / p for w, p in zip(watched, plain, strict=True)]
         with open(out, "w") as f:

@@ -52,10 +52,10 @@ def main() -> None:
         med = {}
         for on in order:
             if on:
-                sampler = waits.start_sampler(hang.mesh_groups(mesh))
+                sampler = waits.WaitSampler(hang.mesh_groups(mesh)).start()
                 sampler.watch_thread()
                 times = window()
-                waits.stop_sampler()
+                sampler.stop()
                 sampled += times
             else:
                 times = window()

@@ -87,11 +87,13 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
             add("b steps", f"{name}: ray_mesh / torchrun CPU s/step, {PAIRED}", _paired(r))
     m = results.get("metrics")
     if m and not status_only("e metrics", m):
-        add("e metrics", "hsdp: StepMeter overhead us/step (difference of window medians)",
+        add("e metrics", "hsdp: report bookkeeping overhead us/step (difference of window "
+            "medians)",
             m["overhead_us_per_step"])
         r = m["metered_vs_plain"]
         add("e metrics", f"hsdp: metered / plain s/step, {PAIRED}", _paired(r))
-        add("e metrics", "StepMeter cost around an empty step, us (median of runs)",
+        add("e metrics", "report bookkeeping (ReportRecorder.observe) per call, us (median of "
+            "runs)",
             m["empty_step_us"])
     c = results.get("crossnode")
     if c and not status_only("c cross-node", c):
@@ -246,11 +248,13 @@ NOTES = """\
   ray_plain_nice0` is ray_mesh's own cost at equal niceness, `ray_plain_nice0 / ray_plain`
   the niceness reset alone. Every contender's idle rank 0 polls the baton directory
   (`baton.POLL_S`) while the others run, the same for all of them.
-- **e metrics**: one `MeshConfig` run per repeat, windows alternate plain / inside
-  `StepMeter.step()` (observability.metrics; paired median of metered/plain); plus the cost of
-  `with meter.step()` around an empty step (20 000 iterations; the meter flushes every 2 s
-  and 20 000 empty steps take well under that, so no flush falls in that figure, while the
-  step windows above do include the flushes that fall in them). Which of the two window
+- **e metrics**: one `MeshConfig` run per repeat, windows alternate plain / with every step's
+  loss handed to `ReportRecorder.observe` (what ray_mesh adds to a `ray.train.report`; paired
+  median of metered/plain); plus the cost of one `observe` call (20 000 calls; the recorder
+  flushes every 2 s and 20 000 calls take well under that, so no flush falls in that figure,
+  while the step windows above do include the flushes that fall in them). Figures dated
+  before 2026-11-25 measured the former `StepMeter.step()` instead (removed: one way to
+  report a step, `ray.train.report`). Which of the two window
   kinds comes first alternates from run to run (since 2026-11-23; before, plain first).
 - **c cross-node**: namespace cluster (2 nodes x 2 workers, veth + bridge, `tailscale0`);
   each node's local rank 0 reads its own `/sys/class/net/tailscale0/statistics` around the

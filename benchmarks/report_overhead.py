@@ -1,12 +1,13 @@
-"""Per-step cost of ``ray_mesh.report`` (metrics every step) as a fraction of a step.
+"""Per-report cost of ray_mesh's bookkeeping on ``ray.train.report`` as a fraction of a step.
 
     python benchmarks/report_overhead.py [--steps 2000]
 
 Runs in a Ray actor (where ``ray.util.metrics`` exports, as in a Train worker) the HSDP
 example's toy model (a small step: the worst case for a fixed per-step cost), one process,
-one optimizer step per step. What is added per step is ``ray_mesh.report({"step", "loss"},
-every=N)`` with N never reached: the metrics path only (a dict update per call, Ray metric
-writes every 2 s); the every-N-th ``ray.train.report`` is Ray Train's cost, see docs/monitoring.md.
+one optimizer step per step. What is added per step is what ray_mesh's wrapper of
+``ray.train.report`` does before handing the dict on, ``ReportRecorder.observe({"step",
+"loss"})`` (a dict update per call, Ray metric writes every 2 s; no progress line: that is
+rank 0's, at most one a second); the report itself is Ray Train's cost, see docs/monitoring.md.
 Statistic ``overhead_fraction``: mean cost of one call over 20000 calls / median plain step
 time. Cross-check ``paired_median_fraction``: steps alternate with and without a report, the
 ratio of their medians - 1 (on a loaded host it is noise of a few %). Written to
@@ -36,14 +37,14 @@ def _measure(steps: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from hsdp import ToyModel, loss_fn, synthetic_batch
 
-    from ray_mesh.observability import report as rep
+    from ray_mesh.observability.export import Exporter
+    from ray_mesh.observability.report import ReportRecorder
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = ToyModel()
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
-    rec = rep.ReportRecorder(export=True)
-    rep._recorder = rec  # this process's recorder exports to Ray's metrics pipeline
+    rec = ReportRecorder(Exporter(loud=True))  # exports to Ray's metrics pipeline
 
     def step(i: int) -> float:
         x, y = synthetic_batch(i, 0, 16, torch.device("cpu"))
@@ -62,7 +63,7 @@ def _measure(steps: int) -> dict:
         t0 = time.perf_counter()
         loss = step(i)
         if i % 2:
-            rep.report({"step": i, "loss": loss}, every=10**9)
+            rec.observe({"step": i, "loss": loss})
             with_report.append(time.perf_counter() - t0)
         else:
             plain.append(time.perf_counter() - t0)
@@ -70,14 +71,14 @@ def _measure(steps: int) -> dict:
     n = 20000
     t0 = time.perf_counter()
     for k in range(n):
-        rep.report({"step": k, "loss": 0.5}, every=10**9)
+        rec.observe({"step": k, "loss": 0.5})
     per_call = (time.perf_counter() - t0) / n
     step_s = statistics.median(plain)
     return {"overhead_fraction": per_call / step_s,
             "paired_median_fraction": statistics.median(with_report) / step_s - 1,
             "plain_step_s_median": step_s,
             "report_call_s_mean": per_call,
-            "exported": rec.export,
+            "exported": rec.exporter.enabled,
             "steps_per_arm": steps}
 
 
@@ -94,7 +95,7 @@ def main() -> int:
         res = ray.get(actor.run.remote(args.steps), timeout=900)
     finally:
         ray.shutdown()
-    res.update(statistic="overhead_fraction: mean time of one ray_mesh.report call (20000 "
+    res.update(statistic="overhead_fraction: mean time of one ReportRecorder.observe (20000 "
                          "calls, Ray metric writes every 2 s included) / median time of a "
                          "plain step; paired_median_fraction: median step time with a report "
                          "/ median without - 1, steps alternating (noisy on a loaded host)",
@@ -105,7 +106,7 @@ def main() -> int:
     obs["report_overhead"] = res["overhead_fraction"]  # the issue's key: a fraction of a step
     obs["report_overhead_detail"] = res
     args.out.write_text(json.dumps(data, indent=1, default=str))  # as benchmarks/run.py
-    print(f"ray_mesh.report every step: one call {1e6 * res['report_call_s_mean']:.1f} us = "
+    print(f"report bookkeeping every step: one call {1e6 * res['report_call_s_mean']:.1f} us = "
           f"{100 * res['overhead_fraction']:.2f}% of a {1e3 * res['plain_step_s_median']:.2f} "
           f"ms step; paired medians {100 * res['paired_median_fraction']:+.2f}%; written to "
           f"{args.out}")

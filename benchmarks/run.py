@@ -6,7 +6,7 @@ Sections (``--only`` picks some):
   steps      (b) seconds per step of examples/hsdp.py and tp_pp_mlp.py: ray_mesh, plain
              Ray Train and torchrun alive at once, taking turns window by window
              (paired.py); target ray_mesh <= 1.03x torchrun.
-  metrics    (e) a ray_mesh run, windows inside ray_mesh.observability.metrics.StepMeter vs not.
+  metrics    (e) a ray_mesh run, windows with ray_mesh's report bookkeeping every step vs not.
   crossnode  (c) bytes across node links per step on the netns virtual cluster, HSDP vs
              the all-reduce minimum vs flat FSDP; target HSDP <= 1.10x the minimum.
   scaling    (d) MeshConfig bring-up with 4, 8, 16 workers: time and process groups.
@@ -142,11 +142,11 @@ def section_steps(cfg: dict, storage: str) -> dict:
 
 
 def section_metrics(cfg: dict, storage: str) -> dict:
-    """(e): one ray_mesh run of hsdp, windows alternating plain / inside StepMeter."""
+    """(e): one ray_mesh run of hsdp, windows alternating plain / report bookkeeping."""
     from benchmarks import steps
 
     if not steps.metrics_available():
-        return {"status": "not run: ray_mesh.observability.metrics is not importable"}
+        return {"status": "not run: ray_mesh.observability.report is not importable"}
     args = {**_step_args("hsdp", cfg), "windows": cfg["metrics_windows"], "metrics": True}
     # Which window kind comes first alternates from run to run.
     runs = [steps.measure_ray({**args, "metered_first": k % 2 == 1}, cfg["step_workers"],

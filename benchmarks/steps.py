@@ -1,7 +1,9 @@
 """Metrics overhead (section e): an example's training step in a ray_mesh (Ray Train) run.
 
 Same model and HSDP mesh as the step benchmark (``paired.py``); timing windows
-(``workloads.time_windows``) alternate with and without ``StepMeter``.
+(``workloads.time_windows``) alternate with and without ray_mesh's report bookkeeping on every
+step (``ReportRecorder.observe``: what ray_mesh adds to each ``ray.train.report``, without the
+report's own wait for Ray Train's controller).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ def _train_steps(config: dict) -> None:
     step = factory(state.mesh, state.device, config["batch"])
     meter_factory = None
     if config.get("metrics"):
-        from ray_mesh.observability.metrics import StepMeter
+        from ray_mesh.observability.export import Exporter
+        from ray_mesh.observability.report import ReportRecorder
 
         def meter_factory():
-            return StepMeter(samples_per_step=config["batch"])
+            return ReportRecorder(Exporter(loud=True))
     out = workloads.time_windows(step, warmup=config["warmup"], windows=config["windows"],
                                  steps_per_window=config["steps_per_window"],
                                  meter_factory=meter_factory,
@@ -39,21 +42,20 @@ def _train_steps(config: dict) -> None:
 
 
 def _empty_meter_steps(meter_factory, n: int = 20000) -> float:
-    """Microseconds one ``with meter.step()`` costs around an empty step. The meter flushes
-    every 2 s and these steps take far less in all: no flush falls in this figure."""
-    meter = meter_factory()
+    """Microseconds one report's bookkeeping costs (``ReportRecorder.observe``). The recorder
+    flushes every 2 s and these calls take far less in all: no flush falls in this figure."""
+    rec = meter_factory()
     t0 = time.perf_counter()
-    for _ in range(n):
-        with meter.step():
-            pass
+    for i in range(n):
+        rec.observe({"step": i, "loss": 0.5})
     per = (time.perf_counter() - t0) / n * 1e6
-    meter.close()
+    rec.flush()
     return per
 
 
 def metrics_available() -> bool:
     try:
-        from ray_mesh.observability.metrics import StepMeter  # noqa: F401
+        from ray_mesh.observability.report import ReportRecorder  # noqa: F401
     except ImportError:
         return False
     return True

@@ -121,9 +121,9 @@ def time_windows(step: Callable[[int], torch.Tensor], *, warmup: int, windows: i
     """Seconds per step, per window, after ``warmup`` steps.
 
     Windows are bracketed by barriers so every rank times the same steps. With
-    ``meter_factory``, windows alternate plain / inside ``StepMeter.step()`` (metrics
-    overhead side by side, same process, same warm caches), plain first unless
-    ``metered_first``. A meter flush due at the end of a step runs inside its window.
+    ``meter_factory`` (a ``ReportRecorder``), windows alternate plain / with every step's loss
+    handed to ``observe`` (report bookkeeping side by side, same process, same warm caches),
+    plain first unless ``metered_first``. A flush due at a step runs inside its window.
     """
     i = 0
     for _ in range(warmup):
@@ -138,8 +138,7 @@ def time_windows(step: Callable[[int], torch.Tensor], *, warmup: int, windows: i
         t0 = time.perf_counter()
         for _ in range(steps_per_window):
             if use_meter:
-                with meter.step() as s:
-                    s.loss = step(i)
+                meter.observe({"step": i, "loss": step(i)})
             else:
                 step(i)
             i += 1
@@ -147,7 +146,7 @@ def time_windows(step: Callable[[int], torch.Tensor], *, warmup: int, windows: i
         per_step = (time.perf_counter() - t0) / steps_per_window
         (metered if use_meter else plain).append(per_step)
     if meter is not None:
-        meter.close()
+        meter.flush()
     # Rank 0 speaks for all: the barriers make every rank's windows the same length.
     return {"step_s_windows": plain, "metered_step_s_windows": metered,
             "torch_threads": torch.get_num_threads()}

@@ -53,10 +53,11 @@ def train_loop(config: dict) -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        synced = dl.step() if dl is not None else False
+        if dl is not None:
+            dl.step()  # the outer step, on the steps it is due
         metrics = {"loss": loss.item(), **(dl.metrics() if dl is not None else {})}
-        if torch.distributed.get_rank() == 0 and (synced or step == start.step):
-            print(f"diloco step {step + 1}: {metrics}", flush=True)
+        # ray.train.report, through the Checkpointer (which saves when due): ray_mesh shows
+        # rank 0's progress line (at most one a second) and exports the numbers from it.
         ckpt.report(step + 1, metrics, data_position={"next_step": step + 1})
     if dl is not None:
         dl.flush()  # with replicate.overlap, the last sync lands here

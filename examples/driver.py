@@ -31,13 +31,18 @@ def main() -> None:
     if args.address:
         ray.init(address=args.address, runtime_env=runtime_env)
     else:
+        # An embedded Ray shares the machine with any other Ray on it: this hook (the one
+        # `ray-mesh run` uses) points every process of this instance at it, or Ray Train's
+        # own actors fail to pick one with a traceback (ray_mesh.raytrain.driver).
+        runtime_env["worker_process_setup_hook"] = "ray_mesh.raytrain.driver.embedded_worker_setup"
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers),
                  runtime_env=runtime_env)
     from hsdp import train_loop  # noqa: E402  (importable once working_dir is on the path)
 
     scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.gpu)
     # Replicate across nodes, shard inside a node: resolved on the real topology.
-    mesh_config = ray_mesh.MeshConfig(mesh=ray_mesh.MeshSpec(dp_replicate=2, dp_shard=-1))
+    mesh_config = ray_mesh.MeshConfig(mesh=ray_mesh.MeshSpec(dp_replicate=2, dp_shard=-1),
+                                      total_steps=args.steps)  # the progress line's /N, ETA
     # What only the driver can check (it needs the ScalingConfig): resources (Ray would wait
     # forever for GPUs a CPU-only cluster lacks) and the mesh against the worker count.
     ray_mesh.check_cluster(scaling, mesh_config)

@@ -1,11 +1,12 @@
 """HSDP toy training with ray_mesh metrics: what a monitored run looks like.
 
-Per step, ``StepMeter`` times the step and (every ``flush_every_s``) exports step time,
-samples/s, loss, time in the loop's own dp all-reduce, and memory to Ray's metrics with
-this rank's mesh coordinate as tags; ``probe_dims`` measures every mesh dim's all-reduce
-once at start. ``ray.train.report`` carries the same numbers to Ray Train (the run's
-``result.metrics`` and the Train state API), rank 0 saving the mesh layout next to the
-results is done by the backend.
+The loop only calls ``ray.train.report`` every ``report_every`` steps, with the step, the
+loss and the samples seen so far. ray_mesh reads those reports: rank 0's progress line on
+the console, and step time, steps/s, samples/s, loss and memory in Ray's metrics with this
+rank's mesh coordinate as tags (``ray_mesh.observability.metrics``); the wait sampler adds
+each dim's wait share with no code here. ``probe_dims`` measures every mesh dim's
+all-reduce once at start. Rank 0 saving the mesh layout next to the results is done by the
+backend.
 
     ray-mesh run examples/hsdp_metrics.yaml
     ray-mesh status            # in another shell, while it runs
@@ -22,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 import ray_mesh
-from ray_mesh.observability.metrics import StepMeter, probe_dims
+from ray_mesh.observability.metrics import probe_dims
 
 
 def _model() -> nn.Module:
@@ -51,32 +52,28 @@ def train_loop(config: dict) -> None:
     fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
     optim = torch.optim.AdamW(model.parameters(), lr=float(config.get("lr", 0.02)))
 
-    meter = StepMeter(samples_per_step=batch, flush_every_s=float(config.get("flush_s", 2.0)))
-    probe_dims(meter=meter)  # each dim's all-reduce latency and bandwidth, once
+    probe_dims()  # each dim's all-reduce latency and bandwidth, once
 
     # dp_rank/dp_size read the flattened dp dim ray_mesh keeps (no root-mesh slicing).
     dp_rank, dp_group = ray_mesh.parallel.dp_rank(mesh), mesh.get_group("dp")
+    dp = ray_mesh.parallel.dp_size(mesh)
     for step in range(steps):
-        with meter.step() as s:
-            x, y = _batch(step, dp_rank, batch, device)
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            avg = loss.detach().clone()
-            with meter.collective("dp"):
-                dist.all_reduce(avg, group=dp_group)
-            s.loss = avg / ray_mesh.parallel.dp_size(mesh)
-            if step_sleep_s:
-                time.sleep(step_sleep_s)
+        x, y = _batch(step, dp_rank, batch, device)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        if step_sleep_s:
+            time.sleep(step_sleep_s)
         last = step + 1 == steps
-        if (step + 1) % report_every == 0 or last:
+        if step == 0 or (step + 1) % report_every == 0 or last:
+            avg = loss.detach().clone()
+            dist.all_reduce(avg, group=dp_group)
             # Same decision on every rank (a collective), so all ranks stop together.
             flag = float(bool(stop_file) and os.path.exists(stop_file))
             stop = torch.tensor(flag, device=device)
             dist.all_reduce(stop)
-            meter.flush()
-            ray.train.report({"step": step + 1, **meter.summary()})
+            ray.train.report({"step": step + 1, "loss": avg.item() / dp,
+                              "samples": (step + 1) * batch * dp})
             if stop.item():
                 break
-    meter.close()

@@ -30,17 +30,14 @@ import torch.nn.functional as F
 
 import ray_mesh
 from ray_mesh.checkpointing import sharded
+from ray_mesh.core.runtime import in_ray_train
 from ray_mesh.core.spec import load_yaml
 from ray_mesh.data.checks import check_same_batch
 from ray_mesh.data.spec import DataSpec
 from ray_mesh.data.text import bits_per_byte, load_split
 from ray_mesh.models import Llama, LlamaConfig, num_params, parallelize_llama
 from ray_mesh.models.schedule import warmup_cosine
-from ray_mesh.observability.progress import in_ray_train
 from ray_mesh.parallel import dp_mean, dp_size, local_batch_size, shard_batch
-
-# TP hands FSDP2 the local view of its DTensor outputs; this model adds out of place only.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 DEFAULTS: dict = {
     "model": {"preset": "small", "max_seq_len": 256},
@@ -302,20 +299,23 @@ def train_loop(config: dict) -> dict:
         if done % cfg["report_every"] == 0 or done == cfg["steps"] or step == start:
             took = time.perf_counter() - timer
             total_tps = tokens_per_step * timed_steps / took
-            metrics = {"loss": sum(window_loss) / len(window_loss), "lr": sched.get_last_lr()[0],
-                       "tokens_per_s": total_tps,
-                       "tokens_per_s_per_rank": total_tps / dist.get_world_size()}
+            # Under Ray Train, ray_mesh reads this report for the progress line (tokens/s
+            # from the "tokens" count), the metrics and the run's summary.
+            metrics = {"step": done, "loss": sum(window_loss) / len(window_loss),
+                       "lr": sched.get_last_lr()[0], "tokens": done * tokens_per_step}
             summary["losses"][done] = metrics["loss"]
-            _print(f"llm: step {done}/{cfg['steps']} loss {metrics['loss']:.4f} lr "
-                   f"{metrics['lr']:.2e} tokens/s {total_tps:.0f} "
-                   f"({metrics['tokens_per_s_per_rank']:.0f}/rank)")
+            if not saver.ray:
+                _print(f"llm: step {done}/{cfg['steps']} loss {metrics['loss']:.4f} lr "
+                       f"{metrics['lr']:.2e} tokens/s {total_tps:.0f} "
+                       f"({total_tps / dist.get_world_size():.0f}/rank)")
             summary["tokens_per_s"] = total_tps
         if done % cfg["eval_every"] == 0 or done == cfg["steps"]:
             val, entropy = evaluate(model, mesh, cfg, local)
-            metrics = {**(metrics or {}), "val_loss": val, "val_bpb": bits_per_byte(val),
-                       "unigram_entropy_bpb": entropy}
-            _print(f"llm: eval at step {done}: val loss {val:.4f}, val bits/byte "
-                   f"{bits_per_byte(val):.3f} (unigram entropy {entropy:.3f} bits/byte)")
+            metrics = {**(metrics or {"step": done}), "val_loss": val,
+                       "val_bpb": bits_per_byte(val), "unigram_entropy_bpb": entropy}
+            if not saver.ray:
+                _print(f"llm: eval at step {done}: val loss {val:.4f}, val bits/byte "
+                       f"{bits_per_byte(val):.3f} (unigram entropy {entropy:.3f} bits/byte)")
             summary.update(val_loss=val, val_bpb=bits_per_byte(val), unigram_bpb=entropy)
         saver.step(done, metrics)
         if metrics is not None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import ray_mesh
 from ray_mesh.observability import hang
+from ray_mesh.observability.owner import watch_mesh
 
 
 def stuck_in_user_code(seconds: float) -> None:
@@ -61,7 +62,7 @@ def main() -> int:
     config = json.loads(sys.argv[1])
     mesh = ray_mesh.init_mesh({"dp_shard": 2, "tp": 2})
     try:
-        with hang.watch_mesh(mesh, config["hang_timeout_s"]):
+        with watch_mesh(mesh, config["hang_timeout_s"]):
             _note_report(config["out_dir"])
             hang_loop(config)
     except hang.CollectiveHangError as exc:

@@ -91,11 +91,11 @@ def main() -> int:
     config = json.loads(sys.argv[1])
     mesh = ray_mesh.init_mesh({"dp_replicate": 2, "dp_shard": 2})
     windows: list[dict] = []
-    sampler = waits.start_sampler(hang.mesh_groups(mesh), windows.append,
-                                  window_s=float(config.get("window_s", 3.0)))
+    sampler = waits.WaitSampler(hang.mesh_groups(mesh), windows.append,
+                                window_s=float(config.get("window_s", 3.0))).start()
     sampler.watch_thread()
     steps = slow_loop(config, mesh)
-    waits.stop_sampler()
+    sampler.stop()
     state = bootstrap.get_state()
     out = {"rank": state.rank, "node": config.get("node", "local"), "steps": steps,
            "coord": {k: int(v) for k, v in state.coordinate.items()}, "windows": windows}

@@ -24,7 +24,6 @@ __all__ = [
     "is_initialized",
     "parse_layout",
     "parallel",
-    "report",
     "run_storage",
     "shutdown_mesh",
 ]
@@ -48,10 +47,6 @@ def __getattr__(name: str):
         from ray_mesh import checkpointing
 
         return getattr(checkpointing, name)
-    if name == "report":  # metrics every step; ray.train.report every N-th call
-        from ray_mesh.observability.report import report
-
-        return report
     if name == "parallel":  # TP/FSDP/PP helpers: torch-only, loaded on first use
         import importlib
 

@@ -224,6 +224,16 @@ class Job:
                            f"scaling.num_workers={self.scaling.num_workers} (the maximum of an "
                            f"elastic run). Lower it.")
 
+    def trainer_inputs(self) -> tuple[dict[str, Any] | None, dict]:
+        """``(datasets, train_loop_config)`` for ``TorchTrainer``: with a ``data:`` section,
+        its Ray Data datasets (``ray_mesh.data.ray_datasets``, the section's public entry
+        point, whatever the format) and the checked section under ``config["data"]``."""
+        if self.data is None:
+            return None, self.config
+        from ray_mesh.data import ray_datasets
+
+        return ray_datasets(self.data), {**self.config, "data": self.data.to_dict()}
+
     @classmethod
     def from_dict(cls, data: Any, base_dir: Path | None = None) -> Job:
         if data is None:

@@ -108,6 +108,8 @@ def summary_lines(name: str, outcome) -> list[str]:
     elif outcome.metrics_url:
         lines.append(f"  metrics:     {outcome.metrics_url} (Prometheus; series ray_mesh_*), "
                      f"or `ray-mesh status`")
+    else:
+        lines.append("  metrics:     none served (this Ray node opened no metrics port)")
     # Keys and values of the saved summary come from the run's storage: escaped, one line.
     return [safe_text(line, 2000) for line in lines]
 

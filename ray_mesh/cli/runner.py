@@ -225,10 +225,14 @@ def check_data_resources(job: Job, scaling: ScalingConfig, cluster: dict[str, fl
 
 
 def mesh_config(job: Job, verbose: bool = False) -> MeshConfig:
-    """The job's ``mesh`` and ``network`` sections as a :class:`MeshConfig`."""
+    """The job's ``mesh``/``layout`` and ``network`` sections as a :class:`MeshConfig`; the
+    job's ``config.steps`` (when a whole number) sizes the progress line's ``step i/N`` and ETA."""
     where = ({"mesh": "auto", "replicate": job.replicate} if job.layout is None
              else {"layout": job.layout})
-    return MeshConfig(plan=job.plan, verbose=verbose, **where,
+    steps = (job.config or {}).get("steps")
+    total = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 \
+        else None
+    return MeshConfig(plan=job.plan, verbose=verbose, total_steps=total, **where,
                       **job.network.mesh_config_kwargs())
 
 
@@ -248,12 +252,8 @@ def build_trainer(job: Job, scaling: ScalingConfig, storage_path: str | None = N
         logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING"),
     )
     # A data: section: its Ray Data datasets stream to the workers, and the train function
-    # finds the checked spec in its config under "data".
-    datasets, config = None, job.config
-    if job.data is not None:
-        from ray_mesh.data.text import ray_datasets
-
-        datasets, config = ray_datasets(job.data), {**job.config, "data": job.data.to_dict()}
+    # finds the checked spec in its config under "data" (the job's own business).
+    datasets, config = job.trainer_inputs()
     return TorchTrainer(
         job.load_train_fn(),
         train_loop_config=config,
@@ -274,17 +274,22 @@ class RunOutcome:
     embedded: bool  # the endpoint went away with the embedded Ray
 
 
-def metrics_url() -> str | None:
-    """``http://<ip>:<port>/metrics`` of this driver's Ray node, or None."""
-    try:
-        node_id = ray.get_runtime_context().get_node_id()
-        for node in ray.nodes():
-            if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
-                where = host_port(node["NodeManagerAddress"], node["MetricsExportPort"])
-                return f"http://{where}/metrics"
-    except Exception:  # noqa: BLE001 - a summary line is not worth failing for
-        pass
+def node_metrics_url(nodes: list[dict[str, Any]], node_id: str) -> str | None:
+    """``http://<ip>:<port>/metrics`` of node ``node_id`` in ``ray.nodes()``, or None when it
+    opened no metrics port: Ray then answers -1 (or 0), not an address to show."""
+    for node in nodes:
+        port = node.get("MetricsExportPort")
+        if node.get("NodeID") == node_id and isinstance(port, int) and port > 0:
+            return f"http://{host_port(node['NodeManagerAddress'], port)}/metrics"
     return None
+
+
+def metrics_url() -> str | None:
+    """:func:`node_metrics_url` of this driver's Ray node, or None."""
+    try:
+        return node_metrics_url(ray.nodes(), ray.get_runtime_context().get_node_id())
+    except Exception:  # noqa: BLE001 - a summary line is not worth failing for
+        return None
 
 
 def run_job(job: Job, address: str | None = None, verbose: bool = False) -> Result:

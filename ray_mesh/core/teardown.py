@@ -61,8 +61,14 @@ def real_groups(mesh: Any) -> dict[str, weakref.ref]:
 def _release_all() -> None:
     """Empty the group registry of every DeviceMesh alive, ours and any other (a script's
     own, one kept alive by DTensor's sharding caches). Only after destroy_process_group,
-    when no registered group is usable any more."""
-    for m in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+    when no registered group is usable any more.
+
+    The sweep checks each object's *type* (``issubclass(type(o), DeviceMesh)``), never
+    ``isinstance(o, DeviceMesh)``: DeviceMesh's metaclass (torch's ``OpaqueBaseMeta``) answers
+    ``isinstance`` by reading attributes of the object, and among all live objects is
+    ``torch.distributed.reduce_op``, whose every attribute access warns (a FutureWarning per
+    rank at the end of every run)."""
+    for m in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         private_apis.release_mesh_groups(m)
 
 

@@ -1,10 +1,24 @@
-"""Data for real jobs: the ``data:`` job section (:mod:`.spec`) and byte-level text (:mod:`.text`).
+"""Data for real jobs, a documented part of the package: the ``data:`` job section and its
+byte-level corpus.
 
-Ray-free; :func:`ray_mesh.data.text.ray_dataset` imports Ray Data when called.
+* :class:`DataSpec` (:mod:`.spec`): the job file's ``data:`` section (files, directories,
+  globs or ``stdlib``; ``text`` / ``jsonl`` / ``parquet``; sequence length, global batch,
+  validation split), checked on the driver against the mesh and the model before Ray starts.
+* :func:`ray_datasets`: the section's Ray Data datasets (``{"train": ...}``, streamed and
+  split by dp rank under ``MeshConfig``), which ``ray-mesh run`` passes to ``TorchTrainer``
+  for any job with a ``data:`` section; :func:`load_split` the same rows in memory (torchrun,
+  validation).
+
+Why in the package and not in ``examples/``: the ``data:`` section is part of the job file
+format (``ray-mesh run`` checks it and wires it for every train function, not for one
+example), and the byte-level corpus with the Llama-style model (:mod:`ray_mesh.models`) is the
+package's reference workload for benchmarks and tests of the parallel layouts on real text.
+
+Ray-free; :func:`ray_dataset` imports Ray Data when called.
 """
 
 from ray_mesh.data.spec import DataSpec, DataSpecError
-from ray_mesh.data.text import load_split, pack, ray_dataset, unigram_entropy
+from ray_mesh.data.text import load_split, pack, ray_dataset, ray_datasets, unigram_entropy
 
-__all__ = ["DataSpec", "DataSpecError", "load_split", "pack", "ray_dataset",
+__all__ = ["DataSpec", "DataSpecError", "load_split", "pack", "ray_dataset", "ray_datasets",
            "unigram_entropy"]

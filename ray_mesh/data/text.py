@@ -171,6 +171,9 @@ def ray_dataset(spec: DataSpec, split: str = "train", *, files_per_batch: int = 
     """
     import ray.data
 
+    # No Ray Data progress bars: the console has ray_mesh's progress line, and without tqdm
+    # installed Ray Data only warns that it cannot draw them.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     train, val = spec.split()
     files = train if split == "train" else val
     rng = np.random.default_rng(spec.shuffle_seed)

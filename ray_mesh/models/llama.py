@@ -262,6 +262,8 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
+        # A view (nn.Linear on 3-D input): wrapped with FSDP2, apply_fsdp's own_output hook
+        # makes it a tensor of its own (ray_mesh.parallel.fsdp).
         return self.output(self.norm(h))
 
 

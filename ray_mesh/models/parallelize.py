@@ -23,6 +23,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+import ray_mesh.private_apis as private_apis
+from ray_mesh.core import bootstrap
 from ray_mesh.models.llama import Llama
 from ray_mesh.parallel import apply_fsdp, apply_tp, make_style
 from ray_mesh.parallel.mesh import mesh_device
@@ -64,6 +66,27 @@ def llama_tp_plan(sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
     }
 
 
+NORM_DIM = "dp_shard_cp_tp"
+
+
+def _flatten_norm_dims(mesh: DeviceMesh) -> None:
+    """Flatten ``dp_shard_cp`` x ``tp`` into one named dim, when both are > 1.
+
+    A gradient norm (``clip_grad_norm_``) of parameters sharded by FSDP2 over dp_shard_cp
+    and by TP over tp is partial on both dims: without a flattened dim for the pair DTensor
+    all-reduces twice, one dim after the other, and logs a warning on every rank saying
+    so. With it, one all-reduce (one more process group, made once; again is a no-op)."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names or "dp_shard" not in names:
+        return
+    try:
+        sub = bootstrap.submesh(mesh, "dp_shard_cp", "tp")
+    except (KeyError, RuntimeError, ValueError):  # a mesh without ray_mesh's flattened dims
+        return  # only the norm's speed (and torch's note) is at stake
+    if sub.size() > mesh["tp"].size():  # dp_shard_cp > 1 as well
+        private_apis.flatten_mesh(sub, NORM_DIM)
+
+
 def parallelize_llama(
     model: Llama,
     mesh: DeviceMesh,
@@ -91,6 +114,7 @@ def parallelize_llama(
             # TP replaced both modules' weights with separate DTensors (same values, same
             # Shard(0) placement on the vocab dim): share them again before FSDP groups them.
             model.tie_weights()
+        _flatten_norm_dims(mesh)
     for layer in model.layers:
         layer.activation_checkpointing = activation_checkpointing
     return apply_fsdp(model, mesh, blocks="layers", mode=dp,  # type: ignore[arg-type]

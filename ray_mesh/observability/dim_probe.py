@@ -1,7 +1,7 @@
 """A direct measure of each mesh dim's link: all-reduce latency and bus bandwidth.
 
-For the collectives that :class:`~ray_mesh.observability.meter.StepMeter` cannot see (those
-inside FSDP2, tensor-parallel modules or pipelining), time a plain all-reduce per dim.
+The collectives of FSDP2, tensor-parallel modules and pipelining overlap compute, so their
+time says little about the link; a plain all-reduce per dim, timed once, does.
 """
 
 from __future__ import annotations
@@ -11,20 +11,24 @@ import time
 import torch
 
 from ray_mesh.core import bootstrap
-from ray_mesh.observability.meter import MESH_DIMS, StepMeter
+from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
+from ray_mesh.observability import active
+from ray_mesh.observability.export import mesh_tags
+
+MESH_DIMS: tuple[str, ...] = (*DIM_NAMES, *FLATTENED_DIMS)
 
 
 def probe_dims(
     dims: tuple[str, ...] | None = None,
     nbytes: int = 1 << 20,
     iters: int = 5,
-    meter: StepMeter | None = None,
+    export: bool = True,
 ) -> dict[str, tuple[float, float]]:
     """Time an all-reduce of ``nbytes`` on every mesh dim of size > 1 (all ranks must call).
 
     Returns dim -> (median seconds, bus bandwidth in bytes/s, nccl-tests' definition
-    ``nbytes * 2 (n-1) / n / t``), and exports them through ``meter`` when given. A direct
-    measure of each dim's link, for the collectives that :class:`StepMeter` cannot see.
+    ``nbytes * 2 (n-1) / n / t``). With ``export``, inside a run, they go to the run's
+    metrics as ``mesh_dim_allreduce_seconds`` and ``mesh_dim_busbw_bytes_per_second``.
     """
     import torch.distributed as dist
 
@@ -51,9 +55,15 @@ def probe_dims(
             times.append(time.perf_counter() - t0)
         med = sorted(times)[len(times) // 2]
         results[dim] = (med, numel * 4 * 2 * (n - 1) / n / med)
-    if meter is not None:
-        meter.record_probe(results)
+    exporter = getattr(active.current(), "exporter", None)
+    if export and exporter is not None:
+        tags = mesh_tags()
+        rec = []
+        for dim, (secs, busbw) in results.items():
+            rec += [("mesh_dim_allreduce_seconds", secs, {**tags, "dim": dim}),
+                    ("mesh_dim_busbw_bytes_per_second", busbw, {**tags, "dim": dim})]
+        exporter.record(rec)
     return results
 
 
-__all__ = ["probe_dims"]
+__all__ = ["MESH_DIMS", "probe_dims"]

@@ -1,9 +1,10 @@
 """Ray's side of ray_mesh's metrics: what is exported, with which tags, and the writer.
 
 The metric definitions (:data:`METRICS`), the tags every series carries (:func:`mesh_tags`),
-the once-per-process Ray metric objects (:data:`EXPORTER`, ``ray.util.metrics``) and the
-check that the node's Prometheus endpoint answers. Ray is imported lazily, inside functions:
-a :class:`~ray_mesh.observability.meter.StepMeter` outside Ray Train never loads it.
+the writer (:class:`Exporter`: the Ray metric objects of one run, ``ray.util.metrics``; one
+per :class:`~ray_mesh.observability.owner.Observability`, so a second run in the same
+process starts with a fresh one) and the check that the node's Prometheus endpoint answers.
+Ray is imported lazily, inside functions: a torchrun job never loads it.
 """
 
 from __future__ import annotations
@@ -48,23 +49,17 @@ class MetricDef:
 
 
 METRICS: tuple[MetricDef, ...] = (
-    MetricDef("mesh_step", "gauge", "Last finished training step (1-based)."),
-    MetricDef("mesh_steps", "counter", "Training steps finished."),
-    MetricDef("mesh_step_time_seconds", "counter", "Wall time spent inside steps."),
+    # From what the train function passes to ray.train.report (observability.report).
+    MetricDef("mesh_step", "gauge", "Last reported training step ('step' key)."),
+    MetricDef("mesh_steps", "counter", "Training steps done, from the reported 'step' key."),
+    MetricDef("mesh_step_time_seconds", "counter",
+              "Wall time between reports, over the steps they span."),
     MetricDef("mesh_step_seconds", "gauge", "Mean step wall time over the last window."),
-    MetricDef("mesh_step_seconds_max", "gauge", "Slowest step in the last window."),
-    MetricDef("mesh_samples", "counter", "Samples processed by this rank's steps."),
-    MetricDef("mesh_tokens", "counter", "Tokens processed by this rank's steps."),
+    MetricDef("mesh_samples", "counter", "Samples processed (the reported 'samples' count)."),
+    MetricDef("mesh_tokens", "counter", "Tokens processed (the reported 'tokens' count)."),
     MetricDef("mesh_samples_per_second", "gauge", "Samples/s over the last window."),
     MetricDef("mesh_tokens_per_second", "gauge", "Tokens/s over the last window."),
-    MetricDef("mesh_loss", "gauge", "Loss of the last step that set one."),
-    MetricDef("mesh_collective_seconds", "counter",
-              "Time in collectives wrapped by meter.collective(dim).", per_dim=True),
-    MetricDef("mesh_collective_calls", "counter",
-              "Collectives wrapped by meter.collective(dim).", per_dim=True),
-    MetricDef("mesh_collective_fraction", "gauge",
-              "Share of the last window's step time spent in wrapped collectives.",
-              per_dim=True),
+    MetricDef("mesh_loss", "gauge", "Last reported loss ('loss' key)."),
     MetricDef("mesh_dim_allreduce_seconds", "gauge",
               "Median all-reduce time of probe_dims() on this dim.", per_dim=True),
     MetricDef("mesh_dim_busbw_bytes_per_second", "gauge",
@@ -123,21 +118,25 @@ def mesh_tags(run: str | None = None) -> dict[str, str]:
     return tags
 
 
-class _Exporter:
-    """Ray metric objects, created once per process; any failure disables export."""
+class Exporter:
+    """The Ray metric objects of one run; any failure disables export (one warning).
 
-    def __init__(self) -> None:
+    ``loud``: warn at WARNING level (each node's local rank 0), else at DEBUG.
+    """
+
+    def __init__(self, loud: bool = True) -> None:
         self._metrics: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.loud = loud
         self.enabled = True
         self.warned = False
         self.checked_endpoint = False
 
-    def warn_once(self, message: str, loud: bool) -> None:
+    def warn_once(self, message: str) -> None:
         if self.warned:
             return
         self.warned = True
-        (logger.warning if loud else logger.debug)("ray_mesh metrics: %s", message)
+        (logger.warning if self.loud else logger.debug)("ray_mesh metrics: %s", message)
 
     def _metric(self, name: str) -> Any:
         metric = self._metrics.get(name)
@@ -150,7 +149,7 @@ class _Exporter:
             self._metrics[name] = metric
         return metric
 
-    def record(self, values: list[tuple[str, float, dict[str, str]]], loud: bool) -> None:
+    def record(self, values: list[tuple[str, float, dict[str, str]]]) -> None:
         """Write (metric, value, tags) triples; gauges are set, counters incremented."""
         if not self.enabled:
             return
@@ -164,12 +163,42 @@ class _Exporter:
                     else:
                         metric.set(float(value), tags=tags)
         except Exception as exc:  # noqa: BLE001 - metrics must never break training
-            self.enabled = False
-            self.warn_once(f"exporting to Ray's metrics failed ({type(exc).__name__}: {exc}); "
-                           f"training goes on without ray_mesh metrics.", loud)
+            self.fail(exc)
 
+    def gauge(self, name: str, value: float, tags: dict[str, str], help_text: str) -> None:
+        """Set a gauge outside :data:`METRICS` (a reported key's ``mesh_report_<key>``)."""
+        if not self.enabled:
+            return
+        try:
+            with self._lock:
+                metric = self._metrics.get(name)
+                if metric is None:
+                    from ray.util.metrics import Gauge
 
-EXPORTER = _Exporter()
+                    metric = self._metrics[name] = Gauge(name, description=help_text,
+                                                         tag_keys=tuple(tags))
+                metric.set(float(value), tags=tags)
+        except Exception as exc:  # noqa: BLE001 - metrics must never break training
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        self.enabled = False
+        self.warn_once(f"exporting to Ray's metrics failed ({type(exc).__name__}: {exc}); "
+                       f"training goes on without ray_mesh metrics.")
+
+    def check_endpoint_async(self) -> None:
+        """Check the node's endpoint once per run, off the training thread."""
+        if self.checked_endpoint:
+            return
+        self.checked_endpoint = True
+
+        def run() -> None:
+            problem = check_endpoint()
+            if problem:
+                self.warn_once(problem + "; training goes on, metrics will not reach "
+                               "Prometheus or the dashboard.")
+
+        threading.Thread(target=run, name="ray_mesh-metrics-check", daemon=True).start()
 
 
 class WindowExporter:
@@ -180,7 +209,8 @@ class WindowExporter:
     names the run.
     """
 
-    def __init__(self, links: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, exporter: Exporter, links: list[dict[str, Any]] | None = None) -> None:
+        self.exporter = exporter
         self.links = links or []
         self.tags: dict[str, str] | None = None
 
@@ -194,7 +224,7 @@ class WindowExporter:
                 for label, secs in window["wait_s"].items()]
         rec += [("mesh_link_mbit", link["mbit_s"], {**tags, "a": link["a"], "b": link["b"]})
                 for link in self.links]
-        EXPORTER.record(rec, tags.get("rank") == "0")
+        self.exporter.record(rec)
 
 
 def metrics_endpoint() -> tuple[str, int] | None:
@@ -240,21 +270,6 @@ def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None)
     return None
 
 
-def check_endpoint_async(loud: bool) -> None:
-    """Check the node's endpoint once per process, off the training thread."""
-    if EXPORTER.checked_endpoint:
-        return
-    EXPORTER.checked_endpoint = True
-
-    def run() -> None:
-        problem = check_endpoint()
-        if problem:
-            EXPORTER.warn_once(problem + "; training goes on, metrics will not reach "
-                                "Prometheus or the dashboard.", loud)
-
-    threading.Thread(target=run, name="ray_mesh-metrics-check", daemon=True).start()
-
-
-__all__ = ["DIM_TAG_KEYS", "EXPORTER", "METRICS", "METRICS_BY_NAME", "TAG_KEYS", "MetricDef",
-           "WindowExporter", "check_endpoint", "check_endpoint_async", "mesh_tags",
-           "metrics_endpoint", "run_name", "train_context"]
+__all__ = ["DIM_TAG_KEYS", "METRICS", "METRICS_BY_NAME", "TAG_KEYS", "Exporter", "MetricDef",
+           "WindowExporter", "check_endpoint", "mesh_tags", "metrics_endpoint", "run_name",
+           "train_context"]

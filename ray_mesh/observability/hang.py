@@ -22,7 +22,7 @@ Why this shape:
   process-group timeout is set to ``hang_timeout_s + END_GRACE_S``: the waiting ranks'
   collectives then raise (gloo) or are aborted by NCCL's watchdog, and the exception is
   replaced by :class:`CollectiveHangError` carrying the report (:meth:`HangWatch.explain`,
-  called by MeshConfig's train-thread context and by :func:`watch_mesh`). With
+  called by MeshConfig's train-thread context and by ``owner.watch_mesh``). With
   ``FailureConfig(max_failures=k)`` Ray Train retries the run as for any worker error.
   On NCCL also set ``TORCH_NCCL_TRACE_BUFFER_SIZE`` (flight recorder) and
   ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` for torch's own per-collective dump.
@@ -44,7 +44,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -55,6 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 from ray_mesh.errors import CollectiveHangError
+from ray_mesh.observability import active
 from ray_mesh.observability.hang_report import P2P_DIM, format_report
 from ray_mesh.observability.hang_store import HangStore, connect_store
 
@@ -275,95 +275,52 @@ class HangWatch:
         self.report_ready.set()
 
 
-# ----------------------------------------------------------------------------- process-wide
-_watch: HangWatch | None = None
-
-
+# ----------------------------------------------------------------------------- starting one
 def start_watch(mesh: DeviceMesh, timeout_s: float, *, pg_timeout_s: float | None = None,
                 poll_s: float | None = None, store: dist.Store | None = None) -> HangWatch:
-    """Start this rank's watchdog on ``mesh``'s groups and bound their collectives.
+    """Start a watchdog on ``mesh``'s groups and bound their collectives; the caller stops it.
 
     Every watched group's process-group timeout becomes ``timeout_s + END_GRACE_S`` (or
-    ``pg_timeout_s`` if smaller), so that a hung collective ends after the report.
+    ``pg_timeout_s`` if smaller), so that a hung collective ends after the report. Its owner
+    in a run is :class:`ray_mesh.observability.owner.Observability` (which
+    :func:`watched` and :func:`all_reduce` find through ``observability.active``); under
+    torchrun, ``owner.watch_mesh``.
     """
-    global _watch
-    stop_watch()
     groups = mesh_groups(mesh)
     end = timeout_s + END_GRACE_S
     if pg_timeout_s:
         end = min(end, pg_timeout_s)
     for group in groups.values():
         group.set_timeout(timedelta(seconds=end))
-    _watch = HangWatch(groups, store or connect_store(), rank=dist.get_rank(),
-                       world_size=dist.get_world_size(), timeout_s=timeout_s,
-                       poll_s=poll_s).start()
-    return _watch
-
-
-def try_start_watch(mesh: DeviceMesh, timeout_s: float, **kwargs: Any) -> HangWatch | None:
-    """:func:`start_watch`, but a watch that cannot start only warns: it is a diagnosis aid,
-    not a reason to fail a run that has its mesh."""
-    try:
-        return start_watch(mesh, timeout_s, **kwargs)
-    except Exception as exc:  # noqa: BLE001
-        message = (f"ray_mesh: the hang watch could not start ({type(exc).__name__}: {exc}); "
-                   f"training goes on, but a hung collective is reported only by the "
-                   f"process-group timeout. Set MeshConfig(hang_timeout_s=None) to silence this.")
-        logger.warning("%s", message)
-        print(message, file=sys.stderr, flush=True)
-        return None
-
-
-def stop_watch() -> None:
-    global _watch
-    if _watch is not None:
-        _watch.stop()
-        _watch = None
+    return HangWatch(groups, store or connect_store(), rank=dist.get_rank(),
+                     world_size=dist.get_world_size(), timeout_s=timeout_s,
+                     poll_s=poll_s).start()
 
 
 def current() -> HangWatch | None:
-    return _watch
-
-
-def explain(exc: BaseException | None) -> CollectiveHangError | None:
-    """The CollectiveHangError to raise instead of ``exc``, if this rank saw a hang."""
-    return _watch.explain(exc) if _watch is not None else None
-
-
-@contextlib.contextmanager
-def watch_mesh(mesh: DeviceMesh, timeout_s: float, **kwargs: Any) -> Iterator[HangWatch]:
-    """``with watch_mesh(mesh, 60): train()`` under torchrun: errors of a hung collective
-    become a :class:`CollectiveHangError` with the report."""
-    watch = start_watch(mesh, timeout_s, **kwargs)
-    try:
-        yield watch
-    except BaseException as exc:
-        better = watch.explain(exc)
-        if better is not None:
-            raise better from None  # the report names the collective; gloo's text adds nothing
-        raise
-    finally:
-        stop_watch()
+    """The running owner's watch (see ``observability.active``), or None."""
+    return active.watch()
 
 
 def watched(dim: str, op: str) -> contextlib.AbstractContextManager:
     """Name a collective you issue on ``dim`` for the hang report (no-op without a watch)."""
-    return _watch.watched(dim, op) if _watch is not None else contextlib.nullcontext()
+    watch = active.watch()
+    return watch.watched(dim, op) if watch is not None else contextlib.nullcontext()
 
 
 def all_reduce(tensor: torch.Tensor, dim: str, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
     """``dist.all_reduce`` on the mesh dim ``dim``, named in a hang report."""
-    hit = _watch.by_dim.get(dim) if _watch is not None else None
+    watch = active.watch()
+    hit = watch.by_dim.get(dim) if watch is not None else None
     if hit is None:  # no watch, or a dim of size 1
         from ray_mesh.core.bootstrap import get_mesh
 
         dist.all_reduce(tensor, op=op, group=get_mesh().get_group(dim))
         return tensor
-    with _Watched(_watch, hit[0], "all_reduce"):
+    with _Watched(watch, hit[0], "all_reduce"):
         dist.all_reduce(tensor, op=op, group=hit[1])
     return tensor
 
 
 __all__ = ["CollectiveHangError", "END_GRACE_S", "HangWatch", "all_reduce", "connect_store",
-           "current", "explain", "mesh_groups", "start_watch", "stop_watch", "try_start_watch",
-           "watch_mesh", "watched"]
+           "current", "mesh_groups", "start_watch", "watched"]

@@ -1,59 +1,53 @@
 """Mesh-aware training metrics on Ray's metrics pipeline (``ray.util.metrics`` -> Prometheus).
 
-One :class:`StepMeter` per training process::
+There is no metrics object to create: what the train function passes to
+``ray.train.report`` is the input. Inside a ``MeshConfig`` run every report is read by the
+run's :class:`~ray_mesh.observability.report.ReportRecorder`::
 
-    from ray_mesh.observability.metrics import StepMeter, probe_dims
-
-    meter = StepMeter(samples_per_step=batch * dp)
     for step in range(steps):
-        with meter.step() as s:
-            loss = train_step(...)
-            s.loss = loss
-        with meter.collective("dp"):          # a collective the loop issues itself
-            dist.all_reduce(t, group=mesh.get_group("dp"))
-    meter.close()
+        loss = train_step(...)
+        if (step + 1) % 10 == 0:
+            ray.train.report({"step": step + 1, "loss": loss.item(),
+                              "samples": (step + 1) * global_batch})
+
+and becomes, with no further code, the console's progress line on rank 0, the series below
+(``mesh_step``, ``mesh_step_seconds``, ``mesh_samples_per_second``, ``mesh_loss``, process
+memory, ...), a ``mesh_report_<key>`` gauge per reported number, and the run's summary.
 
 Why this shape:
 
-* One record into a Ray metric costs 10-20 us (measured: Ray 2.60, 2-core VM), a toy HSDP
-  step a few ms. So the per-step path only does bookkeeping (two ``perf_counter`` calls and a
-  few additions); the Ray metric objects are created once per process and written at most
-  once per ``flush_every_s`` (Ray's exporter and Prometheus sample every 10-15 s anyway).
-* Averages use counters (steps, step seconds, samples, collective seconds per dim) so that
-  PromQL ``rate()`` gives honest means between any two scrapes; gauges carry the latest
-  window for a glance.
-* Metrics must never break training: a failing metric record or a node whose metrics
-  endpoint does not answer gives ONE warning per process (at WARNING level on each node's
-  local rank 0, DEBUG elsewhere) and the meter goes on timing without exporting.
+* One way to report: Ray Train's. A second API (a meter object, a reporting helper) was one
+  more thing to learn and a second source of truth for the same step.
+* One record into a Ray metric costs 10-20 us (measured: Ray 2.60, 2-core VM): the recorder
+  only does bookkeeping per report and writes Ray's metrics at most every 2 s. Averages use
+  counters (steps, step seconds, samples, tokens) so that PromQL ``rate()`` gives honest
+  means between any two scrapes; gauges carry the latest window for a glance.
+* Metrics must never break training: a failing record or a node whose metrics endpoint does
+  not answer gives ONE warning per run and process (WARNING on each node's local rank 0,
+  DEBUG elsewhere), and training goes on without exporting.
 
 What is and is not measured:
 
-* step time: host wall time inside ``with meter.step()``. On CUDA the host may run ahead of
-  the GPU, so a single step can look short or long; the window mean and the counters are
-  right over many steps because the CUDA launch queue is bounded.
-* time in collectives per mesh dim: only the collectives the train loop wraps in
-  ``meter.collective(dim)``. On CPU (gloo) the wall time of the blocking call; on CUDA the
-  time between two CUDA events recorded on the current stream around the call (the stream
-  waits for the collective), read at flush time. Collectives issued inside FSDP2,
-  tensor-parallel modules or pipelining are NOT seen: they overlap compute and measuring
-  them needs the torch profiler. :func:`probe_dims` measures each dim's all-reduce latency
-  and bus bandwidth directly instead, and the wait sampler
-  (:mod:`ray_mesh.observability.waits`, on under ``MeshConfig``) measures, with no code in
-  the loop, the time the training thread is *blocked* in each dim's collectives (FSDP2's
-  and TP's included): what :mod:`ray_mesh.observability.slow` names the slow rank/link from.
+* step time: the wall time between reports divided by the steps between them (the
+  reported ``step`` key), so data loading and the report itself are in it.
+* time in collectives per mesh dim: the wait sampler (:mod:`ray_mesh.observability.waits`,
+  on under ``MeshConfig``) measures, with no code in the loop, the time the training thread
+  is *blocked* in each dim's collectives (FSDP2's and TP's included), what
+  :mod:`ray_mesh.observability.slow` names the slow rank/link from; :func:`probe_dims`
+  measures each dim's all-reduce latency and bus bandwidth directly.
 * memory: process RSS (psutil) on every device, and torch.cuda allocated / reserved / peak
-  bytes on CUDA devices.
+  bytes on CUDA devices, at each window.
 
 Every metric carries the tags of :func:`mesh_tags`: run, rank, node_rank, node_ip and the
 rank's mesh coordinate (pp, dp_replicate, dp_shard, cp, tp). Ray exports a metric named
 ``mesh_x`` as ``ray_mesh_x`` (Ray adds the ``ray_`` prefix; counters get ``_total``).
 
-The pieces, one job each: ``meter`` (:class:`StepMeter`, the per-step bookkeeping),
-``export`` (metric definitions, tags, the writer to Ray's metrics), ``dim_probe``
-(:func:`probe_dims`). This module is the public entry point that gathers them.
+The pieces, one job each: ``report`` (the recorder), ``export`` (metric definitions, tags,
+the writer to Ray's metrics), ``dim_probe`` (:func:`probe_dims`), ``owner`` (who starts and
+stops them). This module is the public entry point that gathers them.
 """
 
-from ray_mesh.observability.dim_probe import probe_dims
+from ray_mesh.observability.dim_probe import MESH_DIMS, probe_dims
 from ray_mesh.observability.export import (
     METRICS,
     METRICS_BY_NAME,
@@ -62,7 +56,6 @@ from ray_mesh.observability.export import (
     mesh_tags,
     run_name,
 )
-from ray_mesh.observability.meter import MESH_DIMS, StepMeter
 
-__all__ = ["MESH_DIMS", "METRICS", "METRICS_BY_NAME", "MetricDef", "StepMeter", "check_endpoint",
-           "mesh_tags", "probe_dims", "run_name"]
+__all__ = ["MESH_DIMS", "METRICS", "METRICS_BY_NAME", "MetricDef", "check_endpoint", "mesh_tags",
+           "probe_dims", "run_name"]

@@ -1,27 +1,29 @@
-"""Every number a train function reports becomes a mesh-tagged metric, with no extra code.
+"""Every number a train function passes to ``ray.train.report`` becomes a metric, a progress
+line and the run's summary, with no extra code.
 
-Two ways in, one pipeline:
+The one way to report a step is Ray Train's own: ``ray.train.report(metrics)`` on every rank.
+Inside a ``MeshConfig`` run, the training thread's context (``raytrain.backend``) wraps the
+public ``ray.train.report`` for the duration of the train function (:func:`wrap_train_report`)
+and hands each dict to this process's :class:`ReportRecorder` before passing it on. Why wrap
+rather than ask for a call of ours: the metrics then come from code that already exists,
+unchanged, and the wrapper only looks at the dict.
 
-* ``ray.train.report(metrics)`` inside a ``MeshConfig`` run: ``MeshConfig``'s
-  ``train_func_context`` (entered by Ray Train in the training thread) wraps the public
-  ``ray.train.report`` for the duration of the train function (:func:`wrap_train_report`).
-  Why wrap rather than ask for a new call: the metrics then come from code that already
-  exists, unchanged, and the wrapper only looks at the dict before handing it on.
-* ``ray_mesh.report(metrics, every=N)`` (:func:`report`): for reporting every step. A
-  ``ray.train.report`` waits for the controller to take the previous one, and the controller
-  polls every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (2 s by default): measured with Ray 2.60,
-  10 reports in 18.2 s. ``ray_mesh.report`` records the numbers at once (a dict update) and
-  calls ``ray.train.report`` only on every N-th call, or when a checkpoint comes along. The
-  count is the same on every rank, so the ranks agree on which calls go through (Ray Train
-  needs every rank to report the same number of times).
+What the recorder takes from a report (all optional):
 
-Per call only bookkeeping is done; the Ray metric objects are written at most every
-``FLUSH_EVERY_S`` (Ray exports every ~10 s anyway; one Ray metric write costs 10-20 us, a toy
-step a few ms). Exported, with the tags of ``metrics.mesh_tags`` (run, rank, node, mesh
-coordinate): ``mesh_report_<key>`` (a gauge per numeric key, named after the key),
-``mesh_report_step_seconds`` (mean time between steps over the last window, derived from a
-``step`` key when present, else one step per report) and ``mesh_report_steps_per_second``.
-A failing metrics pipeline warns once and training goes on.
+* ``step``: the step count; steps/s and the time per step come from the recorder's clock
+  between reports (without ``step``, one report counts as one step);
+* ``samples``, ``tokens``: counts so far (they grow like ``step``): samples/s and tokens/s;
+* ``loss`` and any other number: shown on the progress line and exported as is.
+
+Per report only bookkeeping is done (and rank 0's progress line); the Ray metric objects are
+written at most every ``FLUSH_EVERY_S`` (Ray exports every ~10 s anyway; one Ray metric write
+costs 10-20 us). Exported, with the tags of ``export.mesh_tags`` (run, rank, node, mesh
+coordinate): the series of ``export.METRICS`` that reports feed (``mesh_step``,
+``mesh_step_seconds``, ``mesh_samples_per_second``, ``mesh_loss``, process memory, ...), and
+``mesh_report_<key>`` (a gauge per numeric key) with ``mesh_report_step_seconds`` and
+``mesh_report_steps_per_second``. A failing metrics pipeline warns once and training goes on.
+A report costs Ray Train a wait for the controller's poll (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``;
+``ray-mesh run`` sets it low), so report every N steps, not every step.
 """
 
 from __future__ import annotations
@@ -29,17 +31,22 @@ from __future__ import annotations
 import logging
 import math
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ray_mesh.observability.export import Exporter, mesh_tags, run_name
+from ray_mesh.observability.progress import progress_line
+
 logger = logging.getLogger(__name__)
 
 FLUSH_EVERY_S = 2.0
+LINE_EVERY_S = 1.0
+LINE_EVERY_STEPS = 10
 PREFIX = "mesh_report_"
 DERIVED = ("step_seconds", "steps_per_second")
+_COUNTED = (("samples", "samples_per_s"), ("tokens", "tokens_per_s"))
 
 
 def metric_name(key: str) -> str:
@@ -62,169 +69,191 @@ def numeric_items(metrics: dict[str, Any]) -> Iterator[tuple[str, float]]:
 
 
 class ReportRecorder:
-    """Remembers the latest reported numbers of this process and exports them in windows."""
+    """The reports of one run in this process: numbers, rates, progress line, metrics.
 
-    def __init__(self, export: bool = True, flush_every_s: float = FLUSH_EVERY_S) -> None:
-        self.export = export
-        self.flush_every_s = flush_every_s
+    Args:
+        exporter: where the metrics go (None: nowhere, e.g. in tests).
+        name: the run's name, first on the progress line (None: Ray Train's experiment
+            name, read at the first report, in the training thread).
+        total_steps: the run's step count, for ``step i/N`` and the ETA (None: unknown).
+        show: called with each progress line (world rank 0 passes ``progress.show``).
+        flush_every_s: how often the window is written to the exporter.
+        clock: the time source (``time.perf_counter``).
+    """
+
+    def __init__(self, exporter: Exporter | None = None, *, name: str | None = None,
+                 total_steps: int | None = None, show: Callable[[str], None] | None = None,
+                 flush_every_s: float = FLUSH_EVERY_S,
+                 clock: Callable[[], float] = time.perf_counter,
+                 device: Any = None) -> None:
+        self.exporter, self.name, self.total_steps = exporter, name, total_steps
+        self.show, self.flush_every_s, self.clock, self.device = show, flush_every_s, clock, device
         self.latest: dict[str, Any] = {}
         self.calls = 0
-        self._gauges: dict[str, Any] = {}
-        self._tags: dict[str, str] | None = None
-        self._lock = threading.Lock()
-        self._w_start = time.perf_counter()
-        self._w_steps = 0.0
-        self._last_step: float | None = None
-        self.derived: dict[str, float] = {}
-        self.first_t: float | None = None  # when the first report came (perf_counter)
+        self.rates: dict[str, float] = {}  # since the first report: the summary's and ETA's
+        self.derived: dict[str, float] = {}  # of the last window
+        self.first_t: float | None = None  # when the first report came
         self.last_t = 0.0
+        self._first: dict[str, float] = {}  # the counters at the first report
+        self._prev: dict[str, float] = {}  # the counters at the previous report
+        self._w_start = 0.0
+        self._w: dict[str, float] = {}  # the window's increments: step, samples, tokens
+        self._tags: dict[str, str] | None = None
+        self._rss: Any = None
+        self._shown: tuple[float, float] | None = None  # (time, step) of the last line
 
+    # ------------------------------------------------------------------ per report
     def observe(self, metrics: dict[str, Any]) -> None:
-        """The per-call path: keep the dict, count the steps, flush when a window is over."""
+        """One report: keep the numbers, count, show rank 0's line, flush a full window."""
+        now = self.clock()
         self.calls += 1
         self.latest.update(metrics)
-        now = time.perf_counter()
+        numbers = dict(numeric_items(metrics))
+        counters = {"step": numbers.get("step", float(self.calls))}
+        counters.update({k: numbers[k] for k, _ in _COUNTED if k in numbers})
+        before = self._prev.get("step")
+        gap = counters["step"] - before if before is not None else None
         if self.first_t is None:
-            self.first_t = now
-        self.last_t = now
-        step = metrics.get("step")
-        if isinstance(step, int | float) and not isinstance(step, bool):
-            if self._last_step is not None and step > self._last_step:
-                self._w_steps += step - self._last_step
-            self._last_step = float(step)
+            self.first_t, self._w_start, self._first = now, now, dict(counters)
         else:
-            self._w_steps += 1
+            for key, value in counters.items():
+                before = self._prev.get(key)
+                if before is not None and value > before:
+                    self._w[key] = self._w.get(key, 0.0) + value - before
+            self.rates = self._rates(counters, now - self.first_t)
+        self._prev.update(counters)
+        self.last_t = now
+        if self.show is not None and self._line_due(counters["step"], gap, now):
+            if self.name is None:
+                self.name = run_name()
+            try:
+                self.show(progress_line(self.name, counters["step"], self.total_steps,
+                                        numbers, self.rates))
+            except Exception:  # noqa: BLE001 - a progress line must never break a report
+                logger.debug("ray_mesh: no progress line", exc_info=True)
         if now - self._w_start >= self.flush_every_s:
             self.flush(now)
 
+    def _line_due(self, step: float, gap: float | None, now: float) -> bool:
+        """A line for every report of a loop that reports every few steps (``gap``: steps
+        since the previous report, > 1); for one that reports every step, a line only
+        ``LINE_EVERY_STEPS`` steps or ``LINE_EVERY_S`` seconds after the last one shown, and
+        for the first and the last report: the console is not filled step by step."""
+        last = self.total_steps is not None and step >= self.total_steps
+        if (self._shown is not None and not last and (gap is None or gap <= 1)
+                and now - self._shown[0] < LINE_EVERY_S
+                and step - self._shown[1] < LINE_EVERY_STEPS):
+            return False
+        self._shown = (now, step)
+        return True
+
+    def _rates(self, counters: dict[str, float], elapsed: float) -> dict[str, float]:
+        if elapsed <= 0:
+            return self.rates
+        out = {"steps_per_s": (counters["step"] - self._first["step"]) / elapsed}
+        for key, rate in _COUNTED:
+            if key in counters and key in self._first:
+                out[rate] = (counters[key] - self._first[key]) / elapsed
+        return out if out["steps_per_s"] > 0 else self.rates
+
+    # ------------------------------------------------------------------ window
     def flush(self, now: float | None = None) -> dict[str, float]:
         """Close the window: derive step time and rate, export every number."""
-        now = time.perf_counter() if now is None else now
-        wall = now - self._w_start
-        if self._w_steps and wall > 0:
-            self.derived = {"step_seconds": wall / self._w_steps,
-                            "steps_per_second": self._w_steps / wall}
-        self._w_start, self._w_steps = now, 0.0
+        now = self.clock() if now is None else now
+        wall, steps = now - self._w_start, self._w.get("step", 0.0)
+        if steps and wall > 0:
+            self.derived = {"step_seconds": wall / steps, "steps_per_second": steps / wall}
         values = {**dict(numeric_items(self.latest)), **self.derived}
-        if self.export:
-            self._export(values)
+        if self.exporter is not None and self.exporter.enabled:
+            self._export(values, wall)
+        self._w_start, self._w = now, {}
         return values
 
+    def _export(self, values: dict[str, float], wall: float) -> None:
+        if self._tags is None or self._tags.get("run") == "local":
+            self._tags = mesh_tags()
+        tags, w = self._tags, self._w
+        rec: list[tuple[str, float, dict[str, str]]] = []
+        if "step" in values:
+            rec.append(("mesh_step", values["step"], tags))
+        if "loss" in values:
+            rec.append(("mesh_loss", values["loss"], tags))
+        if w.get("step") and wall > 0:
+            rec += [("mesh_steps", w["step"], tags), ("mesh_step_time_seconds", wall, tags),
+                    ("mesh_step_seconds", self.derived["step_seconds"], tags)]
+        for key, unit in (("samples", "mesh_samples"), ("tokens", "mesh_tokens")):
+            if w.get(key) and wall > 0:
+                rec += [(unit, w[key], tags), (unit + "_per_second", w[key] / wall, tags)]
+        rec += self._memory(tags)
+        self.exporter.record(rec)
+        for key, value in values.items():
+            self.exporter.gauge(metric_name(key), value, tags, f"Last reported {key!r}.")
+
+    def _memory(self, tags: dict[str, str]) -> list[tuple[str, float, dict[str, str]]]:
+        rec = []
+        try:
+            if self._rss is None:
+                import psutil
+
+                self._rss = psutil.Process()
+            rec.append(("mesh_process_rss_bytes", float(self._rss.memory_info().rss), tags))
+        except Exception:  # noqa: BLE001 - memory is best effort
+            pass
+        if self.device is not None and getattr(self.device, "type", "") == "cuda":
+            import torch
+
+            rec += [("mesh_device_memory_allocated_bytes",
+                     float(torch.cuda.memory_allocated(self.device)), tags),
+                    ("mesh_device_memory_reserved_bytes",
+                     float(torch.cuda.memory_reserved(self.device)), tags),
+                    ("mesh_device_memory_peak_bytes",
+                     float(torch.cuda.max_memory_allocated(self.device)), tags)]
+        return rec
+
     def summary(self) -> dict[str, Any]:
-        """What the run's summary needs: the last numbers, steps and time between reports."""
-        out: dict[str, Any] = {"reports": self.calls, "last": dict(numeric_items(self.latest))}
+        """What the run's summary needs: the last numbers with the run's rates (steps/s,
+        samples/s, tokens/s from the first report to the last), reports and their span."""
+        out: dict[str, Any] = {"reports": self.calls,
+                               "last": {**dict(numeric_items(self.latest)), **self.rates}}
         if self.first_t is not None:
             out["report_seconds"] = self.last_t - self.first_t
         return out
 
-    def _export(self, values: dict[str, float]) -> None:
-        try:
-            with self._lock:
-                if self._tags is None:
-                    from ray_mesh.observability.metrics import mesh_tags
-
-                    self._tags = mesh_tags()
-                from ray.util.metrics import Gauge
-
-                for key, value in values.items():
-                    gauge = self._gauges.get(key)
-                    if gauge is None:
-                        gauge = self._gauges[key] = Gauge(
-                            metric_name(key), description=f"Last reported {key!r}.",
-                            tag_keys=tuple(self._tags))
-                    gauge.set(value, tags=self._tags)
-        except Exception as exc:  # noqa: BLE001 - metrics must never break training
-            self.export = False
-            logger.warning("ray_mesh metrics: exporting reported metrics failed (%s: %s); "
-                           "training goes on without them.", type(exc).__name__, exc)
-
-
-_recorder: ReportRecorder | None = None
-_original_report: Callable[..., None] | None = None
-
-
-def recorder() -> ReportRecorder:
-    """This process's recorder (exporting only inside a Ray Train worker)."""
-    global _recorder
-    if _recorder is None:
-        from ray_mesh.core.runtime import in_ray_train
-
-        _recorder = ReportRecorder(export=in_ray_train())
-    return _recorder
-
-
-def _train_report() -> Callable[..., None]:
-    """The real ``ray.train.report``, even while :func:`wrap_train_report` is active."""
-    if _original_report is not None:
-        return _original_report
-    import ray.train
-
-    return ray.train.report
-
-
-def report(metrics: dict[str, Any], checkpoint: Any = None, *, every: int = 1,
-           **kwargs: Any) -> bool:
-    """Record ``metrics`` now; hand them to ``ray.train.report`` on every ``every``-th call.
-
-    Every rank must call it the same number of times with the same ``every`` (as for
-    ``ray.train.report``). A call with a ``checkpoint`` always goes through, so checkpoints
-    are never dropped. Returns True when this call went through ``ray.train.report``.
-    Outside Ray Train (torchrun) it only records.
-    """
-    if every < 1:
-        raise ValueError(f"every must be >= 1, got {every}.")
-    rec = recorder()
-    rec.observe(metrics)
-    if checkpoint is None and rec.calls % every:
-        return False
-    from ray_mesh.core.runtime import in_ray_train
-
-    if not in_ray_train():
-        return False
-    _train_report()(metrics, checkpoint=checkpoint, **kwargs)
-    return True
-
 
 @contextmanager
-def wrap_train_report() -> Iterator[None]:
-    """While active, ``ray.train.report`` also records its metrics (see the module docstring).
+def wrap_train_report(recorder: ReportRecorder) -> Iterator[None]:
+    """While active, ``ray.train.report`` also hands its metrics to ``recorder``.
 
     Wraps the public ``ray.train.report`` attribute: code that calls ``ray.train.report(...)``
-    (the documented form) is seen; a name bound earlier with ``from ray.train import report``
-    is not, and still works unchanged.
+    (the documented form, and ``Checkpointer``) is seen; a name bound earlier with
+    ``from ray.train import report`` is not, and still works unchanged. At the end the last
+    window is flushed and rank 0 saves the summary (:func:`save_summary`).
     """
-    global _original_report
     import ray.train
 
-    if _original_report is not None:  # already wrapped (nested context)
-        yield
-        return
     original = ray.train.report
 
     def wrapped(metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            recorder().observe(metrics)
+            recorder.observe(metrics)
         except Exception:  # noqa: BLE001 - recording must never break a report
             logger.debug("ray_mesh: could not record reported metrics", exc_info=True)
         return original(metrics, *args, **kwargs)
 
     wrapped.__doc__, wrapped.__wrapped__ = original.__doc__, original  # type: ignore[attr-defined]
-    _original_report = original
     ray.train.report = wrapped
     try:
         yield
     finally:
         ray.train.report = original
-        _original_report = None
-        if _recorder is not None:
-            _recorder.flush()
-            save_summary()
+        recorder.flush()
+        save_summary(recorder)
 
 
 SUMMARY_FILE = "ray_mesh_summary.json"
 
 
-def save_summary() -> None:
+def save_summary(recorder: ReportRecorder) -> None:
     """On rank 0 at the end of the train function: the recorder's summary into the run
     directory (through Ray Train's storage filesystem, as the layout is), for the driver's
     final summary: Ray Train 2.60 keeps a report's metrics in ``Result`` only when the report
@@ -235,13 +264,13 @@ def save_summary() -> None:
         import ray.train
 
         ctx = ray.train.get_context()
-        if ctx.get_world_rank() != 0 or _recorder is None or not _recorder.calls:
+        if ctx.get_world_rank() != 0 or not recorder.calls:
             return
         storage = ctx.get_storage()
         fs, run_dir = storage.storage_filesystem, storage.experiment_fs_path
         fs.create_dir(run_dir, recursive=True)
         with fs.open_output_stream(f"{run_dir}/{SUMMARY_FILE}") as out:
-            out.write(json.dumps(_recorder.summary()).encode())
+            out.write(json.dumps(recorder.summary()).encode())
     except Exception as exc:  # noqa: BLE001 - a summary must not fail a finished run
         logger.debug("ray_mesh: could not save the run summary: %s", exc)
 
@@ -273,5 +302,5 @@ def read_summary(run_path: str, timeout_s: float = 30.0,
     return doc
 
 
-__all__ = ["SUMMARY_FILE", "ReportRecorder", "metric_name", "read_summary", "recorder", "report",
+__all__ = ["SUMMARY_FILE", "ReportRecorder", "metric_name", "numeric_items", "read_summary",
            "save_summary", "wrap_train_report"]

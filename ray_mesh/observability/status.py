@@ -350,8 +350,8 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
     if run["ranks"]:
         out.append(text_table(run["ranks"], LAYOUT_COLUMNS + metric_cols))
     if not metric_cols:
-        out.append("(no step metrics yet: they appear ~10-20 s after the first "
-                   "StepMeter flush)")
+        out.append("(no step metrics yet: they appear ~10-20 s after the train function's "
+                   "first ray.train.report)")
     if run.get("slow"):
         out += ["Slowest rank per dim, links, verdict:", *format_analysis(run["slow"])]
     return out

@@ -96,8 +96,6 @@ def latest_by_rank(samples: list[tuple[str, dict, float]], run: str) -> dict[int
         row = out.setdefault(int(rank), {})
         if name in LATEST:
             row[LATEST[name]] = value / 2**20 if name.endswith("rss_bytes") else value
-        elif name == "ray_mesh_collective_fraction":
-            row[f"coll%({labels.get('dim')})"] = 100 * value
         elif name == "ray_mesh_dim_wait_seconds":
             row[f"wait_s/{labels.get('dim')}"] = value
         elif name in WAITS:

@@ -156,9 +156,9 @@ class WaitSampler:
         if filename.endswith(_C10D):
             local = frame.f_locals
             for key in _GROUP_LOCALS:
-                group = local.get(key)
-                if group is not None and hasattr(group, "group_name"):
-                    return self._by_name.get(group.group_name)  # None: not a mesh group
+                name = _group_name(local.get(key))
+                if name is not None:
+                    return self._by_name.get(name)  # None: not a mesh group
             return self._latest() if "wait(" in _line(frame) else None
         if filename.endswith(_FUNCOL) or ".wait(" in _line(frame):
             return self._latest()
@@ -187,58 +187,26 @@ class WaitSampler:
                                type(exc).__name__, exc)
 
 
+def _group_name(group: Any) -> str | None:
+    """The name of a ``group`` local, or None when it has none (yet).
+
+    A frame inside ``distributed_c10d`` may hold a group that ``new_group`` is still
+    building (the checkpointer's gloo group, ``checkpointing.sharded.checkpoint_group``,
+    made while training runs): its ``group_name`` raises RuntimeError
+    ("ProcessGroup name not set") until c10d names it, and ``hasattr`` only hides
+    AttributeError. Such a group is not one of the mesh's, whose names are known."""
+    if group is None:
+        return None
+    try:
+        name = group.group_name
+    except (AttributeError, RuntimeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 def _line(frame: Any) -> str:
     lineno = frame.f_lineno  # None while a frame is between instructions (3.11)
     return linecache.getline(frame.f_code.co_filename, lineno) if lineno else ""
 
 
-# ----------------------------------------------------------------------------- process-wide
-_sampler: WaitSampler | None = None
-
-
-def start_sampler(groups: dict[str, dist.ProcessGroup],
-                  on_window: Callable[[Window], None] | None = None,
-                  **kwargs: float) -> WaitSampler:
-    """Start this process's sampler (stopping an earlier one)."""
-    global _sampler
-    stop_sampler()
-    _sampler = WaitSampler(groups, on_window, **kwargs).start()
-    return _sampler
-
-
-def try_start_sampler(mesh: Any, interval_s: float = DEFAULT_INTERVAL_S,
-                      links: list[dict[str, Any]] | None = None) -> WaitSampler | None:
-    """:func:`start_sampler` on ``mesh``'s groups, exporting each window as Ray metrics
-    (``links``: the measured matrix, exported with them; rank 0 passes it). One that cannot
-    start only warns: a diagnosis aid, not a reason to fail a run that has its mesh."""
-    from ray_mesh.observability.export import WindowExporter
-    from ray_mesh.observability.hang import mesh_groups
-
-    try:
-        return start_sampler(mesh_groups(mesh), WindowExporter(links), interval_s=interval_s)
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("ray_mesh: the wait sampler could not start (%s: %s); training goes "
-                       "on without per-dim wait metrics. MeshConfig(wait_sample_s=None) "
-                       "silences this.", type(exc).__name__, exc)
-        return None
-
-
-def stop_sampler() -> None:
-    global _sampler
-    if _sampler is not None:
-        _sampler.stop()
-        _sampler = None
-
-
-def current() -> WaitSampler | None:
-    return _sampler
-
-
-def watch_this_thread() -> None:
-    """Called in the training thread: sample it only (others never block the step)."""
-    if _sampler is not None:
-        _sampler.watch_thread()
-
-
-__all__ = ["DEFAULT_INTERVAL_S", "DEFAULT_WINDOW_S", "WaitSampler", "Window", "current",
-           "start_sampler", "stop_sampler", "try_start_sampler", "watch_this_thread"]
+__all__ = ["DEFAULT_INTERVAL_S", "DEFAULT_WINDOW_S", "WaitSampler", "Window"]

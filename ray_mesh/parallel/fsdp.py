@@ -20,7 +20,7 @@ final norm, head). Call it after tensor parallel (torchtitan's order), once per 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -174,12 +174,32 @@ def apply_fsdp(
     for block in find_blocks(module, blocks):
         if block is module:
             continue
+        block.register_forward_hook(own_output)  # before fully_shard's: FSDP sees the result
         fully_shard(block, mesh=dp_mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward)
+    module.register_forward_hook(own_output)
     fully_shard(module, mesh=dp_mesh, mp_policy=policy,
                 reshard_after_forward=reshard_after_forward)
     return module
 
 
-__all__ = ["PRECISIONS", "apply_fsdp", "find_blocks", "mixed_precision_policy",
+def own_output(module: nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: a grad-requiring output that is a view becomes a tensor of its own.
+
+    FSDP2 hooks its pre-backward all-gather onto each wrapped module's outputs; on a view an
+    in-place op by the caller (``out += y``) silently drops that hook and skips the
+    all-gather, and torch warns on every forward. Views are common outputs: ``nn.Linear`` on
+    a 3-D input returns a view of its 2-D matmul, tensor parallel the local view of an
+    all-gathered buffer. One copy of such an output (an activation, once per forward) makes
+    it safe; outputs that are not views pass untouched. Registered before ``fully_shard``'s
+    own hook, so FSDP hooks the copy."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._base is not None and output.requires_grad else output
+    if isinstance(output, tuple | list) and any(
+            isinstance(t, torch.Tensor) and t._base is not None for t in output):
+        return type(output)(own_output(module, args, t) for t in output)
+    return output
+
+
+__all__ = ["PRECISIONS", "apply_fsdp", "find_blocks", "mixed_precision_policy", "own_output",
            "resolve_mode"]

@@ -37,9 +37,8 @@ from ray_mesh.network.interfaces import (
     user_ifname_env,
 )
 from ray_mesh.network.probe import node_versions
-from ray_mesh.observability import hang, waits
+from ray_mesh.observability import active
 from ray_mesh.observability.layout import layout_table, node_lines
-from ray_mesh.observability.report import wrap_train_report
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.raytrain.bounded import BringUpError, wait_bounded
@@ -114,14 +113,18 @@ class MeshConfig(MeshOptions, TorchConfig):
             (``'dp_replicate=nodes,dp_shard=-1/bf16/sync'``) or mapping (a job's ``layout:``);
             its reduce dtype is what ``parallelize`` reduces gradients in. After construction
             this field holds the run's Layout (None with ``mesh='auto'``, which picks it).
+        total_steps: the run's number of steps, for the progress line's ``step i/N`` and
+            its ETA (``ray-mesh run`` passes the job's ``config.steps``); None: unknown.
 
-    Inside the train function, ``ray.train.report`` also feeds ray_mesh's metrics (see
-    ``ray_mesh.observability.report``): every number reported becomes a mesh-tagged metric.
+    Inside the train function, ``ray.train.report`` also feeds ray_mesh's metrics and
+    console (see ``ray_mesh.observability.report``): every number reported becomes a
+    mesh-tagged metric, and world rank 0 shows a progress line per report.
     """
 
     plan: PlanInputs | None = None
     replicate: Any = None
     layout: Any = None
+    total_steps: int | None = None
 
     def __post_init__(self) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
@@ -148,6 +151,11 @@ class MeshConfig(MeshOptions, TorchConfig):
             raise ValueError(f"timeout_s (the collective timeout) must be a finite number of "
                              f"seconds > 0, got {self.timeout_s!r}.")
         self.replicate = parse_replicate(self.replicate)
+        if self.total_steps is not None and (isinstance(self.total_steps, bool) or not
+                                             isinstance(self.total_steps, int)
+                                             or self.total_steps < 1):
+            raise ValueError(f"total_steps must be a whole number of steps >= 1 (or None when "
+                             f"unknown), got {self.total_steps!r}.")
         if self.mesh != "auto":
             check_replicate_mesh(self.replicate, self.mesh.dp_replicate)
         self.layout = None if self.mesh == "auto" else replace(
@@ -173,6 +181,7 @@ class MeshConfig(MeshOptions, TorchConfig):
         out.update(self.options_dict())
         out["replicate"] = None if self.replicate is None else vars(self.replicate)
         out["layout"] = "auto" if self.layout is None else str(self.layout)
+        out["total_steps"] = self.total_steps
         return out
 
 
@@ -187,23 +196,26 @@ def _on_driver_at_fit() -> None:
 
 class _TrainThreadContext:
     """Entered by Ray Train in the training thread: make the mesh's device current there,
-    give threads started since bring-up the workers' niceness, let ``ray.train.report`` feed
-    ray_mesh's metrics for the duration of the train function, and turn an error of a
+    give threads started since bring-up the workers' niceness, enter the worker's
+    observability for the train function (``Observability.train_thread``: the wait sampler
+    watches this thread, ``ray.train.report`` feeds the recorder), and turn an error of a
     collective the hang watch reported on into a ``CollectiveHangError`` carrying the report."""
 
     def __init__(self) -> None:
         self._stack = ExitStack()
+        self._owner = None
 
     def __enter__(self) -> None:
         priority.reapply()
-        waits.watch_this_thread()
         if bootstrap.is_initialized():
             bootstrap.use_device(bootstrap.get_state().device)
-        self._stack.enter_context(wrap_train_report())
+        self._owner = active.current()
+        if self._owner is not None:
+            self._stack.enter_context(self._owner.train_thread())
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._stack.close()
-        better = hang.explain(exc)
+        better = self._owner.explain(exc) if self._owner is not None else None
         if better is not None:  # Ray Train shows 1000 characters: the report, not gloo's text
             raise better from None
         return False
@@ -287,7 +299,7 @@ def _setups(plan: MeshPlan, choices: list[Choice], config: MeshConfig, fixed: di
         backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
         choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
         hang_timeout_s=config.hang_timeout_s, verbose=config.verbose,
-        wait_sample_s=config.wait_sample_s, links=links,
+        wait_sample_s=config.wait_sample_s, links=links, total_steps=config.total_steps,
         layout=replace(pick.layout if pick else config.layout or Layout(), mesh=plan.spec),
         picked=pick.why if pick else "") for w in plan.workers]
 

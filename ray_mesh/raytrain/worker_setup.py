@@ -4,7 +4,9 @@
 sends each worker one :class:`WorkerSetup`; :func:`setup_on_worker` applies it inside the
 worker actor: niceness first (the process group's threads inherit it), the environment,
 the process group and the mesh, built for the run's layout (the Ray-free core: the layout
-is held by the mesh and its state, nothing else), then the hang watch and the wait sampler.
+is held by the mesh and its state, nothing else), then the worker's observability
+(``observability.owner``: report recorder, hang watch, wait sampler, started in that order and
+stopped in reverse before the mesh goes).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from ray_mesh.core import bootstrap, priority
 from ray_mesh.core.layout import Layout
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.network.interfaces import Choice, apply_env, rank_env_line, user_kept
-from ray_mesh.observability import hang, waits
+from ray_mesh.observability import active
+from ray_mesh.observability.owner import Observability, ObservabilitySettings
 from ray_mesh.planning.trial import StepFactory, run_trials
 from ray_mesh.raytrain.driver import quiet_report_lines
 
@@ -49,6 +52,7 @@ class WorkerSetup:
     verbose: bool = False
     layout: Layout = Layout()  # the run's layout (reduce dtype, pipeline, replicate mode)
     picked: str = ""  # why mesh="auto" picked the layout ("" for a fixed mesh)
+    total_steps: int | None = None  # for the progress line (MeshConfig.total_steps)
 
 
 def _prepare(w: WorkerSetup) -> tuple[priority.NicenessResult | None, dict[str, str]]:
@@ -94,17 +98,18 @@ def setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
                            local_rank=w.local_rank, backend=w.backend, device=w.device,
                            timeout_s=w.timeout_s, env=in_force, layout=w.layout,
                            picked=w.picked)
-    if w.hang_timeout_s:
-        hang.try_start_watch(bootstrap.get_mesh(), w.hang_timeout_s, pg_timeout_s=w.timeout_s)
-    if w.wait_sample_s:
-        waits.try_start_sampler(bootstrap.get_mesh(), w.wait_sample_s,
-                                w.links if w.rank == 0 else None)
+    Observability(ObservabilitySettings(
+        hang_timeout_s=w.hang_timeout_s, pg_timeout_s=w.timeout_s,
+        wait_sample_s=w.wait_sample_s, links=w.links if w.rank == 0 else None,
+        total_steps=w.total_steps)).start(bootstrap.get_mesh(), rank=w.rank,
+                                          device=bootstrap.get_state().device)
     if w.rank == 0:
         logger.info("%s", w.layout_table)
     return niced
 
 
 def shutdown_on_worker() -> None:
-    waits.stop_sampler()
-    hang.stop_watch()
+    owner = active.current()
+    if owner is not None:  # None after a bring-up that failed before it
+        owner.stop()
     bootstrap.shutdown_mesh()

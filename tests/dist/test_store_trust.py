@@ -208,7 +208,7 @@ def _hang_worker(rank: int, port: int, out: str) -> None:
         time.sleep(0.05)
     Path(out, f"hang_{rank}.json").write_text(json.dumps(
         {"adopted": adopted, "warnings": warnings, "snap_sent": watch._snapshot_sent}))
-    hang.stop_watch()
+    watch.stop()
     bootstrap.shutdown_mesh()
 
 

@@ -47,7 +47,9 @@ def write_job(path: Path, *, name: str, mesh: str, steps: int, report: int, stor
 
 def losses(out: str, steps: int) -> list[float]:
     """The training losses the example printed (rank 0), in step order."""
-    return [float(x) for x in re.findall(rf"llm: step \d+/{steps} loss ([0-9.naif]+)", out)]
+    # The progress line ray_mesh shows from each ray.train.report, named after the run.
+    return [float(x) for x in re.findall(rf"[\w.-]+: step \d+/{steps} loss ([0-9.naif]+)",
+                                         out)]
 
 
 def check_run(out: str, *, name: str, steps: int, report: int, storage: Path) -> list[float]:

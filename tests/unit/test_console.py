@@ -50,7 +50,7 @@ def test_numbers_of_a_report_become_metric_values():
 
 
 def test_recorder_derives_step_time_from_the_step_key():
-    rec = rep.ReportRecorder(export=False, flush_every_s=3600)
+    rec = rep.ReportRecorder(None, flush_every_s=3600)
     for step in range(1, 11):
         rec.observe({"step": step * 2, "loss": 1.0 / step})
         time.sleep(0.01)
@@ -61,9 +61,65 @@ def test_recorder_derives_step_time_from_the_step_key():
     assert rec.summary()["reports"] == 10
 
 
-def test_report_outside_ray_train_records_only(monkeypatch):
-    monkeypatch.setattr(rep, "_recorder", rep.ReportRecorder(export=False))
-    assert rep.report({"step": 1, "loss": 2.0}, every=1) is False
-    assert rep.recorder().latest == {"step": 1, "loss": 2.0}
-    with pytest.raises(ValueError, match="every"):
-        rep.report({"step": 2}, every=0)
+def test_one_way_to_report_a_step():
+    """ray.train.report is the way: no ray_mesh.report, no meter object, no log_step."""
+    import importlib
+
+    import ray_mesh
+
+    assert "report" not in ray_mesh.__all__
+    with pytest.raises(AttributeError):
+        ray_mesh.report  # noqa: B018
+    for gone in ("ray_mesh.observability.meter",):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(gone)
+    from ray_mesh.observability import progress
+
+    assert not hasattr(progress, "log_step") and not hasattr(rep, "recorder")
+
+
+# ----------------------------------------------------------------------------- end of a run
+def test_teardown_sweep_touches_no_deprecated_torch_attribute():
+    """The sweep for live DeviceMeshes at shutdown ran ``isinstance`` over every object,
+    which reads attributes of ``torch.distributed.reduce_op`` (a FutureWarning per rank at
+    the end of every run)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from ray_mesh.core import teardown
+
+    assert dist.reduce_op is not None  # the deprecated object is alive in this process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        teardown._release_all()
+    assert [str(w.message) for w in caught] == []
+
+
+def test_summary_shows_no_metrics_address_for_a_node_without_a_metrics_port():
+    from ray_mesh.cli.runner import node_metrics_url
+
+    node = {"NodeID": "n1", "NodeManagerAddress": "10.0.0.5", "MetricsExportPort": -1}
+    assert node_metrics_url([node], "n1") is None
+    assert node_metrics_url([{**node, "MetricsExportPort": 0}], "n1") is None
+    assert node_metrics_url([{**node, "MetricsExportPort": 8080}], "n1") == \
+        "http://10.0.0.5:8080/metrics"
+    assert node_metrics_url([{**node, "MetricsExportPort": 8080}], "other") is None
+
+
+def test_wait_sampler_skips_a_group_that_has_no_name_yet():
+    """A frame in distributed_c10d holding a process group that ``new_group`` is still
+    building (the checkpointer's gloo group): its ``group_name`` raises RuntimeError
+    'ProcessGroup name not set', which stopped the sampler for the rest of the run."""
+    import torch.distributed as dist
+
+    from ray_mesh.observability.waits import _C10D, WaitSampler
+
+    unnamed = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    with pytest.raises(RuntimeError, match="name not set"):
+        unnamed.group_name  # noqa: B018 - the attribute access is the point
+    code = compile("import sys\nframe = sys._getframe()\n", f"/site/{_C10D}", "exec")
+    scope = {"group": unnamed}
+    exec(code, scope)  # a real frame of a file named like torch's distributed_c10d.py
+    sampler = WaitSampler({}, interval_s=0.02, window_s=1.0)
+    assert sampler.classify(scope["frame"]) is None

@@ -80,6 +80,26 @@ def test_model_sizes_gqa_and_tied_embeddings():
     assert num_params(tied) == sizes["tiny"] - cfg.vocab_size * cfg.dim
 
 
+def test_fsdp_wrapped_modules_return_tensors_of_their_own_not_views():
+    """nn.Linear on a 3-D input returns a view of its 2-D matmul, tensor parallel the local
+    view of a gathered buffer (the llm and fsdp_tp_transformer examples' outputs): wrapped
+    with FSDP2 such an output warns on every forward (an in-place op on it would skip FSDP's
+    all-gather). apply_fsdp registers own_output on every module it wraps: it copies them."""
+    from ray_mesh.parallel.fsdp import own_output
+
+    head = torch.nn.Linear(16, 32)
+    x = torch.randn(2, 8, 16)
+    assert head(x)._base is not None  # the plain module's output is a view
+    head.register_forward_hook(own_output)
+    out = head(x)
+    assert out._base is None and out.shape == (2, 8, 32)
+    with torch.no_grad():  # no grad: nothing for FSDP to hook, no copy
+        assert head(x)._base is not None
+    view = torch.randn(4, 4, requires_grad=True).view(16)
+    pair = own_output(head, (), (view, out))
+    assert isinstance(pair, tuple) and all(t._base is None for t in pair)
+
+
 def test_causal_model_ignores_future_tokens():
     model = Llama(LlamaConfig.from_dict({"preset": "tiny"})).eval()
     x = torch.randint(0, 256, (1, 12))
@@ -286,3 +306,16 @@ def test_warmup_cosine_schedule():
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up, reaching 1 at its last step
     assert f[4] == 1.0 and all(a >= b for a, b in zip(f[4:], f[5:], strict=False))  # decays
     assert f[12] == pytest.approx(0.1) and f[13] == pytest.approx(0.1)  # the floor, held
+
+
+def test_the_general_runner_wires_no_model_or_corpus_by_special_case():
+    """ray_mesh.data and ray_mesh.models are public parts of the package; the runner hands a
+    job's data: section over through the job (Job.trainer_inputs), whatever the model."""
+    import ast
+
+    tree = ast.parse((ROOT / "ray_mesh" / "cli" / "runner.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith(("ray_mesh.data", "ray_mesh.models"))}
+    job = Job.from_dict({"train": "x.py:f", "config": {"steps": 3}})
+    assert job.trainer_inputs() == (None, {"steps": 3})

@@ -1,4 +1,4 @@
-"""Monitoring without a cluster: the meter's arithmetic and cost, layout files, the
+"""Monitoring without a cluster: what the recorder makes of reports, layout files, the
 deploy/monitoring configs, and ``ray-mesh status`` against addresses that do not answer."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.core.topology import WorkerReport, plan_mesh
-from ray_mesh.observability.export import _Exporter
+from ray_mesh.observability.export import Exporter
 from ray_mesh.observability.layout import LAYOUT_JSON, layout_document, read_layout, to_markdown
-from ray_mesh.observability.metrics import METRICS, StepMeter, check_endpoint, mesh_tags
+from ray_mesh.observability.metrics import METRICS, check_endpoint, mesh_tags
+from ray_mesh.observability.report import ReportRecorder
 from ray_mesh.observability.status import StatusError, collect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,100 +68,90 @@ def test_prometheus_config_follows_rays_service_discovery_file():
     assert "/tmp/ray/prom_metrics_service_discovery.json" in files
 
 
-# ----------------------------------------------------------------------------- meter
+# ----------------------------------------------------------------------------- reports
 class FakeClock:
-    """Stands in for ``time`` inside the metrics module: the meter's arithmetic is checked
-    on exact durations, whatever the machine's load (timing claims live in benchmarks/)."""
+    """The recorder's clock: its arithmetic is checked on exact durations, whatever the
+    machine's load (timing claims live in benchmarks/)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
 
-    def perf_counter(self) -> float:
+    def __call__(self) -> float:
         return self.now
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
 
 
-@pytest.fixture
-def clock(monkeypatch):
-    from ray_mesh.observability import meter
+class RecordingExporter(Exporter):
+    """A real Exporter whose writes to Ray are kept in a list instead (what was written)."""
 
-    fake = FakeClock()
-    monkeypatch.setattr(meter, "time", fake)
-    return fake
+    def __init__(self) -> None:
+        super().__init__(loud=True)
+        self.records: list[tuple[str, float, dict[str, str]]] = []
+        self.gauges: dict[str, float] = {}
 
+    def record(self, values: list[tuple[str, float, dict[str, str]]]) -> None:
+        self.records += values
 
-def test_step_meter_window_numbers_follow_the_clock(clock):
-    meter = StepMeter(samples_per_step=8, flush_every_s=1000, export=False)
-    clock.sleep(0.05)  # idle before the first step counts in the window's wall time
-    for i in range(5):
-        with meter.step() as s:
-            clock.sleep(0.02 + 0.001 * i)
-            with meter.collective("dp"):
-                clock.sleep(0.01)
-            s.loss = torch.tensor(0.5 + i)
-    with pytest.raises(RuntimeError), meter.step():
-        clock.sleep(1.0)
-        raise RuntimeError("a failed step is not counted")
-    out = meter.flush()
-    steps = [0.03 + 0.001 * i for i in range(5)]
-    assert out["step"] == 5
-    assert out["step_time_s"] == pytest.approx(sum(steps) / 5)
-    assert out["step_time_max_s"] == pytest.approx(max(steps))
-    assert out["collective_s/dp"] == pytest.approx(0.05)
-    assert out["collective_fraction/dp"] == pytest.approx(0.05 / sum(steps))
-    # Throughput over the window's wall time (idle and the failed step included).
-    assert out["samples_per_s"] == pytest.approx(5 * 8 / (0.05 + sum(steps) + 1.0))
-    assert out["loss"] == pytest.approx(4.5)  # the last step's loss, read at flush
-    assert out["rss_bytes"] > 10 * 2**20
-    assert meter.summary() == out
-    again = meter.flush()  # an empty window keeps the last step numbers, not loss or dims
-    assert again["step_time_s"] == out["step_time_s"] and "collective_s/dp" not in again
+    def gauge(self, name: str, value: float, tags: dict[str, str], help_text: str) -> None:
+        self.gauges[name] = value
 
 
-def test_step_meter_flushes_on_its_interval_and_rejects_bad_input(clock):
-    meter = StepMeter(flush_every_s=0.05, export=False)
-    with meter.step():
-        clock.sleep(0.01)
-    assert meter.summary() == {}  # 0.01 s into a 0.05 s window: not flushed yet
-    clock.sleep(0.04)
-    with meter.step():
-        clock.sleep(0.01)
-    assert meter.summary()["step"] == 2  # the step that ended past the interval flushed
-    assert meter.summary()["step_time_s"] == pytest.approx(0.01)
-    with pytest.raises(ValueError, match="dp_shard"):
-        meter.collective("data")
-    with pytest.raises(ValueError, match="flush_every_s"):
-        StepMeter(flush_every_s=0)
+def test_reports_give_rates_window_metrics_and_summary_from_the_clock():
+    """What a train function passes to ray.train.report is the only input: step, samples,
+    loss. Rates come from the clock between reports; the window from the last flush."""
+    clock, lines, exporter = FakeClock(), [], RecordingExporter()
+    rec = ReportRecorder(exporter, name="hsdp", total_steps=40, show=lines.append,
+                         flush_every_s=3600, clock=clock)
+    clock.sleep(30.0)  # start-up before the first report is no step's time
+    rec.observe({"step": 1, "loss": 0.8, "samples": 64})
+    for step in (10, 20, 30):
+        clock.sleep(2.0)  # 10 steps (9 after the first) every 2 s
+        rec.observe({"step": step, "loss": 1.0 / step, "samples": 64 * step})
+    assert rec.rates["steps_per_s"] == pytest.approx(29 / 6.0)
+    assert rec.rates["samples_per_s"] == pytest.approx(64 * 29 / 6.0)
+    assert lines[0] == "hsdp: step 1/40 loss 0.8000"
+    assert lines[-1] == "hsdp: step 30/40 loss 0.0333  4.83 steps/s  309.3 samples/s  ETA 2s"
+    values = rec.flush()
+    assert values["step_seconds"] == pytest.approx(6.0 / 29)
+    written = {name: value for name, value, _ in exporter.records}
+    assert written["mesh_step"] == 30 and written["mesh_loss"] == pytest.approx(1 / 30)
+    assert written["mesh_steps"] == 29 and written["mesh_step_time_seconds"] == 6.0
+    assert written["mesh_samples_per_second"] == pytest.approx(64 * 29 / 6.0)
+    assert written["mesh_process_rss_bytes"] > 10 * 2**20
+    assert set(written) <= {m.name for m in METRICS}
+    assert exporter.gauges["mesh_report_loss"] == pytest.approx(1 / 30)
+    summary = rec.summary()
+    assert summary["reports"] == 4 and summary["report_seconds"] == 6.0
+    assert summary["last"]["steps_per_s"] == pytest.approx(29 / 6.0)
 
 
-def test_step_meter_per_step_path_is_bookkeeping_only():
-    """Between flushes a step reads the clock and adds numbers: no flush, no export, no
-    tensor read (a device sync on GPU), no psutil. Counted by the profiler, not timed: the
-    cost in microseconds is a benchmark figure (benchmarks/run.py, section e)."""
-    meter = StepMeter(samples_per_step=8, flush_every_s=3600, export=False)
-    loss = torch.tensor(1.0)
-    calls: list[str] = []
+def test_progress_lines_every_report_of_ten_steps_but_not_every_step():
+    clock, lines = FakeClock(), []
+    rec = ReportRecorder(None, name="ckpt", total_steps=40, show=lines.append, clock=clock)
+    for step in range(1, 41):  # a loop that reports every step, 0.05 s apart
+        rec.observe({"step": step, "loss": 0.5})
+        clock.sleep(0.05)
+    shown = [int(line.split()[2].split("/")[0]) for line in lines]
+    assert shown == [1, 11, 21, 31, 40], shown
+    assert rec.calls == 40  # every report is recorded, only the lines are fewer
+    clock, lines = FakeClock(), []
+    rec = ReportRecorder(None, name="hsdp", total_steps=40, show=lines.append, clock=clock)
+    for step in (1, 10, 20, 30, 40):  # every 10th step, fast: each report shows
+        rec.observe({"step": step, "loss": 0.5})
+        clock.sleep(0.2)
+    assert len(lines) == 5, lines
 
-    def profile(frame, event, arg):
-        if event == "call":
-            calls.append(frame.f_code.co_name)
-        elif event == "c_call":
-            calls.append(getattr(arg, "__qualname__", repr(arg)))
 
-    sys.setprofile(profile)
-    try:
-        for _ in range(100):
-            with meter.step() as s:
-                s.loss = loss
-    finally:
-        sys.setprofile(None)
-    per_step = {name: calls.count(name) / 100 for name in set(calls) - {"setprofile"}}
-    assert per_step == {"step": 1, "__enter__": 1, "__exit__": 1, "record_step": 1,
-                        "perf_counter": 3}, per_step
-    assert meter.step_index == 100 and meter.summary() == {}
-
+def test_report_without_step_counts_reports_and_shows_other_numbers():
+    clock, lines = FakeClock(), []
+    rec = ReportRecorder(None, name="x", show=lines.append, clock=clock)
+    rec.observe({"loss": 2.0, "lr": 3e-4, "note": "text"})
+    clock.sleep(2.0)
+    rec.observe({"loss": 1.5, "val/bpb": 3.25})
+    assert lines == ["x: step 1 loss 2.0000 lr 0.0003", "x: step 2 loss 1.5000 val/bpb 3.25"
+                     "  0.5 steps/s"]
 
 # ----------------------------------------------------------------------------- failures
 def _http_server(body: bytes):
@@ -200,18 +190,18 @@ def test_check_endpoint_names_what_is_wrong_with_the_metrics_port():
 
 def test_a_failing_metric_record_warns_once_and_disables_export(caplog):
     """Ray itself rejects the record (a tag is missing): training must not see it."""
-    exporter = _Exporter()
+    exporter = Exporter(loud=True)
     bad = [("mesh_loss", 1.0, {"run": "x"})]  # the other TAG_KEYS are missing
     with caplog.at_level("DEBUG", logger="ray_mesh.observability.export"):
-        exporter.record(bad, loud=True)
-        exporter.record(bad, loud=True)
-        exporter.warn_once("a second problem", loud=True)
+        exporter.record(bad)
+        exporter.record(bad)
+        exporter.warn_once("a second problem")
     warned = [r for r in caplog.records if r.name == "ray_mesh.observability.export"]
     assert len(warned) == 1 and warned[0].levelname == "WARNING", warned
     assert "training goes on" in warned[0].getMessage() and not exporter.enabled
     good = [("mesh_loss", 1.0, mesh_tags("x"))]
-    quiet = _Exporter()
-    quiet.record(good, loud=False)  # a valid record passes
+    quiet = Exporter(loud=False)
+    quiet.record(good)  # a valid record passes
     assert quiet.enabled and not quiet.warned
 
 

@@ -18,7 +18,8 @@ from ray_mesh.core import runtime
 def test_answers_no_without_importing_ray():
     code = ("import sys; from ray_mesh.core import runtime; "
             "assert runtime.train_context() is None and not runtime.in_ray_train(); "
-            "from ray_mesh.observability import progress; progress.report({'loss': 1.0}); "
+            "from ray_mesh.observability import progress, report; "
+            "progress.progress_line('x', 1, 2, {'loss': 1.0}, {}); "
             "assert 'ray' not in sys.modules, 'the check imported ray'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
@@ -44,9 +45,8 @@ def test_checkpointer_outside_ray_train_names_the_fix():
 
 def test_one_definition():
     from ray_mesh.checkpointing import guards
-    from ray_mesh.observability import export, progress
+    from ray_mesh.observability import export
 
-    assert progress.in_ray_train is runtime.in_ray_train
     assert export.train_context is runtime.train_context
     with pytest.raises(guards.CheckpointError):
         guards.train_context()

@@ -1,0 +1,64 @@
+"""What a person reads: a console checker (tests/ray/test_console_examples.py).
+
+A line is a problem when it carries a warning (``Warning``, ``WARNING``, torch's ``W1125 ...``
+log lines), a traceback, an ``Error``, a metrics address on port -1, or the wait sampler's
+"ProcessGroup name not set", unless an entry of :data:`EXPECTED` (each with its reason) says
+it is expected. Ray's "[repeated 3x across cluster]" counts as 3 lines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+PREFIX = re.compile(r"^\(\w+ pid=\d+(?:, ip=[^)]*)?\)\s?")
+REPEATED = re.compile(r"\[repeated (\d+)x across cluster\]")
+PROBLEM = re.compile(r"Warning|WARNING|^\[rank\d+\]:W\d{4} |^W\d{4} |Traceback|Error|"
+                     r":-1/|port -1|ProcessGroup name not set")
+
+
+@dataclass(frozen=True)
+class Expected:
+    pattern: str
+    why: str
+
+
+EXPECTED: tuple[Expected, ...] = (
+    Expected(r"WARNING authentication_token_setup\.py:\d+ -- Token authentication is enabled",
+             "Ray 2.60 says so at every start of a Ray with token auth, which ray_mesh keeps "
+             "on by design (docs/security.md); it is Ray's line, once per run"),
+    Expected(r"\(raylet\) WARNING: \d+ PYTHON worker processes have been started on node",
+             "Ray's raylet notes that more Python workers start at once than the machine has "
+             "cores (on 2 cores: 4 training workers plus Ray Data's read tasks); the size of "
+             "the machine, not a fault of the job"),
+)
+
+
+def lines(out: str) -> list[str]:
+    """The console's lines without colour and without Ray's per-process prefix."""
+    return [PREFIX.sub("", ANSI.sub("", line)).rstrip() for line in out.splitlines()]
+
+
+def count(line: str) -> int:
+    m = REPEATED.search(line)
+    return int(m.group(1)) if m else 1
+
+
+def problems(out: str, expected: tuple[Expected, ...] = EXPECTED) -> list[str]:
+    """Every problem line of ``out`` (see the module docstring), repeats spelled out."""
+    found = []
+    for line in lines(out):
+        if not PROBLEM.search(line) or any(re.search(e.pattern, line) for e in expected):
+            continue
+        found += [line] * count(line)
+    return found
+
+
+def warnings_count(out: str) -> int:
+    """Warning lines (expected ones included), Ray's repeats counted: the before/after figure."""
+    return sum(count(line) for line in lines(out)
+               if re.search(r"Warning|WARNING|^\[rank\d+\]:W\d{4} |^W\d{4} ", line))
+
+
+__all__ = ["EXPECTED", "Expected", "lines", "problems", "warnings_count"]

@@ -1,0 +1,142 @@
+"""Every example the README and docs/*.md show as a command, run as a user runs it, with a
+console a person can read: no warning, traceback, error, port -1 or sampler failure that is
+not expected (tests/helpers/console.py names the expected ones and why).
+
+Each job runs with its own embedded Ray, as ``ray-mesh run examples/X.yaml`` does, on a short
+copy of the example's YAML (few steps, a small model: the console, not the training, is under
+test; the training is tested in test_parallel_examples.py, test_llm_ray.py, ...). The python
+driver runs as ``python examples/driver.py --steps N``.
+
+Cost (measured 2026-11-25, this 2-core VM, load average 3-8 from other jobs): the module in
+549 s, 49-82 s per example (an embedded Ray's start and stop are most of it); under a load
+of 25-50 the same module took 1595 s. ``RAY_MESH_CONSOLE_OUT=DIR`` keeps every console.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from console import EXPECTED, lines, problems
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+pytestmark = pytest.mark.ray
+
+# A short run of every example: config overrides (merged into config:), and other sections.
+SHORT: dict[str, dict] = {
+    "hsdp": {"config": {"steps": 6, "report_every": 2}},
+    "tp_pp_mlp": {"config": {"steps": 6, "report_every": 2}},
+    "fsdp_tp_transformer": {"config": {"steps": 6, "report_every": 2}},
+    "pp_hsdp_tp": {"config": {"steps": 4, "report_every": 2}},
+    "hsdp_checkpoint": {"config": {"steps": 6, "checkpoint_every": 3}},
+    "hsdp_metrics": {"config": {"steps": 6, "report_every": 2, "step_sleep_s": 0.0}},
+    "diloco": {"config": {"steps": 6, "checkpoint_every": 3},
+               "replicate": {"every": 3}},
+    "llm": {"config": {"model": {"preset": "tiny", "max_seq_len": 64}, "steps": 6,
+                       "report_every": 2, "eval_every": 6, "checkpoint_every": 6, "warmup": 2},
+            "data": {"seq_len": 32, "batch_size": 8, "max_tokens": 60_000,
+                     "val_tokens": 4096}},
+}
+DRIVER_STEPS = 6
+
+
+def shown_commands() -> set[str]:
+    """Example names the README and docs show as ``ray-mesh run examples/X.yaml``, or list
+    under "Examples (each: `ray-mesh run examples/NAME.yaml` ...)", plus ``driver`` when a page
+    shows ``examples/driver.py``."""
+    names: set[str] = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        names |= {n for n in re.findall(r"ray-mesh run examples/(\w+)\.yaml", text)
+                  if (EXAMPLES / f"{n}.yaml").exists()}  # not the placeholder NAME
+        for block in re.findall(r"Examples \(each: `ray-mesh run examples/NAME\.yaml`.*?\n\n",
+                                text, flags=re.S):
+            names |= {n for n in re.findall(r"`(\w+)`", block) if (EXAMPLES / f"{n}.yaml")
+                      .exists()}
+        if "examples/driver.py" in text:
+            names.add("driver")
+    return names
+
+
+def test_every_example_shown_has_a_console_check():
+    shown = shown_commands()
+    assert {"hsdp", "llm", "diloco", "driver"} <= shown, shown  # the parser still finds them
+    assert shown <= {*SHORT, "driver"}, f"add a short config to SHORT for {shown - set(SHORT)}"
+
+
+def _short_job(name: str, tmp: Path) -> Path:
+    job = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    short = SHORT[name]
+    job["config"] = {**(job.get("config") or {}), **short.get("config", {})}
+    for section in ("data", "replicate"):
+        if section in short:
+            job[section] = {**(job.get(section) or {}), **short[section]}
+    file, _, fn = job["train"].partition(":")
+    job["train"] = f"{EXAMPLES / file}:{fn}"
+    job.setdefault("run", {})["storage_path"] = str(tmp / "results")
+    if "data" in job and job["data"].get("paths") != ["stdlib"]:
+        raise AssertionError(f"{name}: data paths are relative to examples/; handle them here")
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _run(cmd: list[str], timeout: int) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Its own embedded Ray in a short dir: Ray's socket paths must stay under 107 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="rmc-", dir="/tmp")
+    env["RAY_TMPDIR"] = ray_tmp
+    # This checkout on the driver and on Ray's workers (an installed ray_mesh may be another).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out = proc.stdout + proc.stderr
+    keep = os.environ.get("RAY_MESH_CONSOLE_OUT")  # a folder: keep each console to read
+    if keep:
+        name = Path(cmd[-1]).stem if cmd[-1].endswith(".yaml") else "driver"
+        Path(keep, f"{name}.log").write_text(out)
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def _check(out: str, name: str, steps: int) -> None:
+    bad = problems(out)
+    assert not bad, "unexpected console lines:\n" + "\n".join(bad[:40])
+    shown = lines(out)
+    progress = [x for x in shown if re.match(rf"[\w.-]+: step \d+/{steps} loss ", x)]
+    assert progress and progress[-1].startswith(f"{name}: step {steps}/{steps} "), \
+        "\n".join(shown[-60:])
+    assert not [x for x in shown if "metrics:" in x and ":-1" in x], out[-2000:]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(SHORT))
+def test_example_console_is_clean(name, tmp_path):
+    out = _run([sys.executable, "-m", "ray_mesh.cli.main", "run",
+                str(_short_job(name, tmp_path))], timeout=840)
+    assert f"ray-mesh: run '{name}' finished" in out, out[-3000:]
+    _check(out, name, SHORT[name]["config"]["steps"])
+
+
+@pytest.mark.timeout(900)
+def test_python_driver_console_is_clean():
+    out = _run([sys.executable, str(EXAMPLES / "driver.py"), "--steps", str(DRIVER_STEPS)],
+               timeout=840)
+    assert "driver: finished" in out, out[-3000:]
+    _check(out, "hsdp-driver", DRIVER_STEPS)
+
+
+def test_expected_lines_say_why():
+    assert all(e.why and len(e.why) > 30 for e in EXPECTED)
