@@ -1,6 +1,6 @@
 """Driver for the elastic checkpoint test; runs inside the namespace cluster's head node.
 
-    python _ckpt_elastic_driver.py fixed|elastic|grow|storage|ref|kill <workdir> \
+    python _ckpt_elastic_driver.py fixed|elastic|grow|storage|bitwise <workdir> \
         <s3://bucket/runs> <endpoint>
 
 Runs the checkpoint test's train function on 2 workers per node (custom resource ``slot``)
@@ -10,8 +10,9 @@ with an HSDP mesh whose dp_replicate follows the nodes. The test kills a node wh
 ``grow``: (2, 4) workers started on one node; the test adds a node and Ray's elastic
 policy restarts the group at 4 workers, from the last checkpoint.
 ``storage``: a storage_path only the driver sees -> refused at start as node-local.
-``ref``/``kill``: 4 workers, 8 steps with dropout; ``kill``: rank 1 SIGKILLs itself at step
-5 and the restart resumes from the bucket (the test compares the final parameters).
+``bitwise``: two runs ``ref`` and ``kill`` of 4 workers, 8 steps with dropout; in ``kill``
+rank 1 SIGKILLs itself at step 5 and the restart resumes from the bucket (the test compares
+the final parameters).
 The runs store to the S3 bucket at the endpoint (the only storage every node reaches: the
 nodes share no filesystem for it); the log and final parameters are the test's own files.
 Prints one ``RESULT {json}`` line.
@@ -63,6 +64,16 @@ def main(mode: str, work: Path, storage_uri: str, endpoint: str) -> dict:
     ray.init(address="auto", log_to_driver=True)
     if mode == "storage":
         return storage_refused(work)
+    if mode == "bitwise":  # one driver for both runs: a driver start less
+        for run in ("ref", "kill"):
+            res = fit(run, work, storage_uri, endpoint)
+            if not res["ok"]:
+                return {**res, "run": run}
+        return res
+    return fit(mode, work, storage_uri, endpoint)
+
+
+def fit(mode: str, work: Path, storage_uri: str, endpoint: str) -> dict:
     spec = ray_mesh.MeshSpec.hsdp()
     elastic = mode in ("elastic", "grow")
     workers: int | tuple[int, int] = (2, 4) if elastic else 4
