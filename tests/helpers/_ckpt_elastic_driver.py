@@ -1,6 +1,7 @@
 """Driver for the elastic checkpoint test; runs inside the namespace cluster's head node.
 
-    python _ckpt_elastic_driver.py fixed|elastic|grow|storage <workdir>
+    python _ckpt_elastic_driver.py fixed|elastic|grow|storage|bitwise <workdir> \
+        <s3://bucket/runs> <endpoint>
 
 Runs the checkpoint test's train function on 2 workers per node (custom resource ``slot``)
 with an HSDP mesh whose dp_replicate follows the nodes. The test kills a node while it runs.
@@ -9,6 +10,11 @@ with an HSDP mesh whose dp_replicate follows the nodes. The test kills a node wh
 ``grow``: (2, 4) workers started on one node; the test adds a node and Ray's elastic
 policy restarts the group at 4 workers, from the last checkpoint.
 ``storage``: a storage_path only the driver sees -> refused at start as node-local.
+``bitwise``: two runs ``ref`` and ``kill`` of 4 workers, 8 steps with dropout; in ``kill``
+rank 1 SIGKILLs itself at step 5 and the restart resumes from the bucket (the test compares
+the final parameters).
+The runs store to the S3 bucket at the endpoint (the only storage every node reaches: the
+nodes share no filesystem for it); the log and final parameters are the test's own files.
 Prints one ``RESULT {json}`` line.
 """
 
@@ -44,33 +50,47 @@ def storage_refused(work: Path) -> dict:
         return {"ok": False, "error": str(exc)}
 
 
-def main(mode: str, work: Path) -> dict:
+def _config(mode: str, work: Path) -> dict:
+    files = {"log": str(work / f"{mode}.log"), "final": str(work / f"{mode}.pt")}
+    if mode in ("ref", "kill"):  # bitwise: dropout draws, restored with the checkpoint
+        kill = {"kill_at": 5, "kill_marker": str(work / "killed")} if mode == "kill" else {}
+        return {"steps": 8, "every": 2, "dropout": 0.3, **kill, **files}
+    # grow: a long enough run for a node to join and the policy to notice it
+    return {"steps": 40 if mode == "grow" else 10, "every": 2,
+            "step_sleep": 2.5 if mode == "grow" else 1.5, **files}
+
+
+def main(mode: str, work: Path, storage_uri: str, endpoint: str) -> dict:
     ray.init(address="auto", log_to_driver=True)
     if mode == "storage":
         return storage_refused(work)
+    if mode == "bitwise":  # one driver for both runs: a driver start less
+        for run in ("ref", "kill"):
+            res = fit(run, work, storage_uri, endpoint)
+            if not res["ok"]:
+                return {**res, "run": run}
+        return res
+    return fit(mode, work, storage_uri, endpoint)
+
+
+def fit(mode: str, work: Path, storage_uri: str, endpoint: str) -> dict:
     spec = ray_mesh.MeshSpec.hsdp()
     elastic = mode in ("elastic", "grow")
     workers: int | tuple[int, int] = (2, 4) if elastic else 4
     if isinstance(workers, tuple):
         check_elastic_mesh(spec, *workers)
-    # ``work`` is pytest's tmp_path, which every node of the virtual cluster sees: it
-    # stands for a shared filesystem (NFS) until S3 storage (moto) is in the harness. The
-    # shared-storage check must accept it.
-    storage = check_storage(str(work / "results"))
+    # The driver's check, as ray-mesh run makes it: endpoint, bucket, credentials, writes.
+    check_storage(storage_uri, endpoint=endpoint, name=mode)
     trainer = TorchTrainer(
         load_function(str(HERE.parents[1] / "harness" / "ckpt_train.py") + ":train_loop"),
-        # grow: a long enough run for a node to join and the policy to notice it
-        train_loop_config={"steps": 40 if mode == "grow" else 10, "every": 2,
-                           "step_sleep": 2.5 if mode == "grow" else 1.5,
-                           "log": str(work / f"{mode}.log"), "final": str(work / f"{mode}.pt"),
-                           "upload": False},
+        train_loop_config=_config(mode, work),
         scaling_config=ScalingConfig(num_workers=workers,
                                      resources_per_worker={"CPU": 0.5, "slot": 1},
                                      # grow: look for new nodes every 5 s
                                      elastic_resize_monitor_interval_s=5 if mode == "grow"
                                      else 3600),
         torch_config=ray_mesh.MeshConfig(mesh=spec),
-        run_config=RunConfig(name=mode, storage_path=storage,
+        run_config=RunConfig(name=mode, **ray_mesh.run_storage(storage_uri, endpoint),
                              # elastic: the first restart may still count the dead node
                              failure_config=failure_config(
                                  2, startup_retries=3 if elastic else 1),
@@ -86,5 +106,5 @@ def main(mode: str, work: Path) -> dict:
 
 
 if __name__ == "__main__":
-    out = main(sys.argv[1], Path(sys.argv[2]))
+    out = main(sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4])
     print("RESULT " + json.dumps(out), flush=True)

@@ -34,14 +34,17 @@ data:
   val_tokens: 4096
 mesh: {mesh}
 scaling: {{num_workers: 4, resources_per_worker: {resources}}}
-run: {{storage_path: {storage}}}
+run: {{storage_path: {storage}{endpoint}}}
 """
 
 
-def write_job(path: Path, *, name: str, mesh: str, steps: int, report: int, storage: Path,
-              resources: str = "{CPU: 1}") -> Path:
+def write_job(path: Path, *, name: str, mesh: str, steps: int, report: int,
+              storage: Path | str, resources: str = "{CPU: 1}",
+              endpoint: str | None = None) -> Path:
+    """``storage``: a directory or an ``s3://`` URI; ``endpoint``: its S3 server's URL."""
     path.write_text(JOB.format(name=name, root=REPO, mesh=mesh, steps=steps, report=report,
-                               storage=storage, resources=resources))
+                               storage=storage, resources=resources,
+                               endpoint=f", storage_endpoint: {endpoint}" if endpoint else ""))
     return path
 
 
@@ -52,9 +55,11 @@ def losses(out: str, steps: int) -> list[float]:
                                          out)]
 
 
-def check_run(out: str, *, name: str, steps: int, report: int, storage: Path) -> list[float]:
+def check_run(out: str, *, name: str, steps: int, report: int,
+              storage: Path | None) -> list[float]:
     """Asserts a finished run read Ray Data, trained (finite, falling loss) and registered a
-    sharded checkpoint at its last step; returns the losses."""
+    sharded checkpoint at its last step (looked for in ``storage`` when it is a directory
+    here; a bucket's caller lists it itself); returns the losses."""
     assert f"rows from Ray Data, start step 0, {steps} steps, reports every {report}" in out, \
         out[-5000:]
     assert "got different batches" not in out, out[-5000:]
@@ -63,5 +68,7 @@ def check_run(out: str, *, name: str, steps: int, report: int, storage: Path) ->
     assert got[-1] < got[0], got
     assert re.search(r"val bits/byte [0-9.]+ \(unigram entropy [0-9.]+ bits/byte\)", out)
     assert f"checkpoint_step={steps}" in out, out[-3000:]
-    assert list((storage / name).glob(f"checkpoint_{steps:08d}*")), sorted(storage.rglob("*"))
+    if storage is not None:
+        assert list((storage / name).glob(f"checkpoint_{steps:08d}*")), \
+            sorted(storage.rglob("*"))
     return got

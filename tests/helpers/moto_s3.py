@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ports import free_port
@@ -47,13 +48,17 @@ def _stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 class S3Server:
     """``ray-mesh storage serve`` in a child process; ``endpoint`` is its URL."""
 
-    def __init__(self, bucket: str = "ray-mesh-test", host: str = "127.0.0.1") -> None:
+    def __init__(self, bucket: str = "ray-mesh-test", host: str = "127.0.0.1",
+                 prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        """``prefix``: a command the server runs under (a virtual node's ``ip netns exec
+        ...``: the server then listens inside that node, on ``host``, its address there);
+        ``env``: the environment for it (default: this process's)."""
         self.bucket, self.host, self.port = bucket, host, free_port()
         self.endpoint = f"http://{host}:{self.port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        env = dict(os.environ if env is None else env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ray_mesh.cli", "storage", "serve", "--host", host,
+            [*prefix, sys.executable, "-m", "ray_mesh.cli", "storage", "serve", "--host", host,
              "--port", str(self.port), "--bucket", bucket],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         self.banner = self._wait_ready()

@@ -16,8 +16,17 @@ when a node joins, through Ray's elastic resize, from its last checkpoint.
 
 Before that, a storage_path on the head's own disk (each virtual node has a private
 ``/tmp/ray-mesh-node``) is refused at start as node-local, naming the node that cannot see
-it. The runs themselves store to pytest's ``tmp_path``, which every node sees: a stand-in
-for a shared filesystem until S3 storage (moto) is in the harness.
+it.
+
+The runs store to an S3 bucket: a real moto server process (``ray-mesh storage serve``)
+inside the head's namespace, on its tailnet address, which the other node reaches through
+the WireGuard tunnel; the nodes share no storage. (The step log and final parameters are
+the test's own instrumentation, in pytest's ``tmp_path``.) The default-tier test, first:
+a worker SIGKILLed mid-run resumes from the bucket bitwise equal to an uninterrupted run;
+a shard object flipped in the bucket is refused by the manifest check on what comes back;
+``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the per-rank layout the
+run wrote into the bucket. DiLoCo's outer-state resume from a bucket is covered on one
+node (tests/ray/test_checkpoint_s3_ray.py), not here.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from moto_s3 import FAKE_CREDENTIALS, S3Server
 
 from harness.ckpt_train import attempts, steps
 from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason
@@ -43,13 +54,15 @@ STEPS = 10  # as in the driver
 
 def _launch(cluster: NetnsCluster, mode: str, work: Path) -> subprocess.Popen:
     env = cluster.node_env(cluster.head)
-    env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
+    env.update(FAKE_CREDENTIALS, RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO),
+               PYTHONUNBUFFERED="1",
                RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="20",
                RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5")
     out = open(work / f"{mode}.out", "w")  # noqa: SIM115 - closed with the process
+    s3: S3Server = cluster.s3  # type: ignore[attr-defined]
     return subprocess.Popen([*cluster.head.exec_prefix(), sys.executable, str(DRIVER), mode,
-                             str(work)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                            text=True)
+                             str(work), s3.uri("runs"), s3.endpoint], env=env, stdout=out,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _kill_after_checkpoint(cluster: NetnsCluster, proc: subprocess.Popen, log: Path,
@@ -84,10 +97,94 @@ def _result(proc: subprocess.Popen, work: Path, mode: str, timeout_s: float = 50
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """Two nodes (the head's dashboard on, for ``ray-mesh status``) and the bucket's server
+    in the head's namespace on its tailnet address. Every node has (moto's fake) AWS
+    credentials in its environment, as each real machine has its own."""
     if reason := netns_unavailable_reason():
         pytest.skip(f"virtual cluster unavailable: {reason}")
-    with NetnsCluster([{"slot": 2}, {"slot": 2}]) as c:
-        yield c
+    with NetnsCluster([{"slot": 2}, {"slot": 2}], env=FAKE_CREDENTIALS, dashboard=True,
+                      start_attempts=4, ray_start_timeout_s=180) as c:
+        env = {**c.node_env(c.head), **FAKE_CREDENTIALS}
+        c.s3 = S3Server(bucket="ckpt-netns", host=c.head.ip, prefix=c.head.exec_prefix(),
+                        env=env)
+        try:
+            yield c
+        finally:
+            c.s3.stop()
+
+
+# Run in the head's namespace (the bucket's endpoint is on the tailnet): load checkpoint 8
+# of the reference run from the bucket (clean), flip one bit of a shard object of
+# checkpoint 6 in the bucket, and load that (refused).
+_TAMPER = """
+import copy, sys
+import pyarrow.fs, torch
+from ray_mesh.checkpointing import remote
+from ray_mesh.core.object_store import filesystem
+from ray_mesh.errors import CheckpointError
+
+uri, endpoint = sys.argv[1], sys.argv[2]
+fs, root = filesystem(uri, endpoint)
+files = [i.path for i in fs.get_file_info(pyarrow.fs.FileSelector(root + "/ref",
+                                                                 recursive=True))
+         if i.type == pyarrow.fs.FileType.File]
+def ckpt(step):
+    (d,) = {p.rsplit("/", 1)[0] for p in files if f"/checkpoint_{step:08d}_" in p}
+    return d
+model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(),
+                            torch.nn.Dropout(0.3), torch.nn.Linear(16, 6))
+clean = remote.load("s3://" + ckpt(8), copy.deepcopy(model), endpoint=endpoint,
+                    restore_rng=False)
+print("CLEAN", clean.step)
+shard = next(p for p in files if p.startswith(ckpt(6) + "/") and p.endswith("__1_0.distcp"))
+with fs.open_input_stream(shard) as f:
+    data = bytearray(f.read())
+data[len(data) // 2] ^= 0x01
+with fs.open_output_stream(shard) as f:
+    f.write(bytes(data))
+try:
+    remote.load("s3://" + ckpt(6), copy.deepcopy(model), endpoint=endpoint)
+    print("TAMPERED LOADED")
+except CheckpointError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster, tmp_path):
+    """Default tier: no node is lost, so the slow tests below still find both nodes."""
+    os.chmod(tmp_path, 0o777)
+    t0 = time.monotonic()
+    res = _result(_launch(cluster, "bitwise", tmp_path), tmp_path, "bitwise", 400)
+    assert res["ok"], res
+    print(f"ref + kill: {time.monotonic() - t0:.0f} s")
+    first, second = attempts(tmp_path / "kill.log")
+    assert steps(first) == [1, 2, 3, 4], first
+    assert second[0].startswith("start 4 checkpoint_00000004_"), second  # from the bucket
+    assert steps(second) == [5, 6, 7, 8], second
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "kill.pt")
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs from the uninterrupted run"
+
+    s3 = cluster.s3
+    script = tmp_path / "tamper.py"
+    script.write_text(_TAMPER)
+    out = cluster.run_in(0, [sys.executable, str(script), s3.uri("runs"), s3.endpoint],
+                         timeout=120, env={**FAKE_CREDENTIALS, "PYTHONPATH": str(REPO)})
+    text = out.stdout + out.stderr
+    assert "CLEAN 8" in text, text[-3000:]
+    refused = [x for x in text.splitlines() if x.startswith("REFUSED ")]
+    assert refused and "__1_0.distcp is corrupt: its SHA-256 differs" in refused[0], text
+
+    out = cluster.run_in(0, [sys.executable, "-m", "ray_mesh.cli.main", "status", "--all",
+                             "--address", f"http://{cluster.head.ip}:8265",
+                             "--storage", s3.uri("runs"), "--storage-endpoint", s3.endpoint,
+                             "--deadline", "60", "--timeout", "15"],
+                         timeout=120, env={**FAKE_CREDENTIALS, "PYTHONPATH": str(REPO)})
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "(layout from run dir)" in text, text[-4000:]
+    assert cluster.nodes[1].ip in text, text[-4000:]  # ranks on the far node, from the bucket
 
 
 # Slow tier (~2 min: a node killed mid-run, a restart, a reshard): elastic resharding is
@@ -96,7 +193,7 @@ def cluster(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_storage_refused_and_elastic_shrink(cluster, tmp_path):
-    os.chmod(tmp_path, 0o777)
+    os.chmod(tmp_path, 0o777)  # the driver runs in the head's namespace
     # --- storage: a path only the head has (its private disk) is refused before training
     res = _result(_launch(cluster, "storage", tmp_path), tmp_path, "storage", 200)
     assert not res["ok"], res
