@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from console import problems
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,8 @@ def test_ray_mesh_run_hsdp_example(tmp_path):
     assert "checkpoint:" in out and "results:" in out and "metrics:" in out
     # A console a person reads: no tracebacks, nothing twice, no deprecation from our calls.
     assert "Traceback" not in out, out
+    bad = problems(out)  # the checker every documented example's console goes through
+    assert not bad, "unexpected console lines:\n" + "\n".join(bad[:40])
     assert "will be deprecated" not in out, out
     assert "Failed to query" not in out, out
     twice = {x: n for x, n in Counter(x for x in lines if x.strip()).items() if n > 1}
