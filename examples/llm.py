@@ -313,9 +313,10 @@ def train_loop(config: dict) -> dict:
             val, entropy = evaluate(model, mesh, cfg, local)
             metrics = {**(metrics or {"step": done}), "val_loss": val,
                        "val_bpb": bits_per_byte(val), "unigram_entropy_bpb": entropy}
-            if not saver.ray:
-                _print(f"llm: eval at step {done}: val loss {val:.4f}, val bits/byte "
-                       f"{bits_per_byte(val):.3f} (unigram entropy {entropy:.3f} bits/byte)")
+            # Printed under Ray too: an evaluation is not a step's progress line, and bits per
+            # byte below the text's unigram entropy is what shows the model learns.
+            _print(f"llm: eval at step {done}: val loss {val:.4f}, val bits/byte "
+                   f"{bits_per_byte(val):.3f} (unigram entropy {entropy:.3f} bits/byte)")
             summary.update(val_loss=val, val_bpb=bits_per_byte(val), unigram_bpb=entropy)
         saver.step(done, metrics)
         if metrics is not None:
