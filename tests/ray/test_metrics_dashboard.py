@@ -287,7 +287,7 @@ def test_prometheus_recipe_targets_are_in_rays_service_discovery_file(cluster):
 
 def test_grafana_dashboard_queries_live_series(cluster):
     """Every ray_mesh series the Grafana dashboard plots exists on a CPU run's endpoint."""
-    from test_metrics_unit import dashboard_metric_names
+    from grafana import dashboard_metric_names
 
     _wait(lambda: _all_ranks_reported(cluster), METRICS_TIMEOUT_S, "ray_mesh series")
     live = {n for n, _, _ in _samples(cluster)}

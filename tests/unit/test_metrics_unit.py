@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from grafana import dashboard_metric_names
 
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.core.topology import WorkerReport, plan_mesh
@@ -27,14 +27,6 @@ from ray_mesh.observability.status import StatusError, collect
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "deploy" / "monitoring"
 EXPORTED = {m.prometheus_name for m in METRICS}
-
-
-def dashboard_metric_names() -> set[str]:
-    """Every ray_* series name the Grafana dashboard's queries and variables use."""
-    dash = json.loads((MONITORING / "grafana_ray_mesh.json").read_text())
-    text = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
-    text += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
-    return {n for t in text for n in re.findall(r"\bray_[a-zA-Z0-9_]+", t)}
 
 
 # ----------------------------------------------------------------------------- deploy
