@@ -64,5 +64,5 @@ def test_mesh_auto_picks_hsdp_at_100_mbit(plain_cluster):
         for node in range(2):
             cluster.unshape_link(node)
     assert mesh["dp_replicate"] == 2 and mesh["dp_shard"] == 2, (mesh, log[-4000:])
-    assert "mesh=auto picked hsdp" in log, log[-4000:]
+    assert "mesh=auto picked dp_replicate=2,dp_shard=2/" in log, log[-4000:]  # hsdp
     assert "node links measured" in log and "slowest link" in log, log[-4000:]

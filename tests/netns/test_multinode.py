@@ -137,7 +137,7 @@ def test_plan_doctor_and_unreachable_address(cluster):
     plan = out["plan"]
     assert plan["rc"] == 0, plan
     assert "2 node(s) x 2 worker(s) per node (slot) = 4 workers" in plan["out"]
-    assert "dp_replicate=2, dp_shard=2" in plan["out"]
+    assert "dp_replicate=2,dp_shard=2/fp32/sync" in plan["out"]  # the Layout string
     table = plan["out"].split("rank  node")[1]
     rows = [ln.split() for ln in table.splitlines()[2:] if ln.strip()]
     assert [(r[0], r[1], r[2]) for r in rows] == [
