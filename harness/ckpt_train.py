@@ -22,13 +22,16 @@ import ray_mesh
 from ray_mesh.checkpointing import Checkpointer, full_model_state
 
 
-def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic batch: the same for a step and a data-parallel rank (or replica) in
+    every run, so resumed runs can be compared bitwise."""
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
     x = torch.randn(8, 12, generator=g)
     return x, x.sin()[:, :6]
 
 
-def _log(config: dict, line: str) -> None:
+def log_line(config: dict, line: str) -> None:
+    """One timestamped line appended to the test's log file (``config["log"]``)."""
     with open(config["log"], "a") as f:
         f.write(f"{line} @{time.time():.2f}\n")
 
@@ -50,11 +53,11 @@ def train_loop(config: dict) -> None:
     assert start.data_position.get("next_step", 0) == start.step
     if rank == 0:
         spec = ray_mesh.get_state().spec
-        _log(config, f"start {start.step} {Path(start.path).name if start.path else '-'} "
+        log_line(config, f"start {start.step} {Path(start.path).name if start.path else '-'} "
                      f"mesh={spec.dp_replicate}x{spec.dp_shard}")
     dp_rank = mesh["dp"].get_local_rank()
     for step in range(start.step, config["steps"]):
-        x, y = _batch(step, dp_rank)
+        x, y = batch(step, dp_rank)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optim.step()
@@ -78,7 +81,7 @@ def train_loop(config: dict) -> None:
         ckpt.report(done, {"loss": loss.item()}, data_position={"next_step": done})
         if rank == 0:
             after = ckpt.last_reported_checkpoint
-            _log(config, f"step {done}" + (f" ckpt {after}" if after != before else ""))
+            log_line(config, f"step {done}" + (f" ckpt {after}" if after != before else ""))
     ckpt.close()
     full = full_model_state(model)
     if rank == 0:

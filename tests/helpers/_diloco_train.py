@@ -13,27 +13,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 import ray_mesh
+from harness.ckpt_train import batch, log_line
 from ray_mesh.checkpointing import Checkpointer
 from ray_mesh.parallel import parallelize, replicate_dp_mode, wrap_replicate
 from ray_mesh.parallel.diloco import replicas_equal
-
-
-def _batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + replica)
-    x = torch.randn(8, 12, generator=g)
-    return x, x.sin()[:, :6]
-
-
-def _log(config: dict, line: str) -> None:
-    with open(config["log"], "a") as f:
-        f.write(f"{line} @{time.time():.2f}\n")
 
 
 def train_loop(config: dict) -> None:
@@ -51,12 +40,12 @@ def train_loop(config: dict) -> None:
     replica = mesh["dp_replicate"].get_local_rank()
     rep_group = mesh.get_group("dp_replicate")
     if rank == 0:
-        _log(config, f"start {start.step} {Path(start.path).name if start.path else '-'} "
+        log_line(config, f"start {start.step} {Path(start.path).name if start.path else '-'} "
                      f"replicas={dl.replicas} inner={dl.inner_steps} outer={dl.outer_steps}")
     if start.path and replica >= 2:  # a joining replica: warned, and given the global params
         assert any("not in checkpoint" in w for w in start.warnings), start.warnings
     for step in range(start.step, config["steps"]):
-        x, y = _batch(step, replica)
+        x, y = batch(step, replica)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optim.step()
@@ -71,7 +60,7 @@ def train_loop(config: dict) -> None:
         metrics = {"loss": loss.item(), **dl.metrics()}
         ckpt.report(done, metrics, data_position={"next_step": done})
         if rank == 0:
-            _log(config, f"step {done}" + (f" sync equal={equal}" if synced else "")
+            log_line(config, f"step {done}" + (f" sync equal={equal}" if synced else "")
                  + f" metrics={json.dumps(metrics)}")
     dl.flush()  # nothing in flight without replicate.overlap; with it, the last sync lands
     ckpt.close()
