@@ -16,8 +16,12 @@ import pytest
 LOCAL_RAY_CPUS = 8
 TESTS_DIR = Path(__file__).resolve().parent
 HELPERS_DIR = TESTS_DIR / "helpers"
-# One folder per kind of test; the folder name is also the marker each test gets.
-KINDS = ("unit", "dist", "ray", "netns")
+# One folder per kind of test; the folder name is also the marker each test gets. A run goes
+# in this order: fast kinds first, and tests/ray last, because its shared Ray (``ray_local``)
+# lives until the session ends: a unit test must never see a Ray client in its process (it
+# changes what check_storage probes and which threads a snapshot lists), and the netns
+# clusters must not share the 2 cores with an idle local Ray.
+KINDS = ("unit", "dist", "netns", "ray")
 sys.path.insert(0, str(HELPERS_DIR))  # the tests' own drivers, train functions and fixtures
 # harness/ (what tests and benchmarks share) and benchmarks/ import from the repository root,
 # as under `python -m pytest` there; this makes a plain `pytest` (or another cwd) alike.
@@ -54,6 +58,12 @@ def missing_kinds(config, items) -> list[str]:
             and kind not in seen]
 
 
+def kind_order(item) -> int:
+    """Where an item's kind comes in a run (KINDS order; anything else last)."""
+    kind = Path(str(item.fspath)).parent.name
+    return KINDS.index(kind) if kind in KINDS else len(KINDS)
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.slow`` tests (multi-minute scenarios) run only with RAY_MESH_SLOW_TESTS=1."""
     if missing := missing_kinds(config, items):
@@ -65,6 +75,7 @@ def pytest_collection_modifyitems(config, items):
         kind = Path(str(item.fspath)).parent.name
         if kind in KINDS:
             item.add_marker(getattr(pytest.mark, kind))
+    items.sort(key=kind_order)  # stable: the order inside a kind is pytest's
     if os.environ.get(SLOW_ENV) == "1":
         return
     skip = pytest.mark.skip(reason=SLOW_REASON)

@@ -36,7 +36,9 @@ def test_what_a_rank_writes_parses_back():
     back = hs.parse_snapshot(hs.decode(hs.encode_snapshot(snap), "snap"), 1, 4)
     assert back["groups"] == {"dp_shard=dp": [0, 1], "tp": [1, 3]}
     assert back["pending"]["op"] == "all_reduce"
-    assert [t["name"] for t in back["threads"]] == ["blocked"] and back["threads"][0]["frames"]
+    # Other threads of this process (a Ray client's, the GC's) may be listed too.
+    blocked = [t for t in back["threads"] if t["name"] == "blocked"]
+    assert len(blocked) == 1 and blocked[0]["frames"]
     beat = hs.parse_beat(hs.decode(json.dumps({"seq": {"tp": 3}, "t": 1.0}), "beat"))
     assert beat["seq"] == {"tp": 3}
     text = "ray_mesh: collective hang: x\n  File \"a.py\", line 1\tin f \x1b[31m"
