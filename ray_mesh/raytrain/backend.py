@@ -307,11 +307,17 @@ def _setups(plan: MeshPlan, choices: list[Choice], config: MeshConfig, fixed: di
 class _MeshBackend(Backend):
     share_cuda_visible_devices: bool = True
     trials: list | None = None  # mesh="auto"'s trials (ray_mesh.planning.trial.Trial), if run
+    # How long on_shutdown waits for the workers to tear their process groups down. After a
+    # failed on_start a worker may still be stuck in what it was given (a stalled trial step,
+    # a collective its peer left): Ray Train kills the actors right after on_shutdown, so a
+    # long wait there only delays the error the user is waiting for.
+    shutdown_wait_s: float = 30.0
 
     def on_start(self, worker_group, backend_config: MeshConfig) -> None:
         try:
             self._start(worker_group, backend_config)
         except BaseException as exc:
+            self.shutdown_wait_s = 3.0
             _release_worker_group(worker_group)
             ours = (NetworkError, BringUpError, TopologyError)  # bad input: shown as one line
             if isinstance(exc, ours):
@@ -361,7 +367,7 @@ class _MeshBackend(Backend):
     def on_shutdown(self, worker_group, backend_config: MeshConfig) -> None:
         # Also runs after a half-finished on_start: shutdown_mesh tolerates "nothing built".
         try:
-            wait_bounded(worker_group.execute_async(shutdown_on_worker), 30.0,
+            wait_bounded(worker_group.execute_async(shutdown_on_worker), self.shutdown_wait_s,
                          "Process group shutdown", [str(i) for i in range(len(worker_group))])
         except Exception as exc:  # noqa: BLE001 - a dead worker must not block the shutdown
             logger.warning("ray_mesh: process group shutdown incomplete: %s", exc)

@@ -2,14 +2,16 @@
 console a person can read: no warning, traceback, error, port -1 or sampler failure that is
 not expected (tests/helpers/console.py names the expected ones and why).
 
-Each job runs with its own embedded Ray, as ``ray-mesh run examples/X.yaml`` does, on a short
-copy of the example's YAML (few steps, a small model: the console, not the training, is under
-test; the training is tested in test_parallel_examples.py, test_llm_ray.py, ...). The python
-driver runs as ``python examples/driver.py --steps N``.
+Each ``ray-mesh run examples/X.yaml`` runs as a cluster user runs it, ``--address`` joining a
+running Ray (the session's ``ray_local``), on a short copy of the example's YAML (few steps, a
+small model: the console, not the training, is under test; the training is tested in
+test_parallel_examples.py, test_llm_ray.py, ...). The console of an embedded Ray (its start
+and stop, what a user without a cluster sees) is checked twice elsewhere, each on a full run:
+the README's main job (test_main_job.py) and the python driver, ``python examples/driver.py
+--steps N``, below. An embedded Ray's start and stop cost ~15-25 s per job on this 2-core
+machine, which is why the other examples do not repeat them.
 
-Cost (measured 2026-11-25, this 2-core VM, load average 3-8 from other jobs): the module in
-549 s, 49-82 s per example (an embedded Ray's start and stop are most of it); under a load
-of 25-50 the same module took 1595 s. ``RAY_MESH_CONSOLE_OUT=DIR`` keeps every console.
+``RAY_MESH_CONSOLE_OUT=DIR`` keeps every console.
 """
 
 from __future__ import annotations
@@ -101,9 +103,9 @@ def _short_job(name: str, tmp: Path) -> Path:
 
 def _run(cmd: list[str], timeout: int) -> str:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # Its own embedded Ray in a short dir: Ray's socket paths must stay under 107 bytes.
-    # A report waits for Ray Train's controller to look at the workers, every 2 s by default;
-    # nothing printed depends on it.
+    # Without --address: its own embedded Ray in a short dir (Ray's socket paths must stay
+    # under 107 bytes). A report waits for Ray Train's controller to look at the workers,
+    # every 2 s by default; nothing printed depends on it.
     env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
     ray_tmp = tempfile.mkdtemp(prefix="rmc-", dir="/tmp")
     env["RAY_TMPDIR"] = ray_tmp
@@ -135,8 +137,9 @@ def _check(out: str, name: str, steps: int) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", sorted(SHORT))
-def test_example_console_is_clean(name, tmp_path):
-    out = _run([sys.executable, "-m", "ray_mesh.cli.main", "run",
+def test_example_console_is_clean(name, ray_local, tmp_path):
+    gcs = ray_local.get_runtime_context().gcs_address
+    out = _run([sys.executable, "-m", "ray_mesh.cli.main", "run", "--address", gcs,
                 str(_short_job(name, tmp_path))], timeout=840)
     assert f"ray-mesh: run '{name}' finished" in out, out[-3000:]
     _check(out, name, SHORT[name]["config"]["steps"])
