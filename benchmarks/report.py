@@ -167,6 +167,22 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
             add("g slow links", f"{rate}: hsdp ({hsdp}) bf16 / fp32 cross-node bytes per step",
                 sec[hsdp_bf16]["cross_node_bytes_per_step"]
                 / sec[hsdp]["cross_node_bytes_per_step"], "0.5 +- 10%")
+    wg = results.get("wireguard")
+    if wg and not status_only("h wireguard", wg):
+        for rate, value in (wg.get("step_vs_veth") or {}).items():
+            target = "<= 1.10" if rate != "unshaped" else "report"
+            add("h wireguard", f"{rate}: HSDP step, WireGuard / veth (median step)", value,
+                target)
+            add("h wireguard", f"{rate}: HSDP cross-node bytes on the wire, WireGuard / veth",
+                wg["bytes_vs_veth"][rate])
+            rows_ = wg["predicted_vs_measured"].get(rate) or {}
+            if rows_:
+                add("h wireguard", f"{rate}: worst |predicted / measured - 1| on WireGuard",
+                    max(abs(v - 1) for v in rows_.values()), "<= 0.15")
+        ck = wg.get("checkpoint_bucket_vs_local") or {}
+        if "save" in ck:
+            add("h wireguard", "checkpoint save / restore, S3 bucket (moto) / local dir "
+                "(median)", f"{ck['save']:.2f} / {ck['restore']:.2f}")
     for rate, sec in (results.get("rendezvous") or {}).items():
         if not isinstance(sec, dict) or "send_per_microbatch_ms" not in sec:
             continue

@@ -17,6 +17,10 @@ Sections (``--only`` picks some):
              (benchmarks/slow.py; also merged into observability).
   recovery   (f) a worker's SIGKILL to the first step after the resume, on local Ray and
              on the netns virtual cluster (root), plus that cluster's bring-up.
+  wireguard  (h) the virtual tailnet's WireGuard tunnel against bare veth: HSDP step time and
+             cross-node bytes per shaped rate, the planner's prediction on WireGuard, and
+             checkpoint save/restore through an S3 bucket (moto) against a local directory
+             (benchmarks/wireguard.py).
   rendezvous (g) a pipeline's sends across a 20 Mbit/s link with the receiver computing
              between its recvs, posted late (torch's GPipe) or early (benchmarks/rendezvous.py).
   llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
@@ -49,7 +53,7 @@ from benchmarks import paired, report, settings  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
-            "slowlinks", "rendezvous", "diloco", "slow", "llm")
+            "slowlinks", "wireguard", "rendezvous", "diloco", "slow", "llm")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery", "llm"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
@@ -270,10 +274,10 @@ def _keep_other_sections(results: dict, out: str, selected: list[str]) -> dict:
     return {**kept, **results, "partial_runs": runs}
 
 
-def _section(name: str, fn, *args) -> dict:
+def _section(name: str, fn, *args, **kwargs) -> dict:
     """One section; an exception becomes its status (the others still run; exit code 1)."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception:  # noqa: BLE001 - reported in the table and the exit code
         log(f"{name} failed")
         return {"status": f"failed: {traceback.format_exc()}"[-4000:]}
@@ -356,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
             section_recovery(cfg, storage, ["netns"], results["recovery"])
         if "slowlinks" in selected:
             results["slowlinks"] = _section("slowlinks", section_slowlinks, cfg)
+        if "wireguard" in selected:
+            from benchmarks import wireguard
+
+            log("wireguard: veth and WireGuard clusters taking turns, then checkpoints")
+            results["wireguard"] = _section("wireguard", wireguard.measure, **cfg["wireguard"])
         if "rendezvous" in selected:
             results["rendezvous"] = _section("rendezvous", section_rendezvous, cfg)
         if "diloco" in selected:

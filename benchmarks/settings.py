@@ -18,6 +18,7 @@ def config(quick: bool) -> dict:
                 "meshbuild_sizes": [4], "meshbuild_repeats": 1,
                 "crossnode_model": {"width": 256, "layers": 2, "steps": 3, "warmup": 1},
                 "slowlinks": {"rates": [100], "steps": 2},
+                "wireguard": {"rates": [20], "steps": 2, "reps": 1, "width": 256, "layers": 2},
                 "recovery_where": ["local"],
                 "diloco": {"rates": [20], "steps": 12, "every": 4, "streaming": 2, "overlap": 1,
                            "model": {"max_tokens": 200_000, "warmup": 2}},
@@ -34,6 +35,9 @@ def config(quick: bool) -> dict:
             "meshbuild_sizes": [4, 8, 16], "meshbuild_repeats": 3,
             "crossnode_model": {"width": 512, "layers": 4, "steps": 10, "warmup": 2},
             "slowlinks": {"rates": [1000, 100, 20], "steps": 16},
+            # rates: null = unshaped; width x width x layers parameters for the checkpoints
+            "wireguard": {"rates": [None, 100, 20], "steps": 8, "reps": 3, "width": 1024,
+                          "layers": 8},
             "recovery_where": ["local", "netns"],
             # the LM job; H, compression and the outer optimizer: see docs/diloco.md
             "diloco": {"rates": [100, 20], "steps": 200, "every": 10, "compress": "int8",

@@ -51,7 +51,9 @@ MODEL = {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "ffn": 512, "seq": 6
 RATES = (1000, 100, 20)
 
 
-def _rate_key(mbit: float) -> str:
+def _rate_key(mbit: float | None) -> str:
+    if not mbit:
+        return "unshaped"
     return f"{mbit / 1000:g}gbit" if mbit >= 1000 else f"{mbit:g}mbit"
 
 
@@ -253,16 +255,34 @@ def _interleaved(timers: dict, keys: list[str], reps: int, blocks: int, steps: i
     return times, moved, {k: median_everywhere(statistics.median(v)) for k, v in local.items()}
 
 
+def _counted(devices: list[str], world: int):
+    """A function that sums, over the nodes, the tx bytes of each of ``devices`` (local rank
+    0 of each node reads its namespace's counters): every byte that crosses nodes leaves
+    exactly one node's interface. Returns a tensor, one figure per device."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.workloads import read_counters
+
+    local0 = ray.train.get_context().get_local_rank() == 0
+
+    def count() -> torch.Tensor:
+        mine = torch.tensor([float(read_counters(d)["tx_bytes"]) if local0 else 0.0
+                             for d in devices], dtype=torch.float64)
+        dist.all_reduce(mine)
+        return mine
+    return count
+
+
 def _train(config: dict) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from benchmarks.workloads import read_counters
     from ray_mesh.core.bootstrap import build_device_mesh
     from ray_mesh.core.layout import parse_layout
 
     cfg, world = config["model"], dist.get_world_size()
-    local0 = ray.train.get_context().get_local_rank() == 0
     from benchmarks.planning_lab.measure import (
         measure_cross,
         measure_pipeline_send,
@@ -275,17 +295,15 @@ def _train(config: dict) -> None:
            "send_s": measure_pipeline_send(per_node, config["p2p_bytes"]),
            "unit_s": measure_unit_collectives(per_node, config["unit_bytes"], ("fp32", "bf16"))}
 
-    def cross_bytes() -> int:
-        mine = read_counters("tailscale0")["tx_bytes"] if local0 else 0
-        total = [0] * world
-        dist.all_gather_object(total, mine)
-        return sum(total)
+    # The tailnet interface (what the job sends) and the link under it (what the wire
+    # carries: the same device on bare veth; WireGuard's UDP with its headers otherwise).
+    cross_bytes = _counted(config["count_devices"], world)
 
     # Background traffic between nodes (Ray's own), per second, subtracted below.
     b0, t0 = cross_bytes(), time.perf_counter()
     time.sleep(2.0)
     background = (cross_bytes() - b0) / (time.perf_counter() - t0)
-    out["background_bytes_per_s"] = background
+    out["background_bytes_per_s"] = background.tolist()
     out["trials"], out["trial_s"] = _trials(config, out["compute_s"])
     for raw in config["layouts"]:
         layout = parse_layout(raw["layout"])
@@ -297,7 +315,8 @@ def _train(config: dict) -> None:
                                             config["steps"], step, cross_bytes, background)
         out["layouts"][str(layout)] = {"measured_step_s": statistics.median(times),
                                         "step_s_all": times, "local_s_beside": beside,
-                                        "cross_node_bytes_per_step": moved / len(times)}
+                                        "cross_node_bytes_per_step": float(moved[0]) / len(times),
+                                        "wire_bytes_per_step": float(moved[-1]) / len(times)}
     if dist.get_rank() == 0:
         write_result(config["out"], out)
     ray.train.report({"done": 1})
@@ -360,13 +379,15 @@ def _trial_section(raw: dict, section: dict) -> dict:
 
 
 def measure(rates=RATES, steps: int = 3, model: dict | None = None,
-            timeout_s: float = 1500.0) -> dict:
-    """Run every layout at every rate; the figures for ``results.json['slowlinks']``."""
+            timeout_s: float = 1500.0, tunnel: str = "veth") -> dict:
+    """Run every layout at every rate (``None`` or 0: unshaped); the figures for
+    ``results.json['slowlinks']`` (bare veth, as recorded) or one tunnel's side of
+    ``results.json['wireguard']`` (``benchmarks/wireguard.py``)."""
     from benchmarks.planning_lab.calibrate import Calibration, local_shapes, predict_calibrated
     from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
     from ray_mesh.planning.cost import Links, ModelStats, Workload, candidates, predict
 
-    if reason := netns_unavailable_reason(tunnel="veth"):
+    if reason := netns_unavailable_reason(tunnel=tunnel):
         return {"status": f"not run: {reason}"}
     sys.path.insert(0, str(REPO / "examples"))
     import fsdp_tp_transformer as ex
@@ -386,14 +407,20 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                                "without measure_pipeline_send (a pipeline's link priced from "
                                "the all-reduces) and measure_unit_collectives (tp_hsdp's "
                                "FSDP overhead with the in-node calls it does not run)"}
-    with NetnsCluster([{"slot": 2}, {"slot": 2}],
-                      tunnel="veth") as cluster:  # bare veth, as the recorded figures
+    with NetnsCluster([{"slot": 2}, {"slot": 2}], tunnel=tunnel) as cluster:
+        out["tunnel"] = tunnel
+        devices = ["tailscale0", cluster.link_iface]
         for mbit in rates:
             for node in cluster.nodes:
-                cluster.shape_link(node.index, mbit)
-            layouts = candidates(stats, Links(2, 2, float(mbit)))
+                if mbit:
+                    cluster.shape_link(node.index, mbit)
+                else:
+                    cluster.unshape_link(node.index)
+            # unshaped: the planner's candidates for the rate the probe measures at bring-up
+            plan_mbit = float(mbit or 1000)
+            layouts = candidates(stats, Links(2, 2, plan_mbit))
             path = str(cluster.root / f"slowlinks_{mbit}.json")
-            links_set = Links(2, 2, float(mbit))
+            links_set = Links(2, 2, plan_mbit)
             shapes = local_shapes(layouts, links_set)
             load_before = os.getloadavg()
             args = {"model": cfg, "steps": steps, "out": path, "per_node": 2,
@@ -403,7 +430,8 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                     "local_shapes": {k: str(x) for k, x in shapes.items()},
                     "tp_degrees": sorted({x.mesh.tp for x in layouts} - {1}),
                     "storage": str(cluster.root / "results"),
-                    "stats": dict(stats.__dict__), "tokens": tokens, "set_mbit": mbit,
+                    "stats": dict(stats.__dict__), "tokens": tokens, "set_mbit": plan_mbit,
+                    "count_devices": devices,
                     "trial_steps": 3, "trial_budget_s": 120.0,
                     "around_reps": 3,  # local-shape steps before each block and after
                     "blocks": min(4, steps),  # the layout's steps in this many blocks
@@ -458,6 +486,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
                     "measured_step_s": got["measured_step_s"],
                     "predicted_cross_node_bytes_per_step": pred.cross_node_bytes_per_step,
                     "cross_node_bytes_per_step": got["cross_node_bytes_per_step"],
+                    "wire_bytes_per_step": got["wire_bytes_per_step"],
                     "step_error": pred.step_s / got["measured_step_s"] - 1}
             labels = [str(x) for x in layouts]
             section["pick"] = min(labels, key=lambda k: section[k]["predicted_step_s"])

@@ -1,7 +1,12 @@
 """The hsdp example from a plain Python driver: TorchTrainer + ray_mesh.MeshConfig.
 
     python examples/driver.py                        # embedded local Ray, 4 CPU workers
-    python examples/driver.py --address 100.64.0.1:6379 --gpu --workers 8
+    python examples/driver.py --address 100.64.0.1:6379 --gpu --workers 8 \
+        --storage-path s3://ray-mesh/runs --storage-endpoint http://100.64.0.1:9000
+
+Nodes that share no filesystem need storage every node writes (Ray Train keeps the run's
+results there): a bucket (``--storage-path s3://...``; ``--storage-endpoint`` for MinIO or
+``ray-mesh storage serve``) or a shared mount. Without ``--storage-path``: ``~/ray_results``.
 """
 
 from __future__ import annotations
@@ -24,11 +29,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--storage-path", default=None,
+                        help="where Ray Train keeps the run (default ~/ray_results)")
+    parser.add_argument("--storage-endpoint", default=None,
+                        help="URL of an S3-compatible server for an s3:// storage path")
     args = parser.parse_args()
 
     # working_dir ships this folder to every worker, so they can import hsdp.train_loop.
     runtime_env = {"working_dir": HERE}
     if args.address:
+        # Hides a deprecation warning Ray Train's own controller raises (Ray 2.60).
+        runtime_env["worker_process_setup_hook"] = "ray_mesh.raytrain.driver.cluster_worker_setup"
         ray.init(address=args.address, runtime_env=runtime_env)
     else:
         # An embedded Ray shares the machine with any other Ray on it: this hook (the one
@@ -46,6 +57,9 @@ def main() -> None:
     # What only the driver can check (it needs the ScalingConfig): resources (Ray would wait
     # forever for GPUs a CPU-only cluster lacks) and the mesh against the worker count.
     ray_mesh.check_cluster(scaling, mesh_config)
+    # Storage every node can write (or a bucket that answers), checked before any worker.
+    storage = ray_mesh.check_storage(args.storage_path, name="hsdp-driver",
+                                     endpoint=args.storage_endpoint)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"steps": args.steps},
@@ -53,7 +67,8 @@ def main() -> None:
         torch_config=mesh_config,
         # Bounded start-up retries: Ray retries a group that cannot start forever by default.
         run_config=RunConfig(name="hsdp-driver",
-                             failure_config=FailureConfig(controller_failure_limit=3)),
+                             failure_config=FailureConfig(controller_failure_limit=3),
+                             **ray_mesh.run_storage(storage, args.storage_endpoint)),
     )
     result = trainer.fit()
     print(f"driver: finished, results in {result.path}")

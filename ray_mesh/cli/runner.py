@@ -60,7 +60,8 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
         secure_token_file(create=False)  # a token others can read: tightened, with a warning
         check_reachable(address)
         try:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True, runtime_env={
+                "worker_process_setup_hook": "ray_mesh.raytrain.driver.cluster_worker_setup"})
         except Exception as exc:  # ConnectionError, TimeoutError, ...
             auth = ""
             if "auth" in f"{type(exc).__name__} {exc} {exc.__cause__}".lower():

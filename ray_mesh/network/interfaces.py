@@ -150,7 +150,51 @@ def choose_all(reports: Sequence[WorkerReport], requested: str) -> list[Choice]:
             f"{len({r.node_ip for r in reports})} node(s): "
             + "; ".join(failures.values())
         )
+    if requested in ("auto", "", None):
+        check_one_network(reports, choices)
     return choices
+
+
+def _tailnet_address(interfaces: Mapping[str, list[str]]) -> tuple[str, str] | None:
+    """(interface, address) of this node's first IPv4 address in Tailscale's ranges."""
+    for name, addrs in sorted(interfaces.items()):
+        for addr in addrs:
+            if in_tailscale_range(addr) and ipaddress.ip_address(addr).version == 4:
+                return name, addr
+    return None
+
+
+def check_one_network(reports: Sequence[WorkerReport], choices: Sequence[Choice]) -> None:
+    """Refuse a cluster where some nodes registered with Ray under their tailnet address and
+    others under another (LAN) address although they have a tailnet one.
+
+    Ray takes a node's IP from ``--node-ip-address``, else from the route to the head's
+    address: ``ray start --address=<the head's LAN name or address>`` registers the LAN
+    address, and a node across the internet cannot reach it. Collectives would then hang
+    in the first cross-node call; this names the node and the fix before any process group.
+    """
+    on_tailnet = {r.node_ip for r, c in zip(reports, choices, strict=True)
+                  if in_tailscale_range(c.address)}
+    if not on_tailnet:
+        return  # a LAN cluster (Tailscale installed or not): one network, nothing to refuse
+    off: dict[str, str] = {}
+    for r, c in zip(reports, choices, strict=True):
+        tailnet = _tailnet_address(r.interfaces)
+        if in_tailscale_range(c.address) or tailnet is None or r.node_ip in off:
+            continue
+        off[r.node_ip] = (f"node {r.node_ip} ({r.hostname or f'rank {r.rank}'}) registered "
+                          f"with Ray under {r.node_ip} ({c.interface}), though it has the "
+                          f"tailnet address {tailnet[1]} on {tailnet[0]}")
+    if off:
+        vpn = sorted({c.interface for c in choices if in_tailscale_range(c.address)})[0]
+        raise NetworkError(
+            f"{'; '.join(off.values())}, while {len(on_tailnet)} other node(s) registered "
+            f"their tailnet address ({', '.join(sorted(on_tailnet))}): a node reached only "
+            f"on the tailnet cannot reach a LAN address. Restart Ray on that node with its "
+            f"tailnet address: `ray stop; ray start --address=<head tailnet ip>:6379 "
+            f"--node-ip-address=$(tailscale ip -4)` (deploy/tailscale/ray-worker.sh does "
+            f"both). If every node does reach every other, pass interface='{vpn}' to use "
+            f"the tailnet for the collectives anyway.")
 
 
 def url_host(address: str) -> str:

@@ -76,6 +76,15 @@ def enable_state_tracking() -> bool:
     return on
 
 
+def cluster_worker_setup() -> None:
+    """``worker_process_setup_hook`` of a job on a cluster (``ray-mesh run --address``, the
+    driver example): hides what Ray says to itself in the user's console."""
+    # Ray's own call inside Ray Train's controller when a job has datasets (Ray 2.60), not
+    # something a user can fix; printed on the driver's console by log_to_driver.
+    warnings.filterwarnings("ignore", message=r".*ExecutionOptions.exclude_resources.* is "
+                            r"deprecated")
+
+
 def embedded_worker_setup() -> None:
     """``worker_process_setup_hook`` of the embedded Ray: every process of it talks to it."""
     import ray
@@ -85,9 +94,7 @@ def embedded_worker_setup() -> None:
     # A filter, not setLevel: Ray Train's dictConfig resets the level of ray.train children.
     for name in EMBEDDED_QUIET_LOGGERS:
         logging.getLogger(name).addFilter(_errors_only)
-    # Ray's own call inside Ray Train's controller (Ray 2.60), not something a user can fix.
-    warnings.filterwarnings("ignore", message=r".*ExecutionOptions.exclude_resources.* is "
-                            r"deprecated")
+    cluster_worker_setup()
 
 
 def _errors_only(record: logging.LogRecord) -> bool:
@@ -114,5 +121,5 @@ def _above_info(record: logging.LogRecord) -> bool:
     return record.levelno > logging.INFO
 
 
-__all__ = ["CLI_ENV", "EMBEDDED_ENV", "embedded_worker_setup", "enable_state_tracking",
-           "quiet_report_lines", "state_api_available"]
+__all__ = ["CLI_ENV", "EMBEDDED_ENV", "cluster_worker_setup", "embedded_worker_setup",
+           "enable_state_tracking", "quiet_report_lines", "state_api_available"]

@@ -1,5 +1,6 @@
 """The llm example as a short job file, and the checks of its output, shared by the local Ray
-test (tests/ray/test_llm_ray.py) and the virtual-cluster test (tests/netns/test_llm_netns.py).
+tests (tests/ray/test_llm_ray.py; check_run also by tests/ray/test_console_examples.py) and
+the virtual-cluster test (tests/netns/test_llm_netns.py).
 
 Tiny preset, byte rows of 32 tokens from the standard library's sources through the job's
 ``data:`` section (Ray Data), and ``check_peer_batches: 1``: the example compares the batch

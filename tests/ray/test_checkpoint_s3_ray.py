@@ -5,13 +5,13 @@ shared local Ray (``ray_local``), CPU workers with gloo, FSDP2. The runs get the
 the way a Ray user writes it: ``RunConfig(name=..., **ray_mesh.run_storage("s3://bucket/runs",
 endpoint))`` -- an ``S3FileSystem`` at the endpoint, credentials from the environment.
 
-1. HSDP 2x2 to the bucket, uninterrupted, then the same with rank 1 SIGKILLed at step 8: Ray
-   restarts the group, which downloads checkpoint 6 from the bucket, checks it against its
-   manifest and resumes; the final parameters are bitwise equal to the uninterrupted run's.
-   Then one object of a checkpoint in the bucket is tampered with (one bit, same length):
-   loading it from the bucket is refused with a CheckpointError naming the shard. And
-   ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the per-rank layout the
-   run wrote into the bucket.
+1. (slow tier) HSDP 2x2 to the bucket, uninterrupted, then the same with rank 1 SIGKILLed at
+   step 8: Ray restarts the group, which downloads checkpoint 6 from the bucket, checks it
+   against its manifest and resumes; the final parameters are bitwise equal to the
+   uninterrupted run's. Then one object of a checkpoint in the bucket is tampered with (one
+   bit, same length): loading it from the bucket is refused with a CheckpointError naming
+   the shard. And ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the
+   per-rank layout the run wrote into the bucket.
 2. DiLoCo over 2 replicas to the bucket: killed at step 5, the restart resumes the outer
    state (outer step, outer momentum) and each replica's state from the bucket, bitwise.
 """
@@ -81,6 +81,10 @@ def _checkpoints(s3: S3Server, run: str) -> dict[int, str]:
             if sharded.step_of(d) is not None}
 
 
+# Slow tier (~65 s): the same scenario runs in the default tier where users have it, on the
+# WireGuard cluster with no shared filesystem and the bucket on the head
+# (tests/netns/test_checkpoint_netns.py::test_bucket_resume_is_bitwise_tampering_refused_...).
+@pytest.mark.slow
 @pytest.mark.ray
 def test_hsdp_in_a_bucket_resumes_bitwise_refuses_tampering_and_status_reads_it(
         ray_local, s3, tmp_path, monkeypatch):

@@ -1,12 +1,10 @@
-"""The llm job through `ray-mesh run`: Ray Data streams packed rows to the workers.
+"""The llm job through `ray-mesh run` on an embedded Ray: Ray Data streams packed rows to
+the workers.
 
-1. A dp-only mesh (dp_shard 4, tp 1): the run finishes, the train function got the job's
-   config and data section, the loss falls, and a sharded checkpoint was registered.
-2. dp_shard 2 x tp 2: ``MeshConfig`` makes the job's datasets split by dp rank
-   (``MeshDataConfig``), so both tp peers of a dp rank read the same rows. The example's
-   peer guard (``check_same_batch``, at every step here) raises on the first step whose
-   batches differ between tp peers -- as Ray's default split by world rank gives -- so a
-   finished run is the proof; the loss must be finite and fall.
+A dp-only mesh (dp_shard 4, tp 1), slow tier: the run finishes, the train function got the
+job's config and data section, the loss falls, and a sharded checkpoint was registered. The
+example as shipped (dp_shard 2 x tp 2, tp peers reading the same rows, checked at every
+step) runs in the default tier in tests/ray/test_console_examples.py, with its console.
 """
 
 from __future__ import annotations
@@ -22,10 +20,8 @@ import pytest
 from llm_job import REPO, check_run, write_job
 
 
-def _run(tmp_path: Path, mesh: str, steps: int, report: int, address: str | None = None
-         ) -> str:
-    """``ray-mesh run`` of the job on an embedded Ray, or on the Ray at ``address``; its
-    checked output."""
+def _run(tmp_path: Path, mesh: str, steps: int, report: int) -> str:
+    """``ray-mesh run`` of the job on an embedded Ray; its checked output."""
     storage = tmp_path / "results"
     job = write_job(tmp_path / "llm.yaml", name="llm_ray_test", mesh=mesh, steps=steps,
                     report=report, storage=storage)
@@ -37,8 +33,6 @@ def _run(tmp_path: Path, mesh: str, steps: int, report: int, address: str | None
     # (Ray Train passes this on to its controller).
     env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
     cmd = [sys.executable, "-m", "ray_mesh.cli.main", "run", str(job)]
-    if address:
-        cmd += ["--address", address]
     try:
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=540)
@@ -50,17 +44,8 @@ def _run(tmp_path: Path, mesh: str, steps: int, report: int, address: str | None
     return out
 
 
-@pytest.mark.slow  # the tp=2 case below runs the same path (and more) in the default tier
+@pytest.mark.slow  # the example's tp=2 case runs in test_console_examples.py (default tier)
 @pytest.mark.timeout(600)
 def test_ray_mesh_run_llm_streams_ray_data(tmp_path):
     out = _run(tmp_path, "{dp_shard: -1, tp: 1}", steps=8, report=4)
     assert "(dp 4 x tp 1)" in out, out[-3000:]
-
-
-@pytest.mark.timeout(600)
-def test_llm_tp2_peers_read_identical_ray_data_batches(ray_local, tmp_path):
-    # On the session's Ray (``--address``), not an embedded one of its own: a Ray start and
-    # its dashboard cost ~15 s here; the embedded path is tests/ray/test_main_job.py's.
-    address = ray_local.get_runtime_context().gcs_address
-    out = _run(tmp_path, "{dp_shard: 2, tp: 2}", steps=6, report=2, address=address)
-    assert "(dp 2 x tp 2)" in out, out[-3000:]

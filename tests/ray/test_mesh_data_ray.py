@@ -88,7 +88,8 @@ def _fast_controller(monkeypatch):
 
 
 # Slow tier (~45 s of fit): the same default path (MeshConfig makes the trainer's datasets
-# split by dp rank) is what tests/ray/test_llm_ray.py's tp=2 run proves in the default tier.
+# split by dp rank) is what the llm example's run in tests/ray/test_console_examples.py
+# proves in the default tier.
 @pytest.mark.slow
 @pytest.mark.ray
 def test_default_data_config_follows_mesh(plain_run):

@@ -77,6 +77,35 @@ def test_choose_all_names_every_failing_node_once():
     assert [c.interface for c in choose_all(reports[:1], "auto")] == ["tailscale0"]
 
 
+def test_a_node_registered_under_its_lan_address_beside_tailnet_nodes_is_refused():
+    """Ray registers the LAN address when ``ray start --address`` named the head by a LAN
+    name; the other nodes, reached only on the tailnet, could not reach it."""
+    both = {"eth0": ["192.168.1.7"], "tailscale0": ["100.64.0.2"]}
+    reports = [
+        WorkerReport(0, "a", "100.64.0.1", "h0", 0,
+                     interfaces={"eth0": ["10.0.0.1"], "tailscale0": ["100.64.0.1"]}),
+        WorkerReport(1, "b", "192.168.1.7", "h1", 0, interfaces=both),
+        WorkerReport(2, "b", "192.168.1.7", "h1", 1, interfaces=both),
+    ]
+    with pytest.raises(NetworkError) as err:
+        choose_all(reports, "auto")
+    msg = str(err.value)
+    assert msg.count("node 192.168.1.7 (h1) registered with Ray under 192.168.1.7 (eth0)") == 1
+    assert "tailnet address 100.64.0.2 on tailscale0" in msg and "(100.64.0.1)" in msg
+    assert "--node-ip-address=$(tailscale ip -4)" in msg and "interface='tailscale0'" in msg
+    # named by the user: the tailnet for every node, nothing refused
+    assert {c.address for c in choose_all(reports, "tailscale0")} == {"100.64.0.1",
+                                                                      "100.64.0.2"}
+    # one network: all on the LAN (Tailscale installed or not), or a node without a tailnet
+    lan = [WorkerReport(0, "a", "192.168.1.6", "h0", 0,
+                        interfaces={"eth0": ["192.168.1.6"], "tailscale0": ["100.64.0.1"]}),
+           reports[1]]
+    assert [c.interface for c in choose_all(lan, "auto")] == ["eth0", "eth0"]
+    plain = [reports[0], WorkerReport(1, "c", "10.0.0.3", "h2", 0,
+                                      interfaces={"eth0": ["10.0.0.3"]})]
+    assert [c.interface for c in choose_all(plain, "auto")] == ["tailscale0", "eth0"]
+
+
 def test_ipv6_brackets_where_a_url_needs_them():
     assert host_port("fd7a:115c:a1e0::1", 29500) == "[fd7a:115c:a1e0::1]:29500"
     assert rendezvous_url("100.64.0.1", 29500) == "tcp://100.64.0.1:29500"
