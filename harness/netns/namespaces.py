@@ -35,11 +35,11 @@ TAILNET_IFACE = "tailscale0"
 DECOY_IFACE = "eth0"
 UNDERLAY_IFACE = "lan0"  # WireGuard mode: the LAN that carries the tunnel (and reaches peers)
 NODE_LOCAL = Path("/tmp/ray-mesh-node")  # the same path on every node, its own files on each
-# Each node's own: its scratch, Ray Train's default storage, shared memory, wireguard-go's
-# sockets, and Ray's default temp dir (a `ray start` without --temp-dir, as the deploy
-# README's walkthrough runs it: two nodes in one /tmp/ray would share their sockets).
+# Each node's own: its scratch (TMPDIR: also where a `ray start` without --temp-dir puts
+# Ray's session, as the deploy README's walkthrough runs it), Ray Train's default storage,
+# shared memory and wireguard-go's sockets.
 PRIVATE_DIRS = (NODE_LOCAL, Path.home() / "ray_results", Path("/dev/shm"),
-                Path("/var/run/wireguard"), Path("/tmp/ray"))
+                Path("/var/run/wireguard"))
 HOLDER_START_S = 15.0
 
 
