@@ -302,6 +302,15 @@ NOTES = """\
   prediction is `benchmarks.planning_lab.calibrate.predict_calibrated`: a calibration run once per
   benchmark run, on each node alone (nothing crossing nodes, the layouts' own steps never
   timed for it), plus modelled link time; the uncalibrated analytic model beside it.
+- **h wireguard**: `benchmarks/wireguard.py`: the g slow links measurement on a bare-veth
+  cluster and on a WireGuard one (`wireguard-go`, MTU 1280, the `tbf` on the link under the
+  tunnel), taking turns rate by rate (unshaped, 100, 20 Mbit/s). Step: the HSDP layout's median
+  timed step, WireGuard over veth; bytes: its cross-node bytes per step counted on the link
+  under the tunnel (what the wire carries); prediction: every layout's calibrated prediction
+  over its measured median step, on WireGuard. Checkpoints: local Ray, HSDP 2x2, a
+  `Checkpointer` saving through Ray Train to a local directory and to a moto bucket
+  (`ray-mesh storage serve`), taking turns; median over the runs of the slowest rank's seconds
+  in `report()` at a save step and in `restore()`, bucket over local.
 - **g pipeline sends**: `benchmarks/rendezvous.py`: 2 namespace nodes x 2 ranks at 20 Mbit/s,
   gloo; each rank of node 0 sends 4 microbatches of 64 KiB to its peer as torch's GPipe
   does, the receivers sleep c between recvs, posting each recv just before it is needed
