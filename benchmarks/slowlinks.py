@@ -255,7 +255,7 @@ def _interleaved(timers: dict, keys: list[str], reps: int, blocks: int, steps: i
     return times, moved, {k: median_everywhere(statistics.median(v)) for k, v in local.items()}
 
 
-def _counted(devices: list[str], world: int):
+def _counted(devices: list[str]):
     """A function that sums, over the nodes, the tx bytes of each of ``devices`` (local rank
     0 of each node reads its namespace's counters): every byte that crosses nodes leaves
     exactly one node's interface. Returns a tensor, one figure per device."""
@@ -297,7 +297,7 @@ def _train(config: dict) -> None:
 
     # The tailnet interface (what the job sends) and the link under it (what the wire
     # carries: the same device on bare veth; WireGuard's UDP with its headers otherwise).
-    cross_bytes = _counted(config["count_devices"], world)
+    cross_bytes = _counted(config["count_devices"])
 
     # Background traffic between nodes (Ray's own), per second, subtracted below.
     b0, t0 = cross_bytes(), time.perf_counter()

@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, free_port, median, ratio
+from benchmarks.report import HSDP_2X2 as HSDP
 
-HSDP = "dp_replicate=2,dp_shard=2/fp32/sync"
 RATES = (None, 100, 20)
 
 

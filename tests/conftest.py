@@ -53,14 +53,19 @@ def missing_kinds(config, items) -> list[str]:
     asked = [Path(a).resolve() for a in config.args]
     if asked != [TESTS_DIR] or config.option.keyword or config.option.markexpr:
         return []
-    seen = {Path(str(item.fspath)).parent.name for item in items}
+    seen = {item_kind(item) for item in items}
     return [kind for kind in KINDS if any((TESTS_DIR / kind).glob("test_*.py"))
             and kind not in seen]
 
 
+def item_kind(item) -> str:
+    """The kind of a test: the name of its folder."""
+    return Path(str(item.fspath)).parent.name
+
+
 def kind_order(item) -> int:
     """Where an item's kind comes in a run (KINDS order; anything else last)."""
-    kind = Path(str(item.fspath)).parent.name
+    kind = item_kind(item)
     return KINDS.index(kind) if kind in KINDS else len(KINDS)
 
 
@@ -72,7 +77,7 @@ def pytest_collection_modifyitems(config, items):
             "[tool.pytest.ini_options] norecursedirs in pyproject.toml (pytest's default "
             "skips folders named dist and build)")
     for item in items:  # the folder says the kind: `pytest -m unit`, `-m "not netns"`, ...
-        kind = Path(str(item.fspath)).parent.name
+        kind = item_kind(item)
         if kind in KINDS:
             item.add_marker(getattr(pytest.mark, kind))
     items.sort(key=kind_order)  # stable: the order inside a kind is pytest's
