@@ -36,7 +36,7 @@ CREDENTIALS = ("the AWS credentials this machine uses (AWS_ACCESS_KEY_ID and "
                "AWS_SECRET_ACCESS_KEY, or ~/.aws/credentials; the same on every node)")
 
 
-def _endpoint_of(path: str, endpoint: str | None) -> tuple[str, str, int] | None:
+def endpoint_of(path: str, endpoint: str | None) -> tuple[str, str, int] | None:
     """(url as shown, host, port) of the S3 server, or None for AWS's own endpoints."""
     if endpoint is None:
         query = parse_qs(urlsplit(path).query)
@@ -181,7 +181,7 @@ def check_object_storage(path: str, endpoint: str | None = None, *,
     """
     object_store.check_location(path, endpoint)
     shown = safe_text(object_store.shown(path.split("?", 1)[0], endpoint), 300)
-    where = _endpoint_of(path, endpoint)
+    where = endpoint_of(path, endpoint)
     if where is not None:
         _check_reachable(where, shown, min(timeout_s, 10.0))
     is_s3 = urlsplit(path).scheme.lower() == "s3"
@@ -210,4 +210,4 @@ def check_object_storage(path: str, endpoint: str | None = None, *,
         pool.shutdown(wait=False)
 
 
-__all__ = ["PROBE_PREFIX", "check_object_storage"]
+__all__ = ["PROBE_PREFIX", "check_object_storage", "endpoint_of"]

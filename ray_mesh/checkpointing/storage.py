@@ -10,6 +10,7 @@ asked whether it sees it.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import uuid
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import ray
 
-from ray_mesh.checkpointing.bucket_probe import PROBE_PREFIX, check_object_storage
+from ray_mesh.checkpointing.bucket_probe import PROBE_PREFIX, check_object_storage, endpoint_of
 from ray_mesh.checkpointing.names import StorageError, check_run_name, run_name_problem
 from ray_mesh.core.object_store import check_location
 from ray_mesh.core.object_store import is_uri as _is_uri
@@ -78,6 +79,29 @@ def _node_probe(path: str, endpoint: str | None, timeout_s: float) -> tuple[str,
         return ip, str(exc)
 
 
+def refuse_loopback(path: str, endpoint: str | None, nodes: int) -> None:
+    """An endpoint on loopback (``ray-mesh storage serve``'s default host) names a different
+    server on every machine: the driver's own probe passes, the other nodes find nothing
+    there (or another server). Refused by its name, before any node is asked."""
+    from ray_mesh.errors import ObjectStoreError
+
+    where = endpoint_of(path, endpoint)
+    if where is None or nodes < 2:
+        return
+    url, host, port = where
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host.lower() in ("localhost", "localhost.localdomain")
+    if loopback:
+        raise ObjectStoreError(
+            f"storage endpoint {url} is on loopback, which is each machine's own: the "
+            f"{nodes - 1} other node(s) of this cluster cannot reach the server there. Serve "
+            f"the bucket on an address every node reaches (`ray-mesh storage serve --host "
+            f"$(tailscale ip -4) --port {port}` on the head) and name that address in "
+            f"storage_endpoint.")
+
+
 def _check_nodes_uri(path: str, endpoint: str | None, timeout_s: float) -> None:
     """Every alive node probes the bucket itself: its workers use its own credentials (the
     AWS environment ``ray start`` ran with) and its own route to the endpoint."""
@@ -124,6 +148,8 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
     path = str(storage_path) if storage_path is not None else default_storage_path()
     check_location(path, endpoint)
     if _is_uri(path):
+        if ray.is_initialized():  # before the driver's own probe, which would pass
+            refuse_loopback(path, endpoint, sum(1 for n in ray.nodes() if n.get("Alive")))
         check_object_storage(path, endpoint, timeout_s=timeout_s)
         if ray.is_initialized():
             _check_nodes_uri(path, endpoint, timeout_s)

@@ -1,6 +1,6 @@
 """Driver for the elastic checkpoint test; runs inside the namespace cluster's head node.
 
-    python _ckpt_elastic_driver.py fixed|elastic|grow|storage|bitwise <workdir> \
+    python _ckpt_elastic_driver.py fixed|elastic|grow|storage|bitwise|diloco|probe <workdir> \
         <s3://bucket/runs> <endpoint>
 
 Runs the checkpoint test's train function on 2 workers per node (custom resource ``slot``)
@@ -13,6 +13,12 @@ policy restarts the group at 4 workers, from the last checkpoint.
 ``bitwise``: two runs ``ref`` and ``kill`` of 4 workers, 8 steps with dropout; in ``kill``
 rank 1 SIGKILLs itself at step 5 and the restart resumes from the bucket (the test compares
 the final parameters).
+``diloco``: the same two runs (``diloco-ref``, ``diloco-kill``) with DiLoCo across the nodes
+(outer step every 3 inner steps, FSDP inside each node): the restart resumes the outer state
+(outer step, momentum, the global parameters) and each replica's state from the bucket.
+``probe``: the driver's storage check as ``ray-mesh run`` makes it, twice: with the endpoint
+on loopback (refused before any probe: every machine has its own), and with the real one
+while the test drops node 1's packets to it (node 1's own probe fails; the node is named).
 The runs store to the S3 bucket at the endpoint (the only storage every node reaches: the
 nodes share no filesystem for it); the log and final parameters are the test's own files.
 Prints one ``RESULT {json}`` line.
@@ -35,6 +41,7 @@ from ray_mesh.cli.job import load_function
 from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
 
 HERE = Path(__file__).resolve().parent
+DILOCO = {"mode": "diloco", "every": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
 
 
 def storage_refused(work: Path) -> dict:
@@ -50,8 +57,25 @@ def storage_refused(work: Path) -> dict:
         return {"ok": False, "error": str(exc)}
 
 
+def probe(storage_uri: str, endpoint: str) -> dict:
+    """Both refusals' messages (None where the check passed)."""
+    out = {}
+    port = endpoint.rsplit(":", 1)[1]
+    for what, url in (("loopback", f"http://127.0.0.1:{port}"), ("node", endpoint)):
+        try:
+            check_storage(storage_uri, endpoint=url, name="probe", timeout_s=5)
+            out[what] = None
+        except StorageError as exc:
+            out[what] = str(exc)
+    return {"ok": True, **out}
+
+
 def _config(mode: str, work: Path) -> dict:
     files = {"log": str(work / f"{mode}.log"), "final": str(work / f"{mode}.pt")}
+    if mode in ("diloco-ref", "diloco-kill"):  # each rank writes <final>.<rank>
+        kill = {"kill_at": 5, "kill_marker": str(work / "diloco-killed")} \
+            if mode == "diloco-kill" else {}
+        return {"steps": 8, "every": 2, **kill, **files}
     if mode in ("ref", "kill"):  # bitwise: dropout draws, restored with the checkpoint
         kill = {"kill_at": 5, "kill_marker": str(work / "killed")} if mode == "kill" else {}
         return {"steps": 8, "every": 2, "dropout": 0.3, **kill, **files}
@@ -64,8 +88,11 @@ def main(mode: str, work: Path, storage_uri: str, endpoint: str) -> dict:
     ray.init(address="auto", log_to_driver=True)
     if mode == "storage":
         return storage_refused(work)
-    if mode == "bitwise":  # one driver for both runs: a driver start less
-        for run in ("ref", "kill"):
+    if mode == "probe":
+        return probe(storage_uri, endpoint)
+    if mode in ("bitwise", "diloco"):  # one driver for both runs: a driver start less
+        runs = ("ref", "kill") if mode == "bitwise" else ("diloco-ref", "diloco-kill")
+        for run in runs:
             res = fit(run, work, storage_uri, endpoint)
             if not res["ok"]:
                 return {**res, "run": run}
@@ -75,26 +102,30 @@ def main(mode: str, work: Path, storage_uri: str, endpoint: str) -> dict:
 
 def fit(mode: str, work: Path, storage_uri: str, endpoint: str) -> dict:
     spec = ray_mesh.MeshSpec.hsdp()
+    diloco = mode.startswith("diloco")
     elastic = mode in ("elastic", "grow")
     workers: int | tuple[int, int] = (2, 4) if elastic else 4
     if isinstance(workers, tuple):
         check_elastic_mesh(spec, *workers)
     # The driver's check, as ray-mesh run makes it: endpoint, bucket, credentials, writes.
     check_storage(storage_uri, endpoint=endpoint, name=mode)
+    train = (HERE / "_diloco_train.py" if diloco
+             else HERE.parents[1] / "harness" / "ckpt_train.py")
     trainer = TorchTrainer(
-        load_function(str(HERE.parents[1] / "harness" / "ckpt_train.py") + ":train_loop"),
+        load_function(f"{train}:train_loop"),
         train_loop_config=_config(mode, work),
         scaling_config=ScalingConfig(num_workers=workers,
                                      resources_per_worker={"CPU": 0.5, "slot": 1},
                                      # grow: look for new nodes every 5 s
                                      elastic_resize_monitor_interval_s=5 if mode == "grow"
                                      else 3600),
-        torch_config=ray_mesh.MeshConfig(mesh=spec),
+        torch_config=ray_mesh.MeshConfig(mesh=spec, replicate=DILOCO if diloco else None),
         run_config=RunConfig(name=mode, **ray_mesh.run_storage(storage_uri, endpoint),
                              # elastic: the first restart may still count the dead node
                              failure_config=failure_config(
                                  2, startup_retries=3 if elastic else 1),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+                             checkpoint_config=CheckpointConfig(
+                                 num_to_keep=4 if diloco else 2)),
     )
     try:
         result = trainer.fit()

@@ -25,8 +25,9 @@ the test's own instrumentation, in pytest's ``tmp_path``.) The default-tier test
 a worker SIGKILLed mid-run resumes from the bucket bitwise equal to an uninterrupted run;
 a shard object flipped in the bucket is refused by the manifest check on what comes back;
 ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the per-rank layout the
-run wrote into the bucket. DiLoCo's outer-state resume from a bucket is covered on one
-node (tests/ray/test_checkpoint_s3_ray.py), not here.
+run wrote into the bucket. The second: a DiLoCo run across the nodes, killed, resumes its
+outer state from the bucket bitwise; the driver's storage check refuses a loopback endpoint
+and names a node that cannot reach the bucket.
 """
 
 from __future__ import annotations
@@ -185,6 +186,45 @@ def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster,
     assert out.returncode == 0, text[-3000:]
     assert "(layout from run dir)" in text, text[-4000:]
     assert cluster.nodes[1].ip in text, text[-4000:]  # ranks on the far node, from the bucket
+
+
+@pytest.mark.timeout(600)
+def test_diloco_resumes_from_the_bucket_and_a_node_cut_off_from_it_is_named(cluster, tmp_path):
+    """Default tier, no node lost. DiLoCo with its replicas on the two nodes (FSDP inside
+    each), rank 1 killed at step 5: the restart takes checkpoint 4 from the bucket (after
+    the outer step at 3, between syncs) and both replicas end bitwise equal to an
+    uninterrupted run's. Then the driver's storage check on the two-node cluster: an
+    endpoint on loopback is refused by name; with node 1's packets to the bucket dropped
+    (a firewall on that box), node 1's own probe fails and the error names node 1."""
+    os.chmod(tmp_path, 0o777)
+    t0 = time.monotonic()
+    res = _result(_launch(cluster, "diloco", tmp_path), tmp_path, "diloco", 500)
+    assert res["ok"], res
+    print(f"diloco ref + kill: {time.monotonic() - t0:.0f} s")
+    first, second = attempts(tmp_path / "diloco-kill.log")
+    assert steps(first)[:4] == [1, 2, 3, 4], first  # rank 0 may log step 5 before it stops
+    assert second[0].startswith("start 4 checkpoint_00000004_"), second  # from the bucket
+    assert "replicas=2 inner=4 outer=1" in second[0], second[0]
+    assert steps(second) == [5, 6, 7, 8], second
+    assert any("sync equal=True" in x for x in second), second  # the outer step at 6
+    for rank in range(4):
+        a = torch.load(tmp_path / f"diloco-ref.pt.{rank}")
+        b = torch.load(tmp_path / f"diloco-kill.pt.{rank}")
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"rank {rank} {k} differs from the uninterrupted run"
+
+    s3, far = cluster.s3, cluster.nodes[1]
+    rule = ["OUTPUT", "-p", "tcp", "-d", cluster.head.ip, "--dport", str(s3.port), "-j", "DROP"]
+    cluster.run_in(1, ["iptables", "-I", *rule], check=True)
+    try:
+        res = _result(_launch(cluster, "probe", tmp_path), tmp_path, "probe", 200)
+    finally:
+        cluster.run_in(1, ["iptables", "-D", *rule], check=True)
+    assert res["loopback"] and "is on loopback, which is each machine's own" in res["loopback"]
+    assert "--host $(tailscale ip -4)" in res["loopback"], res
+    assert res["node"] and res["node"].startswith(f"on node {far.ip}: storage endpoint "
+                                                  f"{s3.endpoint} did not answer within 5 s"), res
+    assert "\n" not in res["node"] and "credentials its `ray start` ran with" in res["node"]
 
 
 # Slow tier (~2 min: a node killed mid-run, a restart, a reshard): elastic resharding is

@@ -80,6 +80,27 @@ def test_an_endpoint_without_a_path_is_refused_in_the_job():
         Job.from_dict({"train": TRAIN, "run": {"storage_endpoint": "http://h:9000"}})
 
 
+@pytest.mark.parametrize(("path", "endpoint"), [
+    ("s3://bucket/runs", "http://127.0.0.1:9000"),
+    ("s3://bucket/runs", "http://localhost:9000"),
+    ("s3://bucket/runs", "http://[::1]:9000"),
+    ("s3://bucket/runs?endpoint_override=127.0.0.2:9000&scheme=http", None),
+])
+def test_a_loopback_endpoint_is_refused_on_a_cluster_of_several_nodes(path, endpoint):
+    """What the driver checks once Ray says the cluster has several nodes (end to end on two
+    nodes: tests/netns/test_checkpoint_netns.py); one node may use loopback."""
+    from ray_mesh.checkpointing.storage import refuse_loopback
+
+    refuse_loopback(path, endpoint, 1)
+    with pytest.raises(ObjectStoreError, match="is on loopback, which is each machine's own: "
+                                               "the 2 other node") as err:
+        refuse_loopback(path, endpoint, 3)
+    assert "ray-mesh storage serve --host" in str(err.value)
+    _one_line(err.value)
+    refuse_loopback("s3://bucket/runs", "http://100.64.0.1:9000", 3)  # a tailnet address
+    refuse_loopback("s3://bucket/runs", None, 3)  # AWS itself
+
+
 # ----------------------------------------------------------------------------- server
 def test_a_good_bucket_is_accepted_and_the_probe_touches_nothing_else(s3, creds):
     fs = s3.filesystem()
