@@ -22,31 +22,92 @@ calls take the full mesh from ``ray_mesh.get_mesh()`` and pick their dims themse
   why it was picked; ``parallelize`` and the replicate helpers read it off the mesh
 """
 
-from ray_mesh.errors import ParallelError
-from ray_mesh.parallel.compose import full_parameters, gather_over, parallelize
-from ray_mesh.parallel.cp import context_parallel_region, cp_unsupported_reason
-from ray_mesh.parallel.data import (
-    distributed_sampler,
-    dp_mean,
-    dp_rank,
-    dp_size,
-    local_batch_size,
-    resumable_sampler,
-    shard_batch,
-)
-from ray_mesh.parallel.data_position import ResumableSampler
-from ray_mesh.parallel.fsdp import apply_fsdp, find_blocks, mixed_precision_policy, resolve_mode
-from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
-from ray_mesh.parallel.picked import layout_of, pick_reason
-from ray_mesh.parallel.pp import Pipeline, PipelinePlan, known_hang, schedule_info
-from ray_mesh.parallel.replicate import dp_mode as replicate_dp_mode
-from ray_mesh.parallel.replicate import replicate_config
-from ray_mesh.parallel.replicate import wrap as wrap_replicate
-from ray_mesh.parallel.tp import apply_tp, make_style, validate_tp_plan
+from __future__ import annotations
 
-# The pipeline's default per-stage step (TP then data parallel). Given here, where both
-# modules are known, so that pp.py and compose.py do not import each other.
-Pipeline.default_parallelize_fn = staticmethod(parallelize)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ray_mesh.errors import ParallelError
+
+# Imported on first use (PEP 562), not with the package: the Ray Train backend, the
+# controller and the driver import a helper or two from here, and the whole set pulls in
+# torch.distributed.tensor and torch.distributed.pipelining (about 1.2 s of imports per
+# process, measured on a 2-core machine). The names and what they are stay the same.
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "full_parameters": ("compose", "full_parameters"),
+    "gather_over": ("compose", "gather_over"),
+    "parallelize": ("compose", "parallelize"),
+    "context_parallel_region": ("cp", "context_parallel_region"),
+    "cp_unsupported_reason": ("cp", "cp_unsupported_reason"),
+    "distributed_sampler": ("data", "distributed_sampler"),
+    "dp_mean": ("data", "dp_mean"),
+    "dp_rank": ("data", "dp_rank"),
+    "dp_size": ("data", "dp_size"),
+    "local_batch_size": ("data", "local_batch_size"),
+    "resumable_sampler": ("data", "resumable_sampler"),
+    "shard_batch": ("data", "shard_batch"),
+    "ResumableSampler": ("data_position", "ResumableSampler"),
+    "apply_fsdp": ("fsdp", "apply_fsdp"),
+    "find_blocks": ("fsdp", "find_blocks"),
+    "mixed_precision_policy": ("fsdp", "mixed_precision_policy"),
+    "resolve_mode": ("fsdp", "resolve_mode"),
+    "dim_size": ("mesh", "dim_size"),
+    "mesh_device": ("mesh", "mesh_device"),
+    "submesh": ("mesh", "submesh"),
+    "layout_of": ("picked", "layout_of"),
+    "pick_reason": ("picked", "pick_reason"),
+    "Pipeline": ("pp", "Pipeline"),
+    "PipelinePlan": ("pp", "PipelinePlan"),
+    "known_hang": ("pp", "known_hang"),
+    "schedule_info": ("pp", "schedule_info"),
+    "replicate_dp_mode": ("replicate", "dp_mode"),
+    "replicate_config": ("replicate", "replicate_config"),
+    "wrap_replicate": ("replicate", "wrap"),
+    "apply_tp": ("tp", "apply_tp"),
+    "make_style": ("tp", "make_style"),
+    "validate_tp_plan": ("tp", "validate_tp_plan"),
+}
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from ray_mesh.parallel.compose import full_parameters, gather_over, parallelize
+    from ray_mesh.parallel.cp import context_parallel_region, cp_unsupported_reason
+    from ray_mesh.parallel.data import (
+        distributed_sampler,
+        dp_mean,
+        dp_rank,
+        dp_size,
+        local_batch_size,
+        resumable_sampler,
+        shard_batch,
+    )
+    from ray_mesh.parallel.data_position import ResumableSampler
+    from ray_mesh.parallel.fsdp import (
+        apply_fsdp,
+        find_blocks,
+        mixed_precision_policy,
+        resolve_mode,
+    )
+    from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
+    from ray_mesh.parallel.picked import layout_of, pick_reason
+    from ray_mesh.parallel.pp import Pipeline, PipelinePlan, known_hang, schedule_info
+    from ray_mesh.parallel.replicate import dp_mode as replicate_dp_mode
+    from ray_mesh.parallel.replicate import replicate_config
+    from ray_mesh.parallel.replicate import wrap as wrap_replicate
+    from ray_mesh.parallel.tp import apply_tp, make_style, validate_tp_plan
+
+
+def __getattr__(name: str) -> Any:
+    where = _EXPORTS.get(name)
+    if where is None:
+        raise AttributeError(f"module 'ray_mesh.parallel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ray_mesh.parallel.{where[0]}"), where[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "ParallelError",

@@ -28,16 +28,19 @@ replicate mode, or pass ``config=`` to :func:`wrap`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_mesh.core.bootstrap import get_mesh
+from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.core.layout import parse_replicate
 from ray_mesh.errors import ParallelError
-from ray_mesh.parallel.diloco import DiLoCo, DiLoCoConfig
 from ray_mesh.parallel.picked import layout_of
+
+if TYPE_CHECKING:
+    from ray_mesh.parallel.diloco import DiLoCo
 
 MODES = ("sync", "diloco")
 
@@ -76,6 +79,8 @@ def wrap(model: torch.nn.Module, mesh: DeviceMesh | None = None,
     config = config if config is not None else replicate_config(mesh)
     if config is None:
         return None
+    from ray_mesh.parallel.diloco import DiLoCo  # DTensor's imports: only where it runs
+
     return DiLoCo(model, mesh if mesh is not None else get_mesh(), config)
 
 

@@ -97,6 +97,24 @@ def test_ray_free_modules_do_not_import_ray():
         f"the Ray part to ray_mesh.raytrain.")
 
 
+def test_the_backend_does_not_load_the_parallel_helpers():
+    """The Ray Train backend is imported by the driver, the Train controller and every
+    worker; DTensor and the pipelining schedules (~1.2 s of imports per process on a 2-core
+    machine) load only in a train function that uses them (``ray_mesh.parallel`` is lazy)."""
+    code = ("import importlib, json, sys\n[importlib.import_module(m) for m in "
+            "json.loads(sys.argv[1])]\nimport ray_mesh.parallel as p\n"
+            "print(json.dumps(sorted(m for m in ('torch.distributed.tensor', "
+            "'torch.distributed.pipelining', 'ray_mesh.parallel.compose', "
+            "'ray_mesh.parallel.diloco') if m in sys.modules)))\n"
+            "p.parallelize, p.Pipeline, p.wrap_replicate\n"
+            "print('torch.distributed.pipelining' in sys.modules)")
+    proc = _run(code, ["ray_mesh.raytrain.backend", "ray_mesh.raytrain"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded, later = proc.stdout.strip().splitlines()[-2:]
+    assert json.loads(loaded) == [], f"the backend's import loads {loaded}"
+    assert later == "True"  # the names still resolve, on first use
+
+
 def test_ray_glue_modules_import():
     code = "import importlib, json, sys\n[importlib.import_module(m) for m in " \
            "json.loads(sys.argv[1])]\nprint('ray' in sys.modules)"

@@ -59,16 +59,16 @@ class Pipeline:
       :func:`ray_mesh.parallel.parallelize`, pass ``strict_plan=False``: a stage holds only
       some of the layers a TP plan names);
     * ``tp_plan`` / ``dp`` / ``mixed_precision``: handed to ``parallelize_fn`` (as torchtitan's
-      ``pipeline_llm`` takes ``parallelize_fn``), by default :attr:`default_parallelize_fn`,
-      which ``ray_mesh.parallel`` sets to :func:`ray_mesh.parallel.parallelize`. Passing the
-      step in keeps this module free of ``compose`` (which composes TP and FSDP, and knows
-      nothing of pipelines).
+      ``pipeline_llm`` takes ``parallelize_fn``), by default :attr:`default_parallelize_fn`
+      or, when that is None, :func:`ray_mesh.parallel.parallelize` (imported at that call:
+      ``compose``, which composes TP and FSDP, knows nothing of pipelines, and this module
+      does not load it).
 
     Every rank must build ``model`` from the same seed.
     """
 
     default_parallelize_fn: ClassVar[ParallelizeFn | None] = None
-    """Set by ``ray_mesh/parallel/__init__.py`` to :func:`ray_mesh.parallel.parallelize`."""
+    """The step for ``tp_plan`` / ``dp`` when none is passed; None: ``parallelize``."""
 
     def __init__(
         self,
@@ -133,11 +133,8 @@ class Pipeline:
                     dp: str, mixed_precision: Any) -> Callable[[nn.Module], nn.Module]:
         """``stage -> parallelize_fn(stage, mesh, ...)`` with the stage options filled in."""
         fn = parallelize_fn or cls.default_parallelize_fn
-        if fn is None:
-            raise ParallelError(
-                "pipeline: tp_plan/dp need a parallelize step: pass "
-                "parallelize_fn=ray_mesh.parallel.parallelize (importing ray_mesh.parallel "
-                "sets it as the default), or dp='none' and no tp_plan.")
+        if fn is None:  # here, not at import: compose and the pipeline import nothing of
+            from ray_mesh.parallel.compose import parallelize as fn  # each other at load
         if tp_plan:  # typos and uneven splits are caught on the whole model, on every rank
             validate_tp_plan(nn.Sequential(OrderedDict(layers)), tp_plan,
                              dim_size(mesh, "tp", default=1))
