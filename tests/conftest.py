@@ -22,6 +22,7 @@ HELPERS_DIR = TESTS_DIR / "helpers"
 # changes what check_storage probes and which threads a snapshot lists), and the netns
 # clusters must not share the 2 cores with an idle local Ray.
 KINDS = ("unit", "dist", "netns", "ray")
+SERIAL = "serial"  # the xdist group of every kind but unit
 sys.path.insert(0, str(HELPERS_DIR))  # the tests' own drivers, train functions and fixtures
 # harness/ (what tests and benchmarks share) and benchmarks/ import from the repository root,
 # as under `python -m pytest` there; this makes a plain `pytest` (or another cwd) alike.
@@ -69,8 +70,12 @@ def kind_order(item) -> int:
     return KINDS.index(kind) if kind in KINDS else len(KINDS)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.slow`` tests (multi-minute scenarios) run only with RAY_MESH_SLOW_TESTS=1."""
+    """The kinds' markers and order; every kind but unit in one xdist group ("serial": one
+    worker, in order, as without xdist: Ray and the virtual clusters take the whole machine,
+    and only unit tests run side by side); ``@pytest.mark.slow`` tests (multi-minute
+    scenarios) run only with RAY_MESH_SLOW_TESTS=1."""
     if missing := missing_kinds(config, items):
         raise pytest.UsageError(
             f"tests/{', tests/'.join(missing)} collected no test in a whole-suite run: check "
@@ -80,6 +85,8 @@ def pytest_collection_modifyitems(config, items):
         kind = item_kind(item)
         if kind in KINDS:
             item.add_marker(getattr(pytest.mark, kind))
+        if kind != "unit":
+            item.add_marker(pytest.mark.xdist_group(SERIAL))
     items.sort(key=kind_order)  # stable: the order inside a kind is pytest's
     if os.environ.get(SLOW_ENV) == "1":
         return
