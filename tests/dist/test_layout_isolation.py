@@ -56,8 +56,8 @@ def _what_the_helpers_see(mesh=None) -> dict:
             "dp_mode": replicate_dp_mode(mesh), "wrapped": dl is not None}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, ports: tuple[int, int], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
     from ray_mesh.core import bootstrap
     from ray_mesh.core.layout import parse_layout
     from ray_mesh.planning.trial import run_trials
@@ -74,7 +74,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     seen["first"] = _what_the_helpers_see()
     gc.collect()  # the DiLoCo built above holds the mesh's groups
     bootstrap.shutdown_mesh()
-    # 2. the next mesh in the same process, given no layout: fp32, sync
+    # 2. the next mesh in the same process, given no layout: fp32, sync. On its own port, as
+    # the next run gets one: rank 1 may reach the port before rank 0 has closed its first
+    # store there, and that store hangs up on it ("Failed to recv, got 0 bytes").
+    os.environ["MASTER_PORT"] = str(ports[1])
     state = setup(None, parse_layout(SECOND).mesh)
     seen["second"] = {**_what_the_helpers_see(), "bf16": _reduced_in_bf16(state.mesh, 1)}
 
@@ -94,7 +97,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_layouts_and_trials_one_after_another_do_not_see_each_other(tmp_path):
-    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, 180, "layout isolation")
+    ports = (free_port(), free_port())
+    spawn_ranks(_worker, (ports, str(tmp_path)), WORLD, 180, "layout isolation")
     for r in range(WORLD):
         seen = json.loads((tmp_path / f"{r}.json").read_text())
         assert seen["first"] == {"layout": FIRST, "diloco": 4, "dp_mode": "replica",
