@@ -151,15 +151,23 @@ except CheckpointError as exc:
 """
 
 
+def _ref_and_kill(cluster: NetnsCluster, mode: str, work: Path, log: str,
+                  timeout_s: float) -> tuple[list[str], list[str]]:
+    """The driver's two runs (uninterrupted, then killed at step 5): the killed run's two
+    attempts, as its log lines."""
+    os.chmod(work, 0o777)  # the driver runs in the head's namespace
+    t0 = time.monotonic()
+    res = _result(_launch(cluster, mode, work), work, mode, timeout_s)
+    assert res["ok"], res
+    print(f"{mode} ref + kill: {time.monotonic() - t0:.0f} s")
+    first, second = attempts(work / log)
+    return first, second
+
+
 @pytest.mark.timeout(600)
 def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster, tmp_path):
     """Default tier: no node is lost, so the slow tests below still find both nodes."""
-    os.chmod(tmp_path, 0o777)
-    t0 = time.monotonic()
-    res = _result(_launch(cluster, "bitwise", tmp_path), tmp_path, "bitwise", 400)
-    assert res["ok"], res
-    print(f"ref + kill: {time.monotonic() - t0:.0f} s")
-    first, second = attempts(tmp_path / "kill.log")
+    first, second = _ref_and_kill(cluster, "bitwise", tmp_path, "kill.log", 400)
     assert steps(first) == [1, 2, 3, 4], first
     assert second[0].startswith("start 4 checkpoint_00000004_"), second  # from the bucket
     assert steps(second) == [5, 6, 7, 8], second
@@ -196,12 +204,7 @@ def test_diloco_resumes_from_the_bucket_and_a_node_cut_off_from_it_is_named(clus
     uninterrupted run's. Then the driver's storage check on the two-node cluster: an
     endpoint on loopback is refused by name; with node 1's packets to the bucket dropped
     (a firewall on that box), node 1's own probe fails and the error names node 1."""
-    os.chmod(tmp_path, 0o777)
-    t0 = time.monotonic()
-    res = _result(_launch(cluster, "diloco", tmp_path), tmp_path, "diloco", 500)
-    assert res["ok"], res
-    print(f"diloco ref + kill: {time.monotonic() - t0:.0f} s")
-    first, second = attempts(tmp_path / "diloco-kill.log")
+    first, second = _ref_and_kill(cluster, "diloco", tmp_path, "diloco-kill.log", 500)
     assert steps(first)[:4] == [1, 2, 3, 4], first  # rank 0 may log step 5 before it stops
     assert second[0].startswith("start 4 checkpoint_00000004_"), second  # from the bucket
     assert "replicas=2 inner=4 outer=1" in second[0], second[0]
