@@ -202,9 +202,11 @@ def _hang_worker(rank: int, port: int, out: str) -> None:
     control = hang.connect_store()
     control.set(f"test/started/{rank}", "1")
     adopted = []
-    while not control.check(["test/done"]):
-        if watch.report_ready.is_set() and not adopted:
-            adopted.append(watch.report)
+    done = False
+    while not done:
+        done = control.check(["test/done"])  # then one more look: the report may have been
+        if watch.report_ready.is_set() and not adopted:  # adopted since the last (seen
+            adopted.append(watch.report)  # once on a loaded machine)
         time.sleep(0.05)
     Path(out, f"hang_{rank}.json").write_text(json.dumps(
         {"adopted": adopted, "warnings": warnings, "snap_sent": watch._snapshot_sent}))
