@@ -83,42 +83,6 @@ def cluster_worker_setup() -> None:
     # something a user can fix; printed on the driver's console by log_to_driver.
     warnings.filterwarnings("ignore", message=r".*ExecutionOptions.exclude_resources.* is "
                             r"deprecated")
-    coordinator = logging.getLogger(AUTOSCALING_CLIENT_LOGGER)
-    if not any(isinstance(f, TransientRequestTimeouts) for f in coordinator.filters):
-        coordinator.addFilter(TransientRequestTimeouts())
-
-
-# Ray Train 2.60's controller asks its autoscaling coordinator actor for resources with a 5 s
-# ray.get (scaling_policy/autoscaling_coordinator_client.py, checked on 2.60). On a busy
-# machine that times out and it logs a WARNING with the whole GetTimeoutError traceback,
-# saying itself that this is safe to ignore when transient; it retries on its own. Seen in
-# the diloco example's console with both cores busy.
-AUTOSCALING_CLIENT_LOGGER = ("ray.train.v2._internal.execution.scaling_policy."
-                             "autoscaling_coordinator_client")
-
-
-class TransientRequestTimeouts(logging.Filter):
-    """Hides that controller's resource-request timeouts until they stop being transient:
-    the first ``show_after - 1`` are dropped, later ones are shown as one line (no
-    traceback), saying how many there were. Other records pass unchanged."""
-
-    def __init__(self, show_after: int = 3) -> None:
-        super().__init__()
-        self.show_after, self.seen = show_after, 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if type(exc).__name__ != "GetTimeoutError":
-            return True
-        self.seen += 1
-        if self.seen < self.show_after:
-            return False
-        record.exc_info, record.exc_text = None, None
-        record.msg = (f"Ray Train's resource request to its autoscaling coordinator timed out "
-                      f"{self.seen} times in this process (a busy head node?): "
-                      f"{record.getMessage()}")
-        record.args = ()
-        return True
 
 
 def embedded_worker_setup() -> None:
@@ -157,6 +121,5 @@ def _above_info(record: logging.LogRecord) -> bool:
     return record.levelno > logging.INFO
 
 
-__all__ = ["CLI_ENV", "EMBEDDED_ENV", "TransientRequestTimeouts", "cluster_worker_setup",
-           "embedded_worker_setup", "enable_state_tracking", "quiet_report_lines",
-           "state_api_available"]
+__all__ = ["CLI_ENV", "EMBEDDED_ENV", "cluster_worker_setup", "embedded_worker_setup",
+           "enable_state_tracking", "quiet_report_lines", "state_api_available"]
