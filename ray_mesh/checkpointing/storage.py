@@ -102,14 +102,15 @@ def refuse_loopback(path: str, endpoint: str | None, nodes: int) -> None:
             f"storage_endpoint.")
 
 
-def _check_nodes_uri(path: str, endpoint: str | None, timeout_s: float) -> None:
-    """Every alive node probes the bucket itself: its workers use its own credentials (the
-    AWS environment ``ray start`` ran with) and its own route to the endpoint."""
+def _check_nodes_uri(path: str, endpoint: str | None, timeout_s: float,
+                     nodes: list[dict]) -> None:
+    """Every alive node (``nodes``, Ray's records) probes the bucket itself: its workers use
+    its own credentials (the AWS environment ``ray start`` ran with) and its own route to
+    the endpoint."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ray_mesh.errors import ObjectStoreError
 
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
     task = ray.remote(num_cpus=0, max_retries=0)(_node_probe)
     refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
         n["NodeID"], soft=False)).remote(path, endpoint, timeout_s) for n in nodes]
@@ -148,11 +149,11 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
     path = str(storage_path) if storage_path is not None else default_storage_path()
     check_location(path, endpoint)
     if _is_uri(path):
-        if ray.is_initialized():  # before the driver's own probe, which would pass
-            refuse_loopback(path, endpoint, sum(1 for n in ray.nodes() if n.get("Alive")))
+        nodes = [n for n in ray.nodes() if n.get("Alive")] if ray.is_initialized() else []
+        refuse_loopback(path, endpoint, len(nodes))  # before the driver's probe: it passes
         check_object_storage(path, endpoint, timeout_s=timeout_s)
-        if ray.is_initialized():
-            _check_nodes_uri(path, endpoint, timeout_s)
+        if nodes:
+            _check_nodes_uri(path, endpoint, timeout_s, nodes)
         return path
     if path.startswith("file://"):
         path = path[len("file://"):]

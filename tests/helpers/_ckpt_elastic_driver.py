@@ -72,13 +72,13 @@ def probe(storage_uri: str, endpoint: str) -> dict:
 
 def _config(mode: str, work: Path) -> dict:
     files = {"log": str(work / f"{mode}.log"), "final": str(work / f"{mode}.pt")}
-    if mode in ("diloco-ref", "diloco-kill"):  # each rank writes <final>.<rank>
-        kill = {"kill_at": 5, "kill_marker": str(work / "diloco-killed")} \
-            if mode == "diloco-kill" else {}
-        return {"steps": 8, "every": 2, **kill, **files}
-    if mode in ("ref", "kill"):  # bitwise: dropout draws, restored with the checkpoint
-        kill = {"kill_at": 5, "kill_marker": str(work / "killed")} if mode == "kill" else {}
-        return {"steps": 8, "every": 2, "dropout": 0.3, **kill, **files}
+    if mode in ("ref", "kill", "diloco-ref", "diloco-kill"):
+        kill = {"kill_at": 5, "kill_marker": str(work / f"{mode}ed")} \
+            if mode.endswith("kill") else {}
+        # bitwise: dropout draws, restored with the checkpoint (the DiLoCo train function has
+        # its own dropout, and each rank writes <final>.<rank>)
+        drop = {} if mode.startswith("diloco") else {"dropout": 0.3}
+        return {"steps": 8, "every": 2, **drop, **kill, **files}
     # grow: a long enough run for a node to join and the policy to notice it
     return {"steps": 40 if mode == "grow" else 10, "every": 2,
             "step_sleep": 2.5 if mode == "grow" else 1.5, **files}

@@ -115,6 +115,16 @@ def test_the_backend_does_not_load_the_parallel_helpers():
     assert later == "True"  # the names still resolve, on first use
 
 
+def test_the_lazy_parallel_names_are_the_public_ones_and_resolve():
+    """``ray_mesh.parallel``'s name table and ``__all__`` list the same names (the table is
+    written beside the type checkers' imports, and must not drift from either)."""
+    import ray_mesh.parallel as parallel
+
+    assert {*parallel._EXPORTS, "ParallelError"} == set(parallel.__all__)
+    for name in parallel.__all__:
+        assert getattr(parallel, name) is not None, name
+
+
 def test_ray_glue_modules_import():
     code = "import importlib, json, sys\n[importlib.import_module(m) for m in " \
            "json.loads(sys.argv[1])]\nprint('ray' in sys.modules)"
