@@ -15,6 +15,7 @@ lowest first, are the folders of ``ray_mesh`` as the data flows (README, "Layout
 * ``models`` and ``data``: a model and a data pipeline built on ``parallel`` (siblings: they
   do not import each other).
 * ``checkpointing``: saves and loads what ``parallel`` built (DiLoCo's replicas included).
+* ``replicas``: replica groups, a ``dp_replicate`` dim that survives one group's failure.
 * ``planning``: the driver's choice of nodes and mesh, priced with the layers below.
 * ``raytrain``: the Ray Train glue that drives all of the above on a cluster.
 * ``cli``: the ``ray-mesh`` program, on top: it parses job files and flags and runs them
@@ -43,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("models", "data"),
     ("checkpointing",),
+    ("replicas",),
     ("planning",),
     ("raytrain",),
     ("cli",),

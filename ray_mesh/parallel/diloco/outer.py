@@ -99,20 +99,23 @@ class DiLoCo:
     whether it did. ``mesh`` must have a ``dp_replicate`` dim of size >= 2.
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh,
+    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh | None,
                  config: DiLoCoConfig | None = None, *, dim: str = "dp_replicate") -> None:
         self.config = config or DiLoCoConfig()
-        try:
-            rep_mesh = mesh[dim]
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise ParallelError(f"DiLoCo needs a {dim!r} dim on the mesh (dims: "
-                                f"{mesh.mesh_dim_names})") from exc
-        self.replicas = rep_mesh.size()
-        if self.replicas < 2:
-            raise ParallelError(f"DiLoCo syncs replicas over {dim!r}, which has size "
-                                f"{self.replicas}: use a mesh with dp_replicate >= 2 (one "
-                                "replica per node), or replicate mode 'sync'")
-        self.group = rep_mesh.get_group()
+        if mesh is None:  # replica groups (ray_mesh.replicas) average across groups
+            self.replicas, self.group = 1, None
+        else:
+            try:
+                rep_mesh = mesh[dim]
+            except (KeyError, RuntimeError, ValueError) as exc:
+                raise ParallelError(f"DiLoCo needs a {dim!r} dim on the mesh (dims: "
+                                    f"{mesh.mesh_dim_names})") from exc
+            self.replicas = rep_mesh.size()
+            if self.replicas < 2:
+                raise ParallelError(f"DiLoCo syncs replicas over {dim!r}, which has size "
+                                    f"{self.replicas}: use a mesh with dp_replicate >= 2 (one "
+                                    "replica per node), or replicate mode 'sync'")
+            self.group = rep_mesh.get_group()
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ParallelError("DiLoCo got a model without trainable parameters")
@@ -243,6 +246,20 @@ class DiLoCo:
         self.global_params[i].sub_(update, alpha=cfg.outer_lr)
         _local(self.params[i]).copy_(self.global_params[i])
 
+
+    @torch.no_grad()
+    def pseudo_gradients(self) -> list[torch.Tensor]:
+        """``global - local`` of every parameter (this rank's shard): what a replica group
+        contributes to an outer step that :mod:`ray_mesh.replicas` averages across groups."""
+        return [g - _local(p).detach() for g, p in zip(self.global_params, self.params,
+                                                        strict=True)]
+
+    @torch.no_grad()
+    def apply_average(self, averages: list[torch.Tensor]) -> None:
+        """Take the outer step with pseudo-gradients averaged elsewhere (replica groups)."""
+        for i, avg in enumerate(averages):
+            self._outer_update(i, avg)
+        self.outer_steps += 1
 
     def globals_equal(self) -> bool:
         """True when every replica holds bitwise the same global parameters (collective;

@@ -1,0 +1,79 @@
+"""Reading a replica-group run's logs (``harness/replica_train.py``'s ``log_dir``): which
+samples were used, the survivors' step gaps around a kill, when the killed group trained
+again. Shared by the tests and ``benchmarks/replica_groups.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """Per group, its committed steps in the order they were logged."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for f in sorted(Path(log_dir).glob("g*.jsonl")):
+        gid = int(f.name[1:].split(".")[0])
+        out[gid] = [json.loads(line) for line in f.read_text().splitlines() if line]
+    return out
+
+
+def finals(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """Per group, the final line of each attempt that finished."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for f in sorted(Path(log_dir).glob("g*.final.json")):
+        gid = int(f.name[1:].split(".")[0])
+        out[gid] = [json.loads(line) for line in f.read_text().splitlines() if line]
+    return out
+
+
+def sample_use(logs: dict[int, list[dict[str, Any]]]) -> tuple[list[int], list[int]]:
+    """(samples used twice or more, samples skipped below the highest one used)."""
+    seen: dict[int, int] = {}
+    for rows in logs.values():
+        for row in rows:
+            for start, n in row["ranges"]:
+                for i in range(start, start + n):
+                    seen[i] = seen.get(i, 0) + 1
+    twice = sorted(i for i, c in seen.items() if c > 1)
+    top = max(seen, default=-1)
+    skipped = [i for i in range(top + 1) if i not in seen]
+    return twice, skipped
+
+
+def kill_time(marker_prefix: str | Path, gid: int) -> float:
+    return float(Path(f"{marker_prefix}.g{gid}").read_text())
+
+
+def survivor_gaps(logs: dict[int, list[dict[str, Any]]], killed: int, t_kill: float,
+                  window_s: float = 60.0) -> float:
+    """The survivors' longest wait between two committed steps that spans or follows the
+    kill (within ``window_s``)."""
+    worst = 0.0
+    for gid, rows in logs.items():
+        if gid == killed:
+            continue
+        ts = [r["t"] for r in rows]
+        for a, b in zip(ts, ts[1:], strict=False):
+            if b >= t_kill and a <= t_kill + window_s:
+                worst = max(worst, b - a)
+    return worst
+
+
+def steps_lost(logs: dict[int, list[dict[str, Any]]], killed: int) -> int:
+    """Committed steps the survivors took again (a step number logged twice or going back)."""
+    lost = 0
+    for gid, rows in logs.items():
+        if gid == killed:
+            continue
+        steps = [r["step"] for r in rows]
+        for a, b in zip(steps, steps[1:], strict=False):
+            if b <= a:
+                lost += a - b + 1
+    return lost
+
+
+def rejoin_s(logs: dict[int, list[dict[str, Any]]], killed: int, t_kill: float) -> float | None:
+    """From the kill to the killed group's first committed step of a later attempt."""
+    after = [r["t"] for r in logs.get(killed, []) if r["t"] > t_kill]
+    return min(after) - t_kill if after else None

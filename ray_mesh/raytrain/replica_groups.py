@@ -1,0 +1,233 @@
+"""Replica groups on Ray: one Ray Train run per ``dp_replicate`` index, and a coordinator.
+
+Why one run per group, not Ray Train's own replica groups: Ray 2.60's controller can replace
+a failed replica group alone (``WorkerGroup.replace_replica_group``), but only builds groups
+of one worker (``replica_group_size=1``), so a group cannot hold a ``dp_shard`` x ``tp``
+mesh. A Ray Train run per group gives exactly the isolation wanted with public APIs only:
+its ``FailureConfig`` restarts that group alone, ``STRICT_PACK`` keeps it on one node, and a
+node that does not come back leaves its run waiting for resources while the others train.
+
+* :class:`Coordinator` (an actor on the driver's node): the run's
+  :class:`~ray_mesh.replicas.quorum.Quorum` and the TCP store the cross-group process
+  groups meet on (it outlives every group).
+* :func:`fit_replica_groups`: starts the coordinator and one runner actor per group (each
+  calls ``TorchTrainer.fit``), prints groups leaving and joining as they happen, and ends
+  the runs still waiting for a node once the run is over (killing a runner ends its
+  controller, workers and placement group with it: they are its children).
+* :func:`replica_group`: in the train function, the :class:`~ray_mesh.replicas.ReplicaGroup`
+  of this worker's group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from ray_mesh.replicas.quorum import Decision, GroupDropped, Quorum, Range
+
+logger = logging.getLogger(__name__)
+CONFIG_KEY = "ray_mesh_replica_group"
+ENDED_GRACE_S = 20.0  # after the last step: how long a group still starting may take to end
+
+
+@ray.remote(num_cpus=0, max_concurrency=256)
+class Coordinator:
+    """The quorum and the cross-group store of one run (see the module docstring)."""
+
+    def __init__(self, segment_samples: int, total_steps: int, dead_after_s: float,
+                 arrive_timeout_s: float, expected_groups: int) -> None:
+        from torch.distributed import TCPStore
+
+        self.quorum = Quorum(segment_samples=segment_samples, total_steps=total_steps,
+                             dead_after_s=dead_after_s, arrive_timeout_s=arrive_timeout_s,
+                             expected_groups=expected_groups)
+        host = ray.util.get_node_ip_address()
+        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.address = (host, int(self.store.port))
+
+    def store_address(self) -> tuple[str, int]:
+        return self.address
+
+    def register(self, gid: int, incarnation: str, ranks: int) -> None:
+        self.quorum.register(gid, incarnation, ranks)
+
+    def beat(self, gid: int, incarnation: str, rank: int) -> bool:
+        return self.quorum.beat(gid, incarnation, rank)
+
+    def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
+               fresh_link: bool) -> Decision | str:
+        try:
+            return self.quorum.arrive(gid, incarnation, step, holding, fresh_link)
+        except GroupDropped as exc:  # a plain value: the caller raises it in its own process
+            return str(exc)
+
+    def checkpointed(self, step: int, path: str) -> None:
+        self.quorum.checkpointed(step, path)
+
+    def status(self) -> dict[str, Any]:
+        return self.quorum.status()
+
+
+class _Client:
+    """A worker's view of the coordinator actor (the ``Coordinator`` protocol of group.py);
+    every call is bounded."""
+
+    def __init__(self, handle: Any, timeout_s: float) -> None:
+        self.handle, self.timeout_s = handle, timeout_s
+
+    def _get(self, ref: Any, timeout_s: float | None = None) -> Any:
+        return ray.get(ref, timeout=timeout_s or self.timeout_s)
+
+    def register(self, gid: int, incarnation: str, ranks: int) -> None:
+        self._get(self.handle.register.remote(gid, incarnation, ranks))
+
+    def beat(self, gid: int, incarnation: str, rank: int) -> bool:
+        return self._get(self.handle.beat.remote(gid, incarnation, rank))
+
+    def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
+               fresh_link: bool) -> Decision:
+        out = ray.get(self.handle.arrive.remote(gid, incarnation, step, holding, fresh_link))
+        if isinstance(out, str):
+            raise GroupDropped(out)
+        return out
+
+    def checkpointed(self, step: int, path: str) -> None:
+        self._get(self.handle.checkpointed.remote(step, path))
+
+    def store_address(self) -> tuple[str, int]:
+        return tuple(self._get(self.handle.store_address.remote()))
+
+
+def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: Any) -> Any:
+    """In a train function started by :func:`fit_replica_groups`: this worker's
+    :class:`~ray_mesh.replicas.ReplicaGroup` (``kwargs``: its options, e.g. ``diloco=``)."""
+    from ray_mesh.replicas import ReplicaGroup
+
+    rg = config[CONFIG_KEY]
+    return ReplicaGroup(model, optimizer, client=_Client(rg["coordinator"], rg["timeout_s"]),
+                        group_id=rg["group_id"], total_steps=rg["total_steps"],
+                        segment_samples=rg["segment_samples"],
+                        checkpoint_dir=rg["checkpoint_dir"],
+                        checkpoint_every=rg["checkpoint_every"], **kwargs)
+
+
+@ray.remote(num_cpus=0)
+class _GroupRunner:
+    """Runs one group's ``TorchTrainer.fit`` (its controller and workers are this actor's
+    children, so killing the runner ends them)."""
+
+    def fit(self, train_fn: Any, config: dict[str, Any], trainer_kwargs: dict[str, Any]
+            ) -> dict[str, Any]:
+        from ray.train.torch import TorchTrainer
+
+        result = TorchTrainer(train_fn, train_loop_config=config, **trainer_kwargs).fit()
+        return {"metrics": result.metrics, "error": repr(result.error) if result.error else None}
+
+
+@dataclass
+class ReplicaGroupsResult:
+    """What :func:`fit_replica_groups` returns."""
+
+    groups: dict[int, dict[str, Any]]   # per group: its last reported metrics, or why it ended
+    status: dict[str, Any]              # the coordinator's books: events, step, samples used
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _pinned_here() -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(),
+                                          soft=False)
+
+
+def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
+                       total_steps: int, segment_samples: int, mesh_config: Any = None,
+                       config: dict[str, Any] | None = None, name: str = "replica-groups",
+                       storage_path: str | None = None,
+                       resources_per_worker: dict[str, float] | None = None,
+                       use_gpu: bool = False, max_group_failures: int = 20,
+                       checkpoint_every: int = 0, checkpoint_dir: str | None = None,
+                       dead_after_s: float = 3.0, arrive_timeout_s: float = 300.0,
+                       timeout_s: float = 30.0, poll_s: float = 0.5,
+                       on_event: Any = None) -> ReplicaGroupsResult:
+    """Train ``train_fn`` as ``groups`` replica groups of ``workers_per_group`` workers.
+
+    Each group is a Ray Train run of its own (``name``-g<i>), packed on one node, with
+    ``mesh_config`` (a :class:`~ray_mesh.MeshConfig` for the group's inner mesh; default:
+    ``dp_shard`` over its workers) and a budget of ``max_group_failures`` restarts. The train
+    function gets ``config`` and builds its group with :func:`replica_group`. ``on_event``
+    (default: log) sees each membership event as the coordinator records it.
+    """
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    from ray_mesh.raytrain.backend import MeshConfig
+
+    if groups < 1 or workers_per_group < 1:
+        raise ValueError(f"groups={groups}, workers_per_group={workers_per_group}: both must "
+                         "be at least 1")
+    if checkpoint_every and not checkpoint_dir:
+        raise ValueError("checkpoint_every needs checkpoint_dir: a directory every node "
+                         "reaches (the fallback when every group is gone)")
+    mesh_config = mesh_config or MeshConfig(mesh={"dp_shard": -1})
+    coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
+        segment_samples, total_steps, dead_after_s, arrive_timeout_s, groups)
+    ray.get(coordinator.store_address.remote(), timeout=60)
+    emit = on_event or (lambda e: logger.info("%s", describe(e)))
+    runners, refs = {}, {}
+    for gid in range(groups):
+        run_cfg = {**(config or {}), CONFIG_KEY: {
+            "coordinator": coordinator, "group_id": gid, "total_steps": total_steps,
+            "segment_samples": segment_samples, "timeout_s": timeout_s,
+            "checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every}}
+        trainer_kwargs = {
+            "scaling_config": ScalingConfig(num_workers=workers_per_group, use_gpu=use_gpu,
+                                            placement_strategy="STRICT_PACK",
+                                            resources_per_worker=resources_per_worker),
+            "torch_config": mesh_config,
+            "run_config": RunConfig(name=f"{name}-g{gid}", storage_path=storage_path,
+                                    failure_config=FailureConfig(
+                                        max_failures=max_group_failures)),
+        }
+        runners[gid] = _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
+        refs[gid] = runners[gid].fit.remote(train_fn, run_cfg, trainer_kwargs)
+    results: dict[int, dict[str, Any]] = {}
+    seen, ended_at = 0, None
+    while len(results) < groups:
+        ready, _ = ray.wait([r for g, r in refs.items() if g not in results],
+                            timeout=poll_s)
+        for ref in ready:
+            gid = next(g for g, r in refs.items() if r == ref)
+            try:
+                results[gid] = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - reported per group, the run goes on
+                results[gid] = {"metrics": None, "error": repr(exc)}
+        status = ray.get(coordinator.status.remote(), timeout=60)
+        for event in status["events"][seen:]:
+            emit(event)
+        seen = len(status["events"])
+        if status["finished"] and ended_at is None:
+            ended_at = time.monotonic()
+        if ended_at is not None and time.monotonic() - ended_at > ENDED_GRACE_S:
+            for gid in set(refs) - set(results):  # still waiting for a node: end it
+                ray.kill(runners[gid])
+                results[gid] = {"metrics": None, "error": "ended: the run finished while "
+                                "this group was still waiting for a node"}
+    status = ray.get(coordinator.status.remote(), timeout=60)
+    for r in runners.values():
+        ray.kill(r)
+    ray.kill(coordinator)
+    return ReplicaGroupsResult(groups=results, status=status, events=status["events"])
+
+
+def describe(event: dict[str, Any]) -> str:
+    """One console line for a membership event."""
+    return (f"replica group {event['group']} {event['kind']} at step {event['step']}: "
+            f"{event['detail']}")
+
+
+__all__ = ["CONFIG_KEY", "Coordinator", "ReplicaGroupsResult", "describe",
+           "fit_replica_groups", "replica_group"]

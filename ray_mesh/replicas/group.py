@@ -1,0 +1,310 @@
+"""One replica group's side of a fault-tolerant ``dp_replicate`` dim, in its train function.
+
+Each group is one ``dp_replicate`` index with its own inner mesh (``dp_shard`` x ``cp`` x
+``tp`` on its node) and its own ``torch.distributed`` world; what crosses groups goes
+through :mod:`.link`, and who takes part is decided by a :class:`~.quorum.Quorum` at every
+boundary. A train function written for it::
+
+    rg = ReplicaGroup(model, optim, client=..., group_id=..., total_steps=100)
+    rg.commit()                        # join: heal from a live group, get samples
+    while rg.running:
+        ids = rg.sample_ids(dp_rank, dp_size)   # this rank's share of the group's samples
+        loss_fn(model(data[ids])).backward()
+        rg.commit()                    # average over the groups present, optimizer step
+    rg.finish()
+
+With ``diloco=`` the group runs ``every`` inner steps on its own between commits (split
+the group's samples with :meth:`ReplicaGroup.inner_batches`) and a commit is the outer
+step: the pseudo-gradients are averaged, weighted by the samples each group processed.
+
+``commit`` never gives up on a peer's failure: a failed collective is retried with the
+groups that remain (the contribution is kept), and a group that was left behind or joins
+receives the state of a live group first. Only this group's own failure (a rank of its own
+died, or the quorum dropped it) raises, so that Ray Train replaces this group alone.
+
+The batch of a step is the samples of the groups present, and the average is over those
+samples: the gradient keeps its scale when a group is missing, the step just sees fewer
+samples. ``lr_scaling="linear"`` also scales the learning rate by that fraction for the
+step (the linear scaling rule); the default leaves it alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ray_mesh.replicas.link import CrossLink, broadcast_, weighted_mean
+from ray_mesh.replicas.quorum import Decision, GroupDropped, Range
+from ray_mesh.replicas.state import load_into, local_of, materialize
+from ray_mesh.replicas.state import save as save_state
+from ray_mesh.replicas.state import tensors as state_tensors
+
+if TYPE_CHECKING:
+    from ray_mesh.core.diloco_config import DiLoCoConfig
+
+
+class Coordinator(Protocol):
+    """What a group needs from the run's coordinator (a Ray actor in ray_mesh.raytrain)."""
+
+    def register(self, gid: int, incarnation: str, ranks: int) -> None: ...
+    def beat(self, gid: int, incarnation: str, rank: int) -> bool: ...
+    def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
+               fresh_link: bool) -> Decision: ...
+    def checkpointed(self, step: int, path: str) -> None: ...
+    def store_address(self) -> tuple[str, int]: ...
+
+
+LR_SCALING = ("none", "linear")
+
+
+class ReplicaGroup:
+    """This rank's handle on its replica group (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 client: Coordinator, group_id: int, total_steps: int,
+                 segment_samples: int, diloco: DiLoCoConfig | None = None,
+                 lr_scaling: str = "none", timeout_s: float = 30.0, beat_s: float = 0.5,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0) -> None:
+        if lr_scaling not in LR_SCALING:
+            raise ValueError(f"lr_scaling={lr_scaling!r}: use one of {LR_SCALING}")
+        self.model, self.optimizer, self.client = model, optimizer, client
+        self.gid, self.total_steps = group_id, total_steps
+        self.segment_samples, self.lr_scaling = segment_samples, lr_scaling
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.size = dist.get_world_size() if dist.is_initialized() else 1
+        self.incarnation = _shared_incarnation(self.rank)
+        self.diloco = None
+        if diloco is not None:
+            from ray_mesh.parallel.diloco import DiLoCo
+
+            self.diloco = DiLoCo(model, None, diloco)
+        materialize(optimizer)
+        self._counters = torch.zeros(3, dtype=torch.int64)  # step, inner, outer
+        self.step = 0
+        self.ranges: list[Range] = []
+        self.done = False
+        self.last: Decision | None = None
+        self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
+                                        "live_groups": 0}
+        self.log: list[dict[str, Any]] = []  # committed steps: samples, groups, time
+        if self.rank == 0:
+            client.register(group_id, self.incarnation, self.size)
+        _barrier()
+        host, port = client.store_address()
+        self.link = CrossLink(host, port, self.rank, timeout_s)
+        self._dropped = threading.Event()
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat_loop, args=(beat_s,), daemon=True,
+                                       name=f"ray_mesh-replica-beat-{group_id}")
+        self._beats.start()
+
+    # ------------------------------------------------------------------ the loop
+    @property
+    def running(self) -> bool:
+        return not self.done and self.step < self.total_steps
+
+    def sample_ids(self, dp_rank: int = 0, dp_size: int = 1) -> list[int]:
+        """This rank's share of the group's samples for the current segment (contiguous
+        slices of the group's list, by data-parallel rank inside the group)."""
+        ids = [i for start, n in self.ranges for i in range(start, start + n)]
+        per = -(-len(ids) // dp_size)
+        return ids[dp_rank * per:(dp_rank + 1) * per]
+
+    def inner_batches(self, dp_rank: int = 0, dp_size: int = 1) -> list[list[int]]:
+        """DiLoCo: this rank's samples for each of the round's ``every`` inner steps."""
+        ids = self.sample_ids(dp_rank, dp_size)
+        h = self.diloco.config.every if self.diloco is not None else 1
+        per = -(-len(ids) // h)
+        return [ids[k * per:(k + 1) * per] for k in range(h)]
+
+    def commit(self) -> bool:
+        """Meet the other groups at this boundary: heal if behind, average the contributions
+        of the groups present, take the (outer) optimizer step. True when a step was taken;
+        False when there was nothing to average (the first call) or the run is done."""
+        fresh = False
+        while True:
+            if self._dropped.is_set():
+                raise GroupDropped(f"replica group {self.gid}: the coordinator dropped this "
+                                   "attempt (it stopped beating in time)")
+            holding = self.ranges if self._has_contribution() else []
+            d = self._quorum(holding, fresh)
+            self.last = d
+            if d.done:
+                self.done = True
+                return False
+            ok, applied = self._boundary(d)
+            if _all_ranks_agree(ok):
+                self._after(d, applied)
+                return applied
+            self.link.forget()
+            self.stats["retries"] += 1
+            fresh = True
+
+    def finish(self) -> None:
+        """After the last step: tell the coordinator (the run is over for groups still
+        joining) and stop the heartbeats."""
+        if not self.done:
+            self._quorum([], False)
+            self.done = True
+        self._stop.set()
+
+    # ------------------------------------------------------------------ inside a boundary
+    def _has_contribution(self) -> bool:
+        if self.diloco is not None:
+            return bool(self.ranges)
+        return bool(self.ranges) and any(p.grad is not None for p in self.model.parameters())
+
+    def _quorum(self, holding: list[Range], fresh: bool) -> Decision:
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = self.client.arrive(self.gid, self.incarnation, self.step,
+                                            [tuple(r) for r in holding], fresh)
+            except GroupDropped as exc:
+                box[0] = exc
+        if dist.is_initialized() and self.size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def _boundary(self, d: Decision) -> tuple[bool, bool]:
+        """Heal, average, apply; (this rank saw no error, an update was applied)."""
+        try:
+            pg = self.link.group(d.epoch, d.index, len(d.members))
+            # Contributions first: a DiLoCo member's pseudo-gradient is of its own round,
+            # and only healers take the donor's state (the others receive and drop it).
+            mine = self._contribution()
+            weight = float(sum(n for _, n in self.ranges)) if d.contributes else 0.0
+            if d.restore is not None and d.index == d.donor:
+                self._restore(d.restore[1])
+            if d.donor is not None:
+                t0 = time.perf_counter()
+                got = broadcast_(self._state(), d.donor, pg, d.index, keep=d.heal)
+                if d.heal:
+                    self._adopt_counters()
+                    self.stats["rejoin_bytes"] += got
+                    self.stats["heal_s"] += time.perf_counter() - t0
+                    self._drop_contribution()
+            avg, total = weighted_mean(mine, weight, pg)
+        except RuntimeError as exc:  # a peer group died mid-collective, or a timeout
+            self.stats["last_error"] = str(exc)[:300]
+            return False, False
+        if total <= 0:
+            return True, False
+        self._apply(avg, total)
+        return True, True
+
+    def _contribution(self) -> list[torch.Tensor]:
+        if self.diloco is not None:
+            return self.diloco.pseudo_gradients()
+        params = list(self.model.parameters())
+        return [local_of(p.grad) if p.grad is not None
+                else torch.zeros_like(local_of(p)) for p in params]
+
+    def _drop_contribution(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _apply(self, avg: list[torch.Tensor], total: float) -> None:
+        if self.diloco is not None:
+            self.diloco.apply_average(avg)
+            return
+        scale = (total / (self.segment_samples * self._expected_groups())
+                 if self.lr_scaling == "linear" else 1.0)
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["lr"] * scale
+        with torch.no_grad():
+            for p, a in zip(self.model.parameters(), avg, strict=True):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                local_of(p.grad).copy_(a)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
+            g["lr"] = lr
+
+    def _expected_groups(self) -> int:
+        return max(len(self.last.members) if self.last else 1, 1)
+
+    def _after(self, d: Decision, applied: bool) -> None:
+        self.step = d.step + (1 if applied else 0)
+        self.ranges = list(d.ranges)
+        self.stats["live_groups"] = len(d.members)
+        if applied:
+            self.log.append({"step": self.step, "groups": len(d.members),
+                             "contributors": len(d.contributors), "t": time.time()})
+        if (applied and self.checkpoint_dir and self.checkpoint_every
+                and self.step % self.checkpoint_every == 0 and d.index == 0):
+            path = f"{self.checkpoint_dir}/step_{self.step:08d}"
+            save_state(path, self._state(), self.step)
+            if self.rank == 0:
+                self.client.checkpointed(self.step, path)
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> list[torch.Tensor]:
+        dl = self.diloco
+        self._counters[:] = torch.tensor([self.step, dl.inner_steps if dl else 0,
+                                          dl.outer_steps if dl else 0])
+        return state_tensors(self.model, self.optimizer, dl, self._counters)
+
+    def _adopt_counters(self) -> None:
+        step, inner, outer = (int(x) for x in self._counters)
+        self.step = step
+        if self.diloco is not None:
+            self.diloco.inner_steps, self.diloco.outer_steps = inner, outer
+
+    def _restore(self, path: str) -> None:
+        load_into(path, self._state())
+        self._adopt_counters()
+        self._drop_contribution()
+        self.stats["restored_from"] = path
+
+    def _beat_loop(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                if not self.client.beat(self.gid, self.incarnation, self.rank):
+                    self._dropped.set()
+                    return
+            except Exception:  # noqa: BLE001 - the coordinator is busy: the next beat tells
+                continue
+
+    def metrics(self) -> dict[str, float]:
+        """Plain scalars for ``ray.train.report``: ``replica_groups/live`` and friends."""
+        return {"replica_groups/live": self.stats["live_groups"],
+                "replica_groups/step": self.step,
+                "replica_groups/rejoin_bytes": self.stats["rejoin_bytes"],
+                "replica_groups/retries": self.stats["retries"]}
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _shared_incarnation(rank: int) -> str:
+    """One id for this attempt of the group, the same on every rank (rank 0's)."""
+    box = [uuid.uuid4().hex[:12] if rank == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    """True when every rank of this group got through the boundary (a MIN over the
+    group's own world, which raises if a rank of this group is gone)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
+                        device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+__all__ = ["Coordinator", "LR_SCALING", "ReplicaGroup"]

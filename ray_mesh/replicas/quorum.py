@@ -1,0 +1,359 @@
+"""Who trains the next step, and on which samples: the replica groups' membership and data.
+
+One :class:`Quorum` per run (in the Ray glue it lives in a coordinator actor on the driver's
+node). Every replica group (one ``dp_replicate`` index: its own inner mesh, its own Ray
+Train run) meets it at each *boundary*, just before the collective that crosses groups:
+the gradient all-reduce of a synchronous HSDP step, or the pseudo-gradient average that
+closes a DiLoCo round. There the quorum
+
+* decides the members: every group that is alive (all of its ranks sent a heartbeat within
+  ``dead_after_s``) and has arrived. A group that stops beating is dropped (its ranks get
+  "dropped" on their next call and fail, so that Ray Train replaces that group alone);
+* picks a donor (the lowest group holding the newest step) and the groups to heal from it
+  over the network: a group that joins or returns, or one left behind by a failed step;
+* hands each member the samples of its next segment (``segment_samples`` sample indices per
+  group per boundary, as ``(start, length)`` ranges), and keeps the books so that no sample
+  is skipped or repeated: the samples of a group that died before its contribution counted
+  go back to a queue that the next assignments drain first.
+
+Why a step boundary: a group's contribution (gradients, or a round's inner work) is only
+worth something once every member agrees to average it. A failed collective leaves each
+survivor's contribution intact (it arrives again with the same samples); the dead group's
+samples are handed out again. When some members committed a step and others did not (a
+peer died half-way through the collective), the ones behind heal from the ones ahead and
+their samples count as used (they were in the average).
+
+Ray-free and clock-injectable: the unit tests drive it with threads and a fake clock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Range = tuple[int, int]  # (first sample index, count)
+
+
+class GroupDropped(RuntimeError):  # noqa: N818 - a state the caller reacts to, not a bug
+    """This incarnation of a replica group is no longer a member (it stopped beating, or a
+    newer incarnation of the same group registered): its ranks must stop."""
+
+
+@dataclass
+class Decision:
+    """What one quorum tells one member group (plain data: it travels through Ray)."""
+
+    epoch: int                  # bumps whenever the member list changes: a new process group
+    step: int                   # the newest step any member holds (after healing: everyone's)
+    members: list[int]          # group ids, ascending; a group's index here is its cross rank
+    index: int                  # this group's position in ``members``
+    donor: int | None           # index of the member whose state the healers receive
+    healers: list[int]          # indices of members that receive the donor's state
+    contributors: list[int]     # indices of members whose contribution enters the average
+    ranges: list[Range]         # this group's samples for its next segment
+    restore: tuple[int, str] | None = None  # (step, path): the donor loads this first
+    done: bool = False          # the run has finished: return
+
+    @property
+    def heal(self) -> bool:
+        return self.index in self.healers
+
+    @property
+    def contributes(self) -> bool:
+        return self.index in self.contributors
+
+
+@dataclass
+class _Group:
+    incarnation: str
+    ranks: int
+    beats: dict[int, float] = field(default_factory=dict)
+    ready: bool = False           # arrived at least once: counts for the quorum from then on
+    arrival: dict[str, Any] | None = None
+    assigned: list[Range] = field(default_factory=list)
+    decision: Decision | None = None
+
+
+class Quorum:
+    """The membership and data books of one run's replica groups (thread-safe).
+
+    ``segment_samples``: samples one group processes between two boundaries (its batch for
+    one sync step, or ``every`` inner steps' worth for DiLoCo). ``total_steps``: the run
+    ends when a quorum finds this step reached. ``arrive_timeout_s`` bounds how long the
+    members wait for a live group that does not arrive; it is then dropped and named.
+    """
+
+    def __init__(self, *, segment_samples: int, total_steps: int, dead_after_s: float = 3.0,
+                 arrive_timeout_s: float = 300.0, expected_groups: int = 1,
+                 start_timeout_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if segment_samples < 1:
+            raise ValueError(f"segment_samples={segment_samples}: a group needs at least one "
+                             "sample per segment")
+        self.segment_samples = segment_samples
+        self.total_steps = total_steps
+        self.dead_after_s = dead_after_s
+        self.arrive_timeout_s = arrive_timeout_s
+        self.expected_groups, self.start_timeout_s = expected_groups, start_timeout_s
+        self.clock = clock
+        self._cv = threading.Condition()
+        self._groups: dict[int, _Group] = {}
+        self._cursor = 0
+        self._queue: list[Range] = []
+        self._tentative: list[Range] = []  # contributions of the last formed quorum
+        self._last: tuple[int, frozenset[int]] | None = None  # (step, members) last formed
+        self._epoch = 0
+        self._formed = 0
+        self._max_step_seen = 0
+        self._checkpoint: tuple[int, str] | None = None
+        self._books: dict[str, Any] = {}
+        self._finished = False
+        self.consumed = 0  # samples whose contribution entered a committed average
+        self.events: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ membership
+    def register(self, gid: int, incarnation: str, ranks: int) -> None:
+        """A group's incarnation starts (every Ray Train attempt of that group is a new one).
+        What an older incarnation held goes back to the queue."""
+        with self._cv:
+            old = self._groups.get(gid)
+            if old is not None and old.incarnation != incarnation:
+                self._requeue(old.assigned)
+                self._event("replaced", gid, "a new attempt of the group started")
+            now = self.clock()
+            self._groups[gid] = _Group(incarnation, ranks, {r: now for r in range(ranks)})
+            self._cv.notify_all()
+
+    def beat(self, gid: int, incarnation: str, rank: int) -> bool:
+        """A heartbeat from one rank; False when that incarnation is no longer a member."""
+        with self._cv:
+            g = self._groups.get(gid)
+            if g is None or g.incarnation != incarnation:
+                return False
+            g.beats[rank] = self.clock()
+            return True
+
+    def _alive(self, g: _Group, now: float) -> bool:
+        return len(g.beats) == g.ranks and all(now - t <= self.dead_after_s
+                                               for t in g.beats.values())
+
+    def _drop_dead(self) -> None:
+        if self._finished:  # the groups stop beating as they end: not a departure
+            return
+        now = self.clock()
+        for gid, g in list(self._groups.items()):
+            if not self._alive(g, now):
+                self._drop(gid, "stopped beating (a worker or its node is gone)")
+
+    def _drop(self, gid: int, why: str) -> None:
+        g = self._groups.pop(gid)
+        self._requeue(g.assigned)
+        if g.ready:
+            self._event("left", gid, why)
+        self._cv.notify_all()
+
+    # ------------------------------------------------------------------ the boundary
+    def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
+               fresh_link: bool = False, timeout_s: float | None = None) -> Decision:
+        """Group ``gid`` reaches a boundary holding state at ``step`` and a contribution
+        computed on ``holding`` (its assigned samples; empty when it has none). Blocks until
+        a quorum forms and returns this group's part of it. ``fresh_link``: its last
+        collective failed, so the members need new process groups (a new epoch) even if
+        the member list is the same."""
+        holding = [tuple(r) for r in holding]
+        with self._cv:
+            g = self._member(gid, incarnation)
+            if self._finished:
+                return self._done_decision()
+            g.ready = True
+            g.decision = None
+            g.arrival = {"step": step, "holding": holding, "fresh_link": fresh_link,
+                         "since": self.clock()}
+            self._cv.notify_all()
+            deadline = self.clock() + (timeout_s if timeout_s is not None
+                                       else self.arrive_timeout_s + self.dead_after_s + 30)
+            while g.decision is None:
+                self._member(gid, incarnation)
+                if self._finished:
+                    return self._done_decision()
+                self._try_form()
+                if g.decision is not None:
+                    break
+                if self.clock() > deadline:
+                    raise TimeoutError(f"replica group {gid}: no quorum formed within "
+                                       f"{timeout_s} s at step {step}")
+                self._cv.wait(timeout=0.2)
+            return g.decision
+
+    def _member(self, gid: int, incarnation: str) -> _Group:
+        g = self._groups.get(gid)
+        if g is None or g.incarnation != incarnation:
+            raise GroupDropped(f"replica group {gid} (attempt {incarnation}) is no longer a "
+                               "member of the run: Ray Train starts it again")
+        return g
+
+    def _try_form(self) -> None:
+        self._drop_dead()
+        ready = {gid: g for gid, g in self._groups.items() if g.ready}
+        arrived = {gid: g for gid, g in ready.items() if g.arrival is not None}
+        if not arrived:
+            return
+        if self._formed == 0 and len(arrived) < self.expected_groups:
+            first = min(g.arrival["since"] for g in arrived.values())
+            if self.clock() - first < self.start_timeout_s:  # the first step waits for all
+                return
+        late = [gid for gid in ready if gid not in arrived]
+        if late:
+            oldest = min(g.arrival["since"] for g in arrived.values())
+            if self.clock() - oldest < self.arrive_timeout_s:
+                return
+            for gid in late:
+                self._drop(gid, f"did not reach the boundary within {self.arrive_timeout_s:g} s")
+        self._form(arrived)
+
+    def _form(self, arrived: dict[int, _Group]) -> None:
+        members = sorted(arrived)
+        steps = {gid: arrived[gid].arrival["step"] for gid in members}
+        top = max(steps.values())
+        restore = None
+        if self._checkpoint is not None and self._checkpoint[0] > top:
+            restore, top = self._checkpoint, self._checkpoint[0]
+            self._event("restore", members[0], f"every group that held step "
+                        f"{self._max_step_seen} is gone: restoring step {top} from storage",
+                        step=top)
+        if top < self._max_step_seen and restore is None:
+            self._event("lost", members[0], f"every group that held step "
+                        f"{self._max_step_seen} is gone and no checkpoint is newer: going on "
+                        f"from step {top}", step=top)
+        if restore:  # the donor loads the checkpoint; every other member heals from it
+            donor_gid = members[0]
+            healers = members[1:]
+            contributors: list[int] = []
+        else:
+            donor_gid = min(g for g in members if steps[g] == top)
+            healers = [g for g in members if steps[g] < top]
+            contributors = [g for g in members
+                            if g not in healers and arrived[g].arrival["holding"]]
+        if restore:
+            self._load_books()
+        else:
+            self._settle_books(arrived, members, contributors, top)
+        membership = frozenset(members)
+        fresh = any(arrived[g].arrival["fresh_link"] for g in members)
+        if self._last is None or self._last[1] != membership or fresh:
+            self._epoch += 1
+            self._membership_events(membership, top)
+        self._last = (top, membership)
+        self._formed += 1
+        self._max_step_seen = max(self._max_step_seen, top)
+        for gid in healers:
+            self._event("healed", gid, f"state of step {top} from group {donor_gid}", step=top)
+        finished = top >= self.total_steps
+        idx = {gid: i for i, gid in enumerate(members)}
+        for gid in members:
+            g = arrived[gid]
+            g.assigned = [] if finished else self._take(self.segment_samples)
+            g.decision = Decision(
+                epoch=self._epoch, step=top, members=members, index=idx[gid],
+                donor=idx[donor_gid] if (healers or restore) else None,
+                healers=[idx[h] for h in healers], contributors=[idx[c] for c in contributors],
+                ranges=list(g.assigned), restore=restore if gid == donor_gid else None,
+                done=finished)
+            g.arrival = None
+        if finished:
+            self._finished = True
+        self._cv.notify_all()
+
+    def _settle_books(self, arrived: dict[int, _Group], members: list[int],
+                      contributors: list[int], top: int) -> None:
+        """Samples: the last quorum's contributions count once anyone moved past its step;
+        what a member no longer holds (it died, healed, or its step failed) is handed out
+        again; the contributions of this quorum wait for the next one to count."""
+        if self._last is not None and top > self._last[0]:
+            self.consumed += sum(n for _, n in self._tentative)
+        elif self._tentative:
+            still = {r for gid in contributors for r in arrived[gid].arrival["holding"]}
+            self._requeue([r for r in self._tentative if r not in still])
+        self._tentative = [r for gid in contributors for r in arrived[gid].arrival["holding"]]
+        for gid in members:
+            g = arrived[gid]
+            held = set(g.arrival["holding"]) if gid in contributors else set()
+            self._requeue([r for r in g.assigned if r not in held])
+            g.assigned = []
+
+    def _requeue(self, ranges: list[Range]) -> None:
+        self._queue.extend(r for r in ranges if r[1] > 0)
+
+    def _take(self, n: int) -> list[Range]:
+        out: list[Range] = []
+        while n > 0 and self._queue:
+            start, count = self._queue.pop(0)
+            use = min(count, n)
+            out.append((start, use))
+            if count > use:
+                self._queue.insert(0, (start + use, count - use))
+            n -= use
+        if n > 0:
+            out.append((self._cursor, n))
+            self._cursor += n
+        return out
+
+    def _membership_events(self, members: frozenset[int], step: int) -> None:
+        before = self._last[1] if self._last is not None else frozenset()
+        for gid in sorted(members - before):
+            self._event("joined", gid, f"{len(members)} group(s) now", step=step)
+
+    def _done_decision(self) -> Decision:
+        return Decision(epoch=self._epoch, step=self._max_step_seen, members=[], index=-1,
+                        donor=None, healers=[], contributors=[], ranges=[], done=True)
+
+    # ------------------------------------------------------------------ the rest
+    def checkpointed(self, step: int, path: str) -> None:
+        """A complete checkpoint of ``step`` is at ``path``: the fallback when every group
+        that held a newer step is gone. Its sample books are kept with it: a restore hands
+        out again everything not yet used at that step."""
+        with self._cv:
+            if self._checkpoint is not None and step < self._checkpoint[0]:
+                return
+            used = self.consumed
+            if self._last is not None and self._last[0] == step - 1:
+                used += sum(n for _, n in self._tentative)  # that step committed
+            open_ranges = [r for g in self._groups.values() for r in g.assigned]
+            self._checkpoint = (step, path)
+            self._books = {"cursor": self._cursor, "queue": self._queue + open_ranges,
+                           "consumed": used}
+
+    def _load_books(self) -> None:
+        books = self._books
+        self._cursor, self._queue = books["cursor"], list(books["queue"])
+        self.consumed = books["consumed"]
+        self._tentative = []
+        for g in self._groups.values():
+            g.assigned = []
+
+    def data_state(self) -> dict[str, Any]:
+        """The sample books, to save with a checkpoint (and to check in tests)."""
+        with self._cv:
+            return {"cursor": self._cursor, "queue": list(self._queue),
+                    "tentative": list(self._tentative), "consumed": self.consumed}
+
+    def status(self) -> dict[str, Any]:
+        """Plain data for the console, ``ray-mesh status`` and the metrics."""
+        with self._cv:
+            self._drop_dead()
+            return {"live": sorted(gid for gid, g in self._groups.items() if g.ready),
+                    "registered": sorted(self._groups), "epoch": self._epoch,
+                    "step": self._max_step_seen, "quorums": self._formed,
+                    "finished": self._finished, "events": list(self.events),
+                    **{k: v for k, v in self.data_state().items() if k != "tentative"}}
+
+    def _event(self, kind: str, gid: int, detail: str, step: int | None = None) -> None:
+        self.events.append({"kind": kind, "group": gid, "detail": detail,
+                            "step": self._max_step_seen if step is None else step,
+                            "t": time.time()})
+
+
+__all__ = ["Decision", "GroupDropped", "Quorum", "Range"]

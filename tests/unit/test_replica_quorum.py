@@ -1,0 +1,181 @@
+"""The replica groups' quorum (ray_mesh.replicas.quorum): membership, healing, and the sample
+books, driven by threads and a fake clock (the real thing runs in a Ray actor; the Ray
+tests drive it with real groups)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ray_mesh.replicas.quorum import GroupDropped, Quorum
+
+SEG = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(groups: int = 3, **kw) -> tuple[Quorum, Clock]:
+    clock = Clock()
+    q = Quorum(segment_samples=SEG, total_steps=kw.pop("total_steps", 100),
+               expected_groups=kw.pop("expected_groups", groups), clock=clock, **kw)
+    for g in range(groups):
+        q.register(g, f"a{g}", 1)
+    return q, clock
+
+
+def boundary(q: Quorum, arrivals: dict[int, tuple[int, list]], inc: dict[int, str] | None = None,
+             fresh: bool = False) -> dict:
+    """Every group in ``arrivals`` (gid -> (step, holding)) arrives at once; their decisions."""
+    out, errors = {}, []
+
+    def go(gid: int, step: int, holding: list) -> None:
+        try:
+            out[gid] = q.arrive(gid, (inc or {}).get(gid, f"a{gid}"), step, holding, fresh,
+                                timeout_s=10)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(g, s, h)) for g, (s, h) in arrivals.items()]
+    for t in threads:  # in order, a moment apart: a newcomer first waits for the others
+        t.start()
+        t.join(0.05)
+    for t in threads:
+        t.join(15)
+    assert not errors, errors
+    return out
+
+
+def beat_all(q: Quorum, clock: Clock, gids, dt: float = 1.0) -> None:
+    clock.now += dt
+    for g in gids:
+        q.beat(g, f"a{g}", 0)
+
+
+def ids(ranges) -> list[int]:
+    return [i for s, n in ranges for i in range(s, s + n)]
+
+
+def test_groups_get_disjoint_samples_and_every_step_counts_once():
+    q, _ = make()
+    d = boundary(q, {g: (0, []) for g in range(3)})
+    assert [d[g].index for g in range(3)] == [0, 1, 2]
+    assert d[0].donor is None and d[0].contributors == []
+    held = {g: d[g].ranges for g in range(3)}
+    for step in range(1, 4):
+        d = boundary(q, {g: (step - 1 if step == 1 else step - 1, held[g]) for g in range(3)})
+        assert d[0].contributors == [0, 1, 2]
+        held = {g: d[g].ranges for g in range(3)}
+    used = sorted(i for g in range(3) for i in ids(held[g]))
+    assert len(set(used)) == len(used) == 3 * SEG
+
+
+def test_a_group_that_dies_mid_step_hands_its_samples_to_the_next_assignment():
+    q, clock = make()
+    d = boundary(q, {g: (0, []) for g in range(3)})
+    lost = d[1].ranges
+    # group 1 dies while computing: 0 and 2 keep beating, 1 does not
+    for _ in range(4):
+        beat_all(q, clock, [0, 2])
+    d2 = boundary(q, {0: (0, d[0].ranges), 2: (0, d[2].ranges)})
+    assert d2[0].members == [0, 2] and d2[0].epoch == 2
+    assert d2[0].ranges == lost  # the dead group's samples go out first
+    assert [e["kind"] for e in q.events if e["group"] == 1] == ["joined", "left"]
+    # the contributions of 0 and 2 count once the next boundary moves past step 0
+    boundary(q, {0: (1, d2[0].ranges), 2: (1, d2[2].ranges)})
+    assert q.consumed == 2 * SEG  # the first boundary had nothing to count
+
+
+def test_a_failed_collective_keeps_the_contributions_and_rebuilds_the_link():
+    q, _ = make(2)
+    d = boundary(q, {0: (0, []), 1: (0, [])})
+    held = {g: d[g].ranges for g in range(2)}
+    d1 = boundary(q, {g: (0, held[g]) for g in range(2)})
+    unused_next = {g: d1[g].ranges for g in range(2)}
+    # the all-reduce failed: both come back at step 0 with the same samples, asking anew
+    d2 = boundary(q, {g: (0, held[g]) for g in range(2)}, fresh=True)
+    assert d2[0].epoch == d1[0].epoch + 1
+    assert d2[0].contributors == [0, 1]
+    # what the failed boundary handed out for the next step goes out again
+    assert sorted(ids(d2[0].ranges) + ids(d2[1].ranges)) == sorted(
+        ids(unused_next[0]) + ids(unused_next[1]))
+
+
+def test_a_returning_group_heals_from_the_lowest_group_at_the_newest_step():
+    q, clock = make(3)
+    boundary(q, {g: (0, []) for g in range(3)})
+    q.register(1, "b1", 1)  # group 1's second attempt
+    clock.now += 0.5
+    d = boundary(q, {0: (5, []), 1: (0, []), 2: (5, [])}, inc={1: "b1"})
+    assert d[1].heal and d[1].donor == 0 and not d[1].contributes
+    assert d[0].step == 5
+    assert any(e["kind"] == "healed" and e["group"] == 1 for e in q.events)
+    with pytest.raises(GroupDropped, match="no longer a member"):
+        q.arrive(1, "a1", 5, [], False, timeout_s=1)
+
+
+def test_every_group_gone_restores_the_checkpoint_and_its_sample_books():
+    q, clock = make(2)
+    d = boundary(q, {0: (0, []), 1: (0, [])})
+    held = {g: d[g].ranges for g in range(2)}
+    d = boundary(q, {g: (0, held[g]) for g in range(2)})  # step 1 committed by the next
+    q.checkpointed(1, "/ckpt/step_1")
+    open_at_checkpoint = ids(d[0].ranges) + ids(d[1].ranges)  # step 1's samples, unused
+    boundary(q, {g: (1, d[g].ranges) for g in range(2)})  # step 2 committed later
+    for g in range(2):
+        q.register(g, f"r{g}", 1)  # both groups came back with nothing
+    clock.now += 0.5
+    d = boundary(q, {0: (0, [])}, inc={0: "r0"})  # the first one back restores
+    assert d[0].restore == (1, "/ckpt/step_1") and d[0].step == 1
+    assert d[0].contributors == [] and not d[0].heal
+    assert any(e["kind"] == "restore" for e in q.events)
+    # the samples not yet used at step 1 are handed out again, first
+    assert ids(d[0].ranges) == open_at_checkpoint[:SEG]
+    # the second one back heals from it over the network, not from storage
+    d = boundary(q, {1: (0, []), 0: (1, d[0].ranges)}, inc={0: "r0", 1: "r1"})
+    assert d[1].heal and d[1].restore is None and d[1].donor == 0
+
+
+def test_the_first_boundary_waits_for_every_expected_group():
+    q, clock = make(2, start_timeout_s=30)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(d=q.arrive(0, "a0", 0, [], False, 10)))
+    t.start()
+    t.join(0.6)
+    assert t.is_alive()  # group 1 is expected: no quorum of one yet
+    q.beat(1, "a1", 0)
+    t2 = threading.Thread(target=lambda: box.update(d1=q.arrive(1, "a1", 0, [], False, 10)))
+    t2.start()
+    t.join(5)
+    t2.join(5)
+    assert box["d"].members == [0, 1]
+
+
+def test_a_live_group_that_never_arrives_is_dropped_after_the_timeout():
+    q, clock = make(2, arrive_timeout_s=5, dead_after_s=100)
+    boundary(q, {0: (0, []), 1: (0, [])})
+    box = {}
+    t = threading.Thread(target=lambda: box.update(d=q.arrive(0, "a0", 0, [], False, 10)))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()
+    clock.now += 6
+    t.join(5)
+    assert box["d"].members == [0]
+    assert any(e["kind"] == "left" and "within 5 s" in e["detail"] for e in q.events)
+
+
+def test_the_run_ends_for_a_group_that_arrives_after_the_last_step():
+    q, _ = make(1, total_steps=1)
+    d = boundary(q, {0: (0, [])})
+    d = boundary(q, {0: (0, d[0].ranges)})
+    d = boundary(q, {0: (1, d[0].ranges)})
+    assert d[0].done
+    q.register(5, "late", 1)
+    assert q.arrive(5, "late", 0, [], False, timeout_s=1).done
