@@ -111,6 +111,8 @@ class Quorum:
         self._checkpoint: tuple[int, str] | None = None
         self._books: dict[str, Any] = {}
         self._finished = False
+        self._all_gone = False
+        self._left: set[int] = set()  # dropped since the last quorum: "joined" when back
         self.consumed = 0  # samples whose contribution entered a committed average
         self.events: list[dict[str, Any]] = []
 
@@ -151,8 +153,11 @@ class Quorum:
     def _drop(self, gid: int, why: str) -> None:
         g = self._groups.pop(gid)
         self._requeue(g.assigned)
+        if g.ready and not any(other.ready for other in self._groups.values()):
+            self._all_gone = True  # the next quorum is a restart: it waits for everyone
         if g.ready:
             self._event("left", gid, why)
+            self._left.add(gid)
         self._cv.notify_all()
 
     # ------------------------------------------------------------------ the boundary
@@ -201,10 +206,11 @@ class Quorum:
         arrived = {gid: g for gid, g in ready.items() if g.arrival is not None}
         if not arrived:
             return
-        if self._formed == 0 and len(arrived) < self.expected_groups:
+        if (self._formed == 0 or self._all_gone) and len(arrived) < self.expected_groups:
             first = min(g.arrival["since"] for g in arrived.values())
-            if self.clock() - first < self.start_timeout_s:  # the first step waits for all
+            if self.clock() - first < self.start_timeout_s:  # a (re)start waits for all
                 return
+        self._all_gone = False
         late = [gid for gid in ready if gid not in arrived]
         if late:
             oldest = min(g.arrival["since"] for g in arrived.values())
@@ -221,9 +227,9 @@ class Quorum:
         restore = None
         if self._checkpoint is not None and self._checkpoint[0] > top:
             restore, top = self._checkpoint, self._checkpoint[0]
-            self._event("restore", members[0], f"every group that held step "
-                        f"{self._max_step_seen} is gone: restoring step {top} from storage",
-                        step=top)
+            self._event("restore", members[0], f"every group that held the run's state is "
+                        f"gone (the last boundary was at step {self._max_step_seen}): "
+                        f"restoring step {top} from {restore[1]}", step=top)
         if top < self._max_step_seen and restore is None:
             self._event("lost", members[0], f"every group that held step "
                         f"{self._max_step_seen} is gone and no checkpoint is newer: going on "
@@ -243,7 +249,7 @@ class Quorum:
             self._settle_books(arrived, members, contributors, top)
         membership = frozenset(members)
         fresh = any(arrived[g].arrival["fresh_link"] for g in members)
-        if self._last is None or self._last[1] != membership or fresh:
+        if self._last is None or self._last[1] != membership or fresh or self._left:
             self._epoch += 1
             self._membership_events(membership, top)
         self._last = (top, membership)
@@ -303,7 +309,9 @@ class Quorum:
 
     def _membership_events(self, members: frozenset[int], step: int) -> None:
         before = self._last[1] if self._last is not None else frozenset()
-        for gid in sorted(members - before):
+        back = members & self._left
+        self._left -= members
+        for gid in sorted((members - before) | back):
             self._event("joined", gid, f"{len(members)} group(s) now", step=step)
 
     def _done_decision(self) -> Decision:

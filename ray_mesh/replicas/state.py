@@ -28,7 +28,7 @@ COMPLETE = "complete.json"
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``t`` (``t`` itself when it is a plain tensor)."""
-    return t.tolocal_of() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def materialize(optimizer: torch.optim.Optimizer) -> None:

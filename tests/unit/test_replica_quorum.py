@@ -179,3 +179,22 @@ def test_the_run_ends_for_a_group_that_arrives_after_the_last_step():
     assert d[0].done
     q.register(5, "late", 1)
     assert q.arrive(5, "late", 0, [], False, timeout_s=1).done
+
+
+def test_after_every_group_died_the_restart_waits_for_every_group():
+    q, clock = make(2, dead_after_s=3, start_timeout_s=60)
+    d = boundary(q, {0: (0, []), 1: (0, [])})
+    d = boundary(q, {g: (0, d[g].ranges) for g in range(2)})
+    q.checkpointed(1, "/ckpt/step_1")
+    clock.now += 10  # nobody beats: both groups are gone
+    assert q.status()["live"] == []
+    for g in range(2):
+        q.register(g, f"r{g}", 1)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(d0=q.arrive(0, "r0", 0, [], False, 10)))
+    t.start()
+    t.join(0.6)
+    assert t.is_alive()  # a restart waits for the other group, as the first start does
+    box["d1"] = q.arrive(1, "r1", 0, [], False, 10)
+    t.join(5)
+    assert box["d0"].restore == (1, "/ckpt/step_1") and box["d1"].heal

@@ -1,0 +1,65 @@
+"""Replica groups on a real local Ray: the fallback when every group dies at once.
+
+Two DiLoCo replica groups (one worker each, an outer step every 3 inner steps, outer momentum
+0.5: at 0.9 this tiny problem diverges over so few inner steps), a checkpoint
+of the group state every 4 outer steps, and both groups' workers SIGKILLed at step 10. With no
+live group left to heal from, the restart waits for both groups; the first restores the newest
+checkpoint from storage (outer state included), the second heals from it over the network,
+and the run finishes. The
+kill-and-rejoin of one group while the others train on is tests/netns/test_replica_groups_netns.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import replica_check as rc
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.mark.timeout(300)
+def test_every_group_gone_restores_from_storage_and_the_run_finishes(ray_local, tmp_path):
+    from ray_mesh.cli.job import load_function
+    from ray_mesh.raytrain.replica_groups import describe, fit_replica_groups
+
+    logs_dir = tmp_path / "logs"
+    logs_dir.mkdir()
+    config = {"log_dir": str(logs_dir), "step_s": 0.2,
+              "diloco": {"every": 3, "outer_momentum": 0.5},
+              "kill": {"group": "all", "rank": 0, "at_step": 10,
+                       "marker": str(tmp_path / "killed")}}
+    lines: list[str] = []
+    result = fit_replica_groups(
+        load_function("harness/replica_train.py:train_loop"), groups=2, workers_per_group=1,
+        total_steps=16, segment_samples=12, config=config, storage_path=str(tmp_path / "runs"),
+        resources_per_worker={"CPU": 1}, checkpoint_every=4,
+        checkpoint_dir=str(tmp_path / "ckpt"), name="rg-fallback",
+        on_event=lambda e: lines.append(describe(e)))
+    print("\n".join(lines))
+    kinds = [(e["kind"], e["group"]) for e in result.events]
+    assert ("left", 0) in kinds and ("left", 1) in kinds, lines
+    restore = [e for e in result.events if e["kind"] == "restore"]
+    assert len(restore) == 1 and restore[0]["step"] == 8, lines
+    assert "step_00000008" in restore[0]["detail"], restore
+    healed = [e for e in result.events if e["kind"] == "healed"]
+    assert healed and {e["step"] for e in healed} == {8}, lines
+    assert kinds.count(("joined", 0)) == 2 and kinds.count(("joined", 1)) == 2, lines
+    assert result.status["step"] == 16 and result.status["finished"], result.status
+
+    logs = rc.read(logs_dir)
+    # steps 9 and 10 were taken, lost with every group, and taken again after the restore
+    for gid, rows in logs.items():
+        steps = [r["step"] for r in rows]
+        assert steps[-1] == 16 or gid != restore[0]["group"], (gid, steps)
+    twice, skipped = rc.sample_use(logs)
+    assert skipped == [], skipped
+    redone = {i for rows in logs.values() for r in rows if r["step"] > 8
+              for s, n in r["ranges"] for i in range(s, s + n)}
+    assert set(twice) <= redone, (twice, sorted(redone))
+    # both groups end with the same model (the second one healed from the restored one)
+    finals = rc.finals(logs_dir)
+    last = [rows[-1] for rows in finals.values()]
+    assert len(last) == 2 and all(r["step"] == 16 for r in last), finals
+    assert abs(last[0]["eval_loss"] - last[1]["eval_loss"]) < 1e-6, last
+    assert last[0]["eval_loss"] < 0.5, last  # it trained (0.65 untrained)
