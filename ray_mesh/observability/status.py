@@ -42,6 +42,7 @@ from ray_mesh.core.spec import DIM_NAMES
 from ray_mesh.core.table import text_table
 from ray_mesh.errors import StatusError
 from ray_mesh.network.interfaces import host_port, split_host_port
+from ray_mesh.observability import replica_groups
 from ray_mesh.observability import status_input as si
 from ray_mesh.observability.fetch import (
     Deadline,
@@ -242,6 +243,10 @@ def _run_entry(run: dict[str, Any], samples: list[tuple[str, dict, float]],
     doc, why = read_run_layout(run, storage, deadline.bound(timeout_s), max_bytes, endpoint)
     if why and why not in notes:
         notes.append(why)
+    groups, why = replica_groups.read(run, storage, deadline.bound(timeout_s), max_bytes,
+                                      endpoint)
+    if why:
+        notes.append(why)
     rows = doc["ranks"] if doc else layout_from_state(run)
     metrics = latest_by_rank(samples, run["name"])
     ranks = [{**row, **metrics.get(row["rank"], {})} for row in rows]
@@ -257,7 +262,7 @@ def _run_entry(run: dict[str, Any], samples: list[tuple[str, dict, float]],
             "mesh": doc["mesh"] if doc else safe_text(run["mesh"], 300),
             "layout": doc["layout"] if doc else run.get("layout", "?"),
             "layout_source": "run dir" if doc else "train state",
-            "ranks": ranks, "slow": slow}
+            "ranks": ranks, "slow": slow, "replica_groups": groups}
 
 
 def _train_runs(base: str, timeout_s: float, all_runs: bool, deadline: Deadline,
@@ -354,6 +359,8 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
                    "first ray.train.report)")
     if run.get("slow"):
         out += ["Slowest rank per dim, links, verdict:", *format_analysis(run["slow"])]
+    if run.get("replica_groups"):
+        out += replica_groups.lines(run["replica_groups"])
     return out
 
 

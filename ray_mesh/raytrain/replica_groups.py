@@ -39,7 +39,8 @@ class Coordinator:
     """The quorum and the cross-group store of one run (see the module docstring)."""
 
     def __init__(self, segment_samples: int, total_steps: int, dead_after_s: float,
-                 arrive_timeout_s: float, expected_groups: int) -> None:
+                 arrive_timeout_s: float, expected_groups: int, run: str) -> None:
+        from ray.util.metrics import Gauge
         from torch.distributed import TCPStore
 
         self.quorum = Quorum(segment_samples=segment_samples, total_steps=total_steps,
@@ -48,6 +49,10 @@ class Coordinator:
         host = ray.util.get_node_ip_address()
         self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.address = (host, int(self.store.port))
+        # Exported by Ray's metrics agent as ray_ray_mesh_replica_groups_live{run=...}.
+        self.run = run
+        self.live = Gauge("ray_mesh_replica_groups_live", description="replica groups alive "
+                          "and taking part in the run", tag_keys=("run",))
 
     def store_address(self) -> tuple[str, int]:
         return self.address
@@ -69,7 +74,9 @@ class Coordinator:
         self.quorum.checkpointed(step, path)
 
     def status(self) -> dict[str, Any]:
-        return self.quorum.status()
+        status = self.quorum.status()
+        self.live.set(len(status["live"]), tags={"run": self.run})
+        return status
 
 
 class _Client:
@@ -174,7 +181,7 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
                          "reaches (the fallback when every group is gone)")
     mesh_config = mesh_config or MeshConfig(mesh={"dp_shard": -1})
     coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
-        segment_samples, total_steps, dead_after_s, arrive_timeout_s, groups)
+        segment_samples, total_steps, dead_after_s, arrive_timeout_s, groups, name)
     ray.get(coordinator.store_address.remote(), timeout=60)
     emit = on_event or (lambda e: logger.info("%s", describe(e)))
     runners, refs = {}, {}
@@ -208,6 +215,8 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
         status = ray.get(coordinator.status.remote(), timeout=60)
         for event in status["events"][seen:]:
             emit(event)
+        if len(status["events"]) != seen:
+            _write_status(storage_path, name, groups, status)
         seen = len(status["events"])
         if status["finished"] and ended_at is None:
             ended_at = time.monotonic()
@@ -217,10 +226,27 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
                 results[gid] = {"metrics": None, "error": "ended: the run finished while "
                                 "this group was still waiting for a node"}
     status = ray.get(coordinator.status.remote(), timeout=60)
+    _write_status(storage_path, name, groups, status)
     for r in runners.values():
         ray.kill(r)
     ray.kill(coordinator)
     return ReplicaGroupsResult(groups=results, status=status, events=status["events"])
+
+
+def _write_status(storage_path: str | None, name: str, groups: int,
+                  status: dict[str, Any]) -> None:
+    """The groups' events into each group's run directory, for ``ray-mesh status`` (local
+    storage only: a bucket's run directory is written by Ray Train alone)."""
+    if storage_path is None or "://" in storage_path:
+        return
+    from ray_mesh.observability import replica_groups as groups_file
+
+    for gid in range(groups):
+        try:
+            groups_file.write(f"{storage_path}/{name}-g{gid}", status)
+        except OSError as exc:  # a full disk must not stop training: say it once
+            logger.warning("replica groups: status file not written (%s)", exc)
+            return
 
 
 def describe(event: dict[str, Any]) -> str:

@@ -1,0 +1,96 @@
+"""The replica groups of a run, as ``ray-mesh status`` shows them: who is live, and each
+group leaving, joining and healing with the step at which it happened.
+
+The driver of a replica-group run (:func:`ray_mesh.raytrain.replica_groups.fit_replica_groups`)
+writes ``ray_mesh_replica_groups.json`` into every group's run directory as the coordinator
+records events; ``ray-mesh status`` reads it next to the layout file, from storage the
+viewer named, and checks every field (:func:`parse`) before showing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ray_mesh.core.safe import safe_text
+from ray_mesh.errors import Malformed
+from ray_mesh.observability import status_input as si
+from ray_mesh.observability.fetch import SourceError, read_storage_file
+from ray_mesh.observability.layout import named_storage
+
+GROUPS_JSON = "ray_mesh_replica_groups.json"
+MAX_EVENTS = 50  # the newest; a long run's history is in the driver's console
+MAX_GROUPS = 1024
+MAX_STEP = 2**62
+
+
+def document(status: dict[str, Any]) -> dict[str, Any]:
+    """The file's content from the coordinator's status."""
+    return {"live": list(status["live"]), "step": int(status["step"]),
+            "finished": bool(status["finished"]),
+            "events": [{k: e[k] for k in ("kind", "group", "step", "detail")}
+                       for e in status["events"][-MAX_EVENTS:]]}
+
+
+def write(run_dir: str | os.PathLike, status: dict[str, Any]) -> None:
+    """Write the file into a (local) run directory, whole or not at all."""
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / f".{GROUPS_JSON}.tmp"
+    tmp.write_text(json.dumps(document(status)))
+    tmp.replace(path / GROUPS_JSON)
+
+
+def parse(data: bytes, what: str) -> dict[str, Any]:
+    """The file, checked: group ids and steps are integers, texts are bounded."""
+    doc = si.load_json(data, what)
+    if not isinstance(doc, dict) or not isinstance(doc.get("events"), list) \
+            or not isinstance(doc.get("live"), list):
+        raise Malformed(f"{what} is not a replica-groups file (no live or events list)")
+    if len(doc["live"]) > MAX_GROUPS:
+        raise Malformed(f"{what} lists more than {MAX_GROUPS} live groups")
+    events = []
+    for i, e in enumerate(doc["events"][-MAX_EVENTS:]):
+        if not isinstance(e, dict):
+            raise Malformed(f"{what}: event {i} is not an object")
+        events.append({"kind": si.text(e.get("kind"), f"{what}: event {i}: kind", 16),
+                       "group": si.integer(e.get("group"), f"{what}: event {i}: group"),
+                       "step": si.integer(e.get("step"), f"{what}: event {i}: step",
+                                          high=MAX_STEP),
+                       "detail": si.text(e.get("detail", ""), f"{what}: event {i}: detail",
+                                         300)})
+    return {"live": [si.integer(g, f"{what}: live group") for g in doc["live"]],
+            "step": si.integer(doc.get("step", 0), f"{what}: step", high=MAX_STEP),
+            "finished": bool(doc.get("finished", False)), "events": events}
+
+
+def read(run: dict[str, Any], storage: list[str] | tuple[str, ...], timeout_s: float,
+         max_bytes: int, endpoint: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """A run's replica-groups file from storage the viewer named: (checked file or None
+    when there is none, why it could not be used)."""
+    named = named_storage(run["storage_raw"], storage) if run["storage_raw"] else None
+    if named is None or not si.safe_component(run["name"]):
+        return None, None  # read_run_layout already said why, once
+    what = safe_text(f"{named}/{run['name']}/{GROUPS_JSON}", 300)
+    try:
+        data = read_storage_file(named, f"{run['name']}/{GROUPS_JSON}", timeout_s=timeout_s,
+                                 max_bytes=max_bytes, what=what,
+                                 endpoint=endpoint if named.startswith("s3://") else None)
+        return (None, None) if data is None else (parse(data, what), None)
+    except (Malformed, SourceError) as exc:
+        return None, f"run {run['name']}: replica-groups file not used ({exc})"
+
+
+def lines(groups: dict[str, Any]) -> list[str]:
+    """The status printout's lines for one run."""
+    live = ", ".join(str(g) for g in groups["live"]) or "none"
+    out = [f"Replica groups: live {live} at step {groups['step']}"
+           + ("  (run finished)" if groups["finished"] else "")]
+    out += [f"  step {e['step']}: group {e['group']} {e['kind']} ({e['detail']})"
+            for e in groups["events"]]
+    return out
+
+
+__all__ = ["GROUPS_JSON", "document", "lines", "parse", "read", "write"]

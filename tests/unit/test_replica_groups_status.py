@@ -1,0 +1,35 @@
+"""``ray-mesh status``'s replica-groups lines: the file the driver writes, read back checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ray_mesh.errors import Malformed
+from ray_mesh.observability import replica_groups as rgf
+
+
+def _status() -> dict:
+    return {"live": [0, 2], "step": 41, "finished": False, "events": [
+        {"kind": "joined", "group": 1, "step": 0, "detail": "3 group(s) now", "t": 1.0},
+        {"kind": "left", "group": 1, "step": 7, "detail": "stopped beating", "t": 2.0}]}
+
+
+def test_the_file_round_trips_into_status_lines(tmp_path):
+    rgf.write(tmp_path / "run-g0", _status())
+    data = (tmp_path / "run-g0" / rgf.GROUPS_JSON).read_bytes()
+    lines = rgf.lines(rgf.parse(data, "f"))
+    assert lines[0] == "Replica groups: live 0, 2 at step 41"
+    assert lines[2] == "  step 7: group 1 left (stopped beating)"
+
+
+@pytest.mark.parametrize("doc, why", [
+    ({"live": [0]}, "not a replica-groups file"),
+    ({"live": ["x"], "events": []}, "live group"),
+    ({"live": [], "events": [{"kind": "left", "group": -1, "step": 0}]}, "group"),
+    ({"live": [], "events": [{"kind": "x" * 100, "group": 0, "step": 0}]}, "kind"),
+])
+def test_a_hostile_file_is_refused_with_the_field_named(doc, why):
+    with pytest.raises(Malformed, match=why):
+        rgf.parse(json.dumps(doc).encode(), "f")
