@@ -158,7 +158,7 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
                        resources_per_worker: dict[str, float] | None = None,
                        use_gpu: bool = False, max_group_failures: int = 20,
                        checkpoint_every: int = 0, checkpoint_dir: str | None = None,
-                       dead_after_s: float = 3.0, arrive_timeout_s: float = 300.0,
+                       dead_after_s: float = 5.0, arrive_timeout_s: float = 300.0,
                        timeout_s: float = 30.0, poll_s: float = 0.5,
                        on_event: Any = None) -> ReplicaGroupsResult:
     """Train ``train_fn`` as ``groups`` replica groups of ``workers_per_group`` workers.

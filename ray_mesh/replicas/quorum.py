@@ -86,7 +86,7 @@ class Quorum:
     members wait for a live group that does not arrive; it is then dropped and named.
     """
 
-    def __init__(self, *, segment_samples: int, total_steps: int, dead_after_s: float = 3.0,
+    def __init__(self, *, segment_samples: int, total_steps: int, dead_after_s: float = 5.0,
                  arrive_timeout_s: float = 300.0, expected_groups: int = 1,
                  start_timeout_s: float = 120.0,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -81,7 +81,7 @@ def test_a_group_that_dies_mid_step_hands_its_samples_to_the_next_assignment():
     d = boundary(q, {g: (0, []) for g in range(3)})
     lost = d[1].ranges
     # group 1 dies while computing: 0 and 2 keep beating, 1 does not
-    for _ in range(4):
+    for _ in range(6):  # past dead_after_s (5 s)
         beat_all(q, clock, [0, 2])
     d2 = boundary(q, {0: (0, d[0].ranges), 2: (0, d[2].ranges)})
     assert d2[0].members == [0, 2] and d2[0].epoch == 2
