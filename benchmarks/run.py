@@ -23,6 +23,11 @@ Sections (``--only`` picks some):
              (benchmarks/wireguard.py).
   rendezvous (g) a pipeline's sends across a 20 Mbit/s link with the receiver computing
              between its recvs, posted late (torch's GPipe) or early (benchmarks/rendezvous.py).
+  replica_groups  fault-tolerant replica groups on the netns virtual cluster (3 nodes x 2
+             workers, a group per node), HSDP and DiLoCo: a clean run and one in which a node
+             is killed mid-run and comes back: the survivors' longest step gap, steps lost,
+             the rejoin time and bytes, the final loss against the clean run
+             (benchmarks/replica_groups.py; single runs).
   llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
              runs alternating (llm.py); target ray_mesh >= 0.95x torchrun.
 
@@ -53,7 +58,7 @@ from benchmarks import paired, report, settings  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
-            "slowlinks", "wireguard", "rendezvous", "diloco", "slow", "llm")
+            "slowlinks", "wireguard", "rendezvous", "diloco", "slow", "llm", "replica_groups")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery", "llm"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
@@ -369,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
             results["rendezvous"] = _section("rendezvous", section_rendezvous, cfg)
         if "diloco" in selected:
             results["diloco"] = _section("diloco", section_diloco, cfg)
+        if "replica_groups" in selected:
+            from benchmarks import replica_groups
+
+            log("replica_groups: 3-node namespace cluster, clean and node-kill runs per mode")
+            results["replica_groups"] = _section("replica_groups", replica_groups.measure,
+                                                 **cfg.get("replica_groups", {}))
         if "slow" in selected:
             results["slow"] = _section("slow", section_slow, cfg)
             if "status" not in results["slow"]:  # the figures also live under observability
