@@ -80,6 +80,10 @@ def train_loop(config: dict) -> None:
                        lr_scaling=config.get("lr_scaling", "none"))
     rank, size = dist.get_rank(), dist.get_world_size()
     log = Path(config["log_dir"]) / f"g{gid}.jsonl" if config.get("log_dir") else None
+    if log:
+        log.parent.mkdir(parents=True, exist_ok=True)
+    if config.get("fail"):  # the test of a train function that raises at once
+        raise FileNotFoundError(config["fail"])
     rg.commit()
     while rg.running:
         t0 = time.monotonic()

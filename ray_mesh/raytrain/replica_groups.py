@@ -20,6 +20,7 @@ node that does not come back leaves its run waiting for resources while the othe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ from ray_mesh.replicas.quorum import Decision, GroupDropped, Quorum, Range
 logger = logging.getLogger(__name__)
 CONFIG_KEY = "ray_mesh_replica_group"
 ENDED_GRACE_S = 20.0  # after the last step: how long a group still starting may take to end
+# A group failing this often without rejoining (or twice with the same error) is the code,
+# not a node coming and going.
+MAX_FAILS_IN_A_ROW = 3
 
 
 @ray.remote(num_cpus=0, max_concurrency=256)
@@ -72,6 +76,9 @@ class Coordinator:
 
     def checkpointed(self, step: int, path: str) -> None:
         self.quorum.checkpointed(step, path)
+
+    def failed(self, gid: int, error: str) -> None:
+        self.quorum.failed(gid, error)
 
     def status(self) -> dict[str, Any]:
         status = self.quorum.status()
@@ -120,6 +127,28 @@ def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: 
                         segment_samples=rg["segment_samples"],
                         checkpoint_dir=rg["checkpoint_dir"],
                         checkpoint_every=rg["checkpoint_every"], **kwargs)
+
+
+def _guarded(train_fn: Any) -> Any:
+    """``train_fn``, reporting its error to the coordinator before Ray Train sees it, so the
+    driver's console says why a group failed (not only that it stopped beating)."""
+
+    def run(config: dict[str, Any]) -> Any:
+        try:
+            return train_fn(config)
+        except BaseException as exc:
+            rg = config[CONFIG_KEY]
+            text = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:300]
+            with contextlib.suppress(Exception):  # the error itself is what matters
+                ray.get(rg["coordinator"].failed.remote(rg["group_id"], text), timeout=5)
+            raise
+
+    return run
+
+
+class GroupsFailed(RuntimeError):
+    """A replica group failed several times in a row (twice with the same error) without
+    rejoining in between."""
 
 
 @ray.remote(num_cpus=0)
@@ -200,9 +229,10 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
                                         max_failures=max_group_failures)),
         }
         runners[gid] = _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
-        refs[gid] = runners[gid].fit.remote(train_fn, run_cfg, trainer_kwargs)
+        refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs)
     results: dict[int, dict[str, Any]] = {}
     seen, ended_at = 0, None
+    fails: dict[int, list[str]] = {}
     while len(results) < groups:
         ready, _ = ray.wait([r for g, r in refs.items() if g not in results],
                             timeout=poll_s)
@@ -215,9 +245,26 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
         status = ray.get(coordinator.status.remote(), timeout=60)
         for event in status["events"][seen:]:
             emit(event)
+            if event["kind"] == "failed":
+                fails.setdefault(event["group"], []).append(event["detail"])
+            elif event["kind"] in ("joined", "healed"):
+                fails.pop(event["group"], None)
         if len(status["events"]) != seen:
             _write_status(storage_path, name, groups, status)
         seen = len(status["events"])
+        stuck = {g: f for g, f in fails.items()
+                 if len(f) >= MAX_FAILS_IN_A_ROW or (len(f) >= 2 and f[-1] == f[-2])}
+        if stuck:
+            _write_status(storage_path, name, groups, status)
+            for r in runners.values():
+                ray.kill(r)
+            ray.kill(coordinator)
+            gid, errors = next(iter(stuck.items()))
+            raise GroupsFailed(
+                f"replica group {gid} failed {len(errors)} times in a row without rejoining, "
+                f"last with: {errors[-1]}. That is the train function or the group's setup, "
+                f"not a node coming and going: fix it and start the run again (the other "
+                f"groups were stopped too)")
         if status["finished"] and ended_at is None:
             ended_at = time.monotonic()
         if ended_at is not None and time.monotonic() - ended_at > ENDED_GRACE_S:

@@ -319,6 +319,18 @@ class Quorum:
                         donor=None, healers=[], contributors=[], ranges=[], done=True)
 
     # ------------------------------------------------------------------ the rest
+    def failed(self, gid: int, error: str) -> None:
+        """A rank of group ``gid`` raised in its train function: recorded once per group
+        and error text (every rank of the group may report the same error)."""
+        with self._cv:
+            for e in reversed(self.events):
+                if e["group"] == gid and e["kind"] in ("failed", "joined", "healed"):
+                    if e["kind"] == "failed" and e["detail"] == error and \
+                            time.time() - e["t"] < 30:
+                        return
+                    break
+            self._event("failed", gid, error)
+
     def checkpointed(self, step: int, path: str) -> None:
         """A complete checkpoint of ``step`` is at ``path``: the fallback when every group
         that held a newer step is gone. Its sample books are kept with it: a restore hands

@@ -63,3 +63,24 @@ def test_every_group_gone_restores_from_storage_and_the_run_finishes(ray_local, 
     assert len(last) == 2 and all(r["step"] == 16 for r in last), finals
     assert abs(last[0]["eval_loss"] - last[1]["eval_loss"]) < 1e-6, last
     assert last[0]["eval_loss"] < 0.5, last  # it trained (0.65 untrained)
+
+
+@pytest.mark.timeout(300)
+def test_a_train_function_that_always_fails_stops_the_run_with_its_error(ray_local, tmp_path):
+    """A bug in the train function is not a node coming and going: after two failures in a
+    row with the same error and no rejoin between, the driver stops every group and raises
+    the error itself (before, the console showed only "left ... stopped beating" until the
+    restart budget ran out)."""
+    from ray_mesh.cli.job import load_function
+    from ray_mesh.raytrain.replica_groups import GroupsFailed, describe, fit_replica_groups
+
+    lines: list[str] = []
+    with pytest.raises(GroupsFailed, match=r"replica group 0 failed 2 times in a row .*"
+                       r"FileNotFoundError: no/such/shard.*fix it"):
+        fit_replica_groups(
+            load_function("harness/replica_train.py:train_loop"), groups=1,
+            workers_per_group=1, total_steps=4, segment_samples=4,
+            config={"fail": "no/such/shard"}, storage_path=str(tmp_path / "runs"),
+            resources_per_worker={"CPU": 1}, name="rg-fails",
+            on_event=lambda e: lines.append(describe(e)))
+    assert any("failed" in line and "no/such/shard" in line for line in lines), lines
