@@ -9,22 +9,22 @@ from pathlib import Path
 from typing import Any
 
 
-def read(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
-    """Per group, its committed steps in the order they were logged."""
+def _per_group(log_dir: str | Path, pattern: str) -> dict[int, list[dict[str, Any]]]:
     out: dict[int, list[dict[str, Any]]] = {}
-    for f in sorted(Path(log_dir).glob("g*.jsonl")):
+    for f in sorted(Path(log_dir).glob(pattern)):
         gid = int(f.name[1:].split(".")[0])
         out[gid] = [json.loads(line) for line in f.read_text().splitlines() if line]
     return out
+
+
+def read(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """Per group, its committed steps in the order they were logged."""
+    return _per_group(log_dir, "g*.jsonl")
 
 
 def finals(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """Per group, the final line of each attempt that finished."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    for f in sorted(Path(log_dir).glob("g*.final.json")):
-        gid = int(f.name[1:].split(".")[0])
-        out[gid] = [json.loads(line) for line in f.read_text().splitlines() if line]
-    return out
+    return _per_group(log_dir, "g*.final.json")
 
 
 def sample_use(logs: dict[int, list[dict[str, Any]]]) -> tuple[list[int], list[int]]:
