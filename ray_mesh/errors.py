@@ -43,6 +43,18 @@ class CheckpointError(RayMeshError, RuntimeError):
     """A checkpoint that cannot be written or used; the message names it and the fix."""
 
 
+class GroupDropped(ClusterError):  # noqa: N818 - a state the caller reacts to, not a bug
+    """This attempt of a replica group is no longer a member of the run (it stopped beating,
+    or a newer attempt of the same group registered): its ranks stop, and Ray Train starts
+    the group again (ray_mesh.replicas)."""
+
+
+class GroupsFailed(ClusterError):
+    """A replica group failed several times in a row (twice with the same error) without
+    rejoining in between: the train function or the group's setup, not a node coming and
+    going (ray_mesh.raytrain.replica_groups)."""
+
+
 # ----------------------------------------------------------------------------- user input
 class MeshSpecError(UserInputError):
     """A mesh spec that cannot describe a mesh; the message says how to fix it."""
@@ -168,6 +180,8 @@ __all__ = [
     "ConfigurationError",
     "DataSpecError",
     "DataSplitError",
+    "GroupDropped",
+    "GroupsFailed",
     "JobError",
     "LayoutError",
     "LinkError",

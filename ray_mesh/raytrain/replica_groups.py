@@ -28,7 +28,8 @@ from typing import Any
 
 import ray
 
-from ray_mesh.replicas.quorum import Decision, GroupDropped, Quorum, Range
+from ray_mesh.errors import GroupDropped, GroupsFailed
+from ray_mesh.replicas.quorum import Decision, Quorum, Range
 
 logger = logging.getLogger(__name__)
 CONFIG_KEY = "ray_mesh_replica_group"
@@ -144,11 +145,6 @@ def _guarded(train_fn: Any) -> Any:
             raise
 
     return run
-
-
-class GroupsFailed(RuntimeError):
-    """A replica group failed several times in a row (twice with the same error) without
-    rejoining in between."""
 
 
 @ray.remote(num_cpus=0)
@@ -302,5 +298,5 @@ def describe(event: dict[str, Any]) -> str:
             f"{event['detail']}")
 
 
-__all__ = ["CONFIG_KEY", "Coordinator", "ReplicaGroupsResult", "describe",
+__all__ = ["CONFIG_KEY", "Coordinator", "GroupsFailed", "ReplicaGroupsResult", "describe",
            "fit_replica_groups", "replica_group"]

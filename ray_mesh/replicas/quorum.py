@@ -34,12 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_mesh.errors import GroupDropped
+
 Range = tuple[int, int]  # (first sample index, count)
-
-
-class GroupDropped(RuntimeError):  # noqa: N818 - a state the caller reacts to, not a bug
-    """This incarnation of a replica group is no longer a member (it stopped beating, or a
-    newer incarnation of the same group registered): its ranks must stop."""
 
 
 @dataclass
