@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ray_mesh.core.files import write_atomic
 from ray_mesh.core.safe import safe_text
 from ray_mesh.errors import Malformed
 from ray_mesh.observability import status_input as si
@@ -38,9 +39,7 @@ def write(run_dir: str | os.PathLike, status: dict[str, Any]) -> None:
     """Write the file into a (local) run directory, whole or not at all."""
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f".{GROUPS_JSON}.tmp"
-    tmp.write_text(json.dumps(document(status)))
-    tmp.replace(path / GROUPS_JSON)
+    write_atomic(path / GROUPS_JSON, json.dumps(document(status)))
 
 
 def parse(data: bytes, what: str) -> dict[str, Any]:

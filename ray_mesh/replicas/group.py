@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ray_mesh.checkpointing.sharded import broadcast_from_rank0
 from ray_mesh.replicas.link import CrossLink, broadcast_, weighted_mean
 from ray_mesh.replicas.quorum import Decision, GroupDropped, Range
 from ray_mesh.replicas.state import load_into, local_of, materialize
@@ -92,7 +93,6 @@ class ReplicaGroup:
         self.last: Decision | None = None
         self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
                                         "live_groups": 0}
-        self.log: list[dict[str, Any]] = []  # committed steps: samples, groups, time
         if self.rank == 0:
             client.register(group_id, self.incarnation, self.size)
         _barrier()
@@ -161,18 +161,17 @@ class ReplicaGroup:
         return bool(self.ranges) and any(p.grad is not None for p in self.model.parameters())
 
     def _quorum(self, holding: list[Range], fresh: bool) -> Decision:
-        box: list[Any] = [None]
+        answer: Any = None
         if self.rank == 0:
             try:
-                box[0] = self.client.arrive(self.gid, self.incarnation, self.step,
+                answer = self.client.arrive(self.gid, self.incarnation, self.step,
                                             [tuple(r) for r in holding], fresh)
             except GroupDropped as exc:
-                box[0] = exc
-        if dist.is_initialized() and self.size > 1:
-            dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
+                answer = exc
+        answer = broadcast_from_rank0(answer, None)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
 
     def _boundary(self, d: Decision) -> tuple[bool, bool]:
         """Heal, average, apply; (this rank saw no error, an update was applied)."""
@@ -237,9 +236,6 @@ class ReplicaGroup:
         self.step = d.step + (1 if applied else 0)
         self.ranges = list(d.ranges)
         self.stats["live_groups"] = len(d.members)
-        if applied:
-            self.log.append({"step": self.step, "groups": len(d.members),
-                             "contributors": len(d.contributors), "t": time.time()})
         if (applied and self.checkpoint_dir and self.checkpoint_every
                 and self.step % self.checkpoint_every == 0 and d.index == 0):
             path = f"{self.checkpoint_dir}/step_{self.step:08d}"
@@ -290,10 +286,7 @@ def _barrier() -> None:
 
 def _shared_incarnation(rank: int) -> str:
     """One id for this attempt of the group, the same on every rank (rank 0's)."""
-    box = [uuid.uuid4().hex[:12] if rank == 0 else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+    return str(broadcast_from_rank0(uuid.uuid4().hex[:12] if rank == 0 else None, None))
 
 
 def _all_ranks_agree(ok: bool) -> bool:

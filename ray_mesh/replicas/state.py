@@ -11,6 +11,7 @@ read back with ``torch.load(weights_only=True)`` and checked shape by shape.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from ray_mesh.core.files import write_atomic
 
 if TYPE_CHECKING:
     from ray_mesh.parallel.diloco import DiLoCo
@@ -71,21 +74,20 @@ def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def save(path: str | os.PathLike, state: list[torch.Tensor], step: int,
          group: dist.ProcessGroup | None = None, extra: dict[str, Any] | None = None) -> None:
-    """Every rank writes its list (file written, then renamed); after a barrier, rank 0
+    """Every rank writes its list (whole or absent, `write_atomic`); after a barrier, rank 0
     writes the marker that makes it a checkpoint."""
     path = Path(path)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f".rank{rank}.pt.tmp"
-    torch.save([t.detach().cpu() for t in state], tmp)
-    tmp.replace(path / f"rank{rank}.pt")
+    buf = io.BytesIO()
+    torch.save([t.detach().cpu() for t in state], buf)
+    write_atomic(path / f"rank{rank}.pt", buf.getvalue())
     if dist.is_initialized():
         dist.barrier(group)
     if rank == 0:
         size = dist.get_world_size(group) if dist.is_initialized() else 1
-        marker = path / f".{COMPLETE}.tmp"
-        marker.write_text(json.dumps({"step": step, "ranks": size, **(extra or {})}))
-        marker.replace(path / COMPLETE)
+        write_atomic(path / COMPLETE, json.dumps({"step": step, "ranks": size,
+                                                  **(extra or {})}))
     if dist.is_initialized():
         dist.barrier(group)
 
