@@ -137,6 +137,17 @@ def named_storage(path: str | None, storage: Sequence[str]) -> str | None:
     return None
 
 
+def read_run_file(named: str, run_name: str, filename: str, parse: Any, timeout_s: float,
+                  max_bytes: int, endpoint: str | None = None) -> Any:
+    """``<named>/<run_name>/<filename>`` (storage the viewer named), bounded, through
+    ``parse(data, what)``; None when absent. Raises Malformed or SourceError."""
+    what = safe_text(f"{named}/{run_name}/{filename}", 300)
+    data = read_storage_file(named, f"{run_name}/{filename}", timeout_s=timeout_s,
+                             max_bytes=max_bytes, what=what,
+                             endpoint=endpoint if named.startswith("s3://") else None)
+    return None if data is None else parse(data, what)
+
+
 def read_run_layout(run: dict[str, Any], storage: Sequence[str], timeout_s: float,
                     max_bytes: int, endpoint: str | None = None
                     ) -> tuple[dict[str, Any] | None, str | None]:
@@ -153,12 +164,9 @@ def read_run_layout(run: dict[str, Any], storage: Sequence[str], timeout_s: floa
     if not si.safe_component(name):
         return None, (f"run {name}: its name cannot be a path component under {shown}: "
                       f"layout file not read")
-    what = safe_text(f"{named}/{name}/{LAYOUT_JSON}", 300)
     try:
-        data = read_storage_file(named, f"{name}/{LAYOUT_JSON}", timeout_s=timeout_s,
-                                 max_bytes=max_bytes, what=what,
-                                 endpoint=endpoint if named.startswith("s3://") else None)
-        return (None, None) if data is None else (si.parse_layout(data, what), None)
+        return read_run_file(named, name, LAYOUT_JSON, si.parse_layout, timeout_s, max_bytes,
+                             endpoint), None
     except si.Malformed as exc:
         return None, f"run {name}: layout file malformed ({exc}); layout from train state"
     except SourceError as exc:
@@ -166,4 +174,4 @@ def read_run_layout(run: dict[str, Any], storage: Sequence[str], timeout_s: floa
 
 
 __all__ = ["LAYOUT_JSON", "LAYOUT_MD", "layout_document", "layout_from_state", "layout_table",
-           "named_storage", "read_layout", "read_run_layout", "to_markdown"]
+           "named_storage", "read_layout", "read_run_file", "read_run_layout", "to_markdown"]

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from ray_mesh.core.files import write_atomic
-from ray_mesh.core.safe import safe_text
 from ray_mesh.errors import Malformed
 from ray_mesh.observability import status_input as si
-from ray_mesh.observability.fetch import SourceError, read_storage_file
-from ray_mesh.observability.layout import named_storage
+from ray_mesh.observability.fetch import SourceError
+from ray_mesh.observability.layout import named_storage, read_run_file
 
 GROUPS_JSON = "ray_mesh_replica_groups.json"
 MAX_EVENTS = 50  # the newest; a long run's history is in the driver's console
@@ -72,12 +71,9 @@ def read(run: dict[str, Any], storage: list[str] | tuple[str, ...], timeout_s: f
     named = named_storage(run["storage_raw"], storage) if run["storage_raw"] else None
     if named is None or not si.safe_component(run["name"]):
         return None, None  # read_run_layout already said why, once
-    what = safe_text(f"{named}/{run['name']}/{GROUPS_JSON}", 300)
     try:
-        data = read_storage_file(named, f"{run['name']}/{GROUPS_JSON}", timeout_s=timeout_s,
-                                 max_bytes=max_bytes, what=what,
-                                 endpoint=endpoint if named.startswith("s3://") else None)
-        return (None, None) if data is None else (parse(data, what), None)
+        return read_run_file(named, run["name"], GROUPS_JSON, parse, timeout_s, max_bytes,
+                             endpoint), None
     except (Malformed, SourceError) as exc:
         return None, f"run {run['name']}: replica-groups file not used ({exc})"
 
