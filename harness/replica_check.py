@@ -45,32 +45,25 @@ def kill_time(marker_prefix: str | Path, gid: int) -> float:
     return float(Path(f"{marker_prefix}.g{gid}").read_text())
 
 
+def _survivor_pairs(logs: dict[int, list[dict[str, Any]]], killed: int, key: str):
+    """(earlier, later) values of ``key`` in each survivor's consecutive committed steps."""
+    for gid, rows in logs.items():
+        if gid != killed:
+            values = [r[key] for r in rows]
+            yield from zip(values, values[1:], strict=False)
+
+
 def survivor_gaps(logs: dict[int, list[dict[str, Any]]], killed: int, t_kill: float,
                   window_s: float = 60.0) -> float:
     """The survivors' longest wait between two committed steps that spans or follows the
     kill (within ``window_s``)."""
-    worst = 0.0
-    for gid, rows in logs.items():
-        if gid == killed:
-            continue
-        ts = [r["t"] for r in rows]
-        for a, b in zip(ts, ts[1:], strict=False):
-            if b >= t_kill and a <= t_kill + window_s:
-                worst = max(worst, b - a)
-    return worst
+    return max((b - a for a, b in _survivor_pairs(logs, killed, "t")
+                if b >= t_kill and a <= t_kill + window_s), default=0.0)
 
 
 def steps_lost(logs: dict[int, list[dict[str, Any]]], killed: int) -> int:
     """Committed steps the survivors took again (a step number logged twice or going back)."""
-    lost = 0
-    for gid, rows in logs.items():
-        if gid == killed:
-            continue
-        steps = [r["step"] for r in rows]
-        for a, b in zip(steps, steps[1:], strict=False):
-            if b <= a:
-                lost += a - b + 1
-    return lost
+    return sum(a - b + 1 for a, b in _survivor_pairs(logs, killed, "step") if b <= a)
 
 
 def rejoin_s(logs: dict[int, list[dict[str, Any]]], killed: int, t_kill: float) -> float | None:
