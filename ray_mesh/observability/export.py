@@ -118,19 +118,58 @@ def mesh_tags(run: str | None = None) -> dict[str, str]:
     return tags
 
 
+HOLD_REFRESH_S = 5.0
+
+
 class Exporter:
     """The Ray metric objects of one run; any failure disables export (one warning).
 
     ``loud``: warn at WARNING level (each node's local rank 0), else at DEBUG.
+
+    Gauges hold their last value until :meth:`close`: Ray's metrics agent drops a gauge
+    series that was not set again within two report intervals (20 s by default, checked
+    on Ray 2.60), so a value set once (``probe_dims``) or between sparse reports would
+    vanish from Prometheus and the dashboard while the run goes on. A daemon thread sets
+    every held gauge again each :data:`HOLD_REFRESH_S`.
     """
 
-    def __init__(self, loud: bool = True) -> None:
+    def __init__(self, loud: bool = True, refresh_s: float = HOLD_REFRESH_S) -> None:
         self._metrics: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._held: dict[tuple[str, frozenset], tuple[float, dict[str, str]]] = {}
+        self._refresh_s = refresh_s
+        self._closed = threading.Event()
+        self._refresher: threading.Thread | None = None
         self.loud = loud
         self.enabled = True
         self.warned = False
         self.checked_endpoint = False
+
+    def _hold(self, name: str, value: float, tags: dict[str, str]) -> None:
+        """Keep a gauge's last value for the refresher (called under the lock)."""
+        self._held[(name, frozenset(tags.items()))] = (value, tags)
+        if self._refresher is None and not self._closed.is_set():
+            self._refresher = threading.Thread(target=self._refresh, daemon=True,
+                                               name="ray_mesh-metrics-hold")
+            self._refresher.start()
+
+    def _refresh(self) -> None:
+        while not self._closed.wait(self._refresh_s):
+            if not self.enabled:
+                return
+            try:
+                with self._lock:
+                    for (name, _), (value, tags) in self._held.items():
+                        self._metrics[name].set(value, tags=tags)
+            except Exception as exc:  # noqa: BLE001 - metrics must never break training
+                self.fail(exc)
+
+    def close(self) -> None:
+        """Stop holding gauges (the run ended: Ray then lets them expire). Idempotent."""
+        self._closed.set()
+        refresher, self._refresher = self._refresher, None
+        if refresher is not None and refresher is not threading.current_thread():
+            refresher.join(timeout=2 * self._refresh_s)
 
     def warn_once(self, message: str) -> None:
         if self.warned:
@@ -162,6 +201,7 @@ class Exporter:
                             metric.inc(float(value), tags=tags)
                     else:
                         metric.set(float(value), tags=tags)
+                        self._hold(name, float(value), tags)
         except Exception as exc:  # noqa: BLE001 - metrics must never break training
             self.fail(exc)
 
@@ -178,6 +218,7 @@ class Exporter:
                     metric = self._metrics[name] = Gauge(name, description=help_text,
                                                          tag_keys=tuple(tags))
                 metric.set(float(value), tags=tags)
+                self._hold(name, float(value), tags)
         except Exception as exc:  # noqa: BLE001 - metrics must never break training
             self.fail(exc)
 

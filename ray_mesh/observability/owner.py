@@ -116,6 +116,8 @@ class Observability:
             self.watch.stop()
         if self.recorder is not None and self.running:
             self.recorder.flush()
+        if self.exporter is not None:
+            self.exporter.close()
         self.sampler = self.watch = None
         self.running = False
         active.clear(self)

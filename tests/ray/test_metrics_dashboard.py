@@ -41,7 +41,7 @@ SPEC = MeshSpec(dp_replicate=2, dp_shard=2)
 PROBED = ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp")
 START_TIMEOUT_S = 120
 METRICS_TIMEOUT_S = 240
-
+GAUGE_EXPIRY_S = 30  # Ray 2.60 drops a gauge after 2 report intervals (20 s): a margin
 
 
 def _ports(*flags: str) -> list[str]:
@@ -59,6 +59,8 @@ def _wait(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
             last = predicate()
             if last:
                 return last
+        except AssertionError:
+            raise  # the predicate's verdict (the run ended early): no point polling on
         except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
             last = exc
         time.sleep(interval_s)
@@ -109,6 +111,7 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.node_ip = ""
+        self.first_reported: float | None = None
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = self.logs[name] = self.tmp / f"{name}.log"
@@ -209,9 +212,27 @@ def _all_ranks_reported(c: Cluster):
     return None
 
 
+def _first_reported(c: Cluster) -> float:
+    """When every rank's series (the once-set probe_dims ones too) was first seen."""
+    if c.first_reported is None:
+        _wait(lambda: _all_ranks_reported(c), METRICS_TIMEOUT_S,
+              "ray_mesh series of 4 ranks on the metrics endpoint", interval_s=3)
+        c.first_reported = time.monotonic()
+    return c.first_reported
+
+
+def _reported_past_gauge_expiry(c: Cluster) -> list:
+    """Every rank's series, GAUGE_EXPIRY_S after they were first seen: Ray's agent drops a
+    gauge not set again within 20 s, and probe_dims sets its gauges once (the exporter
+    holds them; without that these series vanished mid-run)."""
+    time.sleep(max(0.0, _first_reported(c) + GAUGE_EXPIRY_S - time.monotonic()))
+    return _wait(lambda: _all_ranks_reported(c), 10, "ray_mesh series (the probe_dims "
+                 f"gauges among them) {GAUGE_EXPIRY_S:.0f} s after they were first seen")
+
+
 def test_prometheus_series_carry_mesh_tags_and_plausible_values(cluster):
-    samples = _wait(lambda: _all_ranks_reported(cluster), METRICS_TIMEOUT_S,
-                    "ray_mesh series of 4 ranks on the metrics endpoint", interval_s=3)
+    _first_reported(cluster)
+    samples = _all_ranks_reported(cluster) or _reported_past_gauge_expiry(cluster)
     steps = _by(samples, "ray_mesh_step")
     for name, labels, _ in samples:
         rank = int(labels["rank"])
@@ -289,8 +310,7 @@ def test_grafana_dashboard_queries_live_series(cluster):
     """Every ray_mesh series the Grafana dashboard plots exists on a CPU run's endpoint."""
     from grafana import dashboard_metric_names
 
-    _wait(lambda: _all_ranks_reported(cluster), METRICS_TIMEOUT_S, "ray_mesh series")
-    live = {n for n, _, _ in _samples(cluster)}
+    live = {n for n, _, _ in _reported_past_gauge_expiry(cluster)}
     # CUDA memory, tokens (this run counts samples) and node links (one node: none measured)
     cuda_or_tokens = {m.prometheus_name for m in METRICS
                       if "device_memory" in m.name or "token" in m.name or "link" in m.name}
@@ -326,7 +346,7 @@ def _status_rows(out: str, run: str) -> list[dict[str, str]]:
 
 
 def test_status_shows_nodes_run_layout_and_latest_metrics(cluster):
-    _wait(lambda: _all_ranks_reported(cluster), METRICS_TIMEOUT_S, "ray_mesh series")
+    _reported_past_gauge_expiry(cluster)
     cli = str(Path(sys.executable).with_name("ray-mesh"))
     res = subprocess.run([cli, "status", "--address", cluster.address, "--storage",
                           str(cluster.storage)], env=cluster.env,

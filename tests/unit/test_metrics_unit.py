@@ -197,6 +197,44 @@ def test_a_failing_metric_record_warns_once_and_disables_export(caplog):
     assert quiet.enabled and not quiet.warned
 
 
+def test_gauges_hold_their_last_value_until_the_exporter_closes():
+    """Ray's agent drops a gauge not set within two report intervals (20 s on Ray 2.60): a
+    probe_dims result set once vanished from Prometheus mid-run. The exporter sets every
+    gauge's last value again until close(); counters are never re-added."""
+    sets: list[tuple[str, float, tuple]] = []
+
+    class Metric:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def set(self, value: float, tags: dict[str, str]) -> None:
+            sets.append((self.name, value, tuple(sorted(tags.items()))))
+
+        def inc(self, value: float, tags: dict[str, str]) -> None:
+            sets.append((self.name + "+", value, tuple(sorted(tags.items()))))
+
+    class Held(Exporter):
+        def _metric(self, name: str) -> Metric:
+            return self._metrics.setdefault(name, Metric(name))
+
+    exporter = Held(refresh_s=0.02)
+    tags = mesh_tags("x")
+    exporter.record([("mesh_dim_allreduce_seconds", 0.5, {**tags, "dim": "dp"}),
+                     ("mesh_steps", 3.0, tags)])
+    exporter.record([("mesh_dim_allreduce_seconds", 0.25, {**tags, "dim": "dp"})])
+    deadline = time.monotonic() + 10
+    while sum(name == "mesh_dim_allreduce_seconds" for name, _, _ in sets) < 5:
+        assert time.monotonic() < deadline, sets
+        time.sleep(0.02)
+    exporter.close()
+    after_close = len(sets)
+    time.sleep(0.1)
+    assert len(sets) == after_close, "the refresher went on after close()"
+    gauge_sets = [v for name, v, _ in sets if name == "mesh_dim_allreduce_seconds"]
+    assert gauge_sets[:2] == [0.5, 0.25] and set(gauge_sets[2:]) == {0.25}, gauge_sets
+    assert [v for name, v, _ in sets if name == "mesh_steps+"] == [3.0]  # counted once
+
+
 # ----------------------------------------------------------------------------- layout
 def _plan():
     workers = [WorkerReport(rank=r, node_id=f"node{r // 2}", node_ip=f"10.0.0.{r // 2 + 1}",
