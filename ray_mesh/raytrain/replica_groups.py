@@ -78,8 +78,8 @@ class Coordinator:
     def checkpointed(self, step: int, path: str) -> None:
         self.quorum.checkpointed(step, path)
 
-    def failed(self, gid: int, error: str) -> None:
-        self.quorum.failed(gid, error)
+    def failed(self, gid: int, error: str, rank: int = 0) -> None:
+        self.quorum.failed(gid, error, rank)
 
     def status(self) -> dict[str, Any]:
         status = self.quorum.status()
@@ -141,7 +141,10 @@ def _guarded(train_fn: Any) -> Any:
             rg = config[CONFIG_KEY]
             text = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:300]
             with contextlib.suppress(Exception):  # the error itself is what matters
-                ray.get(rg["coordinator"].failed.remote(rg["group_id"], text), timeout=5)
+                import ray.train
+
+                rank = ray.train.get_context().get_world_rank()
+                ray.get(rg["coordinator"].failed.remote(rg["group_id"], text, rank), timeout=5)
             raise
 
     return run

@@ -110,6 +110,7 @@ class Quorum:
         self._finished = False
         self._all_gone = False
         self._left: set[int] = set()  # dropped since the last quorum: "joined" when back
+        self._fail_ranks: dict[int, set[int]] = {}  # ranks that reported a group's last error
         self.consumed = 0  # samples whose contribution entered a committed average
         self.events: list[dict[str, Any]] = []
 
@@ -316,16 +317,19 @@ class Quorum:
                         donor=None, healers=[], contributors=[], ranges=[], done=True)
 
     # ------------------------------------------------------------------ the rest
-    def failed(self, gid: int, error: str) -> None:
-        """A rank of group ``gid`` raised in its train function: recorded once per group
-        and error text (every rank of the group may report the same error)."""
+    def failed(self, gid: int, error: str, rank: int = 0) -> None:
+        """Rank ``rank`` of group ``gid`` raised in its train function. Every rank of an
+        attempt may report the same error: one event per attempt, where a second report
+        from a rank that already reported (with no rejoin between) is the next attempt."""
         with self._cv:
-            for e in reversed(self.events):
-                if e["group"] == gid and e["kind"] in ("failed", "joined", "healed"):
-                    if e["kind"] == "failed" and e["detail"] == error and \
-                            time.time() - e["t"] < 30:
-                        return
-                    break
+            seen = self._fail_ranks.get(gid)
+            last = next((e for e in reversed(self.events) if e["group"] == gid
+                         and e["kind"] in ("failed", "joined", "healed")), None)
+            if (seen is not None and rank not in seen and last is not None
+                    and last["kind"] == "failed" and last["detail"] == error):
+                seen.add(rank)
+                return
+            self._fail_ranks[gid] = {rank}
             self._event("failed", gid, error)
 
     def checkpointed(self, step: int, path: str) -> None:

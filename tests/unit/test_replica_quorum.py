@@ -198,3 +198,19 @@ def test_after_every_group_died_the_restart_waits_for_every_group():
     box["d1"] = q.arrive(1, "r1", 0, [], False, 10)
     t.join(5)
     assert box["d0"].restore == (1, "/ckpt/step_1") and box["d1"].heal
+
+
+def test_a_failure_is_one_event_per_attempt_whatever_the_ranks_report():
+    """Every rank of an attempt reports the same error: one event. The same rank reporting
+    it again is the next attempt, however soon (the driver counts attempts to stop a run
+    whose train function always fails; a 30 s merge window once cost a third attempt)."""
+    q, _ = make(groups=2)
+    for rank in (0, 1):
+        q.failed(0, "ValueError: bad", rank)
+    q.failed(1, "ValueError: bad", 0)
+    assert [(e["group"], e["kind"]) for e in q.events] == [(0, "failed"), (1, "failed")]
+    q.failed(0, "ValueError: bad", 0)  # attempt 2 of group 0
+    q.failed(0, "ValueError: bad", 1)
+    q.failed(0, "KeyError: other", 1)  # another error: its own event
+    assert [e["detail"] for e in q.events if e["group"] == 0] == \
+        ["ValueError: bad", "ValueError: bad", "KeyError: other"]
