@@ -40,7 +40,6 @@ SHORT: dict[str, dict] = {
     "fsdp_tp_transformer": {"config": {"steps": 6, "report_every": 2}},
     "pp_hsdp_tp": {"config": {"steps": 4, "report_every": 2}},
     "hsdp_checkpoint": {"config": {"steps": 6, "checkpoint_every": 3}},
-    "hsdp_metrics": {"config": {"steps": 6, "report_every": 2, "step_sleep_s": 0.0}},
     "diloco": {"config": {"steps": 6, "checkpoint_every": 3},
                "replicate": {"every": 3}},
     # check_peer_batches 1: the example compares the batch over the tp group at every step
@@ -53,8 +52,9 @@ SHORT: dict[str, dict] = {
 }
 DRIVER_STEPS = 6
 # Examples whose full run is already a test that checks its console with the same checker:
-# running them again here would only repeat an embedded Ray's start and stop (~50 s each).
-COVERED_ELSEWHERE = {"hsdp": "tests/ray/test_main_job.py"}
+# running them again here would only repeat a run (~35-50 s each).
+COVERED_ELSEWHERE = {"hsdp": "tests/ray/test_main_job.py",
+                     "hsdp_metrics": "tests/ray/test_metrics_dashboard.py"}
 
 
 def shown_commands() -> set[str]:
