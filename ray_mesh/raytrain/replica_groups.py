@@ -30,6 +30,7 @@ import ray
 
 from ray_mesh.errors import GroupDropped, GroupsFailed
 from ray_mesh.replicas.quorum import Decision, Quorum, Range
+from ray_mesh.replicas.shares import SHARES
 
 logger = logging.getLogger(__name__)
 CONFIG_KEY = "ray_mesh_replica_group"
@@ -44,13 +45,14 @@ class Coordinator:
     """The quorum and the cross-group store of one run (see the module docstring)."""
 
     def __init__(self, segment_samples: int, total_steps: int, dead_after_s: float,
-                 arrive_timeout_s: float, expected_groups: int, run: str) -> None:
+                 arrive_timeout_s: float, expected_groups: int, run: str,
+                 shares: str = "equal") -> None:
         from ray.util.metrics import Gauge
         from torch.distributed import TCPStore
 
         self.quorum = Quorum(segment_samples=segment_samples, total_steps=total_steps,
                              dead_after_s=dead_after_s, arrive_timeout_s=arrive_timeout_s,
-                             expected_groups=expected_groups)
+                             expected_groups=expected_groups, shares=shares)
         host = ray.util.get_node_ip_address()
         self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.address = (host, int(self.store.port))
@@ -69,9 +71,10 @@ class Coordinator:
         return self.quorum.beat(gid, incarnation, rank)
 
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool) -> Decision | str:
+               fresh_link: bool, busy_s: float | None = None) -> Decision | str:
         try:
-            return self.quorum.arrive(gid, incarnation, step, holding, fresh_link)
+            return self.quorum.arrive(gid, incarnation, step, holding, fresh_link,
+                                      busy_s=busy_s)
         except GroupDropped as exc:  # a plain value: the caller raises it in its own process
             return str(exc)
 
@@ -104,8 +107,9 @@ class _Client:
         return self._get(self.handle.beat.remote(gid, incarnation, rank))
 
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool) -> Decision:
-        out = ray.get(self.handle.arrive.remote(gid, incarnation, step, holding, fresh_link))
+               fresh_link: bool, busy_s: float | None = None) -> Decision:
+        out = ray.get(self.handle.arrive.remote(gid, incarnation, step, holding, fresh_link,
+                                                busy_s))
         if isinstance(out, str):
             raise GroupDropped(out)
         return out
@@ -187,7 +191,7 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
                        use_gpu: bool = False, max_group_failures: int = 20,
                        checkpoint_every: int = 0, checkpoint_dir: str | None = None,
                        dead_after_s: float = 5.0, arrive_timeout_s: float = 300.0,
-                       timeout_s: float = 30.0, poll_s: float = 0.5,
+                       timeout_s: float = 30.0, poll_s: float = 0.5, shares: str = "equal",
                        on_event: Any = None) -> ReplicaGroupsResult:
     """Train ``train_fn`` as ``groups`` replica groups of ``workers_per_group`` workers.
 
@@ -196,6 +200,8 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
     ``dp_shard`` over its workers) and a budget of ``max_group_failures`` restarts. The train
     function gets ``config`` and builds its group with :func:`replica_group`. ``on_event``
     (default: log) sees each membership event as the coordinator records it.
+    ``shares="speed"`` sizes each group's segment to its measured speed (unequal boxes:
+    :mod:`ray_mesh.replicas.shares`); the default gives every group ``segment_samples``.
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
@@ -204,12 +210,15 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
     if groups < 1 or workers_per_group < 1:
         raise ValueError(f"groups={groups}, workers_per_group={workers_per_group}: both must "
                          "be at least 1")
+    if shares not in SHARES:
+        raise ValueError(f"shares={shares!r}: use one of {SHARES} (\"speed\" sizes each "
+                         "group's batch to its measured speed)")
     if checkpoint_every and not checkpoint_dir:
         raise ValueError("checkpoint_every needs checkpoint_dir: a directory every node "
                          "reaches (the fallback when every group is gone)")
     mesh_config = mesh_config or MeshConfig(mesh={"dp_shard": -1})
     coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
-        segment_samples, total_steps, dead_after_s, arrive_timeout_s, groups, name)
+        segment_samples, total_steps, dead_after_s, arrive_timeout_s, groups, name, shares)
     ray.get(coordinator.store_address.remote(), timeout=60)
     emit = on_event or (lambda e: logger.info("%s", describe(e)))
     runners, refs = {}, {}

@@ -55,7 +55,7 @@ class Coordinator(Protocol):
     def register(self, gid: int, incarnation: str, ranks: int) -> None: ...
     def beat(self, gid: int, incarnation: str, rank: int) -> bool: ...
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool) -> Decision: ...
+               fresh_link: bool, busy_s: float | None = None) -> Decision: ...
     def checkpointed(self, step: int, path: str) -> None: ...
     def store_address(self) -> tuple[str, int]: ...
 
@@ -91,6 +91,7 @@ class ReplicaGroup:
         self.ranges: list[Range] = []
         self.done = False
         self.last: Decision | None = None
+        self._since: float | None = None  # when this segment's samples came: its speed
         self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
                                         "live_groups": 0}
         if self.rank == 0:
@@ -133,7 +134,8 @@ class ReplicaGroup:
                 raise GroupDropped(f"replica group {self.gid}: the coordinator dropped this "
                                    "attempt (it stopped beating in time)")
             holding = self.ranges if self._has_contribution() else []
-            d = self._quorum(holding, fresh)
+            busy = None if self._since is None or fresh else time.monotonic() - self._since
+            d = self._quorum(holding, fresh, busy)
             self.last = d
             if d.done:
                 self.done = True
@@ -160,12 +162,13 @@ class ReplicaGroup:
             return bool(self.ranges)
         return bool(self.ranges) and any(p.grad is not None for p in self.model.parameters())
 
-    def _quorum(self, holding: list[Range], fresh: bool) -> Decision:
+    def _quorum(self, holding: list[Range], fresh: bool,
+                busy_s: float | None = None) -> Decision:
         answer: Any = None
         if self.rank == 0:
             try:
                 answer = self.client.arrive(self.gid, self.incarnation, self.step,
-                                            [tuple(r) for r in holding], fresh)
+                                            [tuple(r) for r in holding], fresh, busy_s)
             except GroupDropped as exc:
                 answer = exc
         answer = broadcast_from_rank0(answer, None)
@@ -236,6 +239,7 @@ class ReplicaGroup:
         self.step = d.step + (1 if applied else 0)
         self.ranges = list(d.ranges)
         self.stats["live_groups"] = len(d.members)
+        self._since = time.monotonic()
         if (applied and self.checkpoint_dir and self.checkpoint_every
                 and self.step % self.checkpoint_every == 0 and d.index == 0):
             path = f"{self.checkpoint_dir}/step_{self.step:08d}"

@@ -12,9 +12,16 @@ closes a DiLoCo round. There the quorum
 * picks a donor (the lowest group holding the newest step) and the groups to heal from it
   over the network: a group that joins or returns, or one left behind by a failed step;
 * hands each member the samples of its next segment (``segment_samples`` sample indices per
-  group per boundary, as ``(start, length)`` ranges), and keeps the books so that no sample
-  is skipped or repeated: the samples of a group that died before its contribution counted
-  go back to a queue that the next assignments drain first.
+  group per boundary on average, as ``(start, length)`` ranges), and keeps the books so that
+  no sample is skipped or repeated: the samples of a group that died before its
+  contribution counted go back to a queue that the next assignments drain first.
+
+With ``shares="speed"`` the samples of a boundary (``segment_samples`` times the members)
+are split in proportion to each group's measured speed (samples over the seconds it spent
+on its last segment, as it reports them on arrival; a running mean): on unequal boxes a
+faster group gets a larger batch, so that every group reaches the boundary at about the
+same time instead of all waiting for the slowest. The averages weigh each contribution by
+its samples, so the update is the same mean over the boundary's samples either way.
 
 Why a step boundary: a group's contribution (gradients, or a round's inner work) is only
 worth something once every member agrees to average it. A failed collective leaves each
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_mesh.errors import GroupDropped
+from ray_mesh.replicas.shares import SHARES, split_samples, update_speed
 
 Range = tuple[int, int]  # (first sample index, count)
 
@@ -72,6 +80,8 @@ class _Group:
     arrival: dict[str, Any] | None = None
     assigned: list[Range] = field(default_factory=list)
     decision: Decision | None = None
+    speed: float | None = None    # samples/s over its recent segments (shares="speed")
+    share: int = 0                # samples of its last assignment
 
 
 class Quorum:
@@ -81,16 +91,20 @@ class Quorum:
     one sync step, or ``every`` inner steps' worth for DiLoCo). ``total_steps``: the run
     ends when a quorum finds this step reached. ``arrive_timeout_s`` bounds how long the
     members wait for a live group that does not arrive; it is then dropped and named.
+    ``shares``: ``"equal"`` (every member gets ``segment_samples``) or ``"speed"`` (split
+    by measured speed, in multiples of each group's rank count; see the module docstring).
     """
 
     def __init__(self, *, segment_samples: int, total_steps: int, dead_after_s: float = 5.0,
                  arrive_timeout_s: float = 300.0, expected_groups: int = 1,
-                 start_timeout_s: float = 120.0,
+                 start_timeout_s: float = 120.0, shares: str = "equal",
                  clock: Callable[[], float] = time.monotonic) -> None:
         if segment_samples < 1:
             raise ValueError(f"segment_samples={segment_samples}: a group needs at least one "
                              "sample per segment")
-        self.segment_samples = segment_samples
+        if shares not in SHARES:
+            raise ValueError(f"shares={shares!r}: use one of {SHARES}")
+        self.segment_samples, self.shares = segment_samples, shares
         self.total_steps = total_steps
         self.dead_after_s = dead_after_s
         self.arrive_timeout_s = arrive_timeout_s
@@ -160,17 +174,20 @@ class Quorum:
 
     # ------------------------------------------------------------------ the boundary
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool = False, timeout_s: float | None = None) -> Decision:
+               fresh_link: bool = False, timeout_s: float | None = None,
+               busy_s: float | None = None) -> Decision:
         """Group ``gid`` reaches a boundary holding state at ``step`` and a contribution
         computed on ``holding`` (its assigned samples; empty when it has none). Blocks until
         a quorum forms and returns this group's part of it. ``fresh_link``: its last
         collective failed, so the members need new process groups (a new epoch) even if
-        the member list is the same."""
+        the member list is the same. ``busy_s``: the seconds it spent on that contribution
+        (from its last decision to this arrival), its speed for ``shares="speed"``."""
         holding = [tuple(r) for r in holding]
         with self._cv:
             g = self._member(gid, incarnation)
             if self._finished:
                 return self._done_decision()
+            g.speed = update_speed(g.speed, sum(n for _, n in holding), busy_s)
             g.ready = True
             g.decision = None
             g.arrival = {"step": step, "holding": holding, "fresh_link": fresh_link,
@@ -257,9 +274,12 @@ class Quorum:
             self._event("healed", gid, f"state of step {top} from group {donor_gid}", step=top)
         finished = top >= self.total_steps
         idx = {gid: i for i, gid in enumerate(members)}
+        shares = split_samples(self.segment_samples, {gid: (arrived[gid].ranks,
+                               arrived[gid].speed) for gid in members}, self.shares)
         for gid in members:
             g = arrived[gid]
-            g.assigned = [] if finished else self._take(self.segment_samples)
+            g.share = 0 if finished else shares[gid]
+            g.assigned = self._take(g.share)
             g.decision = Decision(
                 epoch=self._epoch, step=top, members=members, index=idx[gid],
                 donor=idx[donor_gid] if (healers or restore) else None,
@@ -367,6 +387,9 @@ class Quorum:
             self._drop_dead()
             return {"live": sorted(gid for gid, g in self._groups.items() if g.ready),
                     "registered": sorted(self._groups), "epoch": self._epoch,
+                    "shares": {gid: {"ranks": g.ranks, "samples": g.share,
+                                     "samples_per_s": g.speed}
+                               for gid, g in sorted(self._groups.items()) if g.ready},
                     "step": self._max_step_seen, "quorums": self._formed,
                     "finished": self._finished, "events": list(self.events),
                     **{k: v for k, v in self.data_state().items() if k != "tentative"}}
@@ -377,4 +400,4 @@ class Quorum:
                             "t": time.time()})
 
 
-__all__ = ["Decision", "GroupDropped", "Quorum", "Range"]
+__all__ = ["SHARES", "Decision", "GroupDropped", "Quorum", "Range"]

@@ -1,0 +1,76 @@
+"""Unequal boxes: each replica group's segment sized to its measured speed
+(ray_mesh.replicas.shares, and the quorum that applies it)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ray_mesh.replicas.quorum import Quorum
+from ray_mesh.replicas.shares import split_samples, update_speed
+
+
+def test_equal_until_every_group_has_a_speed():
+    assert split_samples(4, {0: (1, None), 1: (1, None)}, "speed") == {0: 4, 1: 4}
+    assert split_samples(4, {0: (1, 9.0), 1: (1, None)}, "speed") == {0: 4, 1: 4}
+    assert split_samples(4, {0: (1, 9.0), 1: (1, 1.0)}, "equal") == {0: 4, 1: 4}
+
+
+@pytest.mark.parametrize(("segment", "groups", "want"), [
+    (3, {0: (1, 2.0), 1: (1, 1.0)}, {0: 4, 1: 2}),            # twice as fast: twice the batch
+    (4, {0: (2, 3.0), 1: (1, 1.0)}, {0: 6, 1: 2}),            # multiples of a group's ranks
+    (2, {0: (1, 100.0), 1: (1, 1.0)}, {0: 3, 1: 1}),          # at least one sample per rank
+    (5, {0: (2, 2.0), 1: (2, 2.0), 2: (1, 1.0)}, {0: 6, 1: 6, 2: 3}),  # 2 + 2 + 1 devices
+])
+def test_the_boundary_total_is_split_by_speed(segment, groups, want):
+    got = split_samples(segment, groups, "speed")
+    assert got == want
+    assert sum(got.values()) <= segment * len(groups)
+    assert all(n % groups[g][0] == 0 and n >= groups[g][0] for g, n in got.items())
+
+
+def test_speed_is_a_running_mean_and_ignores_empty_segments():
+    assert update_speed(None, 8, 2.0) == 4.0
+    assert update_speed(4.0, 8, 1.0) == 6.0  # half the newest (8/s), half the old
+    assert update_speed(4.0, 0, 1.0) == 4.0 and update_speed(4.0, 8, None) == 4.0
+    with pytest.raises(ValueError, match="shares='fast'"):
+        split_samples(4, {0: (1, 1.0)}, "fast")
+    with pytest.raises(ValueError, match="shares="):
+        Quorum(segment_samples=4, total_steps=10, shares="fast")
+
+
+def _boundary(q: Quorum, arrivals: dict[int, tuple[int, list, float | None]]) -> dict:
+    out, errors = {}, []
+
+    def go(gid: int, step: int, holding: list, busy: float | None) -> None:
+        try:
+            out[gid] = q.arrive(gid, f"a{gid}", step, holding, timeout_s=10, busy_s=busy)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(g, *a)) for g, a in arrivals.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert not errors, errors
+    return out
+
+
+def test_the_quorum_gives_the_faster_group_the_larger_segment_and_skips_no_sample():
+    q = Quorum(segment_samples=6, total_steps=10, expected_groups=2, shares="speed")
+    for g in range(2):
+        q.register(g, f"a{g}", 1)
+    d = _boundary(q, {0: (0, [], None), 1: (0, [], None)})
+    assert [sum(n for _, n in d[g].ranges) for g in range(2)] == [6, 6]  # no speed yet
+    seen = [r for g in range(2) for r in d[g].ranges]
+    # group 0 did its 6 samples in 1 s, group 1 in 2 s: 6/s against 3/s
+    d = _boundary(q, {0: (0, d[0].ranges, 1.0), 1: (0, d[1].ranges, 2.0)})
+    assert [sum(n for _, n in d[g].ranges) for g in range(2)] == [8, 4]
+    seen += [r for g in range(2) for r in d[g].ranges]
+    ids = sorted(i for s, n in seen for i in range(s, s + n))
+    assert ids == list(range(24))  # every sample once, none skipped
+    shares = q.status()["shares"]
+    assert shares[0]["samples"] == 8 and shares[1]["samples"] == 4
+    assert shares[0]["samples_per_s"] == 6.0 and shares[1]["samples_per_s"] == 3.0
