@@ -16,12 +16,8 @@ closes a DiLoCo round. There the quorum
   no sample is skipped or repeated: the samples of a group that died before its
   contribution counted go back to a queue that the next assignments drain first.
 
-With ``shares="speed"`` the samples of a boundary (``segment_samples`` times the members)
-are split in proportion to each group's measured speed (samples over the seconds it spent
-on its last segment, as it reports them on arrival; a running mean): on unequal boxes a
-faster group gets a larger batch, so that every group reaches the boundary at about the
-same time instead of all waiting for the slowest. The averages weigh each contribution by
-its samples, so the update is the same mean over the boundary's samples either way.
+With ``shares="speed"`` a boundary's samples are split by each group's measured speed
+(unequal boxes: :mod:`.shares`).
 
 Why a step boundary: a group's contribution (gradients, or a round's inner work) is only
 worth something once every member agrees to average it. A failed collective leaves each
