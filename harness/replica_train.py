@@ -9,7 +9,12 @@ failures see the same samples. Test hooks driven by the config:
   ``"group": "all"`` kills rank ``r`` of every group (the fallback test);
 * ``log_dir``: each group's rank 0 appends one JSON line per committed step (the samples its
   contribution was computed on, the groups present, the loss, the time) to ``g<i>.jsonl``;
-* ``step_s``: a floor on a step's wall time, so that a kill lands mid-run on a fast machine.
+* ``step_s``: a floor on a step's wall time, so that a kill lands mid-run on a fast machine;
+* ``work``: extra compute per sample (that many 128x128 matmuls), so that a step's time is
+  CPU work that a slowed box really takes longer for;
+* ``pin_cpu``: ``{group: cpu}``: that group's training thread (and torch's one intra-op
+  thread) runs on that core only (the unequal-boxes test loads one core with another
+  process).
 """
 
 from __future__ import annotations
@@ -56,6 +61,13 @@ def eval_loss(model: nn.Module) -> float:
         return float(nn.functional.mse_loss(model(x), y))
 
 
+def burn(n_samples: int, work: int) -> None:
+    """``work`` matmuls per sample: real CPU time, proportional to the samples."""
+    a = torch.ones(128, 128)
+    for _ in range(n_samples * work):
+        a = torch.mm(a, a).clamp_(-1, 1)
+
+
 def _maybe_kill(config: dict, gid: int, step: int) -> None:
     kill = config.get("kill")
     if not kill or step != kill["at_step"] or dist.get_rank() != kill.get("rank", 0):
@@ -72,6 +84,10 @@ def _maybe_kill(config: dict, gid: int, step: int) -> None:
 def train_loop(config: dict) -> None:
     mesh = ray_mesh.get_mesh()
     gid = config[CONFIG_KEY]["group_id"]
+    pin = (config.get("pin_cpu") or {}).get(str(gid))
+    if pin is not None:
+        torch.set_num_threads(1)
+        os.sched_setaffinity(0, {int(pin)})  # 0: this (the training) thread
     model = parallelize(make_model(), mesh)
     diloco = DiLoCoConfig(**config["diloco"]) if config.get("diloco") else None
     optim = (torch.optim.AdamW(model.parameters(), lr=config.get("lr", 0.01)) if diloco
@@ -91,6 +107,7 @@ def train_loop(config: dict) -> None:
         loss = torch.zeros(())
         for ids in (rg.inner_batches(rank, size) if diloco else [rg.sample_ids(rank, size)]):
             x, y = samples(ids)
+            burn(len(ids), config.get("work", 0))
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             if diloco:

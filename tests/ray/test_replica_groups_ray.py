@@ -11,6 +11,10 @@ kill-and-rejoin of one group while the others train on is tests/netns/test_repli
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from harness import replica_check as rc
@@ -84,3 +88,45 @@ def test_a_train_function_that_always_fails_stops_the_run_with_its_error(ray_loc
             resources_per_worker={"CPU": 1}, name="rg-fails",
             on_event=lambda e: lines.append(describe(e)))
     assert any("failed" in line and "no/such/shard" in line for line in lines), lines
+
+
+@pytest.mark.timeout(300)
+def test_a_slowed_group_gets_the_smaller_share_and_no_sample_is_lost(ray_local, tmp_path):
+    """Unequal boxes: two groups, each pinned to its own core, and another process spinning
+    on group 1's core (it gets about half of it). With ``shares="speed"`` the quorum sizes
+    each group's segment to its measured speed: the faster group ends up with the larger
+    share, every boundary still hands out the same total, and no sample is used twice or
+    skipped."""
+    from ray_mesh.cli.job import load_function
+    from ray_mesh.raytrain.replica_groups import fit_replica_groups
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("this test needs 2 cores: one per group")
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                           preexec_fn=lambda: os.sched_setaffinity(0, {cores[1]}))
+    try:
+        logs_dir = tmp_path / "logs"
+        result = fit_replica_groups(
+            load_function("harness/replica_train.py:train_loop"), groups=2,
+            workers_per_group=1, total_steps=24, segment_samples=16, shares="speed",
+            config={"log_dir": str(logs_dir), "work": 20,
+                    "pin_cpu": {"0": cores[0], "1": cores[1]}},
+            storage_path=str(tmp_path / "runs"), resources_per_worker={"CPU": 1},
+            name="rg-shares")
+    finally:
+        hog.kill()
+        hog.wait()
+    assert result.status["finished"], result.status
+    logs = rc.read(logs_dir)
+    share = {gid: {r["step"]: sum(n for _, n in r["ranges"]) for r in rows}
+             for gid, rows in logs.items()}
+    steps = sorted(set(share[0]) & set(share[1]))
+    assert all(share[0][s] + share[1][s] == 32 for s in steps), share  # the total is kept
+    late = steps[-8:]
+    fast, slow = sum(share[0][s] for s in late), sum(share[1][s] for s in late)
+    assert fast >= 1.3 * slow, (fast, slow, share)
+    shares = result.status["shares"]
+    assert shares[0]["samples_per_s"] > shares[1]["samples_per_s"], shares
+    twice, skipped = rc.sample_use(logs)
+    assert twice == [] and skipped == [], (twice, skipped)
