@@ -28,6 +28,9 @@ Sections (``--only`` picks some):
              is killed mid-run and comes back: the survivors' longest step gap, steps lost,
              the rejoin time and bytes, the final loss against the clean run
              (benchmarks/replica_groups.py; single runs).
+  mixed_nodes  unequal boxes: two replica groups, one on a core slowed by a spinning
+             process, segments equal vs sized by measured speed, against each box alone
+             (benchmarks/mixed_nodes.py; single runs, local Ray of its own).
   llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
              runs alternating (llm.py); target ray_mesh >= 0.95x torchrun.
 
@@ -58,7 +61,8 @@ from benchmarks import paired, report, settings  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
-            "slowlinks", "wireguard", "rendezvous", "diloco", "slow", "llm", "replica_groups")
+            "slowlinks", "wireguard", "rendezvous", "diloco", "slow", "llm", "replica_groups",
+            "mixed_nodes")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery", "llm"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
@@ -380,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
             log("replica_groups: 3-node namespace cluster, clean and node-kill runs per mode")
             results["replica_groups"] = _section("replica_groups", replica_groups.measure,
                                                  **cfg.get("replica_groups", {}))
+        if "mixed_nodes" in selected:
+            from benchmarks import mixed_nodes
+
+            log("mixed_nodes: a slowed core, shares equal vs by speed, each box alone")
+            results["mixed_nodes"] = _section("mixed_nodes", mixed_nodes.measure,
+                                              **cfg.get("mixed_nodes", {}))
         if "slow" in selected:
             results["slow"] = _section("slow", section_slow, cfg)
             if "status" not in results["slow"]:  # the figures also live under observability

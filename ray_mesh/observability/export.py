@@ -146,8 +146,12 @@ class Exporter:
         self.checked_endpoint = False
 
     def _hold(self, name: str, value: float, tags: dict[str, str]) -> None:
-        """Keep a gauge's last value for the refresher (called under the lock)."""
-        self._held[(name, frozenset(tags.items()))] = (value, tags)
+        """Keep a gauge's last value for the refresher (called under the lock). One held
+        series per metric and per-series tags (``dim``, ``a``/``b``): the process's own
+        tags (run, rank, coordinate) are the latest ones, so a series first written before
+        Ray Train named the run (``run="local"``) is not kept alive beside the real one."""
+        own = frozenset((k, v) for k, v in tags.items() if k not in TAG_KEYS)
+        self._held[(name, own)] = (value, tags)
         if self._refresher is None and not self._closed.is_set():
             self._refresher = threading.Thread(target=self._refresh, daemon=True,
                                                name="ray_mesh-metrics-hold")

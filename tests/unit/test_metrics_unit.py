@@ -226,6 +226,12 @@ def test_gauges_hold_their_last_value_until_the_exporter_closes():
     while sum(name == "mesh_dim_allreduce_seconds" for name, _, _ in sets) < 5:
         assert time.monotonic() < deadline, sets
         time.sleep(0.02)
+    # A series written before Ray Train named the run is replaced, not kept beside it.
+    exporter.record([("mesh_loss", 1.0, mesh_tags("local")), ("mesh_loss", 2.0, tags)])
+    written = len(sets)
+    time.sleep(0.2)
+    loss_runs = [dict(t)["run"] for name, _, t in sets[written:] if name == "mesh_loss"]
+    assert loss_runs and set(loss_runs) == {"x"}, sets[written:]
     exporter.close()
     after_close = len(sets)
     time.sleep(0.1)
