@@ -1,5 +1,6 @@
-"""The replica groups of a run, as ``ray-mesh status`` shows them: who is live, and each
-group leaving, joining and healing with the step at which it happened.
+"""The replica groups of a run, as ``ray-mesh status`` shows them: who is live, each group's
+share of a step's samples and its measured speed, and each group leaving, joining and
+healing with the step at which it happened.
 
 The driver of a replica-group run (:func:`ray_mesh.raytrain.replica_groups.fit_replica_groups`)
 writes ``ray_mesh_replica_groups.json`` into every group's run directory as the coordinator
@@ -30,6 +31,7 @@ def document(status: dict[str, Any]) -> dict[str, Any]:
     """The file's content from the coordinator's status."""
     return {"live": list(status["live"]), "step": int(status["step"]),
             "finished": bool(status["finished"]),
+            "shares": {str(g): dict(s) for g, s in status.get("shares", {}).items()},
             "events": [{k: e[k] for k in ("kind", "group", "step", "detail")}
                        for e in status["events"][-MAX_EVENTS:]]}
 
@@ -61,7 +63,26 @@ def parse(data: bytes, what: str) -> dict[str, Any]:
                                          300)})
     return {"live": [si.integer(g, f"{what}: live group") for g in doc["live"]],
             "step": si.integer(doc.get("step", 0), f"{what}: step", high=MAX_STEP),
-            "finished": bool(doc.get("finished", False)), "events": events}
+            "finished": bool(doc.get("finished", False)), "events": events,
+            "shares": _shares(doc.get("shares", {}), what)}
+
+
+def _shares(raw: Any, what: str) -> dict[int, dict[str, Any]]:
+    if not isinstance(raw, dict) or len(raw) > MAX_GROUPS:
+        raise Malformed(f"{what}: shares is not a mapping of at most {MAX_GROUPS} groups")
+    out = {}
+    for key, s in raw.items():
+        gid = si.integer(int(key) if isinstance(key, str) and key.isdigit() else key,
+                         f"{what}: shares group")
+        if not isinstance(s, dict):
+            raise Malformed(f"{what}: shares of group {gid} is not an object")
+        speed = s.get("samples_per_s")
+        out[gid] = {"ranks": si.integer(s.get("ranks"), f"{what}: group {gid} ranks"),
+                    "samples": si.integer(s.get("samples"), f"{what}: group {gid} samples",
+                                          high=MAX_STEP),
+                    "samples_per_s": None if speed is None else
+                    si.number(speed, f"{what}: group {gid} samples_per_s")}
+    return out
 
 
 def read(run: dict[str, Any], storage: list[str] | tuple[str, ...], timeout_s: float,
@@ -83,6 +104,11 @@ def lines(groups: dict[str, Any]) -> list[str]:
     live = ", ".join(str(g) for g in groups["live"]) or "none"
     out = [f"Replica groups: live {live} at step {groups['step']}"
            + ("  (run finished)" if groups["finished"] else "")]
+    for gid, s in sorted(groups.get("shares", {}).items()):
+        speed = (f", {s['samples_per_s']:.1f} samples/s" if s["samples_per_s"] is not None
+                 else ", speed not measured yet")
+        out.append(f"  group {gid}: {s['ranks']} rank(s), {s['samples']} samples per "
+                   f"segment{speed}")
     out += [f"  step {e['step']}: group {e['group']} {e['kind']} ({e['detail']})"
             for e in groups["events"]]
     return out

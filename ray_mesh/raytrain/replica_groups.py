@@ -38,6 +38,7 @@ ENDED_GRACE_S = 20.0  # after the last step: how long a group still starting may
 # A group failing this often without rejoining (or twice with the same error) is the code,
 # not a node coming and going.
 MAX_FAILS_IN_A_ROW = 3
+STATUS_EVERY_S = 10.0  # the status file between events: shares and speeds move
 
 
 @ray.remote(num_cpus=0, max_concurrency=256)
@@ -239,7 +240,7 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
         runners[gid] = _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
         refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs)
     results: dict[int, dict[str, Any]] = {}
-    seen, ended_at = 0, None
+    seen, ended_at, written = 0, None, time.monotonic()
     fails: dict[int, list[str]] = {}
     while len(results) < groups:
         ready, _ = ray.wait([r for g, r in refs.items() if g not in results],
@@ -257,8 +258,9 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
                 fails.setdefault(event["group"], []).append(event["detail"])
             elif event["kind"] in ("joined", "healed"):
                 fails.pop(event["group"], None)
-        if len(status["events"]) != seen:
-            _write_status(storage_path, name, groups, status)
+        if len(status["events"]) != seen or time.monotonic() - written > STATUS_EVERY_S:
+            _write_status(storage_path, name, groups, status)  # events, shares and speeds
+            written = time.monotonic()
         seen = len(status["events"])
         stuck = {g: f for g, f in fails.items()
                  if len(f) >= MAX_FAILS_IN_A_ROW or (len(f) >= 2 and f[-1] == f[-2])}

@@ -128,5 +128,13 @@ def test_a_slowed_group_gets_the_smaller_share_and_no_sample_is_lost(ray_local, 
     assert fast >= 1.3 * slow, (fast, slow, share)
     shares = result.status["shares"]
     assert shares[0]["samples_per_s"] > shares[1]["samples_per_s"], shares
+    # What `ray-mesh status --storage` prints from the file the driver wrote.
+    from ray_mesh.observability import replica_groups as groups_file
+
+    doc = groups_file.parse((tmp_path / "runs" / "rg-shares-g0" / groups_file.GROUPS_JSON)
+                            .read_bytes(), "status file")
+    shown = "\n".join(groups_file.lines(doc))
+    assert "group 0: 1 rank(s), " in shown and "group 1: 1 rank(s), " in shown, shown
+    assert shown.count(" samples/s") == 2, shown
     twice, skipped = rc.sample_use(logs)
     assert twice == [] and skipped == [], (twice, skipped)

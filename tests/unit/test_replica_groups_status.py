@@ -11,7 +11,10 @@ from ray_mesh.observability import replica_groups as rgf
 
 
 def _status() -> dict:
-    return {"live": [0, 2], "step": 41, "finished": False, "events": [
+    return {"live": [0, 2], "step": 41, "finished": False,
+            "shares": {0: {"ranks": 2, "samples": 22, "samples_per_s": 14.25},
+                       2: {"ranks": 2, "samples": 10, "samples_per_s": None}},
+            "events": [
         {"kind": "joined", "group": 1, "step": 0, "detail": "3 group(s) now", "t": 1.0},
         {"kind": "left", "group": 1, "step": 7, "detail": "stopped beating", "t": 2.0}]}
 
@@ -21,7 +24,9 @@ def test_the_file_round_trips_into_status_lines(tmp_path):
     data = (tmp_path / "run-g0" / rgf.GROUPS_JSON).read_bytes()
     lines = rgf.lines(rgf.parse(data, "f"))
     assert lines[0] == "Replica groups: live 0, 2 at step 41"
-    assert lines[2] == "  step 7: group 1 left (stopped beating)"
+    assert lines[1] == "  group 0: 2 rank(s), 22 samples per segment, 14.2 samples/s"
+    assert lines[2] == "  group 2: 2 rank(s), 10 samples per segment, speed not measured yet"
+    assert lines[4] == "  step 7: group 1 left (stopped beating)"
 
 
 @pytest.mark.parametrize("doc, why", [
@@ -29,6 +34,11 @@ def test_the_file_round_trips_into_status_lines(tmp_path):
     ({"live": ["x"], "events": []}, "live group"),
     ({"live": [], "events": [{"kind": "left", "group": -1, "step": 0}]}, "group"),
     ({"live": [], "events": [{"kind": "x" * 100, "group": 0, "step": 0}]}, "kind"),
+    ({"live": [], "events": [], "shares": []}, "shares is not a mapping"),
+    ({"live": [], "events": [], "shares": {"0": {"ranks": 1, "samples": -3}}}, "samples"),
+    ({"live": [], "events": [], "shares": {"0": {"ranks": 1, "samples": 3,
+                                                 "samples_per_s": "fast"}}}, "samples_per_s"),
+    ({"live": [], "events": [], "shares": {"-1": {"ranks": 1, "samples": 3}}}, "shares group"),
 ])
 def test_a_hostile_file_is_refused_with_the_field_named(doc, why):
     with pytest.raises(Malformed, match=why):
