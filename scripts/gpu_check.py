@@ -129,7 +129,7 @@ def main() -> int:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         sync(dev)
         step_ms = (time.perf_counter() - t) / 20 * 1e3
         say("fsdp2_tp_steps", losses[-1] < losses[0],
