@@ -77,8 +77,18 @@ def enable_state_tracking() -> bool:
 
 
 def cluster_worker_setup() -> None:
-    """``worker_process_setup_hook`` of a job on a cluster (``ray-mesh run --address``, the
-    driver example): hides what Ray says to itself in the user's console."""
+    """``worker_process_setup_hook`` of a job (``ray-mesh run``, the driver example): every
+    process of the job talks to the cluster it belongs to, and what Ray says to itself is
+    kept out of the user's console.
+
+    ``RAY_ADDRESS``: Ray Train's own state-API calls (its placement-group cleaner and run
+    state actor, ``ray.util.state.get_actor`` without an address) auto-detect the cluster
+    and raise "Found multiple active Ray instances" (a traceback per check, on the driver's
+    console) on a machine that runs a second Ray instance. Checked on Ray 2.60."""
+    import ray
+
+    with contextlib.suppress(Exception):  # a hook must not stop a worker from starting
+        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     # Ray's own call inside Ray Train's controller when a job has datasets (Ray 2.60), not
     # something a user can fix; printed on the driver's console by log_to_driver.
     warnings.filterwarnings("ignore", message=r".*ExecutionOptions.exclude_resources.* is "
@@ -86,11 +96,8 @@ def cluster_worker_setup() -> None:
 
 
 def embedded_worker_setup() -> None:
-    """``worker_process_setup_hook`` of the embedded Ray: every process of it talks to it."""
-    import ray
-
-    with contextlib.suppress(Exception):  # a hook must not stop a worker from starting
-        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    """``worker_process_setup_hook`` of the embedded Ray: the cluster job's hook, and Ray's
+    own INFO chatter hidden (the user started no cluster)."""
     # A filter, not setLevel: Ray Train's dictConfig resets the level of ray.train children.
     for name in EMBEDDED_QUIET_LOGGERS:
         logging.getLogger(name).addFilter(_errors_only)

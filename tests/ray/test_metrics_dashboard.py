@@ -157,7 +157,10 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(ray_local):
+    # ray_local: the session's other Ray instance on this machine, on purpose. Ray Train's
+    # own state-API calls auto-detected the cluster and printed "Found multiple active Ray
+    # instances" tracebacks on the run's console (the job's worker hook now names it).
     c = Cluster()
     try:
         # The `ray` CLI of this interpreter, also where its console script is not beside it
