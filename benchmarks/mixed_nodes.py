@@ -62,6 +62,15 @@ def _throughput(logs_dir: Path) -> tuple[float, int]:
     return samples / (per_step[steps[-1]][0] - per_step[steps[0]][0]), len(steps)
 
 
+def mean_shares(logs_dir: Path) -> dict[str, float]:
+    """Per group, its mean samples per committed step after WARMUP."""
+    out = {}
+    for gid, rows in rc.read(logs_dir).items():
+        late = [sum(n for _, n in r["ranges"]) for r in rows if r["step"] > WARMUP]
+        out[str(gid)] = sum(late) / len(late) if late else 0.0
+    return out
+
+
 def _run(name: str, root: Path, *, groups: int, pins: list[int], shares: str,
          steps: int, segment: int, work: int) -> dict:
     from ray_mesh.cli.job import load_function
@@ -78,7 +87,9 @@ def _run(name: str, root: Path, *, groups: int, pins: list[int], shares: str,
         storage_path=str(root / "runs"), resources_per_worker={"CPU": 1})
     thr, counted = _throughput(logs_dir)
     finals = [rows[-1] for rows in rc.finals(logs_dir).values()]
-    shares_seen = {str(g): s for g, s in res.status.get("shares", {}).items()}
+    shares_seen = {**mean_shares(logs_dir),
+                   "speeds": {str(g): s["samples_per_s"]
+                              for g, s in res.status.get("shares", {}).items()}}
     print(f"[mixed_nodes] {name}: {thr:.1f} samples/s over {counted} steps, "
           f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return {"samples_per_s": thr, "steps_counted": counted,
@@ -143,7 +154,7 @@ def measure(steps: int = 40, segment: int = 16, work: int = 200) -> dict:
 def markdown(m: dict) -> str:
     """The RESULTS.md section for ``results.json['mixed_nodes']``."""
     def shares(run: dict) -> str:
-        return ", ".join(f"g{g}: {s['samples']}" for g, s in run["shares"].items())
+        return ", ".join(f"g{g}: {n:.1f}" for g, n in run["shares"].items() if g != "speeds")
 
     rows = "\n".join(f"| `{name}` | {run['samples_per_s']:.1f} | {run['eval_loss']:.4f} | "
                      f"{shares(run)} |" for name, run in m["runs"].items())
@@ -153,7 +164,7 @@ def markdown(m: dict) -> str:
             f"| `vs_leave_out` | {m['vs_leave_out']:.3f} | > 1 |\n"
             f"| `vs_slowest_pace` | {m['vs_slowest_pace']:.3f} | > 1 |\n"
             f"| `final_loss_rel_diff` | {m['final_loss_rel_diff']:.4f} | <= 0.03 |\n\n"
-            f"| run | samples/s | held-out loss | last shares (samples per step) |\n"
+            f"| run | samples/s | held-out loss | mean samples per step per group |\n"
             f"|---|---|---|---|\n{rows}\n")
 
 
