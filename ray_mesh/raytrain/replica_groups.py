@@ -30,7 +30,7 @@ import ray
 
 from ray_mesh.errors import GroupDropped, GroupsFailed
 from ray_mesh.replicas.quorum import Decision, Quorum, Range
-from ray_mesh.replicas.shares import SHARES
+from ray_mesh.replicas.shares import check_mode
 
 logger = logging.getLogger(__name__)
 CONFIG_KEY = "ray_mesh_replica_group"
@@ -211,9 +211,7 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
     if groups < 1 or workers_per_group < 1:
         raise ValueError(f"groups={groups}, workers_per_group={workers_per_group}: both must "
                          "be at least 1")
-    if shares not in SHARES:
-        raise ValueError(f"shares={shares!r}: use one of {SHARES} (\"speed\" sizes each "
-                         "group's batch to its measured speed)")
+    check_mode(shares)  # on the driver, before any actor starts
     if checkpoint_every and not checkpoint_dir:
         raise ValueError("checkpoint_every needs checkpoint_dir: a directory every node "
                          "reaches (the fallback when every group is gone)")

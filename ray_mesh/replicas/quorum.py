@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_mesh.errors import GroupDropped
-from ray_mesh.replicas.shares import SHARES, split_samples, update_speed
+from ray_mesh.replicas.shares import check_mode, split_samples, update_speed
 
 Range = tuple[int, int]  # (first sample index, count)
 
@@ -98,8 +98,7 @@ class Quorum:
         if segment_samples < 1:
             raise ValueError(f"segment_samples={segment_samples}: a group needs at least one "
                              "sample per segment")
-        if shares not in SHARES:
-            raise ValueError(f"shares={shares!r}: use one of {SHARES}")
+        check_mode(shares)
         self.segment_samples, self.shares = segment_samples, shares
         self.total_steps = total_steps
         self.dead_after_s = dead_after_s
@@ -396,4 +395,4 @@ class Quorum:
                             "t": time.time()})
 
 
-__all__ = ["SHARES", "Decision", "GroupDropped", "Quorum", "Range"]
+__all__ = ["Decision", "GroupDropped", "Quorum", "Range"]

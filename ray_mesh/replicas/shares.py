@@ -15,6 +15,13 @@ SHARES = ("equal", "speed")
 SPEED_SMOOTHING = 0.5  # weight of the newest segment in a group's running speed
 
 
+def check_mode(mode: str) -> None:
+    """Refuse a ``shares`` value that is not one of :data:`SHARES`, naming the choices."""
+    if mode not in SHARES:
+        raise ValueError(f"shares={mode!r}: use one of {SHARES} (\"speed\" sizes each "
+                         "group's batch to its measured speed)")
+
+
 def update_speed(speed: float | None, samples: int, busy_s: float | None) -> float | None:
     """A group's running speed (samples/s) after a segment of ``samples`` in ``busy_s``."""
     if not busy_s or busy_s <= 0 or samples <= 0:
@@ -31,8 +38,7 @@ def split_samples(segment: int, groups: dict[int, tuple[int, float | None]],
     the same total (``segment`` times the groups) in proportion to speed, in whole
     multiples of each group's rank count (its data-parallel ranks get equal batches), at
     least one sample per rank; what rounding leaves goes to the largest remainders."""
-    if mode not in SHARES:
-        raise ValueError(f"shares={mode!r}: use one of {SHARES}")
+    check_mode(mode)
     if mode == "equal" or any(speed is None for _, speed in groups.values()):
         return {gid: segment for gid in groups}
     total = segment * len(groups)
@@ -52,4 +58,4 @@ def split_samples(segment: int, groups: dict[int, tuple[int, float | None]],
     return out
 
 
-__all__ = ["SHARES", "SPEED_SMOOTHING", "split_samples", "update_speed"]
+__all__ = ["SHARES", "SPEED_SMOOTHING", "check_mode", "split_samples", "update_speed"]
