@@ -41,9 +41,17 @@ import torch.distributed as dist
 from ray_mesh.checkpointing.sharded import broadcast_from_rank0
 from ray_mesh.replicas.link import CrossLink, broadcast_, weighted_mean
 from ray_mesh.replicas.quorum import Decision, GroupDropped, Range
-from ray_mesh.replicas.state import load_into, local_of, materialize
+from ray_mesh.replicas.reshard import (
+    check_exchange,
+    full_like,
+    leader_outcome,
+    locals_of,
+    share_from_leader,
+    to_full,
+    to_local_,
+)
+from ray_mesh.replicas.state import load_into, local_of, materialize, tensors_and_likes
 from ray_mesh.replicas.state import save as save_state
-from ray_mesh.replicas.state import tensors as state_tensors
 
 if TYPE_CHECKING:
     from ray_mesh.core.diloco_config import DiLoCoConfig
@@ -52,7 +60,7 @@ if TYPE_CHECKING:
 class Coordinator(Protocol):
     """What a group needs from the run's coordinator (a Ray actor in ray_mesh.raytrain)."""
 
-    def register(self, gid: int, incarnation: str, ranks: int) -> None: ...
+    def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None: ...
     def beat(self, gid: int, incarnation: str, rank: int) -> bool: ...
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
                fresh_link: bool, busy_s: float | None = None) -> Decision: ...
@@ -70,9 +78,12 @@ class ReplicaGroup:
                  client: Coordinator, group_id: int, total_steps: int,
                  segment_samples: int, diloco: DiLoCoConfig | None = None,
                  lr_scaling: str = "none", timeout_s: float = 30.0, beat_s: float = 0.5,
-                 checkpoint_dir: str | None = None, checkpoint_every: int = 0) -> None:
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                 exchange: str = "shards", layout: str = "") -> None:
         if lr_scaling not in LR_SCALING:
             raise ValueError(f"lr_scaling={lr_scaling!r}: use one of {LR_SCALING}")
+        check_exchange(exchange)
+        self.exchange = exchange
         self.model, self.optimizer, self.client = model, optimizer, client
         self.gid, self.total_steps = group_id, total_steps
         self.segment_samples, self.lr_scaling = segment_samples, lr_scaling
@@ -95,7 +106,7 @@ class ReplicaGroup:
         self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
                                         "live_groups": 0}
         if self.rank == 0:
-            client.register(group_id, self.incarnation, self.size)
+            client.register(group_id, self.incarnation, self.size, layout)
         _barrier()
         host, port = client.store_address()
         self.link = CrossLink(host, port, self.rank, timeout_s)
@@ -178,6 +189,8 @@ class ReplicaGroup:
 
     def _boundary(self, d: Decision) -> tuple[bool, bool]:
         """Heal, average, apply; (this rank saw no error, an update was applied)."""
+        if self.exchange == "full":
+            return self._boundary_full(d)
         try:
             pg = self.link.group(d.epoch, d.index, len(d.members))
             # Contributions first: a DiLoCo member's pseudo-gradient is of its own round,
@@ -202,6 +215,64 @@ class ReplicaGroup:
             return True, False
         self._apply(avg, total)
         return True, True
+
+    def _boundary_full(self, d: Decision) -> tuple[bool, bool]:
+        """:meth:`_boundary` between groups of different layouts (:mod:`.reshard`): full
+        tensors, the leaders (rank 0 of each group) across, each rank keeps its shard."""
+        leader = self.rank == 0
+        try:
+            mine_local = self._contribution()
+            likes = self._contribution_likes()
+            mine = to_full(mine_local, likes)
+            weight = float(sum(n for _, n in self.ranges)) if d.contributes else 0.0
+            if d.restore is not None and d.index == d.donor:
+                self._restore(d.restore[1])
+            if d.donor is not None:
+                state, state_likes = self._state_and_likes()
+                full = (to_full(state, state_likes) if d.index == d.donor
+                        else [full_like(t, lk) for t, lk in zip(state, state_likes, strict=True)])
+                t0, got = time.perf_counter(), 0
+                ok, _ = self._as_leader(
+                    leader, lambda pg: broadcast_(full, d.donor, pg, d.index, keep=d.heal), d)
+                ok, _ = leader_outcome(ok, 0.0)
+                if not ok:
+                    return False, False
+                if d.heal:
+                    share_from_leader(full)
+                    to_local_(state, full, state_likes)
+                    got = sum(t.numel() * t.element_size() for t in full) if leader else 0
+                    self._adopt_counters()
+                    self.stats["rejoin_bytes"] += got
+                    self.stats["heal_s"] += time.perf_counter() - t0
+                    self._drop_contribution()
+            ok, result = self._as_leader(leader, lambda pg: weighted_mean(mine, weight, pg), d)
+            ok, total = leader_outcome(ok, result[1] if ok and leader else 0.0)
+            if not ok:
+                return False, False
+            if total <= 0:
+                return True, False
+            avg = result[0] if leader else [torch.empty_like(m) for m in mine]
+            share_from_leader(avg)
+            self._apply(locals_of(avg, likes, mine_local), total)
+        except RuntimeError as exc:  # this group's own world broke: the MIN after says so
+            self.stats["last_error"] = str(exc)[:300]
+            return False, False
+        return True, True
+
+    def _as_leader(self, leader: bool, step: Any, d: Decision) -> tuple[bool, Any]:
+        """Run ``step(pg)`` on the leaders' link, on the leader only: (it worked, its
+        result). A failure is kept, so the group hears of it in :func:`leader_outcome`."""
+        if not leader:
+            return True, None
+        try:
+            return True, step(self.link.group(d.epoch, d.index, len(d.members)))
+        except RuntimeError as exc:  # a peer group died mid-collective, or a timeout
+            self.stats["last_error"] = str(exc)[:300]
+            return False, None
+
+    def _contribution_likes(self) -> list[torch.Tensor | None]:
+        params = self.diloco.params if self.diloco is not None else self.model.parameters()
+        return list(params)
 
     def _contribution(self) -> list[torch.Tensor]:
         if self.diloco is not None:
@@ -243,16 +314,21 @@ class ReplicaGroup:
         if (applied and self.checkpoint_dir and self.checkpoint_every
                 and self.step % self.checkpoint_every == 0 and d.index == 0):
             path = f"{self.checkpoint_dir}/step_{self.step:08d}"
-            save_state(path, self._state(), self.step)
+            state, likes = self._state_and_likes()
+            full = self.exchange == "full"
+            save_state(path, to_full(state, likes) if full else state, self.step, full=full)
             if self.rank == 0:
                 self.client.checkpointed(self.step, path)
 
     # ------------------------------------------------------------------ state
     def _state(self) -> list[torch.Tensor]:
+        return self._state_and_likes()[0]
+
+    def _state_and_likes(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         dl = self.diloco
         self._counters[:] = torch.tensor([self.step, dl.inner_steps if dl else 0,
                                           dl.outer_steps if dl else 0])
-        return state_tensors(self.model, self.optimizer, dl, self._counters)
+        return tensors_and_likes(self.model, self.optimizer, dl, self._counters)
 
     def _adopt_counters(self) -> None:
         step, inner, outer = (int(x) for x in self._counters)
@@ -261,7 +337,13 @@ class ReplicaGroup:
             self.diloco.inner_steps, self.diloco.outer_steps = inner, outer
 
     def _restore(self, path: str) -> None:
-        load_into(path, self._state())
+        state, likes = self._state_and_likes()
+        if self.exchange == "full":  # saved full: every layout reads it
+            full = [full_like(t, lk) for t, lk in zip(state, likes, strict=True)]
+            load_into(path, full)
+            to_local_(state, full, likes)
+        else:
+            load_into(path, state)
         self._adopt_counters()
         self._drop_contribution()
         self.stats["restored_from"] = path

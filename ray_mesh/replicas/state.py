@@ -1,12 +1,13 @@
 """What a replica group holds, as one ordered list of tensors: to send to a joining group,
 and to write as the fallback checkpoint.
 
-Groups of one run share an inner layout, so inner rank ``i`` of one group holds exactly the
-shards inner rank ``i`` of another holds: the list is the rank's local shards of the model's
-parameters and buffers, then its optimizer's state tensors (parameter by parameter, keys
-sorted), then DiLoCo's outer state, then the counters. Both ends build it the same way, so
-a broadcast of the list is the whole transfer, and nothing is pickled: the fallback file is
-read back with ``torch.load(weights_only=True)`` and checked shape by shape.
+The list is the rank's local shards of the model's parameters and buffers, then its
+optimizer's state tensors (parameter by parameter, keys sorted), then DiLoCo's outer state,
+then the counters. Every group builds it the same way. Groups of one layout pair inner rank
+``i`` with inner rank ``i`` (the same shards), so a broadcast of the list is the whole
+transfer; groups of different layouts (:mod:`.reshard`) send the same list as full tensors,
+for which :func:`tensors_and_likes` gives each entry's sharding. Nothing is pickled: the
+fallback file is read back with ``torch.load(weights_only=True)`` and checked shape by shape.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from ray_mesh.parallel.diloco import DiLoCo
 
 COMPLETE = "complete.json"
+FULL = "full.pt"  # a checkpoint of full tensors (groups of different layouts)
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
@@ -57,31 +59,59 @@ def materialize(optimizer: torch.optim.Optimizer) -> None:
                     local_of(v).zero_()
 
 
-def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            diloco: DiLoCo | None, counters: torch.Tensor) -> list[torch.Tensor]:
-    """This rank's part of the group's state, in the order every group uses (see above)."""
-    out = [local_of(p).data for p in model.parameters()]
-    out += [local_of(b) for b in model.buffers()]
+def tensors_and_likes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      diloco: DiLoCo | None, counters: torch.Tensor
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """This rank's part of the group's state, in the order every group uses (see above),
+    and for each entry the DTensor whose sharding it has (None: the same whole tensor on
+    every rank of the group, e.g. a step counter)."""
+    out: list[torch.Tensor] = []
+    likes: list[torch.Tensor | None] = []
+
+    def add(t: torch.Tensor, like: torch.Tensor | None) -> None:
+        out.append(local_of(t).data if isinstance(t, torch.nn.Parameter) else local_of(t))
+        likes.append(like if isinstance(like, DTensor) else None)
+
+    for p in model.parameters():
+        add(p, p)
+    for b in model.buffers():
+        add(b, b)
     for group in optimizer.param_groups:
         for p in group["params"]:
             st = optimizer.state.get(p, {})
-            out += [local_of(st[k]) for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+            for k in sorted(st):
+                if isinstance(st[k], torch.Tensor):
+                    add(st[k], st[k])
     if diloco is not None:
-        out += list(diloco.global_params) + list(diloco.momentum)
-    out.append(counters)
-    return out
+        for i, g in enumerate(diloco.global_params):
+            add(g, diloco.params[i])
+        for i, m in enumerate(diloco.momentum):
+            add(m, diloco.params[i])
+    add(counters, None)
+    return out, likes
+
+
+def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            diloco: DiLoCo | None, counters: torch.Tensor) -> list[torch.Tensor]:
+    """This rank's part of the group's state (:func:`tensors_and_likes` without the likes)."""
+    return tensors_and_likes(model, optimizer, diloco, counters)[0]
 
 
 def save(path: str | os.PathLike, state: list[torch.Tensor], step: int,
-         group: dist.ProcessGroup | None = None, extra: dict[str, Any] | None = None) -> None:
+         group: dist.ProcessGroup | None = None, extra: dict[str, Any] | None = None,
+         full: bool = False) -> None:
     """Every rank writes its list (whole or absent, `write_atomic`); after a barrier, rank 0
-    writes the marker that makes it a checkpoint."""
+    writes the marker that makes it a checkpoint. ``full``: ``state`` is the group's full
+    tensors (the same on every rank), written once by rank 0, so that a group of any layout
+    can read it back (:mod:`.reshard`)."""
     path = Path(path)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     path.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save([t.detach().cpu() for t in state], buf)
-    write_atomic(path / f"rank{rank}.pt", buf.getvalue())
+    if rank == 0 or not full:
+        buf = io.BytesIO()
+        torch.save([t.detach().cpu() for t in state], buf)
+        write_atomic(path / (FULL if full else f"rank{rank}.pt"), buf.getvalue())
+    extra = {**(extra or {}), **({"full": True} if full else {})}
     if dist.is_initialized():
         dist.barrier(group)
     if rank == 0:
@@ -95,11 +125,13 @@ def save(path: str | os.PathLike, state: list[torch.Tensor], step: int,
 def load_into(path: str | os.PathLike, state: list[torch.Tensor],
               group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Read this rank's list from a complete checkpoint into ``state``, in place, refusing a
-    file whose tensors do not match (another layout, another model). Returns the marker."""
+    file whose tensors do not match (another layout, another model). Returns the marker.
+    A checkpoint saved ``full`` is read by every rank (``state`` then holds full tensors)."""
     path = Path(path)
     marker = json.loads((path / COMPLETE).read_text())
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-    saved = torch.load(path / f"rank{rank}.pt", weights_only=True, map_location="cpu")
+    name = FULL if marker.get("full") else f"rank{rank}.pt"
+    saved = torch.load(path / name, weights_only=True, map_location="cpu")
     if len(saved) != len(state) or any(a.shape != b.shape or a.dtype != b.dtype
                                        for a, b in zip(saved, state, strict=True)):
         raise ValueError(f"{path}: rank {rank}'s state does not match this group's model and "
@@ -111,4 +143,5 @@ def load_into(path: str | os.PathLike, state: list[torch.Tensor],
     return marker
 
 
-__all__ = ["COMPLETE", "load_into", "local_of", "materialize", "save", "tensors"]
+__all__ = ["COMPLETE", "FULL", "load_into", "local_of", "materialize", "save", "tensors",
+           "tensors_and_likes"]

@@ -1,0 +1,113 @@
+"""Between replica groups of different layouts: a rank's shards as full tensors, and back.
+
+Groups of one layout pair inner rank ``i`` with inner rank ``i`` (:mod:`.link`): the same
+shards, so nothing is converted. Unequal boxes make unequal groups: a 2-device node runs
+``dp_shard=2``, a 1-device node no sharding, another ``tp=2``. Their ranks hold different
+pieces of the same model, so what crosses between them is the *full* state:
+
+1. inside each group, every rank's shards become full tensors (``DTensor.full_tensor``:
+   an all-gather on the group's own, fast, intra-node world);
+2. across groups only each group's rank 0 (its *leader*) takes part, on the leaders' link;
+3. inside the receiving group the leader's result goes to every rank
+   (:func:`share_from_leader`), and each rank keeps its own shard of it
+   (``distribute_tensor(..., src_data_rank=None)``: a local slice, no communication).
+
+The bytes across groups are the same as in the same-layout case (one copy of each tensor per
+group); what is added is an intra-node gather and broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+EXCHANGES = ("shards", "full")  # same layouts: shard with shard; different: full tensors
+
+
+def full_like(local: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
+    """An empty tensor of the full shape of ``local`` (a receive buffer)."""
+    if isinstance(like, DTensor):
+        return torch.empty(like.shape, dtype=local.dtype, device=local.device)
+    return torch.empty_like(local)
+
+
+def to_full(tensors: Sequence[torch.Tensor], likes: Sequence[torch.Tensor | None]
+            ) -> list[torch.Tensor]:
+    """The full tensors of this rank's shards (a collective on the group's world: every rank
+    of the group calls it with the same list)."""
+    out = []
+    for t, like in zip(tensors, likes, strict=True):
+        if isinstance(like, DTensor):
+            dt = DTensor.from_local(t, like.device_mesh, like.placements, run_check=False,
+                                    shape=like.shape, stride=like.stride())
+            out.append(dt.full_tensor())
+        else:
+            out.append(t)
+    return out
+
+
+def to_local_(dst: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor],
+              likes: Sequence[torch.Tensor | None]) -> None:
+    """Copy this rank's shard of each full tensor into ``dst`` (its local shards), in place."""
+    with torch.no_grad():
+        for d, f, like in zip(dst, fulls, likes, strict=True):
+            if isinstance(like, DTensor):
+                f = distribute_tensor(f.to(d.device), like.device_mesh, like.placements,
+                                      src_data_rank=None).to_local()
+            d.copy_(f)
+
+
+def locals_of(fulls: Sequence[torch.Tensor], likes: Sequence[torch.Tensor | None],
+              shapes_of: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """New tensors: this rank's shard of each full tensor (shaped like ``shapes_of``)."""
+    out = [torch.empty_like(s) for s in shapes_of]
+    to_local_(out, fulls, likes)
+    return out
+
+
+def _device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def share_from_leader(tensors: Sequence[torch.Tensor]) -> None:
+    """Rank 0's ``tensors`` on every rank of this group's world, in place (one broadcast
+    per dtype). Every rank calls it with tensors of the same shapes."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    dev = _device()
+    for parts in by_dtype.values():
+        flat = torch.cat([p.detach().reshape(-1).to(dev) for p in parts])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        with torch.no_grad():
+            for p in parts:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+
+
+def leader_outcome(ok: bool, total: float) -> tuple[bool, float]:
+    """The leader's (ok, total weight) on every rank of the group: the others learn whether
+    the cross-group step worked before they wait for its result."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok, total
+    box = torch.tensor([1.0 if ok else 0.0, float(total)], dtype=torch.float64,
+                       device=_device())
+    dist.broadcast(box, src=0)
+    return bool(box[0].item() > 0), float(box[1].item())
+
+
+def check_exchange(exchange: str) -> None:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r}: use one of {EXCHANGES} (\"full\" when the "
+                         "groups' layouts differ)")
+
+
+__all__ = ["EXCHANGES", "check_exchange", "full_like", "leader_outcome", "locals_of",
+           "share_from_leader", "to_full", "to_local_"]

@@ -1,0 +1,161 @@
+"""Replica groups of different layouts, without Ray: each group a torchrun world of its own
+(``tests/helpers/_replica_layouts.py``), the run's ``Quorum`` served by this process.
+
+* An FSDP2 group of 2 ranks and an unsharded group of 1 train together (``exchange="full"``):
+  every step's update is the mean gradient over both groups' samples, so both end with the
+  parameters of one model trained on the union of the samples, step by step.
+* A ``tp=2`` group joins a run an unsharded group has been training alone: it heals from it
+  (the full state, resharded into its own layout), and both end with the same parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.managers import BaseManager
+from pathlib import Path
+
+import pytest
+import torch
+from ports import free_port
+
+from ray_mesh.replicas.quorum import Quorum
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "helpers" / "_replica_layouts.py"
+AUTHKEY = b"replica-layouts"
+
+
+class _Coordinator:
+    """The ``Coordinator`` protocol of ray_mesh.replicas.group over a local Quorum."""
+
+    def __init__(self, quorum: Quorum, store_port: int) -> None:
+        self.quorum, self.port = quorum, store_port
+        self.layouts: dict[int, str] = {}
+
+    def register(self, gid, incarnation, ranks, layout=""):
+        self.layouts[gid] = layout
+        self.quorum.register(gid, incarnation, ranks)
+
+    def beat(self, gid, incarnation, rank):
+        return self.quorum.beat(gid, incarnation, rank)
+
+    def arrive(self, gid, incarnation, step, holding, fresh_link, busy_s=None):
+        return self.quorum.arrive(gid, incarnation, step, holding, fresh_link, busy_s=busy_s)
+
+    def checkpointed(self, step, path):
+        self.quorum.checkpointed(step, path)
+
+    def store_address(self):
+        return ("127.0.0.1", self.port)
+
+
+class _Served:
+    """A Quorum and a TCP store for the groups, served until closed."""
+
+    def __init__(self, steps: int, expected_groups: int) -> None:
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.quorum = Quorum(segment_samples=8, total_steps=steps, dead_after_s=10.0,
+                             arrive_timeout_s=60.0, expected_groups=expected_groups,
+                             start_timeout_s=60.0)
+        self.coordinator = _Coordinator(self.quorum, int(self.store.port))
+
+        class Manager(BaseManager):
+            pass
+
+        Manager.register("coordinator", callable=lambda: self.coordinator)
+        self.server = Manager(address=("127.0.0.1", 0), authkey=AUTHKEY).get_server()
+        self.port = self.server.address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def _launch(gid: int, layout: str, nproc: int, port: int, steps: int, out: Path,
+            step_s: float = 0.05) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
+    env["STEP_S"] = str(step_s)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT),
+         str(gid), layout, str(port), str(steps), str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a group did not finish within {timeout_s} s")
+        outs.append(out)
+        assert p.returncode == 0, out[-6000:]
+    return outs
+
+
+def _rows(out: Path, gid: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"g{gid}.jsonl").read_text().splitlines()]
+
+
+def _reference(steps_ranges: list[list[list[int]]]) -> list[torch.Tensor]:
+    """One unsharded model trained on each step's samples (every group's, as one batch)."""
+    from harness.replica_train import make_model, samples
+
+    model = make_model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for ranges in steps_ranges:
+        ids = [i for start, n in ranges for i in range(start, start + n)]
+        x, y = samples(ids)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        optim.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path):
+    steps = 6
+    served = _Served(steps, expected_groups=2)
+    procs = [_launch(0, "fsdp", 2, served.port, steps, tmp_path),
+             _launch(1, "plain", 1, served.port, steps, tmp_path)]
+    _finish(procs, 200)
+    a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
+    rows = {g: _rows(tmp_path, g) for g in (0, 1)}
+    assert [r["step"] for r in rows[0]] == list(range(1, steps + 1)), rows
+    per_step = [[*r0["ranges"], *r1["ranges"]] for r0, r1 in zip(rows[0], rows[1], strict=True)]
+    ref = _reference(per_step)
+    for x, y, r in zip(a, b, ref, strict=True):
+        assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()
+        assert torch.allclose(x, r, atol=1e-5), (x - r).abs().max()
+    assert served.coordinator.layouts == {0: "fsdp=2", 1: "plain=1"}
+
+
+@pytest.mark.timeout(240)
+def test_a_tp_group_heals_from_an_unsharded_one_and_both_end_equal(tmp_path):
+    steps = 40  # at >= 0.4 s a step: the joiner (~5-10 s to start) finds steps to share
+    served = _Served(steps, expected_groups=1)
+    first = _launch(1, "plain", 1, served.port, steps, tmp_path, step_s=0.4)
+    deadline = time.monotonic() + 90
+    log = tmp_path / "g1.jsonl"
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and first.poll() is None, "group 1 did not start"
+        time.sleep(0.2)
+    joiner = _launch(0, "tp", 2, served.port, steps, tmp_path, step_s=0.4)
+    outs = _finish([first, joiner], 200)
+    assert "healed_bytes 0" not in outs[1] and "step 40" in outs[1], outs[1][-3000:]
+    kinds = [(e["kind"], e["group"]) for e in served.quorum.status()["events"]]
+    assert ("healed", 0) in kinds, kinds
+    a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
+    for x, y in zip(a, b, strict=True):
+        assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()
+    assert _rows(tmp_path, 0)[-1]["step"] == steps

@@ -1,0 +1,92 @@
+"""One replica group under torchrun, for tests/dist/test_replica_layouts.py (no Ray).
+
+argv: GROUP LAYOUT COORDINATOR_PORT STEPS OUT_DIR. LAYOUT: ``plain`` (no sharding),
+``fsdp`` (FSDP2 over the group's ranks), ``tp`` (tensor parallel over them). The group
+reaches the run's coordinator (a ``Quorum`` served by the test process through a
+``multiprocessing`` manager) and trains harness/replica_train.py's MLP with
+``exchange="full"``. Rank 0 writes ``g<GROUP>.jsonl`` (one line per committed step: the
+samples behind it) and ``g<GROUP>.pt`` (the final full parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from multiprocessing.managers import BaseManager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+from harness.replica_train import make_model, samples
+from ray_mesh.replicas import ReplicaGroup
+
+AUTHKEY = b"replica-layouts"
+
+
+class Manager(BaseManager):
+    pass
+
+
+Manager.register("coordinator")
+
+
+def build(layout: str, size: int) -> nn.Module:
+    model = make_model()
+    if layout == "plain":
+        return model
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("dp_shard" if layout == "fsdp"
+                                                            else "tp",))
+    if layout == "fsdp":
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def main() -> None:
+    gid, layout, port, steps, out = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
+                                     int(sys.argv[4]), Path(sys.argv[5]))
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    manager = Manager(address=("127.0.0.1", port), authkey=AUTHKEY)
+    manager.connect()
+    model = build(layout, size)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rg = ReplicaGroup(model, optim, client=manager.coordinator(), group_id=gid,
+                      total_steps=steps, segment_samples=8, exchange="full",
+                      layout=f"{layout}={size}", timeout_s=20)
+    dp_rank, dp_size = (rank, size) if layout == "fsdp" else (0, 1)
+    rg.commit()
+    while rg.running:
+        held = list(rg.ranges)
+        x, y = samples(rg.sample_ids(dp_rank, dp_size))
+        nn.functional.mse_loss(model(x), y).backward()
+        time.sleep(float(os.environ.get("STEP_S", "0.05")))
+        before = rg.step
+        rg.commit()
+        if rank == 0 and rg.step > before:
+            with (out / f"g{gid}.jsonl").open("a") as f:
+                f.write(json.dumps({"step": rg.step, "ranges": held,
+                                    "contributes": rg.last.contributes,
+                                    "groups": len(rg.last.members)}) + "\n")
+    rg.finish()
+    full = [p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            for p in model.parameters()]
+    if rank == 0:
+        torch.save([t.clone() for t in full], out / f"g{gid}.pt")
+        print(f"DONE group {gid} step {rg.step} healed_bytes {rg.stats['rejoin_bytes']}",
+              flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
