@@ -71,10 +71,12 @@ def drive(args: dict) -> dict:
 
     t0 = time.time()
     res = fit_replica_groups(
-        load_function(TRAIN), groups=args["groups"], workers_per_group=args["workers"],
+        load_function(TRAIN), groups=args["groups"], workers_per_group=args.get("workers"),
         total_steps=args["steps"], segment_samples=args["segment_samples"],
-        config=args["config"], storage_path=args["storage"],
-        resources_per_worker=args["resources_per_worker"], on_event=on_event)
+        config=args["config"], storage_path=args["storage"], name=args.get("name",
+                                                                         "replica-groups"),
+        resources_per_worker=args["resources_per_worker"], on_event=on_event,
+        shares=args.get("shares", "equal"))
     status = {k: v for k, v in res.status.items() if k != "events"}
     return {"t_start": t0, "wall_s": time.time() - t0, "events": res.events,
             "groups": {str(g): r for g, r in res.groups.items()}, "status": status}

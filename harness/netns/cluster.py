@@ -65,6 +65,7 @@ from pathlib import Path
 
 from harness.netns import wireguard as wg
 from harness.netns.agent import NamespaceAgent
+from harness.netns.cpu import CPU_ROOT, cpu_quota_unavailable_reason, remove_cgroup
 from harness.netns.links import LinkControls
 from harness.netns.namespaces import (
     DECOY_IFACE,
@@ -98,13 +99,16 @@ class NetnsCluster(LinkControls):
         link_mbit: cap every node's link at this rate (Mbit/s, each direction); None: unshaped.
         node_mbit: per-node caps that override ``link_mbit`` (e.g. ``{1: 20}``: a slow node).
         tunnel: ``"wireguard"`` (real WireGuard over a LAN underlay) or ``"veth"``.
+        node_cpus: per-node CPU quotas in cores (e.g. ``{2: 0.3}``: a slower box;
+            ``harness.netns.cpu``); the node's ``ray start`` and all it starts run under it.
     """
 
     def __init__(self, resources: list[dict[str, float]] | None = None, *, num_cpus: int = 2,
                  start_ray: bool = True, env: dict[str, str] | None = None,
                  ray_start_timeout_s: float = 120.0, dashboard: bool = False,
                  start_attempts: int = 2, ipv6: bool = False, link_mbit: float | None = None,
-                 node_mbit: dict[int, float] | None = None, tunnel: str = "wireguard") -> None:
+                 node_mbit: dict[int, float] | None = None, tunnel: str = "wireguard",
+                 node_cpus: dict[int, float] | None = None) -> None:
         if tunnel not in TUNNELS:
             raise ValueError(f"tunnel={tunnel!r}: use one of {TUNNELS}")
         if tunnel == "wireguard" and (reason := wg.wireguard_unavailable_reason()):
@@ -139,6 +143,12 @@ class NetnsCluster(LinkControls):
         if bad := sorted(i for i in self.node_mbit if not 0 <= i < len(self.nodes)):
             raise ValueError(f"node_mbit names nodes {bad}, but the cluster has nodes "
                              f"0..{len(self.nodes) - 1}")
+        self.node_cpus = {int(i): float(c) for i, c in (node_cpus or {}).items()}
+        if bad := sorted(i for i in self.node_cpus if not 0 <= i < len(self.nodes)):
+            raise ValueError(f"node_cpus names nodes {bad}, but the cluster has nodes "
+                             f"0..{len(self.nodes) - 1}")
+        if self.node_cpus and (reason := cpu_quota_unavailable_reason()):
+            raise RuntimeError(f"node_cpus: {reason}")
         self.bin_dir = self.root / "bin"
         self.publics: dict[int, str] = {}
         self.started = False
@@ -291,6 +301,8 @@ exit 1
             run(["ip", "link", "del", node.host_veth], check=False)
             run(["ip", "link", "del", node.decoy_host], check=False)
         run(["ip", "link", "del", self.bridge], check=False)
+        for i in self.node_cpus:
+            remove_cgroup(CPU_ROOT / self.nodes[i].ns)
         shutil.rmtree(self.root, ignore_errors=True)
 
     @staticmethod

@@ -9,6 +9,8 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.netns.cpu import in_cgroup, make_cgroup
+
 if TYPE_CHECKING:
     from harness.netns.cluster import NetnsCluster
 
@@ -53,6 +55,8 @@ def start_ray_node(cluster: NetnsCluster, index: int) -> subprocess.CompletedPro
                f"--include-dashboard={str(cluster.dashboard).lower()}"]
     else:
         cmd = [str(DEPLOY / "ray-worker.sh"), cluster.address, *extra]
+    if index in cluster.node_cpus:  # a slower box: the node and all it starts, under a quota
+        cmd = in_cgroup(make_cgroup(node.ns, cluster.node_cpus[index]), cmd)
     # `ray start` gives a raylet a fixed 30 s to register; on a machine shared with
     # other test runs that can pass, so a failed start is cleaned up and tried again.
     for attempt in range(cluster.start_attempts):

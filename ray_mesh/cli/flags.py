@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ray_mesh.core.values import MAX_SECONDS, read_int, read_port, read_seconds, read_str
 
@@ -65,6 +65,19 @@ def positive_number(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text!r}")
     return value
+
+
+def list_flag(item: Callable[[str], Any], name: str) -> Callable[[str], list]:
+    """``type=`` for a comma-separated list (``2,2,1``), each item parsed by ``item``."""
+    def parse(text: str) -> list:
+        parts = [p.strip() for p in text.split(",")]
+        if not all(parts) or len(parts) > 1024:
+            raise argparse.ArgumentTypeError(f"give {name} as one value or comma-separated "
+                                             f"values, e.g. 2,2,1; got {text!r}")
+        return [item(p) for p in parts]
+
+    parse.__name__ = name
+    return parse
 
 
 def port_flag(text: str) -> int:

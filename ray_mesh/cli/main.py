@@ -17,6 +17,7 @@ from ray_mesh.cli.flags import (
     CliParser,
     address_flag,
     int_flag,
+    list_flag,
     name_flag,
     port_flag,
     positive_number,
@@ -235,8 +236,13 @@ def _add_plan_doctor(sub) -> None:
                            "step time")
     plan.add_argument("--nodes", type=int_flag(1, example=2), default=None,
                       help="with JOB: number of nodes")
-    plan.add_argument("--per-node", type=int_flag(1, example=4), default=None,
-                      help="with JOB: workers per node")
+    plan.add_argument("--per-node", type=list_flag(int_flag(1, example=4), "per-node"),
+                      default=None,
+                      help="with JOB: workers per node, or each node's (2,2,1: unequal nodes, "
+                           "planned as one replica group per node)")
+    plan.add_argument("--node-speed", type=list_flag(positive_number, "node-speed"),
+                      default=None, help="with JOB and unequal nodes: each node's speed per "
+                      "device, relative to the one plan.compute_s was measured on (1,1,0.5)")
     plan.add_argument("--link-mbit", type=positive_number, default=None,
                       help="with JOB: node link rate in Mbit/s (else plan.link_mbit)")
     plan.add_argument("--json", action="store_true", help="with JOB: machine-readable output")

@@ -75,6 +75,49 @@ def plan_inputs(job_path: str, import_code: bool = False,
     return PlanInputs.from_dict(plan, load_factory, data.get("config") or {})
 
 
+def unequal_nodes(args: argparse.Namespace) -> list[int] | None:
+    """Each node's workers when they differ or have speeds (plan replica groups), else None
+    (``args.per_node`` becomes the one count a uniform mesh plans with)."""
+    per, speeds = args.per_node, getattr(args, "node_speed", None)
+    if per is None or (len(per) == 1 and not speeds):
+        args.per_node = per[0] if per else None
+        return None
+    if len(per) == 1:
+        per = per * (args.nodes or len(speeds))
+    if args.nodes is not None and args.nodes != len(per):
+        raise PlanError(f"--nodes {args.nodes} but --per-node lists {len(per)} node(s): give "
+                        "one count per node, or drop --nodes")
+    return per
+
+
+def run_groups(args: argparse.Namespace, inputs: PlanInputs, per_node: list[int]) -> int:
+    """Unequal nodes: one replica group per node, shares by speed (planning.groups)."""
+    from ray_mesh.planning.groups import plan_groups
+
+    speeds = args.node_speed or [1.0] * len(per_node)
+    mbit = args.link_mbit or inputs.link_mbit
+    if mbit is None:
+        raise PlanError("no link rate: give --link-mbit, or plan.link_mbit in the job "
+                        "(`ray-mesh doctor` measures the links of a live cluster)")
+    every = inputs.diloco.every if inputs.diloco is not None and not inputs.sync else 1
+    plan = plan_groups(per_node, speeds, inputs.stats, inputs.work, float(mbit),
+                       inputs.latency_s, every)
+    if args.json:
+        print(json.dumps({"groups": [vars(s) for s in plan.shares], "step_s": plan.step_s,
+                          "compute_s": plan.compute_s, "exchange_s": plan.exchange_s,
+                          "equal_step_s": plan.equal_step_s,
+                          "leave_out_step_s": plan.leave_out_step_s,
+                          "left_out": plan.left_out}, indent=2))
+        return 0
+    print(f"{len(per_node)} node(s) with {', '.join(map(str, per_node))} worker(s), node link "
+          f"{float(mbit):g} Mbit/s, {inputs.stats.params:,} parameters")
+    print("\n".join(plan.lines()))
+    print("run it with fit_replica_groups(groups='auto', shares='speed'): one group per node, "
+          "each node's speed measured in the run's first steps")
+    print("note: ray-mesh plan started no Ray and ran no step")
+    return 0
+
+
 def links_for(args: argparse.Namespace, inputs: PlanInputs) -> Links:
     nodes, per_node = args.nodes, args.per_node
     if nodes is None or per_node is None:
@@ -92,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     refs: list[str] = []
     import_code = bool(getattr(args, "import_code", False))
     inputs = plan_inputs(args.job, import_code, refs)
+    per_node = unequal_nodes(args)
+    if per_node is not None:
+        return run_groups(args, inputs, per_node)
     links = links_for(args, inputs)
     ranked = inputs.rank(links)
     if args.json:

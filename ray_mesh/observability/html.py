@@ -42,7 +42,8 @@ box-shadow:0 1px 3px rgba(0,0,0,.12)}.curves{display:flex;gap:16px;flex-wrap:wra
 .legend span{display:inline-block;margin-right:14px}.legend i{display:inline-block;width:11px;
 height:11px;border-radius:3px;margin-right:5px;vertical-align:-1px}
 svg text{font-family:system-ui,sans-serif}.note{color:#8a5a00}h2+.meta{margin:-4px 0 10px}
-.card h2{margin-top:0}
+.card h2{margin-top:0}.groups td,.groups th{padding:2px 10px;text-align:left}
+.groups .bar{display:inline-block;height:10px;background:#2f6fd0;border-radius:2px}
 """
 
 
@@ -304,6 +305,25 @@ def _legend() -> str:
     ) + "</div>"
 
 
+def groups_html(groups: dict[str, Any]) -> str:
+    """The run's replica groups: each one's layout, speed and share of the samples (a bar)."""
+    shares = groups.get("shares", {})
+    total = sum(s["samples"] for s in shares.values()) or 1
+    live = set(groups.get("live", []))
+    rows = []
+    for gid, s in sorted(shares.items()):
+        pct = 100 * s["samples"] / total
+        speed = "-" if s["samples_per_s"] is None else f"{s['samples_per_s']:.1f}"
+        rows.append(f"<tr><td>{gid}{'' if gid in live else ' (away)'}</td>"
+                    f"<td>{_e(s.get('layout') or '-')}</td><td>{s['ranks']}</td>"
+                    f"<td>{speed}</td><td>{s['samples']}</td><td><span class='bar' "
+                    f"style='width:{pct:.0f}px'></span> {pct:.0f}%</td></tr>")
+    return (f"<div class='groups'><h3>Replica groups: step {groups.get('step', 0)}</h3><table>"
+            "<tr><th>group</th><th>layout</th><th>ranks</th><th>samples/s</th>"
+            "<th>samples per segment</th><th>share</th></tr>" + "".join(rows)
+            + "</table></div>")
+
+
 def render(status: ClusterStatus, *, links: list[dict[str, Any]] | None = None,
            history: dict[str, list[dict[str, float]]] | None = None,
            title: str = "ray_mesh status") -> str:
@@ -331,6 +351,8 @@ def render(status: ClusterStatus, *, links: list[dict[str, Any]] | None = None,
                         f"{_e(slow.get('verdict') or 'no slow rank or link')}</div>")
         body.append(mesh_svg(status, run, links or ((run or {}).get("slow") or {}).get("links")))
         body.append(_legend())
+        if run is not None and run.get("replica_groups"):
+            body.append(groups_html(run["replica_groups"]))
         if run is not None:
             points = history.get(run["name"], [])
             rate = "tokens_per_s" if any("tokens_per_s" in p for p in points) else \
@@ -359,5 +381,5 @@ def write_html(path: str | Path, status: ClusterStatus, *,
     return path
 
 
-__all__ = ["curve_svg", "merge_history", "mesh_svg", "previous_data", "render", "run_point",
-           "step_colour", "step_summary", "write_html"]
+__all__ = ["curve_svg", "groups_html", "merge_history", "mesh_svg", "previous_data", "render",
+           "run_point", "step_colour", "step_summary", "write_html"]

@@ -31,7 +31,8 @@ def document(status: dict[str, Any]) -> dict[str, Any]:
     """The file's content from the coordinator's status."""
     return {"live": list(status["live"]), "step": int(status["step"]),
             "finished": bool(status["finished"]),
-            "shares": {str(g): dict(s) for g, s in status.get("shares", {}).items()},
+            "shares": {str(g): {**s, "layout": status.get("layouts", {}).get(g, "")}
+                       for g, s in status.get("shares", {}).items()},
             "events": [{k: e[k] for k in ("kind", "group", "step", "detail")}
                        for e in status["events"][-MAX_EVENTS:]]}
 
@@ -81,7 +82,8 @@ def _shares(raw: Any, what: str) -> dict[int, dict[str, Any]]:
                     "samples": si.integer(s.get("samples"), f"{what}: group {gid} samples",
                                           high=MAX_STEP),
                     "samples_per_s": None if speed is None else
-                    si.number(speed, f"{what}: group {gid} samples_per_s")}
+                    si.number(speed, f"{what}: group {gid} samples_per_s"),
+                    "layout": si.text(s.get("layout", ""), f"{what}: group {gid} layout", 64)}
     return out
 
 
@@ -104,11 +106,14 @@ def lines(groups: dict[str, Any]) -> list[str]:
     live = ", ".join(str(g) for g in groups["live"]) or "none"
     out = [f"Replica groups: live {live} at step {groups['step']}"
            + ("  (run finished)" if groups["finished"] else "")]
-    for gid, s in sorted(groups.get("shares", {}).items()):
+    shares = groups.get("shares", {})
+    total = sum(s["samples"] for s in shares.values()) or 1
+    for gid, s in sorted(shares.items()):
         speed = (f", {s['samples_per_s']:.1f} samples/s" if s["samples_per_s"] is not None
                  else ", speed not measured yet")
-        out.append(f"  group {gid}: {s['ranks']} rank(s), {s['samples']} samples per "
-                   f"segment{speed}")
+        layout = f" ({s['layout']})" if s.get("layout") else ""
+        out.append(f"  group {gid}{layout}: {s['ranks']} rank(s), {s['samples']} samples per "
+                   f"segment ({100 * s['samples'] / total:.0f}%){speed}")
     out += [f"  step {e['step']}: group {e['group']} {e['kind']} ({e['detail']})"
             for e in groups["events"]]
     return out

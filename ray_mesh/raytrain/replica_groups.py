@@ -29,6 +29,7 @@ from typing import Any
 import ray
 
 from ray_mesh.errors import GroupDropped, GroupsFailed
+from ray_mesh.replicas.layouts import GroupSpec, exchange_for, group_specs
 from ray_mesh.replicas.quorum import Decision, Quorum, Range
 from ray_mesh.replicas.shares import check_mode
 
@@ -39,6 +40,7 @@ ENDED_GRACE_S = 20.0  # after the last step: how long a group still starting may
 # not a node coming and going.
 MAX_FAILS_IN_A_ROW = 3
 STATUS_EVERY_S = 10.0  # the status file between events: shares and speeds move
+NODE_PIN = 0.001  # of a node's node:<address> resource (1.0 in all), per worker of a group
 
 
 @ray.remote(num_cpus=0, max_concurrency=256)
@@ -61,11 +63,13 @@ class Coordinator:
         self.run = run
         self.live = Gauge("ray_mesh_replica_groups_live", description="replica groups alive "
                           "and taking part in the run", tag_keys=("run",))
+        self.layouts: dict[int, str] = {}
 
     def store_address(self) -> tuple[str, int]:
         return self.address
 
-    def register(self, gid: int, incarnation: str, ranks: int) -> None:
+    def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None:
+        self.layouts[gid] = layout
         self.quorum.register(gid, incarnation, ranks)
 
     def beat(self, gid: int, incarnation: str, rank: int) -> bool:
@@ -87,6 +91,7 @@ class Coordinator:
 
     def status(self) -> dict[str, Any]:
         status = self.quorum.status()
+        status["layouts"] = dict(self.layouts)
         self.live.set(len(status["live"]), tags={"run": self.run})
         return status
 
@@ -101,8 +106,8 @@ class _Client:
     def _get(self, ref: Any, timeout_s: float | None = None) -> Any:
         return ray.get(ref, timeout=timeout_s or self.timeout_s)
 
-    def register(self, gid: int, incarnation: str, ranks: int) -> None:
-        self._get(self.handle.register.remote(gid, incarnation, ranks))
+    def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None:
+        self._get(self.handle.register.remote(gid, incarnation, ranks, layout))
 
     def beat(self, gid: int, incarnation: str, rank: int) -> bool:
         return self._get(self.handle.beat.remote(gid, incarnation, rank))
@@ -132,7 +137,8 @@ def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: 
                         group_id=rg["group_id"], total_steps=rg["total_steps"],
                         segment_samples=rg["segment_samples"],
                         checkpoint_dir=rg["checkpoint_dir"],
-                        checkpoint_every=rg["checkpoint_every"], **kwargs)
+                        checkpoint_every=rg["checkpoint_every"], exchange=rg["exchange"],
+                        layout=rg["layout"], **kwargs)
 
 
 def _guarded(train_fn: Any) -> Any:
@@ -184,8 +190,10 @@ def _pinned_here() -> Any:
                                           soft=False)
 
 
-def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
-                       total_steps: int, segment_samples: int, mesh_config: Any = None,
+def fit_replica_groups(train_fn: Any, *,
+                       groups: int | str | list[GroupSpec | dict[str, Any]],
+                       workers_per_group: int | None = None, total_steps: int,
+                       segment_samples: int, mesh_config: Any = None,
                        config: dict[str, Any] | None = None, name: str = "replica-groups",
                        storage_path: str | None = None,
                        resources_per_worker: dict[str, float] | None = None,
@@ -194,11 +202,18 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
                        dead_after_s: float = 5.0, arrive_timeout_s: float = 300.0,
                        timeout_s: float = 30.0, poll_s: float = 0.5, shares: str = "equal",
                        on_event: Any = None) -> ReplicaGroupsResult:
-    """Train ``train_fn`` as ``groups`` replica groups of ``workers_per_group`` workers.
+    """Train ``train_fn`` as ``groups`` replica groups of ``workers_per_group`` workers, or
+    as one group per entry of a list of group layouts (unequal boxes:
+    :func:`~ray_mesh.replicas.layouts.group_specs`, e.g. ``[{"dp_shard": 2}, {"mesh":
+    {"dp_shard": 1}, "node": "100.64.0.3"}]``; groups of different layouts exchange full
+    tensors, :mod:`ray_mesh.replicas.reshard`), or ``"auto"``: one group per alive node
+    over all its devices (:func:`~ray_mesh.planning.groups.groups_from_nodes`).
 
-    Each group is a Ray Train run of its own (``name``-g<i>), packed on one node, with
-    ``mesh_config`` (a :class:`~ray_mesh.MeshConfig` for the group's inner mesh; default:
-    ``dp_shard`` over its workers) and a budget of ``max_group_failures`` restarts. The train
+    Each group is a Ray Train run of its own (``name``-g<i>), packed on one node (its own
+    node when the layout names one), with ``mesh_config`` (a :class:`~ray_mesh.MeshConfig`
+    for the group's inner mesh; default: ``dp_shard`` over its workers; with a list of
+    layouts, its other settings with each group's mesh) and a budget of
+    ``max_group_failures`` restarts. The train
     function gets ``config`` and builds its group with :func:`replica_group`. ``on_event``
     (default: log) sees each membership event as the coordinator records it.
     ``shares="speed"`` sizes each group's segment to its measured speed (unequal boxes:
@@ -206,31 +221,37 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
-    from ray_mesh.raytrain.backend import MeshConfig
-
-    if groups < 1 or workers_per_group < 1:
-        raise ValueError(f"groups={groups}, workers_per_group={workers_per_group}: both must "
-                         "be at least 1")
-    check_mode(shares)  # on the driver, before any actor starts
+    if groups == "auto":  # one group per alive node, as many workers as it has room for
+        specs = _groups_of_this_cluster(resources_per_worker, use_gpu)
+    else:
+        specs = group_specs(groups, workers_per_group)  # on the driver, before any actor
+    logger.info("replica groups: %s", "; ".join(
+        f"group {i}: {s.label}" + (f" on {s.node}" if s.node else "")
+        for i, s in enumerate(specs)))
+    check_mode(shares)
     if checkpoint_every and not checkpoint_dir:
         raise ValueError("checkpoint_every needs checkpoint_dir: a directory every node "
                          "reaches (the fallback when every group is gone)")
-    mesh_config = mesh_config or MeshConfig(mesh={"dp_shard": -1})
+    exchange = exchange_for(specs)
     coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
-        segment_samples, total_steps, dead_after_s, arrive_timeout_s, groups, name, shares)
+        segment_samples, total_steps, dead_after_s, arrive_timeout_s, len(specs), name, shares)
     ray.get(coordinator.store_address.remote(), timeout=60)
     emit = on_event or (lambda e: logger.info("%s", describe(e)))
     runners, refs = {}, {}
-    for gid in range(groups):
+    for gid, spec in enumerate(specs):
         run_cfg = {**(config or {}), CONFIG_KEY: {
             "coordinator": coordinator, "group_id": gid, "total_steps": total_steps,
             "segment_samples": segment_samples, "timeout_s": timeout_s,
-            "checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every}}
+            "checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every,
+            "exchange": exchange, "layout": spec.label}}
+        per_worker = dict(resources_per_worker or {})
+        if spec.node:  # Ray's own node:<address> resource pins the group to that node
+            per_worker[f"node:{spec.node}"] = NODE_PIN
         trainer_kwargs = {
-            "scaling_config": ScalingConfig(num_workers=workers_per_group, use_gpu=use_gpu,
+            "scaling_config": ScalingConfig(num_workers=spec.workers, use_gpu=use_gpu,
                                             placement_strategy="STRICT_PACK",
-                                            resources_per_worker=resources_per_worker),
-            "torch_config": mesh_config,
+                                            resources_per_worker=per_worker or None),
+            "torch_config": _group_mesh_config(mesh_config, spec, groups),
             "run_config": RunConfig(name=f"{name}-g{gid}", storage_path=storage_path,
                                     failure_config=FailureConfig(
                                         max_failures=max_group_failures)),
@@ -238,6 +259,7 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
         runners[gid] = _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
         refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs)
     results: dict[int, dict[str, Any]] = {}
+    groups = len(specs)
     seen, ended_at, written = 0, None, time.monotonic()
     fails: dict[int, list[str]] = {}
     while len(results) < groups:
@@ -286,6 +308,34 @@ def fit_replica_groups(train_fn: Any, *, groups: int, workers_per_group: int,
         ray.kill(r)
     ray.kill(coordinator)
     return ReplicaGroupsResult(groups=results, status=status, events=status["events"])
+
+
+def _groups_of_this_cluster(resources_per_worker: dict[str, float] | None,
+                            use_gpu: bool) -> list[GroupSpec]:
+    """``groups="auto"``: one group per alive node (planning.groups.groups_from_nodes), by
+    GPUs, else by the custom resource a worker asks for, else by CPUs."""
+    from ray_mesh.planning.cluster import nodes_from_ray
+    from ray_mesh.planning.groups import groups_from_nodes
+
+    per = dict(resources_per_worker or {})
+    custom = [k for k in per if k not in ("CPU", "GPU", "memory")]
+    resource = "GPU" if use_gpu else (custom[0] if custom else "CPU")
+    return groups_from_nodes(nodes_from_ray(ray.nodes()), resource, per.get(resource, 1.0))
+
+
+def _group_mesh_config(given: Any, spec: GroupSpec, groups: Any) -> Any:
+    """A group's MeshConfig: ``given`` as is for ``groups=N`` (default: ``dp_shard`` over
+    the group), else ``given``'s settings with the group's own mesh."""
+    import dataclasses
+
+    from ray_mesh.raytrain.backend import MeshConfig
+
+    uniform = isinstance(groups, int)
+    if given is None:
+        return MeshConfig(mesh={"dp_shard": -1} if uniform else dict(spec.mesh))
+    if uniform:
+        return given
+    return dataclasses.replace(given, mesh=dict(spec.mesh), layout=None, replicate=None)
 
 
 def _write_status(storage_path: str | None, name: str, groups: int,

@@ -1,12 +1,19 @@
-"""Replica groups on the virtual cluster: 3 nodes x 2 workers, one replica group per node.
+"""Replica groups on the virtual cluster of unequal boxes: 2 + 2 + 1 workers, node 2 slower.
 
-HSDP (a boundary every step), ``fit_replica_groups`` driven from the head namespace
-(``benchmarks/replica_groups.py``'s driver). Worker rank 1 of group 1 SIGKILLs itself (the
-train function's ``kill`` hook) at step 8: the other two groups keep training (no long wait,
-no step taken twice), Ray Train restarts group 1 alone, it heals from a live group over the
-network and ends with the same model (the same held-out loss); no sample is used twice or
-skipped. ~120 s on a quiet 2-core machine (cluster ~16 s; most of the rest is the three
-groups' Ray Train bring-up).
+Three namespace nodes with 2, 2 and 1 ``slot``; node 2's processes run under a CPU quota of
+0.4 cores (``NetnsCluster(node_cpus=...)``, a cgroup v1 CFS quota: the node does at most
+that much work per second however idle the machine is). ``fit_replica_groups(groups="auto",
+shares="speed")`` driven from the head namespace (``benchmarks/replica_groups.py``'s driver):
+one group per node over its slots (``dp_shard=2``, ``dp_shard=2``, ``dp_shard=1``, so every
+exchange is of full tensors, :mod:`ray_mesh.replicas.reshard`), each group's batch sized to
+its measured speed, a step's compute being real CPU work (``work``).
+
+Worker rank 1 of group 1 SIGKILLs itself (the train function's ``kill`` hook) at step 8: the
+other two groups keep training (no long wait, no step taken twice), Ray Train restarts group
+1 alone, it heals from a live group over the network and ends with the same model (the same
+held-out loss); no sample is used twice or skipped. The slowed group gets the smallest share
+and the status file names each group's layout. ~150 s on a quiet 2-core machine (cluster
+~16 s; most of the rest is the three groups' Ray Train bring-up).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 pytestmark = pytest.mark.netns
 
 KILLED, KILL_AT = 1, 8
+SLOW, SLOW_CORES = 2, 0.4  # node 2: one slot, under a 0.4-core CPU quota
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +35,9 @@ def cluster():
     # Bare veth, no WireGuard: the point is the groups' failure handling, not the tunnel
     # (benchmarks/replica_groups.py kills a whole node over WireGuard), and userspace
     # WireGuard costs CPU on a 2-core machine.
-    with NetnsCluster([{"slot": 2}] * 3, tunnel="veth", start_attempts=4,
-                      ray_start_timeout_s=180) as c:
+    with NetnsCluster([{"slot": 2}, {"slot": 2}, {"slot": 1}], tunnel="veth",
+                      start_attempts=4, ray_start_timeout_s=180,
+                      node_cpus={SLOW: SLOW_CORES}) as c:
         yield c
 
 
@@ -43,6 +52,10 @@ def test_lost_group_rejoins_while_the_others_train(cluster):
     # 60 steps of >= 0.4 s: the killed group is back (~15-25 s) with steps to spare.
     args = driver_args("hsdp", work / "logs", cluster.root / "runs", steps=60, kill=kill,
                        env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"})
+    # One group per node, as many workers as its slots; shares by measured speed; a step's
+    # time is CPU work (100 matmuls per sample), with a 0.2 s floor so the kill lands mid-run.
+    args.update(groups="auto", workers=None, shares="speed", name="rg-mixed")
+    args["config"].update(work=100, step_s=0.2)
     raw = run_on_cluster(cluster, args, work, timeout_s=300)
     t_kill = rc.kill_time(marker, KILLED)
     got = summarize(work / "logs", KILLED, t_kill)
@@ -61,3 +74,38 @@ def test_lost_group_rejoins_while_the_others_train(cluster):
     losses = got["final_eval_loss"]
     assert len(losses) == 3, losses
     assert max(losses.values()) - min(losses.values()) < 1e-6, losses
+
+    # unequal boxes: each group its node's layout, the slowed one the smallest share
+    status = raw["status"]
+    assert status["layouts"] == {"0": "dp_shard=2", "1": "dp_shard=2", "2": "dp_shard=1"} \
+        or status["layouts"] == {0: "dp_shard=2", 1: "dp_shard=2", 2: "dp_shard=1"}, status
+    share = _mean_late_share(work / "logs")
+    print("mean samples per step after step 20:", share)
+    assert share[SLOW] < 0.8 * min(share[0], share[1]), share
+    totals = _totals_by_step(work / "logs")  # the segment (16) per group present, split
+    assert all(n == 16 * groups for n, groups in totals.values()), totals
+    groups_file = cluster.root / "runs" / "rg-mixed-g0" / "ray_mesh_replica_groups.json"
+    lines = groups_file.read_text()
+    assert "dp_shard=1" in lines and "samples_per_s" in lines, lines
+
+
+def _mean_late_share(log_dir) -> dict[int, float]:
+    from harness import replica_check as rc
+
+    out = {}
+    for gid, rows in rc.read(log_dir).items():
+        late = [sum(n for _, n in r["ranges"]) for r in rows if r["step"] > 20]
+        out[gid] = sum(late) / max(1, len(late))
+    return out
+
+
+def _totals_by_step(log_dir) -> dict[int, tuple[int, int]]:
+    """Per step: (samples of every group's contribution, groups present)."""
+    from harness import replica_check as rc
+
+    totals: dict[int, tuple[int, int]] = {}
+    for rows in rc.read(log_dir).values():
+        for r in rows:
+            n, _ = totals.get(r["step"], (0, 0))
+            totals[r["step"]] = (n + sum(c for _, c in r["ranges"]), r["groups"])
+    return totals

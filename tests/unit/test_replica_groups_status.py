@@ -13,7 +13,8 @@ from ray_mesh.observability import replica_groups as rgf
 def _status() -> dict:
     return {"live": [0, 2], "step": 41, "finished": False,
             "shares": {0: {"ranks": 2, "samples": 22, "samples_per_s": 14.25},
-                       2: {"ranks": 2, "samples": 10, "samples_per_s": None}},
+                       2: {"ranks": 1, "samples": 10, "samples_per_s": None}},
+            "layouts": {0: "dp_shard=2", 2: "dp_shard=1"},
             "events": [
         {"kind": "joined", "group": 1, "step": 0, "detail": "3 group(s) now", "t": 1.0},
         {"kind": "left", "group": 1, "step": 7, "detail": "stopped beating", "t": 2.0}]}
@@ -24,9 +25,23 @@ def test_the_file_round_trips_into_status_lines(tmp_path):
     data = (tmp_path / "run-g0" / rgf.GROUPS_JSON).read_bytes()
     lines = rgf.lines(rgf.parse(data, "f"))
     assert lines[0] == "Replica groups: live 0, 2 at step 41"
-    assert lines[1] == "  group 0: 2 rank(s), 22 samples per segment, 14.2 samples/s"
-    assert lines[2] == "  group 2: 2 rank(s), 10 samples per segment, speed not measured yet"
+    assert lines[1] == ("  group 0 (dp_shard=2): 2 rank(s), 22 samples per segment (69%), "
+                        "14.2 samples/s")
+    assert lines[2] == ("  group 2 (dp_shard=1): 1 rank(s), 10 samples per segment (31%), "
+                        "speed not measured yet")
     assert lines[4] == "  step 7: group 1 left (stopped beating)"
+
+
+def test_the_html_view_shows_each_groups_layout_speed_and_share(tmp_path):
+    from ray_mesh.observability.html import groups_html
+
+    rgf.write(tmp_path / "run-g0", _status())
+    page = groups_html(rgf.parse((tmp_path / "run-g0" / rgf.GROUPS_JSON).read_bytes(), "f"))
+    rows = page.split("<tr>")[2:]
+    assert "<td>0</td><td>dp_shard=2</td><td>2</td><td>14.2</td><td>22</td>" in rows[0]
+    assert "69%" in rows[0] and "width:69px" in rows[0]
+    assert "<td>2</td><td>dp_shard=1</td><td>1</td><td>-</td><td>10</td>" in rows[1]
+    assert "31%" in rows[1]
 
 
 @pytest.mark.parametrize("doc, why", [
@@ -39,6 +54,8 @@ def test_the_file_round_trips_into_status_lines(tmp_path):
     ({"live": [], "events": [], "shares": {"0": {"ranks": 1, "samples": 3,
                                                  "samples_per_s": "fast"}}}, "samples_per_s"),
     ({"live": [], "events": [], "shares": {"-1": {"ranks": 1, "samples": 3}}}, "shares group"),
+    ({"live": [], "events": [], "shares": {"0": {"ranks": 1, "samples": 3,
+                                                 "layout": "<b>" * 30}}}, "layout"),
 ])
 def test_a_hostile_file_is_refused_with_the_field_named(doc, why):
     with pytest.raises(Malformed, match=why):

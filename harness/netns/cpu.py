@@ -1,0 +1,47 @@
+"""A CPU quota per namespace node: a slower box on the same machine (cgroup v1 ``cpu``).
+
+``ray start`` of that node runs inside a cgroup whose CFS quota is ``cores`` CPUs' worth of
+time per period; every process it starts (raylet, workers, their threads) inherits it. Unlike
+a niceness or a competing process, the quota holds however busy the rest of the machine is:
+the node does at most ``cores`` of work per second, alone or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000
+
+
+def cpu_quota_unavailable_reason() -> str | None:
+    """Why quotas cannot be set here (None when they can)."""
+    if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
+        return f"no cgroup v1 cpu controller at {CPU_ROOT}"
+    return None
+
+
+def make_cgroup(name: str, cores: float) -> Path:
+    """A cgroup ``name`` limited to ``cores`` CPUs (e.g. 0.3)."""
+    if not 0.01 <= cores <= 256:
+        raise ValueError(f"cores={cores}: give a CPU quota between 0.01 and 256")
+    path = CPU_ROOT / name
+    path.mkdir(exist_ok=True)
+    (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+    (path / "cpu.cfs_quota_us").write_text(str(int(cores * PERIOD_US)))
+    return path
+
+
+def in_cgroup(path: Path, cmd: list[str]) -> list[str]:
+    """``cmd`` run inside the cgroup at ``path`` (it and every process it starts)."""
+    return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(path), *cmd]
+
+
+def remove_cgroup(path: Path) -> None:
+    """Remove the cgroup (once its processes are gone; a leftover is harmless)."""
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+__all__ = ["CPU_ROOT", "cpu_quota_unavailable_reason", "in_cgroup", "make_cgroup", "remove_cgroup"]
