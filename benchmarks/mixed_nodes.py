@@ -1,27 +1,29 @@
-"""Unequal boxes: replica groups whose segments are sized to their speed.
+"""Unequal boxes on the virtual cluster: one replica group per node, segments sized by speed.
 
-Local Ray, two replica groups of one CPU worker each (``harness/replica_train.py``, an MLP
-with ``work`` extra matmuls per sample, so a step is CPU work), each group's training
-thread pinned to its own core, and another process spinning on the second core all along:
-that core's group gets about half of it, a box at half speed. Runs, each one
-``fit_replica_groups`` (synchronous HSDP-style steps, one boundary per step):
+Three namespace nodes (``harness/netns``, bare veth links) with 2, 2 and 1 ``slot`` (the
+workers a node has room for), each under a CPU quota (cgroup v1 CFS, ``NetnsCluster
+(node_cpus=...)``): 0.6, 0.6 and 0.2 cores. A quota holds alone or not, so "a node's own
+speed" is the same figure in every run: node 2 is a box with one device at two thirds of the
+others' per-device speed. The train function is ``harness/replica_train.py`` (an MLP with
+``work`` extra matmuls per sample, so a step is CPU work; FSDP inside each group). Every run
+is one ``fit_replica_groups`` (a boundary, i.e. a gradient average, every step) driven from
+the head namespace (``benchmarks/replica_groups.py``'s driver), each group pinned to its node:
 
-* ``alone_fast`` / ``alone_slow``: one group alone on the fast / the slowed core: what each
-  box does by itself;
-* ``equal``: both groups, ``segment_samples`` each per step (today's default: everyone at
-  the slowest box's pace);
-* ``speed``: both groups, ``shares="speed"`` (the same total per step, split by measured
-  speed);
-* ``uniform``: both groups, equal shares, no spinning process: the reference for the loss
-  (same total batch per step, identical boxes).
+* ``alone_0`` / ``alone_1`` / ``alone_2``: one group alone on that node: what each box does
+  by itself;
+* ``speed``: ``groups="auto"``: the three groups (``dp_shard=2``, ``dp_shard=2``,
+  ``dp_shard=1``; full tensors cross between them), ``shares="speed"``;
+* ``equal``: the same groups, equal segments (everyone at the slowest box's pace); the
+  same total batch per step as ``speed``, so it is also the loss reference;
+* ``leave_out``: nodes 0 and 1 only, equal segments (a uniform mesh leaves the odd node out).
 
 Throughput is samples committed per second of training, from the groups' step logs (rank 0
 writes each committed step with its time): the samples of steps ``WARMUP + 1`` to the last
 over the time between those steps' commits (bring-up excluded). Figures:
-``throughput_of_sum`` (``speed`` over ``alone_fast + alone_slow``; target >= 0.9),
-``vs_leave_out`` (``speed`` over ``alone_fast``: leaving the slow box out),
-``vs_slowest_pace`` (``speed`` over ``equal``) and ``final_loss_rel_diff`` (``speed``'s
-held-out loss against ``uniform``'s; target <= 0.03).
+``throughput_of_sum`` (``speed`` over the sum of the ``alone`` runs; target >= 0.9),
+``vs_leave_out`` (``speed`` over ``leave_out``), ``vs_slowest_pace`` (``speed`` over
+``equal``) and ``final_loss_rel_diff`` (``speed``'s held-out loss against ``equal``'s;
+target <= 0.03).
 
     python -m benchmarks.mixed_nodes            # writes results.json["mixed_nodes"]
 """
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,82 +72,74 @@ def mean_shares(logs_dir: Path) -> dict[str, float]:
     return out
 
 
-def _run(name: str, root: Path, *, groups: int, pins: list[int], shares: str,
-         steps: int, segment: int, work: int) -> dict:
-    from ray_mesh.cli.job import load_function
-    from ray_mesh.raytrain.replica_groups import fit_replica_groups
+QUOTAS = {0: 0.6, 1: 0.6, 2: 0.2}  # cores per node
+SLOTS = (2, 2, 1)
+
+
+def _run(cluster, name: str, root: Path, groups, *, shares: str, steps: int, segment: int,
+         work: int) -> dict:
+    from benchmarks.replica_groups import run_on_cluster
 
     logs_dir = root / name / "logs"
-    logs_dir.mkdir(parents=True)
+    args = {"groups": groups, "workers": None, "steps": steps, "segment_samples": segment,
+            "shares": shares, "name": f"mixed-{name}",
+            "config": {"log_dir": str(logs_dir), "work": work},
+            "storage": str(root / "runs"), "resources_per_worker": {"CPU": 1, "slot": 1},
+            "env": {}}
     t0 = time.monotonic()
-    res = fit_replica_groups(
-        load_function(TRAIN), groups=groups, workers_per_group=1, total_steps=steps,
-        segment_samples=segment, shares=shares, name=f"mixed-{name}",
-        config={"log_dir": str(logs_dir), "work": work,
-                "pin_cpu": {str(g): core for g, core in enumerate(pins)}},
-        storage_path=str(root / "runs"), resources_per_worker={"CPU": 1})
+    raw = run_on_cluster(cluster, args, root / name, timeout_s=900)
     thr, counted = _throughput(logs_dir)
     finals = [rows[-1] for rows in rc.finals(logs_dir).values()]
     shares_seen = {**mean_shares(logs_dir),
                    "speeds": {str(g): s["samples_per_s"]
-                              for g, s in res.status.get("shares", {}).items()}}
+                              for g, s in raw["status"].get("shares", {}).items()}}
     print(f"[mixed_nodes] {name}: {thr:.1f} samples/s over {counted} steps, "
           f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return {"samples_per_s": thr, "steps_counted": counted,
             "eval_loss": min(f["eval_loss"] for f in finals),
             "eval_loss_spread": max(f["eval_loss"] for f in finals)
             - min(f["eval_loss"] for f in finals),
+            "layouts": raw["status"].get("layouts", {}),
             "shares": shares_seen, "wall_s": time.monotonic() - t0}
 
 
-def measure(steps: int = 40, segment: int = 16, work: int = 200) -> dict:
+def measure(steps: int = 40, segment: int = 16, work: int = 100) -> dict:
     """Every run above, then the figures for ``results.json['mixed_nodes']``."""
-    import ray
+    from harness.netns.cpu import cpu_quota_unavailable_reason
+    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return {"status": "not run: needs 2 cores (one per group)"}
-    fast, slow = cores[0], cores[1]
+    if reason := netns_unavailable_reason(tunnel="veth") or cpu_quota_unavailable_reason():
+        return {"status": f"not run: {reason}"}
     load0 = os.getloadavg()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     out: dict = {"statistic": STATISTIC.format(warmup=WARMUP),
-                 "setup": (f"local Ray, 2 replica groups x 1 CPU worker, each pinned to its "
-                           f"own core; a spinning process on core {slow} all along (the "
-                           f"slowed box); {steps} steps, {segment} samples per group per "
+                 "setup": (f"virtual cluster: 3 namespace nodes with {'+'.join(map(str, SLOTS))} "
+                           f"slots under CPU quotas of {QUOTAS[0]}, {QUOTAS[1]} and {QUOTAS[2]} "
+                           f"cores (cgroup v1), bare veth links; one replica group per node, "
+                           f"FSDP inside; {steps} steps, {segment} samples per group per "
                            f"step, {work} 128x128 matmuls per sample"),
                  "runs": {}}
     kw = {"steps": steps, "segment": segment, "work": work}
     root = Path(tempfile.mkdtemp(prefix="mixed_nodes_"))
-    try:
-        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                               preexec_fn=lambda: os.sched_setaffinity(0, {slow}))
-        try:
-            runs = out["runs"]
-            runs["alone_fast"] = _run("alone_fast", root, groups=1, pins=[fast],
-                                      shares="equal", **kw)
-            runs["alone_slow"] = _run("alone_slow", root, groups=1, pins=[slow],
-                                      shares="equal", **kw)
-            runs["equal"] = _run("equal", root, groups=2, pins=[fast, slow], shares="equal",
-                                 **kw)
-            runs["speed"] = _run("speed", root, groups=2, pins=[fast, slow], shares="speed",
-                                 **kw)
-        finally:
-            hog.kill()
-            hog.wait()
-        runs["uniform"] = _run("uniform", root, groups=2, pins=[fast, slow], shares="equal",
-                               **kw)
-    finally:
-        ray.shutdown()
+    with NetnsCluster([{"slot": n} for n in SLOTS], tunnel="veth", start_attempts=4,
+                      ray_start_timeout_s=180, node_cpus=QUOTAS) as cluster:
+        spec = [{"mesh": {"dp_shard": n}, "node": cluster.nodes[i].ip}
+                for i, n in enumerate(SLOTS)]
+        runs = out["runs"]
+        for i in range(len(SLOTS)):
+            runs[f"alone_{i}"] = _run(cluster, f"alone_{i}", root, [spec[i]], shares="equal",
+                                      **kw)
+        runs["speed"] = _run(cluster, "speed", root, "auto", shares="speed", **kw)
+        runs["equal"] = _run(cluster, "equal", root, "auto", shares="equal", **kw)
+        runs["leave_out"] = _run(cluster, "leave_out", root, spec[:2], shares="equal", **kw)
     r = out["runs"]
     speed = r["speed"]["samples_per_s"]
     out.update(
-        throughput_of_sum=speed / (r["alone_fast"]["samples_per_s"]
-                                   + r["alone_slow"]["samples_per_s"]),
-        vs_leave_out=speed / r["alone_fast"]["samples_per_s"],
+        throughput_of_sum=speed / sum(r[f"alone_{i}"]["samples_per_s"]
+                                      for i in range(len(SLOTS))),
+        vs_leave_out=speed / r["leave_out"]["samples_per_s"],
         vs_slowest_pace=speed / r["equal"]["samples_per_s"],
-        final_loss_rel_diff=abs(r["speed"]["eval_loss"] - r["uniform"]["eval_loss"])
-        / r["uniform"]["eval_loss"],
+        final_loss_rel_diff=abs(r["speed"]["eval_loss"] - r["equal"]["eval_loss"])
+        / r["equal"]["eval_loss"],
         loadavg_start=load0, loadavg_end=os.getloadavg())
     return out
 

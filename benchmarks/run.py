@@ -28,9 +28,10 @@ Sections (``--only`` picks some):
              is killed mid-run and comes back: the survivors' longest step gap, steps lost,
              the rejoin time and bytes, the final loss against the clean run
              (benchmarks/replica_groups.py; single runs).
-  mixed_nodes  unequal boxes: two replica groups, one on a core slowed by a spinning
-             process, segments equal vs sized by measured speed, against each box alone
-             (benchmarks/mixed_nodes.py; single runs, local Ray of its own).
+  mixed_nodes  unequal boxes on the virtual cluster: 2 + 2 + 1 slots under CPU quotas, one
+             replica group per node, segments equal vs sized by measured speed, against
+             each box alone and leaving the odd node out (benchmarks/mixed_nodes.py;
+             single runs).
   llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
              runs alternating (llm.py); target ray_mesh >= 0.95x torchrun.
 
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         if "mixed_nodes" in selected:
             from benchmarks import mixed_nodes
 
-            log("mixed_nodes: a slowed core, shares equal vs by speed, each box alone")
+            log("mixed_nodes: 2+2+1 slots under CPU quotas, shares equal vs by speed")
             results["mixed_nodes"] = _section("mixed_nodes", mixed_nodes.measure,
                                               **cfg.get("mixed_nodes", {}))
         if "slow" in selected:

@@ -55,12 +55,14 @@ def start_ray_node(cluster: NetnsCluster, index: int) -> subprocess.CompletedPro
                f"--include-dashboard={str(cluster.dashboard).lower()}"]
     else:
         cmd = [str(DEPLOY / "ray-worker.sh"), cluster.address, *extra]
+    cmd = [*node.exec_prefix(), *cmd]
     if index in cluster.node_cpus:  # a slower box: the node and all it starts, under a quota
+        # (joined before entering the node: its private mounts hide the host's cgroup tree)
         cmd = in_cgroup(make_cgroup(node.ns, cluster.node_cpus[index]), cmd)
     # `ray start` gives a raylet a fixed 30 s to register; on a machine shared with
     # other test runs that can pass, so a failed start is cleaned up and tried again.
     for attempt in range(cluster.start_attempts):
-        proc = subprocess.run([*node.exec_prefix(), *cmd], capture_output=True, text=True,
+        proc = subprocess.run(cmd, capture_output=True, text=True,
                               timeout=cluster.ray_start_timeout_s, env=cluster.node_env(node))
         if proc.returncode == 0:
             return proc

@@ -37,7 +37,9 @@ def split_samples(segment: int, groups: dict[int, tuple[int, float | None]],
     ``"equal"``, or any group without a measured speed yet: ``segment`` each. ``"speed"``:
     the same total (``segment`` times the groups) in proportion to speed, in whole
     multiples of each group's rank count (its data-parallel ranks get equal batches), at
-    least one sample per rank; what rounding leaves goes to the largest remainders."""
+    least one sample per rank; what rounding leaves goes to the largest remainders, then to
+    any group whose rank count still fits (2-rank groups next to a 1-rank one: no sample
+    of the total is left over)."""
     check_mode(mode)
     if mode == "equal" or any(speed is None for _, speed in groups.values()):
         return {gid: segment for gid in groups}
@@ -50,11 +52,15 @@ def split_samples(segment: int, groups: dict[int, tuple[int, float | None]],
         out[gid] = max(1, int(exact)) * ranks
         rest.append((exact - int(exact), gid))
     left = total - sum(out.values())
-    for _, gid in sorted(rest, reverse=True):
-        ranks = groups[gid][0]
-        if left >= ranks:
-            out[gid] += ranks
-            left -= ranks
+    order = [gid for _, gid in sorted(rest, reverse=True)]
+    while left > 0:  # largest remainders first; then whoever still fits (unequal rank counts)
+        fits = [gid for gid in order if groups[gid][0] <= left]
+        if not fits:
+            break
+        for gid in fits:
+            if groups[gid][0] <= left:
+                out[gid] += groups[gid][0]
+                left -= groups[gid][0]
     return out
 
 

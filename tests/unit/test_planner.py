@@ -165,6 +165,24 @@ def test_plan_cli_ranks_the_example_job_and_gives_json():
         assert parse_layout(lay["layout"]) == parse_layout(mapping)
 
 
+def test_plan_cli_plans_unequal_nodes_as_one_replica_group_each():
+    proc = _cli("plan", "examples/plan_demo.yaml", "--per-node", "2,2,1", "--node-speed",
+                "1,1,0.5", "--link-mbit", "100", "--import-code")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "3 node(s) with 2, 2, 1 worker(s)" in out
+    assert "node 2: 1 worker(s), layout dp_shard=1, speed 0.5 per device, share 11%" in out
+    assert "expected step" in out and "vs equal shares" in out and "nodes 2 left out" in out
+    assert "groups='auto', shares='speed'" in out
+    js = json.loads(_cli("plan", "examples/plan_demo.yaml", "--per-node", "2,2,1",
+                         "--link-mbit", "100", "--import-code", "--json").stdout)
+    assert [g["workers"] for g in js["groups"]] == [2, 2, 1] and js["left_out"] == [2]
+    bad = _cli("plan", "examples/plan_demo.yaml", "--nodes", "2", "--per-node", "2,2,1",
+               "--link-mbit", "100", "--import-code")
+    assert bad.returncode == 2 and "one count per node" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_plan_cli_without_a_link_rate_says_how_to_get_one():
     proc = _cli("plan", "examples/plan_demo.yaml", "--nodes", "2", "--per-node", "2",
                 "--import-code")

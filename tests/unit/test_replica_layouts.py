@@ -1,0 +1,70 @@
+"""Replica groups of unequal layouts: the group specs (checked on the driver), the exchange
+they imply, the groups of a live cluster's nodes, and the unequal-nodes plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_mesh.planning.cluster import NodeInfo
+from ray_mesh.planning.cost import ModelStats, PlanError, Workload
+from ray_mesh.planning.groups import groups_from_nodes, plan_groups
+from ray_mesh.replicas.layouts import GroupLayoutError, GroupSpec, exchange_for, group_specs
+
+
+def test_equal_groups_share_shards_and_unequal_ones_exchange_full_tensors():
+    same = group_specs(3, 2)
+    assert [s.label for s in same] == ["dp_shard=2"] * 3 and exchange_for(same) == "shards"
+    mixed = group_specs([{"dp_shard": 2}, {"mesh": {"tp": 2}, "node": "100.64.0.2"},
+                         GroupSpec({"dp_shard": 1})])
+    assert [(s.label, s.workers, s.node) for s in mixed] == [
+        ("dp_shard=2", 2, None), ("tp=2", 2, "100.64.0.2"), ("dp_shard=1", 1, None)]
+    assert exchange_for(mixed) == "full"
+    assert group_specs([{"tp": 2, "dp_shard": 2}])[0].label == "dp_shard=2,tp=2"  # mesh order
+
+
+@pytest.mark.parametrize(("groups", "workers", "why"), [
+    (0, 2, "both must be at least 1"),
+    ([{"dp_shard": 2}], 2, "workers_per_group goes with groups=N"),
+    ([], None, "a number of groups or a list"),
+    ("three", None, "a number of groups or a list"),
+    ([{"dp_replicate": 2}], None, "dp_replicate is the groups themselves"),
+    ([{"dp_shard": -1}], None, "whole number of workers"),
+    ([{"dp_shard": True}], None, "whole number of workers"),
+    ([{"mesh": {"dp_shard": 1}, "host": "x"}], None, "unknown key"),
+    ([{"mesh": {"dp_shard": 1}, "node": ""}], None, "node's address"),
+    ([["dp_shard", 2]], None, "mapping of dim sizes"),
+])
+def test_a_bad_group_layout_names_the_group_and_the_fix(groups, workers, why):
+    with pytest.raises(GroupLayoutError, match=why):
+        group_specs(groups, workers)
+
+
+def _node(ip: str, slots: float, alive: bool = True) -> NodeInfo:
+    return NodeInfo(node_id=ip, ip=ip, cpus=4, resources={"slot": slots}, alive=alive)
+
+
+def test_auto_groups_are_one_per_alive_node_over_its_slots():
+    nodes = [_node("a", 2), _node("b", 2), _node("c", 1), _node("d", 0),
+             _node("e", 4, alive=False)]
+    specs = groups_from_nodes(nodes, "slot")
+    assert [(s.label, s.node) for s in specs] == [
+        ("dp_shard=2", "a"), ("dp_shard=2", "b"), ("dp_shard=1", "c")]
+    with pytest.raises(GroupLayoutError, match="no alive node has 1 GPU"):
+        groups_from_nodes(nodes, "GPU")
+
+
+def test_the_plan_sizes_shares_by_devices_and_speed_and_compares_the_alternatives():
+    stats = ModelStats(params=1_000_000, layers=4, hidden=256, heads=4)
+    work = Workload(tokens=4096, compute_s=5.0)
+    plan = plan_groups([2, 2, 1], [1.0, 1.0, 0.5], stats, work, cross_mbit=1000)
+    assert [round(s.share, 3) for s in plan.shares] == [0.444, 0.444, 0.111]
+    assert plan.compute_s == pytest.approx(5.0 / 4.5)
+    assert plan.exchange_s == pytest.approx(2 * 2 / 3 * 4e6 * 8 / 1e9)  # ring, fp32
+    assert plan.equal_step_s == pytest.approx(5.0 / 3 / 0.5 + plan.exchange_s)
+    assert plan.leave_out_step_s == pytest.approx(5.0 / 4 + plan.exchange_s)
+    assert plan.left_out == [2]
+    text = "\n".join(plan.lines())
+    assert "node 2: 1 worker(s), layout dp_shard=1, speed 0.5 per device, share 11%" in text
+    assert "vs equal shares" in text and "nodes 2 left out" in text
+    with pytest.raises(PlanError, match="one per node"):
+        plan_groups([2, 1], [1.0], stats, work, cross_mbit=100)
