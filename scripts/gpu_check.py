@@ -152,6 +152,28 @@ def main() -> int:
         same = all(torch.equal(before[k], v.full_tensor()) for k, v in sd.items())
         say("dcp_roundtrip", same, {"tensors": len(before)})
 
+        # Replica groups of different layouts (ray_mesh.replicas.reshard) on NCCL: the
+        # state's shards to full tensors and back, and the leader's broadcast to its group.
+        from ray_mesh.replicas.reshard import leader_outcome, share_from_leader, to_full, to_local_
+        from ray_mesh.replicas.state import tensors_and_likes
+
+        state, likes = tensors_and_likes(model, opt, None, torch.zeros(3, dtype=torch.int64))
+        t = time.perf_counter()
+        full = to_full(state, likes)
+        sync(dev)
+        gather_ms = (time.perf_counter() - t) * 1e3
+        shapes = all(f.shape == (lk.shape if lk is not None else s.shape)
+                     for f, s, lk in zip(full, state, likes, strict=True))
+        before_local = [s.clone() for s in state]
+        share_from_leader(full)
+        to_local_(state, [f * 2 for f in full], likes)
+        doubled = all(torch.equal(s, b * 2) for s, b in zip(state, before_local, strict=True))
+        ok, total = leader_outcome(True, 7.0)
+        say("replica_full_exchange", shapes and doubled and ok and total == 7.0,
+            {"tensors": len(full), "dtensors": sum(lk is not None for lk in likes),
+             "full_MiB": round(sum(f.numel() * f.element_size() for f in full) / 2**20, 1),
+             "to_full_ms": round(gather_ms, 2), "device": str(full[0].device)})
+
     ray_mesh.shutdown_mesh()
     failed = [k for k, v in RESULTS.items() if isinstance(v, str) and v.startswith("FAIL")]
     if int(os.environ.get("RANK", 0)) == 0:
