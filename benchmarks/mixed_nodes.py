@@ -3,8 +3,11 @@
 Three namespace nodes (``harness/netns``, bare veth links) with 2, 2 and 1 ``slot`` (the
 workers a node has room for), each under a CPU quota (cgroup v1 CFS, ``NetnsCluster
 (node_cpus=...)``): 0.6, 0.6 and 0.2 cores. A quota holds alone or not, so "a node's own
-speed" is the same figure in every run: node 2 is a box with one device at two thirds of the
-others' per-device speed. The train function is ``harness/replica_train.py`` (an MLP with
+speed" is the same figure in every run: the last box has one device at two thirds of the
+others' per-device speed. A fourth node, the head, has no slot and no quota: it holds the
+driver and Ray's control plane (GCS, the coordinator, each group's Ray Train controller), as
+a user's head node would, so that the boxes' quotas measure training alone, the same in
+every run (with one group or three). The train function is ``harness/replica_train.py`` (an MLP with
 ``work`` extra matmuls per sample, so a step is CPU work; FSDP inside each group). Every run
 is one ``fit_replica_groups`` (a boundary, i.e. a gradient average, every step) driven from
 the head namespace (``benchmarks/replica_groups.py``'s driver), each group pinned to its node:
@@ -72,8 +75,8 @@ def mean_shares(logs_dir: Path) -> dict[str, float]:
     return out
 
 
-QUOTAS = {0: 0.6, 1: 0.6, 2: 0.2}  # cores per node
-SLOTS = (2, 2, 1)
+SLOTS = (2, 2, 1)  # the boxes (nodes 1-3; node 0 is the head, without slots)
+QUOTAS = {1: 0.6, 2: 0.6, 3: 0.2}  # cores per box
 
 
 def _run(cluster, name: str, root: Path, groups, *, shares: str, steps: int, segment: int,
@@ -103,7 +106,7 @@ def _run(cluster, name: str, root: Path, groups, *, shares: str, steps: int, seg
             "shares": shares_seen, "wall_s": time.monotonic() - t0}
 
 
-def measure(steps: int = 40, segment: int = 16, work: int = 100) -> dict:
+def measure(steps: int = 40, segment: int = 32, work: int = 100) -> dict:
     """Every run above, then the figures for ``results.json['mixed_nodes']``."""
     from harness.netns.cpu import cpu_quota_unavailable_reason
     from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
@@ -113,16 +116,17 @@ def measure(steps: int = 40, segment: int = 16, work: int = 100) -> dict:
     load0 = os.getloadavg()
     out: dict = {"statistic": STATISTIC.format(warmup=WARMUP),
                  "setup": (f"virtual cluster: 3 namespace nodes with {'+'.join(map(str, SLOTS))} "
-                           f"slots under CPU quotas of {QUOTAS[0]}, {QUOTAS[1]} and {QUOTAS[2]} "
-                           f"cores (cgroup v1), bare veth links; one replica group per node, "
-                           f"FSDP inside; {steps} steps, {segment} samples per group per "
-                           f"step, {work} 128x128 matmuls per sample"),
+                           f"slots under CPU quotas of {', '.join(map(str, QUOTAS.values()))} "
+                           f"cores (cgroup v1) and a head without slots or quota, bare veth "
+                           f"links; one replica group per box, FSDP inside; {steps} steps, "
+                           f"{segment} samples per group per step, {work} 128x128 matmuls "
+                           f"per sample"),
                  "runs": {}}
     kw = {"steps": steps, "segment": segment, "work": work}
     root = Path(tempfile.mkdtemp(prefix="mixed_nodes_"))
-    with NetnsCluster([{"slot": n} for n in SLOTS], tunnel="veth", start_attempts=4,
+    with NetnsCluster([{}] + [{"slot": n} for n in SLOTS], tunnel="veth", start_attempts=4,
                       ray_start_timeout_s=180, node_cpus=QUOTAS) as cluster:
-        spec = [{"mesh": {"dp_shard": n}, "node": cluster.nodes[i].ip}
+        spec = [{"mesh": {"dp_shard": n}, "node": cluster.nodes[i + 1].ip}
                 for i, n in enumerate(SLOTS)]
         runs = out["runs"]
         for i in range(len(SLOTS)):

@@ -192,7 +192,7 @@ def _keys(cls: type) -> tuple[str, ...]:
 
 
 TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data", "replicate",
-            "plan", "layout")
+            "plan", "layout", "replica_groups")
 SCALING_KEYS = _keys(ScalingSection)
 NETWORK_KEYS = _keys(NetworkSection)
 RUN_KEYS = _keys(RunSection)
@@ -217,6 +217,9 @@ class Job:
     """The checked ``data:`` section (a ray_mesh.data.spec.DataSpec), or None."""
     source: dict | None = field(default=None, compare=False, repr=False)
     """The mapping this job was parsed from (overrides re-parse it), or None."""
+    replica_groups: Any = None
+    """The checked ``replica_groups:`` section (cli.job_groups.ReplicaGroupsSection), or
+    None: a run of replica groups instead of one mesh."""
 
     def __post_init__(self) -> None:
         if self.run.min_workers is not None and self.run.min_workers > self.scaling.num_workers:
@@ -247,6 +250,13 @@ class Job:
             raise JobError("The job has no 'train' key: name the train function as "
                            "'path/to/file.py:function' or 'package.module:function'.")
         check_train_ref(top["train"])
+        groups = None
+        if top.get("replica_groups") is not None:  # a run of replica groups, not one mesh
+            from ray_mesh.cli.job_groups import KEYS, ReplicaGroupsSection, check_alongside
+
+            check_alongside(top)
+            groups = ReplicaGroupsSection(**check_keys("replica_groups",
+                                                       top["replica_groups"], KEYS))
         config = {} if top.get("config") is None else top["config"]
         if not isinstance(config, dict):
             raise JobError(f"config must be a mapping (the train function's config, e.g. "
@@ -294,6 +304,7 @@ class Job:
             data=data_spec,
             plan=plan,
             source=data,
+            replica_groups=groups,
         )
 
     @classmethod

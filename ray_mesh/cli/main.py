@@ -58,6 +58,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise JobError(f"--num-workers {args.num_workers}: {exc}") from exc
     if args.storage_path is not None or args.storage_endpoint is not None:
         job = job.with_storage(args.storage_path, args.storage_endpoint)
+    if job.replica_groups is not None:  # one Ray Train run per group
+        from ray_mesh.cli.groups_runner import groups_summary, run_groups_outcome
+
+        lines, ok = groups_summary(job.name, job.run.storage_path, run_groups_outcome(
+            job, address=args.address, verbose=args.verbose))
+        print("\n".join(lines), file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     outcome = run_job_outcome(job, address=args.address, verbose=args.verbose)
     result = outcome.result
     if result.error is not None:

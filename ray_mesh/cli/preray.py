@@ -41,8 +41,10 @@ def embedded_capacity_problem(num_workers: int, total_bytes: int) -> str | None:
             f"cluster with --address <head>:6379.")
 
 
-def check_before_ray(job: Job, embedded: bool) -> None:
-    """Driver-side checks that need no Ray; raise JobError/StorageError/NetworkError."""
+def check_before_ray(job: Job, embedded: bool, workers: int | None = None) -> None:
+    """Driver-side checks that need no Ray; raise JobError/StorageError/NetworkError.
+    ``workers``: the run's worker count when it is not ``scaling.num_workers`` (replica
+    groups)."""
     from ray_mesh.checkpointing.storage import check_storage
 
     # A local path, or a bucket (endpoint, bucket, credentials, a write probe): each failure
@@ -52,7 +54,8 @@ def check_before_ray(job: Job, embedded: bool) -> None:
         return
     import psutil
 
-    why = embedded_capacity_problem(job.scaling.num_workers, psutil.virtual_memory().total)
+    why = embedded_capacity_problem(workers or job.scaling.num_workers,
+                                    psutil.virtual_memory().total)
     if why:
         raise JobError(why)
     # The embedded Ray's only node is this machine, and its workers inherit this environment.

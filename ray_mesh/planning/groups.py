@@ -42,6 +42,31 @@ def groups_from_nodes(nodes: Sequence[NodeInfo], resource: str, per_worker: floa
     return out
 
 
+def check_room(specs: Sequence[GroupSpec], per_worker: dict[str, float],
+               nodes: Sequence[NodeInfo]) -> None:
+    """Every group fits one alive node (its own node when pinned), counting the node's whole
+    resources: a group that fits nowhere would wait for resources forever (``STRICT_PACK``),
+    so it is refused before any group starts, naming the group, what it needs and the nodes."""
+    alive = [n for n in nodes if n.alive]
+    for i, spec in enumerate(specs):
+        need = {r: a * spec.workers for r, a in per_worker.items() if a > 0}
+        where = [n for n in alive if spec.node is None or n.ip == spec.node]
+        if spec.node is not None and not where:
+            raise GroupLayoutError(
+                f"replica group {i} ({spec.label}) is pinned to node {spec.node}, which is not "
+                f"an alive node of this cluster (alive: "
+                f"{', '.join(n.ip for n in alive) or 'none'}): fix its node: address")
+        if not any(all(n.amount(r) >= a for r, a in need.items()) for n in where):
+            wants = ", ".join(f"{r}: {a:g}" for r, a in need.items())
+            have = "; ".join(f"{n.label}: " + ", ".join(f"{r} {n.amount(r):g}" for r in need)
+                             for n in where)
+            raise GroupLayoutError(
+                f"replica group {i} ({spec.label}) needs {wants} on one node, and no "
+                f"{'such ' if spec.node else ''}node has that ({have}): give it fewer workers, "
+                f"lower resources_per_worker, or use groups='auto' (one group per node, sized "
+                f"to it)")
+
+
 @dataclass(frozen=True)
 class NodeShare:
     """One node's group in a plan."""
@@ -120,4 +145,4 @@ def plan_groups(per_node: Sequence[int], speeds: Sequence[float], stats: ModelSt
                       [i for i in range(groups) if i not in kept])
 
 
-__all__ = ["GroupsPlan", "NodeShare", "groups_from_nodes", "plan_groups"]
+__all__ = ["GroupsPlan", "NodeShare", "check_room", "groups_from_nodes", "plan_groups"]

@@ -225,6 +225,7 @@ def fit_replica_groups(train_fn: Any, *,
         specs = _groups_of_this_cluster(resources_per_worker, use_gpu)
     else:
         specs = group_specs(groups, workers_per_group)  # on the driver, before any actor
+    _check_room(specs, resources_per_worker, use_gpu)
     logger.info("replica groups: %s", "; ".join(
         f"group {i}: {s.label}" + (f" on {s.node}" if s.node else "")
         for i, s in enumerate(specs)))
@@ -308,6 +309,17 @@ def fit_replica_groups(train_fn: Any, *,
         ray.kill(r)
     ray.kill(coordinator)
     return ReplicaGroupsResult(groups=results, status=status, events=status["events"])
+
+
+def _check_room(specs: list[GroupSpec], resources_per_worker: dict[str, float] | None,
+                use_gpu: bool) -> None:
+    """Each group fits a node of this cluster (planning.groups.check_room): no silent wait."""
+    from ray_mesh.planning.cluster import nodes_from_ray
+    from ray_mesh.planning.groups import check_room
+
+    per = dict(resources_per_worker or {})
+    per.setdefault("GPU" if use_gpu else "CPU", 1.0)  # what ScalingConfig asks by default
+    check_room(specs, per, nodes_from_ray(ray.nodes()))
 
 
 def _groups_of_this_cluster(resources_per_worker: dict[str, float] | None,

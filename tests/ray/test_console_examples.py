@@ -54,7 +54,8 @@ DRIVER_STEPS = 6
 # Examples whose full run is already a test that checks its console with the same checker:
 # running them again here would only repeat a run (~35-50 s each).
 COVERED_ELSEWHERE = {"hsdp": "tests/ray/test_main_job.py",
-                     "hsdp_metrics": "tests/ray/test_metrics_dashboard.py"}
+                     "hsdp_metrics": "tests/ray/test_metrics_dashboard.py",
+                     "replica_groups": "tests/ray/test_replica_groups_ray.py"}
 
 
 def shown_commands() -> set[str]:

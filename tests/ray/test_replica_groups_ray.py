@@ -1,12 +1,14 @@
-"""Replica groups on a real local Ray: the fallback when every group dies at once.
+"""Replica groups on a real local Ray: the fallback when every group dies at once, a train
+function that always fails, and the shipped example (groups of unequal size, from the job
+file through ``ray-mesh run``).
 
-Two DiLoCo replica groups (one worker each, an outer step every 3 inner steps, outer momentum
-0.5: at 0.9 this tiny problem diverges over so few inner steps), a checkpoint
+Fallback: two DiLoCo replica groups (one worker each, an outer step every 3 inner steps,
+outer momentum 0.5: at 0.9 this tiny problem diverges over so few inner steps), a checkpoint
 of the group state every 4 outer steps, and both groups' workers SIGKILLed at step 10. With no
 live group left to heal from, the restart waits for both groups; the first restores the newest
 checkpoint from storage (outer state included), the second heals from it over the network,
-and the run finishes. The
-kill-and-rejoin of one group while the others train on is tests/netns/test_replica_groups_netns.py.
+and the run finishes. The kill-and-rejoin of one group while the others train on, on unequal
+nodes, is tests/netns/test_replica_groups_netns.py.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from harness import replica_check as rc
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.ray
 
@@ -90,51 +95,40 @@ def test_a_train_function_that_always_fails_stops_the_run_with_its_error(ray_loc
     assert any("failed" in line and "no/such/shard" in line for line in lines), lines
 
 
-@pytest.mark.timeout(300)
-def test_a_slowed_group_gets_the_smaller_share_and_no_sample_is_lost(ray_local, tmp_path):
-    """Unequal boxes: two groups, each pinned to its own core, and another process spinning
-    on group 1's core (it gets about half of it). With ``shares="speed"`` the quorum sizes
-    each group's segment to its measured speed: the faster group ends up with the larger
-    share, every boundary still hands out the same total, and no sample is used twice or
-    skipped."""
-    from ray_mesh.cli.job import load_function
-    from ray_mesh.raytrain.replica_groups import fit_replica_groups
+@pytest.mark.timeout(600)
+def test_the_replica_groups_example_runs_groups_of_unequal_size_with_a_clean_console(
+        ray_local, tmp_path):
+    """``ray-mesh run examples/replica_groups.yaml`` as its header says (joining the session's
+    Ray with --address): a group of 2 workers (``dp_shard=2``) and one of 1, so every
+    exchange is of full tensors, shares by speed; the job's ``replica_groups:`` section and
+    the CLI's summary. (A slowed group getting the smaller share, on a real CPU quota:
+    tests/netns/test_replica_groups_netns.py.)"""
+    import yaml
+    from console import lines, problems
 
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.fail("this test needs 2 cores: one per group")
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                           preexec_fn=lambda: os.sched_setaffinity(0, {cores[1]}))
-    try:
-        logs_dir = tmp_path / "logs"
-        result = fit_replica_groups(
-            load_function("harness/replica_train.py:train_loop"), groups=2,
-            workers_per_group=1, total_steps=24, segment_samples=16, shares="speed",
-            config={"log_dir": str(logs_dir), "work": 20,
-                    "pin_cpu": {"0": cores[0], "1": cores[1]}},
-            storage_path=str(tmp_path / "runs"), resources_per_worker={"CPU": 1},
-            name="rg-shares")
-    finally:
-        hog.kill()
-        hog.wait()
-    assert result.status["finished"], result.status
-    logs = rc.read(logs_dir)
-    share = {gid: {r["step"]: sum(n for _, n in r["ranges"]) for r in rows}
-             for gid, rows in logs.items()}
-    steps = sorted(set(share[0]) & set(share[1]))
-    assert all(share[0][s] + share[1][s] == 32 for s in steps), share  # the total is kept
-    late = steps[-8:]
-    fast, slow = sum(share[0][s] for s in late), sum(share[1][s] for s in late)
-    assert fast >= 1.3 * slow, (fast, slow, share)
-    shares = result.status["shares"]
-    assert shares[0]["samples_per_s"] > shares[1]["samples_per_s"], shares
-    # What `ray-mesh status --storage` prints from the file the driver wrote.
-    from ray_mesh.observability import replica_groups as groups_file
-
-    doc = groups_file.parse((tmp_path / "runs" / "rg-shares-g0" / groups_file.GROUPS_JSON)
-                            .read_bytes(), "status file")
-    shown = "\n".join(groups_file.lines(doc))
-    assert "group 0: 1 rank(s), " in shown and "group 1: 1 rank(s), " in shown, shown
-    assert shown.count(" samples/s") == 2, shown
-    twice, skipped = rc.sample_use(logs)
-    assert twice == [] and skipped == [], (twice, skipped)
+    job = yaml.safe_load((ROOT / "examples" / "replica_groups.yaml").read_text())
+    job["train"] = f"{ROOT / 'examples' / 'replica_groups.py'}:train_loop"
+    job["run"] = {"storage_path": str(tmp_path / "results")}
+    path = tmp_path / "replica_groups.yaml"
+    path.write_text(yaml.safe_dump(job))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
+    proc = subprocess.run([sys.executable, "-m", "ray_mesh.cli.main", "run", "--address",
+                           ray_local.get_runtime_context().gcs_address, str(path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert not problems(out), "unexpected console lines:\n" + "\n".join(problems(out)[:40])
+    shown = lines(out)
+    steps = job["replica_groups"]["steps"]
+    assert "ray-mesh: run 'replica_groups' finished: 20 steps of 2 replica group(s)" in out, \
+        out[-3000:]
+    for gid, layout in ((0, "dp_shard=2"), (1, "dp_shard=1")):
+        assert any(x.startswith(f"  group {gid} ({layout}): ") and "loss=" in x
+                   for x in shown), shown[-20:]
+        assert any(x.startswith(f"replica_groups-g{gid}: step {steps}/{steps} loss ")
+                   for x in shown), shown[-40:]
+    assert any("replica group 1 joined at step 0" in x for x in shown), shown[-40:]
+    groups_file = tmp_path / "results" / "replica_groups-g0" / "ray_mesh_replica_groups.json"
+    assert '"layout": "dp_shard=1"' in groups_file.read_text()

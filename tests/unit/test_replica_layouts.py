@@ -68,3 +68,36 @@ def test_the_plan_sizes_shares_by_devices_and_speed_and_compares_the_alternative
     assert "vs equal shares" in text and "nodes 2 left out" in text
     with pytest.raises(PlanError, match="one per node"):
         plan_groups([2, 1], [1.0], stats, work, cross_mbit=100)
+
+
+def test_the_job_file_takes_a_replica_groups_section():
+    from pathlib import Path
+
+    from ray_mesh.cli.job import Job
+
+    root = Path(__file__).resolve().parents[2]
+    job = Job.from_yaml(root / "examples" / "replica_groups.yaml")
+    rg = job.replica_groups
+    assert rg.workers() == 3 and rg.shares == "speed" and rg.steps == 20
+    assert rg.fit_kwargs()["groups"] == [{"dp_shard": 2}, {"dp_shard": 1}]
+    assert Job.from_dict({"train": "x.py:f", "replica_groups": {
+        "groups": "auto", "steps": 5, "segment_samples": 4}}).replica_groups.workers() is None
+
+
+@pytest.mark.parametrize(("extra", "section", "why"), [
+    ({"mesh": {"dp_shard": 2}}, {}, "mesh: does not go with replica_groups"),
+    ({"data": {"paths": ["stdlib"]}}, {}, "samples come from the run's quorum"),
+    ({"scaling": {"num_workers": 4}}, {}, "each group's size is its layout"),
+    ({"run": {"min_workers": 1}}, {}, "groups leave and rejoin on their own"),
+    ({}, {"shares": "fast"}, "replica_groups.shares: 'fast'"),
+    ({}, {"steps": 0}, "replica_groups.steps"),
+    ({}, {"groups": [{"pp": 2}]}, "replica_groups.groups: replica group 0: dim 'pp'"),
+    ({}, {"checkpoint_every": 2}, "needs replica_groups.checkpoint_dir"),
+    ({}, {"segment": 4}, "Unknown key 'segment'"),
+])
+def test_a_bad_replica_groups_job_is_refused_with_the_fix(extra, section, why):
+    from ray_mesh.cli.job import Job, JobError
+
+    groups = {"groups": [{"dp_shard": 1}], "steps": 5, "segment_samples": 4, **section}
+    with pytest.raises(JobError, match=why):
+        Job.from_dict({"train": "x.py:f", "replica_groups": groups, **extra})

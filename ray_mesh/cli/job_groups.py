@@ -1,0 +1,109 @@
+"""The job file's ``replica_groups:`` section: a run of replica groups (Ray-free checks).
+
+::
+
+    replica_groups:
+      groups: [{dp_shard: 2}, {dp_shard: 1}]   # one per entry; or auto (one per node);
+                                               # or a number, with workers_per_group
+      steps: 100             # boundaries (steps) of the whole run
+      segment_samples: 32    # samples per group per step (by speed: the mean)
+      shares: speed          # equal (default) | speed
+      checkpoint_every: 0    # the fallback checkpoint, every N steps, into checkpoint_dir
+      checkpoint_dir: null   # a directory every node reaches
+      max_group_failures: 20 # restarts of one group before the run gives up on it
+
+Each group is a Ray Train run of the job's train function, which builds its group with
+``ray_mesh.replica_group(model, optimizer, config)`` (see docs/replica_groups.md). The
+job's ``mesh:``, ``layout:``, ``replicate:``, ``data:`` and ``plan:`` do not apply (each group's
+layout is here; samples come from the run's quorum), and are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ray_mesh.cli.job_checks import JobError
+from ray_mesh.core.values import read_int, read_str
+from ray_mesh.replicas.layouts import GroupLayoutError, group_specs
+from ray_mesh.replicas.shares import SHARES
+
+NOT_WITH_GROUPS = {
+    "mesh": "each group's layout is replica_groups.groups",
+    "layout": "each group's layout is replica_groups.groups",
+    "replicate": "the groups average at every step; DiLoCo is the train function's "
+                 "replica_group(..., diloco=...)",
+    "data": "a group's samples come from the run's quorum (rg.sample_ids), so that none is "
+            "skipped or repeated when a group leaves",
+    "plan": "plan unequal nodes with `ray-mesh plan JOB.yaml --per-node 2,2,1`",
+}
+
+
+@dataclass(frozen=True)
+class ReplicaGroupsSection:
+    """``replica_groups:`` (see the module docstring)."""
+
+    groups: Any = "auto"
+    workers_per_group: int | None = None
+    steps: int = 0
+    segment_samples: int = 0
+    shares: str = "equal"
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    max_group_failures: int = 20
+
+    def __post_init__(self) -> None:
+        read_int("replica_groups.steps", self.steps, 1, error=JobError)
+        read_int("replica_groups.segment_samples", self.segment_samples, 1, error=JobError)
+        read_int("replica_groups.checkpoint_every", self.checkpoint_every, 0, error=JobError)
+        read_int("replica_groups.max_group_failures", self.max_group_failures, 0,
+                 error=JobError)
+        read_str("replica_groups.checkpoint_dir", self.checkpoint_dir, none_ok=True,
+                 error=JobError, hint=" (a directory every node reaches)")
+        if self.shares not in SHARES:
+            raise JobError(f"replica_groups.shares: {self.shares!r}; use one of "
+                           f"{', '.join(SHARES)} (speed sizes each group's batch to its "
+                           "measured speed)")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise JobError("replica_groups.checkpoint_every needs replica_groups."
+                           "checkpoint_dir: a directory every node reaches")
+        if self.groups != "auto":
+            try:
+                group_specs(self.groups, self.workers_per_group)
+            except GroupLayoutError as exc:
+                raise JobError(f"replica_groups.groups: {exc}") from None
+
+    def fit_kwargs(self) -> dict[str, Any]:
+        """The section as ``fit_replica_groups`` keyword arguments."""
+        return {"groups": self.groups, "workers_per_group": self.workers_per_group,
+                "total_steps": self.steps, "segment_samples": self.segment_samples,
+                "shares": self.shares, "checkpoint_every": self.checkpoint_every,
+                "checkpoint_dir": self.checkpoint_dir,
+                "max_group_failures": self.max_group_failures}
+
+    def workers(self) -> int | None:
+        """Workers of all groups together (None for ``auto``: what the cluster has)."""
+        if self.groups == "auto":
+            return None
+        return sum(s.workers for s in group_specs(self.groups, self.workers_per_group))
+
+
+KEYS = tuple(f.name for f in fields(ReplicaGroupsSection))
+
+
+def check_alongside(top: dict[str, Any]) -> None:
+    """Refuse the sections that do not apply to a run of replica groups, naming why."""
+    for key, why in NOT_WITH_GROUPS.items():
+        if top.get(key) is not None:
+            raise JobError(f"{key}: does not go with replica_groups: ({why}). Remove it.")
+    scaling = top.get("scaling") or {}
+    if isinstance(scaling, dict) and scaling.get("num_workers") is not None:
+        raise JobError("scaling.num_workers does not go with replica_groups: each group's "
+                       "size is its layout (replica_groups.groups). Remove it.")
+    run = top.get("run") or {}
+    if isinstance(run, dict) and run.get("min_workers") is not None:
+        raise JobError("run.min_workers does not go with replica_groups: groups leave and "
+                       "rejoin on their own. Remove it.")
+
+
+__all__ = ["KEYS", "NOT_WITH_GROUPS", "ReplicaGroupsSection", "check_alongside"]
