@@ -179,6 +179,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print()
     print(safe_text(plan_cluster(nodes, args.layout, resource=resource, tp=args.tp,
                                  pp=args.pp).format(), multiline=True))
+    if sum(n.alive and n.amount(resource) >= 1 for n in nodes) > 1:  # unequal boxes too
+        from ray_mesh.planning.groups import format_node_groups, groups_from_nodes
+
+        rates = None
+        if args.calibrate:
+            from ray_mesh.raytrain.calibrate import node_speeds
+
+            rates = node_speeds(nodes, use_gpu=resource == "GPU")
+        print()
+        print(safe_text(format_node_groups(groups_from_nodes(nodes, resource), rates),
+                        multiline=True))
     return 0
 
 
@@ -253,6 +264,9 @@ def _add_plan_doctor(sub) -> None:
     plan.add_argument("--link-mbit", type=positive_number, default=None,
                       help="with JOB: node link rate in Mbit/s (else plan.link_mbit)")
     plan.add_argument("--json", action="store_true", help="with JOB: machine-readable output")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="without JOB: time each node's device for ~1 s and show each "
+                           "node's speed and share as a replica group")
     plan.add_argument("--import-code", action="store_true",
                       help="with JOB: import the files plan.model / plan.step name (this runs "
                            "their top-level code) to size the model and check the step; "

@@ -67,6 +67,31 @@ def check_room(specs: Sequence[GroupSpec], per_worker: dict[str, float],
                 f"to it)")
 
 
+def format_node_groups(specs: Sequence[GroupSpec],
+                       rates: dict[str, float | None] | None = None) -> str:
+    """The live cluster as replica groups (``groups="auto"``): one line per node with its
+    layout and, given ``rates`` (each node's measured matmuls/s per device,
+    ``ray-mesh plan --calibrate``), its relative speed and share of each step."""
+    lines = ["As replica groups (fit_replica_groups(groups='auto') or replica_groups: {groups: "
+             "auto}): one group per node, over its devices"]
+    known = {ip: r for ip, r in (rates or {}).items() if r}
+    top = max(known.values(), default=0.0)
+    whole = sum(known.get(str(s.node), 0.0) * s.workers for s in specs)
+    for i, s in enumerate(specs):
+        line = f"  group {i}: node {s.node}, {s.workers} worker(s), layout {s.label}"
+        rate = known.get(str(s.node))
+        if rates is not None and rate:
+            line += (f", speed {rate / top:.2f} per device ({rate:.3g} matmuls/s), share "
+                     f"{100 * rate * s.workers / whole:.0f}% with shares='speed'")
+        elif rates is not None:
+            line += ", speed not measured (no answer in time: busy or unreachable)"
+        lines.append(line)
+    if rates is None:
+        lines.append("  (--calibrate times each node's device for ~1 s and prints the shares; "
+                     "a run with shares='speed' measures them itself)")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class NodeShare:
     """One node's group in a plan."""
@@ -145,4 +170,5 @@ def plan_groups(per_node: Sequence[int], speeds: Sequence[float], stats: ModelSt
                       [i for i in range(groups) if i not in kept])
 
 
-__all__ = ["GroupsPlan", "NodeShare", "check_room", "groups_from_nodes", "plan_groups"]
+__all__ = ["GroupsPlan", "NodeShare", "check_room", "format_node_groups", "groups_from_nodes",
+           "plan_groups"]

@@ -6,6 +6,7 @@
   parameters of one model trained on the union of the samples, step by step.
 * A ``tp=2`` group joins a run an unsharded group has been training alone: it heals from it
   (the full state, resharded into its own layout), and both end with the same parameters.
+* DiLoCo groups (FSDP2 of 2, unsharded) end with the same model.
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ class _Served:
 
 
 def _launch(gid: int, layout: str, nproc: int, port: int, steps: int, out: Path,
-            step_s: float = 0.05) -> subprocess.Popen:
+            step_s: float = 0.0, diloco_every: int = 0, wait_groups: int = 0
+            ) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
-    env["STEP_S"] = str(step_s)
+    env["STEP_S"], env["WAIT_GROUPS"] = str(step_s), str(wait_groups)
+    env["DILOCO_EVERY"] = str(diloco_every)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen(
@@ -142,20 +145,35 @@ def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_tp_group_heals_from_an_unsharded_one_and_both_end_equal(tmp_path):
-    steps = 40  # at >= 0.4 s a step: the joiner (~5-10 s to start) finds steps to share
+    steps = 80  # 0.5 s a step until the joiner (~5-10 s to start) is in: 40 s to join
     served = _Served(steps, expected_groups=1)
-    first = _launch(1, "plain", 1, served.port, steps, tmp_path, step_s=0.4)
+    first = _launch(1, "plain", 1, served.port, steps, tmp_path, step_s=0.5, wait_groups=2)
     deadline = time.monotonic() + 90
     log = tmp_path / "g1.jsonl"
     while not (log.exists() and len(log.read_text().splitlines()) >= 3):
         assert time.monotonic() < deadline and first.poll() is None, "group 1 did not start"
         time.sleep(0.2)
-    joiner = _launch(0, "tp", 2, served.port, steps, tmp_path, step_s=0.4)
+    joiner = _launch(0, "tp", 2, served.port, steps, tmp_path)
     outs = _finish([first, joiner], 200)
-    assert "healed_bytes 0" not in outs[1] and "step 40" in outs[1], outs[1][-3000:]
+    assert "healed_bytes 0" not in outs[1] and f"step {steps}" in outs[1], outs[1][-3000:]
     kinds = [(e["kind"], e["group"]) for e in served.quorum.status()["events"]]
     assert ("healed", 0) in kinds, kinds
     a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
     for x, y in zip(a, b, strict=True):
         assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()
     assert _rows(tmp_path, 0)[-1]["step"] == steps
+
+
+@pytest.mark.timeout(240)
+def test_diloco_groups_of_different_layouts_end_with_the_same_model(tmp_path):
+    """DiLoCo across an FSDP2 group of 2 and an unsharded one: the pseudo-gradients and the
+    outer state (global parameters, momentum) cross as full tensors; both groups end equal."""
+    steps = 5
+    served = _Served(steps, expected_groups=2)
+    _finish([_launch(0, "fsdp", 2, served.port, steps, tmp_path, diloco_every=2),
+             _launch(1, "plain", 1, served.port, steps, tmp_path, diloco_every=2)], 200)
+    a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
+    for x, y in zip(a, b, strict=True):
+        assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()
+    losses = [float((tmp_path / f"g{g}.eval").read_text()) for g in (0, 1)]
+    assert abs(losses[0] - losses[1]) < 1e-6 and losses[0] < 0.6, losses  # 0.65 untrained

@@ -1,7 +1,8 @@
 """One replica group under torchrun, for tests/dist/test_replica_layouts.py (no Ray).
 
 argv: GROUP LAYOUT COORDINATOR_PORT STEPS OUT_DIR. LAYOUT: ``plain`` (no sharding),
-``fsdp`` (FSDP2 over the group's ranks), ``tp`` (tensor parallel over them). The group
+``fsdp`` (FSDP2 over the group's ranks), ``tp`` (tensor parallel over them). ``DILOCO_EVERY``
+set: DiLoCo replica groups (AdamW inner steps, the outer step at each commit). The group
 reaches the run's coordinator (a ``Quorum`` served by the test process through a
 ``multiprocessing`` manager) and trains harness/replica_train.py's MLP with
 ``exchange="full"``. Rank 0 writes ``g<GROUP>.jsonl`` (one line per committed step: the
@@ -25,7 +26,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from harness.replica_train import make_model, samples
+from harness.replica_train import eval_loss, make_model, samples
+from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.replicas import ReplicaGroup
 
 AUTHKEY = b"replica-layouts"
@@ -59,17 +61,30 @@ def main() -> None:
     manager = Manager(address=("127.0.0.1", port), authkey=AUTHKEY)
     manager.connect()
     model = build(layout, size)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    every = int(os.environ.get("DILOCO_EVERY", "0"))
+    diloco = DiLoCoConfig(every=every, outer_lr=0.7, outer_momentum=0.9) if every else None
+    optim = (torch.optim.AdamW(model.parameters(), lr=0.01) if diloco else
+             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     rg = ReplicaGroup(model, optim, client=manager.coordinator(), group_id=gid,
                       total_steps=steps, segment_samples=8, exchange="full",
-                      layout=f"{layout}={size}", timeout_s=20)
+                      layout=f"{layout}={size}", timeout_s=20, diloco=diloco)
     dp_rank, dp_size = (rank, size) if layout == "fsdp" else (0, 1)
     rg.commit()
     while rg.running:
         held = list(rg.ranges)
-        x, y = samples(rg.sample_ids(dp_rank, dp_size))
-        nn.functional.mse_loss(model(x), y).backward()
-        time.sleep(float(os.environ.get("STEP_S", "0.05")))
+        if diloco:  # the round's inner steps on this group's own
+            for ids in rg.inner_batches(dp_rank, dp_size):
+                x, y = samples(ids)
+                nn.functional.mse_loss(model(x), y).backward()
+                optim.step()
+                optim.zero_grad()
+        else:
+            x, y = samples(rg.sample_ids(dp_rank, dp_size))
+            nn.functional.mse_loss(model(x), y).backward()
+        # STEP_S a step until WAIT_GROUPS groups take part (a joiner finds steps left),
+        # then at full speed.
+        alone = len(rg.last.members) < int(os.environ.get("WAIT_GROUPS", "0"))
+        time.sleep(float(os.environ.get("STEP_S", "0.05")) if alone else 0.0)
         before = rg.step
         rg.commit()
         if rank == 0 and rg.step > before:
@@ -84,6 +99,9 @@ def main() -> None:
         torch.save([t.clone() for t in full], out / f"g{gid}.pt")
         print(f"DONE group {gid} step {rg.step} healed_bytes {rg.stats['rejoin_bytes']}",
               flush=True)
+    loss = eval_loss(model)  # every rank: a sharded model's forward is a collective
+    if rank == 0:
+        (out / f"g{gid}.eval").write_text(str(loss))
     dist.destroy_process_group()
 
 

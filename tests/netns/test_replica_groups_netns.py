@@ -12,15 +12,20 @@ Worker rank 1 of group 1 SIGKILLs itself (the train function's ``kill`` hook) at
 other two groups keep training (no long wait, no step taken twice), Ray Train restarts group
 1 alone, it heals from a live group over the network and ends with the same model (the same
 held-out loss); no sample is used twice or skipped. The slowed group gets the smallest share
-and the status file names each group's layout. ~150 s on a quiet 2-core machine (cluster
-~16 s; most of the rest is the three groups' Ray Train bring-up).
+and the status file names each group's layout. Before the run, ``ray-mesh plan --calibrate``
+proposes the same groups and times the slowed box at under 0.7 of the others' speed. ~110 s
+on a quiet 2-core machine (cluster ~16 s; most of the rest is the three groups' Ray Train
+bring-up).
 """
 
 from __future__ import annotations
 
+import re
+import sys
+
 import pytest
 
-from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason
 
 pytestmark = pytest.mark.netns
 
@@ -45,6 +50,17 @@ def cluster():
 def test_lost_group_rejoins_while_the_others_train(cluster):
     from benchmarks.replica_groups import driver_args, run_on_cluster, summarize
     from harness import replica_check as rc
+
+    # The planner sees the unequal nodes: one group per node, and the calibration times the
+    # slowed box at well under the others' speed.
+    plan = cluster.run_in(0, [sys.executable, "-m", "ray_mesh.cli", "plan", "--address",
+                              cluster.address, "--resource", "slot", "--calibrate"],
+                          timeout=180, env={"PYTHONPATH": str(REPO)})
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    speed = re.search(rf"group 2: node {cluster.nodes[SLOW].ip}, 1 worker\(s\), layout "
+                      r"dp_shard=1, speed ([0-9.]+) per device", plan.stdout)
+    assert speed and float(speed[1]) < 0.7, plan.stdout
+    assert "group 0: node" in plan.stdout and "layout dp_shard=2" in plan.stdout, plan.stdout
 
     work = cluster.root / "rg"
     marker = work / "killed"

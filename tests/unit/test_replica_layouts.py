@@ -101,3 +101,14 @@ def test_a_bad_replica_groups_job_is_refused_with_the_fix(extra, section, why):
     groups = {"groups": [{"dp_shard": 1}], "steps": 5, "segment_samples": 4, **section}
     with pytest.raises(JobError, match=why):
         Job.from_dict({"train": "x.py:f", "replica_groups": groups, **extra})
+
+
+def test_the_live_plan_lists_one_group_per_node_with_calibrated_shares():
+    from ray_mesh.planning.groups import format_node_groups
+
+    specs = groups_from_nodes([_node("a", 2), _node("b", 2), _node("c", 1)], "slot")
+    text = format_node_groups(specs, {"a": 100.0, "b": 100.0, "c": 40.0})
+    assert "group 2: node c, 1 worker(s), layout dp_shard=1, speed 0.40 per device" in text
+    assert "share 9% with shares='speed'" in text  # 40 / (200 + 200 + 40)
+    assert "--calibrate" in format_node_groups(specs)
+    assert "speed not measured" in format_node_groups(specs, {"a": 1.0, "b": 1.0, "c": None})
