@@ -12,10 +12,13 @@ every run (with one group or three). The train function is ``harness/replica_tra
 is one ``fit_replica_groups`` (a boundary, i.e. a gradient average, every step) driven from
 the head namespace (``benchmarks/replica_groups.py``'s driver), each group pinned to its node:
 
-* ``alone_0`` / ``alone_1`` / ``alone_2``: one group alone on that node: what each box does
-  by itself;
 * ``speed``: ``groups="auto"``: the three groups (``dp_shard=2``, ``dp_shard=2``,
   ``dp_shard=1``; full tensors cross between them), ``shares="speed"``;
+* ``alone_0`` / ``alone_1`` / ``alone_2``: one group alone on that box, each step at the
+  batch that box trained on in ``speed`` (its mean share): what each box does by itself at
+  the same work per step (a boundary costs a round trip to the coordinator whatever the
+  batch, so a box alone at a smaller batch would look slower than it is, and the sum of the
+  three could fall below what they do together);
 * ``equal``: the same groups, equal segments (everyone at the slowest box's pace); the
   same total batch per step as ``speed``, so it is also the loss reference;
 * ``leave_out``: nodes 0 and 1 only, equal segments (a uniform mesh leaves the odd node out).
@@ -129,10 +132,13 @@ def measure(steps: int = 40, segment: int = 32, work: int = 100) -> dict:
         spec = [{"mesh": {"dp_shard": n}, "node": cluster.nodes[i + 1].ip}
                 for i, n in enumerate(SLOTS)]
         runs = out["runs"]
-        for i in range(len(SLOTS)):
-            runs[f"alone_{i}"] = _run(cluster, f"alone_{i}", root, [spec[i]], shares="equal",
-                                      **kw)
         runs["speed"] = _run(cluster, "speed", root, "auto", shares="speed", **kw)
+        for i, n in enumerate(SLOTS):  # each box alone, at the batch it trains in `speed`
+            mean = runs["speed"]["shares"][str(i)]
+            at = max(n, round(mean / n) * n)
+            runs[f"alone_{i}"] = _run(cluster, f"alone_{i}", root, [spec[i]], shares="equal",
+                                      **{**kw, "segment": at})
+            runs[f"alone_{i}"]["segment"] = at
         runs["equal"] = _run(cluster, "equal", root, "auto", shares="equal", **kw)
         runs["leave_out"] = _run(cluster, "leave_out", root, spec[:2], shares="equal", **kw)
     r = out["runs"]

@@ -102,7 +102,10 @@ class ReplicaGroup:
         self.ranges: list[Range] = []
         self.done = False
         self.last: Decision | None = None
-        self._since: float | None = None  # when this segment's samples came: its speed
+        # Since the last decision: this group's time for a segment, the boundary's own work
+        # (exchange, step) included, waiting for the others at the quorum not: its speed.
+        self._since: float | None = None
+        self._decided_at = 0.0
         self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
                                         "live_groups": 0}
         if self.rank == 0:
@@ -147,6 +150,7 @@ class ReplicaGroup:
             holding = self.ranges if self._has_contribution() else []
             busy = None if self._since is None or fresh else time.monotonic() - self._since
             d = self._quorum(holding, fresh, busy)
+            self._decided_at = time.monotonic()
             self.last = d
             if d.done:
                 self.done = True
@@ -310,7 +314,8 @@ class ReplicaGroup:
         self.step = d.step + (1 if applied else 0)
         self.ranges = list(d.ranges)
         self.stats["live_groups"] = len(d.members)
-        self._since = time.monotonic()
+        # A heal's transfer is a one-off, not this box's pace: counted from after it.
+        self._since = time.monotonic() if d.donor is not None else self._decided_at
         if (applied and self.checkpoint_dir and self.checkpoint_every
                 and self.step % self.checkpoint_every == 0 and d.index == 0):
             path = f"{self.checkpoint_dir}/step_{self.step:08d}"

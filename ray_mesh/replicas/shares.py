@@ -5,8 +5,12 @@ segments make every boundary wait for the slowest group. Split by speed, each gr
 batch is sized so that all groups finish their segment at about the same time; the
 averages weigh each contribution by its samples, so the update is still the mean over the
 boundary's samples. Speed is what a group reports on arrival: the samples of its last
-segment over the seconds it spent on them (a running mean, so one slow segment does not
-swing the split). Pure functions: the quorum calls them under its lock.
+segment over the seconds since its last decision (a running mean, so one slow segment does
+not swing the split). Those seconds include the previous boundary's own work (the exchange,
+the optimizer step), which costs a slow box more than a fast one, and leave out only the
+wait for the other groups at the quorum: with each share proportional to that speed, the
+split settles where every group's whole cycle takes the same time. Pure functions: the
+quorum calls them under its lock.
 """
 
 from __future__ import annotations
