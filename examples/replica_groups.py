@@ -21,7 +21,7 @@ import ray_mesh
 from ray_mesh.parallel import parallelize
 from ray_mesh.raytrain.replica_groups import replica_group
 
-DIM = 32
+DIM, HIDDEN = 64, 512
 
 
 def samples(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +34,9 @@ def samples(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 def train_loop(config: dict) -> None:
     mesh = ray_mesh.get_mesh()
     torch.manual_seed(0)  # every group starts from the same model
-    model = parallelize(nn.Sequential(nn.Linear(DIM, 128), nn.ReLU(),
-                                      nn.Linear(128, DIM // 2)), mesh)
+    model = parallelize(nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(),
+                                      nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                                      nn.Linear(HIDDEN, DIM // 2)), mesh)
     optim = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.1), momentum=0.9)
     rg = replica_group(model, optim, config)  # joins the run: heals from a live group
     dp = mesh["dp_shard"]

@@ -67,7 +67,8 @@ def run_groups_outcome(job: Job, address: str | None = None,
                     train_fn, **section.fit_kwargs(), mesh_config=mesh, config=job.config,
                     name=job.name, storage_path=job.run.storage_path,
                     resources_per_worker=per_worker or None, use_gpu=use_gpu,
-                    on_event=lambda e: print(f"ray-mesh: {describe(e)}", flush=True))
+                    on_event=lambda e: print(f"ray-mesh: {describe(e)}", flush=True),
+                    on_groups=lambda line: print(f"ray-mesh: {line}", flush=True))
             except (GroupLayoutError, GroupsFailed) as exc:
                 raise JobError(str(exc)) from None
             return GroupsOutcome(result, time.monotonic() - t0)
@@ -93,15 +94,16 @@ def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome
         share = shares.get(gid, {})
         speed = share.get("samples_per_s")
         head = (f"  group {gid} ({layouts.get(gid, '?')}): "
-                + (f"{speed:.1f} samples/s, " if speed else ""))
+                + (f"{speed:.3g} samples/s, " if speed else ""))
         if got.get("error"):
             ok = False
             lines.append(head + f"ended with {str(got['error'])[:300]}")
             continue
         metrics = {k: v for k, v in (got.get("metrics") or {}).items()
-                   if isinstance(v, int | float) and not k.startswith("replica_groups/")}
-        lines.append(head + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                      for k, v in metrics.items()))
+                   if isinstance(v, int | float) and not isinstance(v, bool)
+                   and not k.startswith("replica_groups/")}
+        lines.append(head + (", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in metrics.items()) or "no report"))
     events = res.events
     left = sum(e["kind"] == "left" for e in events)
     lines.append(f"  events:      {len(events)} ({left} left, "

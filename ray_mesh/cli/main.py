@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 
@@ -47,7 +48,14 @@ a progress line every few steps and a summary at the end; add -v for every
 rank's environment line and Ray Train's own log lines."""
 
 
+# Ray's driver folds lines that differ only in numbers from several processes into one
+# ("[repeated Nx across cluster]"); replica groups print one progress line per group, which
+# differ only in the group's number. Read by Ray at import, so set before ray is imported.
+PROGRESS_LINES = r"[\w.-]+: step \d+/\d+ "
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", PROGRESS_LINES)  # never folded
     from ray_mesh.cli.runner import run_job_outcome
 
     job = Job.from_yaml(args.job)

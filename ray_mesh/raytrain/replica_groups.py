@@ -171,7 +171,14 @@ class _GroupRunner:
         from ray.train.torch import TorchTrainer
 
         result = TorchTrainer(train_fn, train_loop_config=config, **trainer_kwargs).fit()
-        return {"metrics": result.metrics, "error": repr(result.error) if result.error else None}
+        # Ray Train keeps a report's metrics in Result only with a checkpoint: the last
+        # report is also in the summary ray_mesh saves in the run's directory.
+        from ray_mesh.observability.report import read_summary
+
+        last = read_summary(str(result.path), filesystem=result.filesystem).get("last", {}) \
+            if result.path else {}
+        return {"metrics": {**last, **dict(result.metrics or {})},
+                "error": repr(result.error) if result.error else None}
 
 
 @dataclass
@@ -201,7 +208,7 @@ def fit_replica_groups(train_fn: Any, *,
                        checkpoint_every: int = 0, checkpoint_dir: str | None = None,
                        dead_after_s: float = 5.0, arrive_timeout_s: float = 300.0,
                        timeout_s: float = 30.0, poll_s: float = 0.5, shares: str = "equal",
-                       on_event: Any = None) -> ReplicaGroupsResult:
+                       on_event: Any = None, on_groups: Any = None) -> ReplicaGroupsResult:
     """Train ``train_fn`` as ``groups`` replica groups of ``workers_per_group`` workers, or
     as one group per entry of a list of group layouts (unequal boxes:
     :func:`~ray_mesh.replicas.layouts.group_specs`, e.g. ``[{"dp_shard": 2}, {"mesh":
@@ -215,7 +222,8 @@ def fit_replica_groups(train_fn: Any, *,
     layouts, its other settings with each group's mesh) and a budget of
     ``max_group_failures`` restarts. The train
     function gets ``config`` and builds its group with :func:`replica_group`. ``on_event``
-    (default: log) sees each membership event as the coordinator records it.
+    (default: log) sees each membership event as the coordinator records it; ``on_groups``
+    (default: log) the groups' line (layouts, nodes) before they start.
     ``shares="speed"`` sizes each group's segment to its measured speed (unequal boxes:
     :mod:`ray_mesh.replicas.shares`); the default gives every group ``segment_samples``.
     """
@@ -226,9 +234,9 @@ def fit_replica_groups(train_fn: Any, *,
     else:
         specs = group_specs(groups, workers_per_group)  # on the driver, before any actor
     _check_room(specs, resources_per_worker, use_gpu)
-    logger.info("replica groups: %s", "; ".join(
-        f"group {i}: {s.label}" + (f" on {s.node}" if s.node else "")
-        for i, s in enumerate(specs)))
+    line = "replica groups: " + "; ".join(f"group {i}: {s.label}" + (
+        f" on {s.node}" if s.node else "") for i, s in enumerate(specs))
+    (on_groups or logger.info)(line)
     check_mode(shares)
     if checkpoint_every and not checkpoint_dir:
         raise ValueError("checkpoint_every needs checkpoint_dir: a directory every node "
