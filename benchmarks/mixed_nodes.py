@@ -109,7 +109,7 @@ def _run(cluster, name: str, root: Path, groups, *, shares: str, steps: int, seg
             "shares": shares_seen, "wall_s": time.monotonic() - t0}
 
 
-def measure(steps: int = 40, segment: int = 32, work: int = 100) -> dict:
+def measure(steps: int = 60, segment: int = 32, work: int = 100) -> dict:
     """Every run above, then the figures for ``results.json['mixed_nodes']``."""
     from harness.netns.cpu import cpu_quota_unavailable_reason
     from harness.netns_cluster import NetnsCluster, netns_unavailable_reason

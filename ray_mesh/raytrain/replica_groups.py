@@ -76,10 +76,11 @@ class Coordinator:
         return self.quorum.beat(gid, incarnation, rank)
 
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool, busy_s: float | None = None) -> Decision | str:
+               fresh_link: bool, busy_s: float | None = None,
+               fixed_s: float | None = None) -> Decision | str:
         try:
             return self.quorum.arrive(gid, incarnation, step, holding, fresh_link,
-                                      busy_s=busy_s)
+                                      busy_s=busy_s, fixed_s=fixed_s)
         except GroupDropped as exc:  # a plain value: the caller raises it in its own process
             return str(exc)
 
@@ -113,9 +114,10 @@ class _Client:
         return self._get(self.handle.beat.remote(gid, incarnation, rank))
 
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool, busy_s: float | None = None) -> Decision:
+               fresh_link: bool, busy_s: float | None = None,
+               fixed_s: float | None = None) -> Decision:
         out = ray.get(self.handle.arrive.remote(gid, incarnation, step, holding, fresh_link,
-                                                busy_s))
+                                                busy_s, fixed_s))
         if isinstance(out, str):
             raise GroupDropped(out)
         return out

@@ -63,7 +63,8 @@ class Coordinator(Protocol):
     def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None: ...
     def beat(self, gid: int, incarnation: str, rank: int) -> bool: ...
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool, busy_s: float | None = None) -> Decision: ...
+               fresh_link: bool, busy_s: float | None = None,
+               fixed_s: float | None = None) -> Decision: ...
     def checkpointed(self, step: int, path: str) -> None: ...
     def store_address(self) -> tuple[str, int]: ...
 
@@ -102,10 +103,10 @@ class ReplicaGroup:
         self.ranges: list[Range] = []
         self.done = False
         self.last: Decision | None = None
-        # Since the last decision: this group's time for a segment, the boundary's own work
-        # (exchange, step) included, waiting for the others at the quorum not: its speed.
+        # Its pace (shares.Pace): the seconds a boundary's own work took (from its decision
+        # to the end of the step) and the seconds of compute after it, for its samples.
         self._since: float | None = None
-        self._decided_at = 0.0
+        self._decided_at, self._fixed_s = 0.0, None
         self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
                                         "live_groups": 0}
         if self.rank == 0:
@@ -149,7 +150,7 @@ class ReplicaGroup:
                                    "attempt (it stopped beating in time)")
             holding = self.ranges if self._has_contribution() else []
             busy = None if self._since is None or fresh else time.monotonic() - self._since
-            d = self._quorum(holding, fresh, busy)
+            d = self._quorum(holding, fresh, busy, None if fresh else self._fixed_s)
             self._decided_at = time.monotonic()
             self.last = d
             if d.done:
@@ -177,13 +178,14 @@ class ReplicaGroup:
             return bool(self.ranges)
         return bool(self.ranges) and any(p.grad is not None for p in self.model.parameters())
 
-    def _quorum(self, holding: list[Range], fresh: bool,
-                busy_s: float | None = None) -> Decision:
+    def _quorum(self, holding: list[Range], fresh: bool, busy_s: float | None = None,
+                fixed_s: float | None = None) -> Decision:
         answer: Any = None
         if self.rank == 0:
             try:
                 answer = self.client.arrive(self.gid, self.incarnation, self.step,
-                                            [tuple(r) for r in holding], fresh, busy_s)
+                                            [tuple(r) for r in holding], fresh, busy_s,
+                                            fixed_s)
             except GroupDropped as exc:
                 answer = exc
         answer = broadcast_from_rank0(answer, None)
@@ -314,8 +316,9 @@ class ReplicaGroup:
         self.step = d.step + (1 if applied else 0)
         self.ranges = list(d.ranges)
         self.stats["live_groups"] = len(d.members)
-        # A heal's transfer is a one-off, not this box's pace: counted from after it.
-        self._since = time.monotonic() if d.donor is not None else self._decided_at
+        self._since = time.monotonic()
+        # A heal's transfer is a one-off, not this box's pace: not counted.
+        self._fixed_s = None if d.donor is not None else self._since - self._decided_at
         if (applied and self.checkpoint_dir and self.checkpoint_every
                 and self.step % self.checkpoint_every == 0 and d.index == 0):
             path = f"{self.checkpoint_dir}/step_{self.step:08d}"

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_mesh.errors import GroupDropped
-from ray_mesh.replicas.shares import check_mode, split_samples, update_speed
+from ray_mesh.replicas.shares import Pace, check_mode, split_samples
 
 Range = tuple[int, int]  # (first sample index, count)
 
@@ -76,7 +76,7 @@ class _Group:
     arrival: dict[str, Any] | None = None
     assigned: list[Range] = field(default_factory=list)
     decision: Decision | None = None
-    speed: float | None = None    # samples/s over its recent segments (shares="speed")
+    pace: Pace = field(default_factory=Pace)  # compute rate, boundary cost (shares="speed")
     share: int = 0                # samples of its last assignment
 
 
@@ -170,19 +170,19 @@ class Quorum:
     # ------------------------------------------------------------------ the boundary
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
                fresh_link: bool = False, timeout_s: float | None = None,
-               busy_s: float | None = None) -> Decision:
+               busy_s: float | None = None, fixed_s: float | None = None) -> Decision:
         """Group ``gid`` reaches a boundary holding state at ``step`` and a contribution
         computed on ``holding`` (its assigned samples; empty when it has none). Blocks until
         a quorum forms and returns this group's part of it. ``fresh_link``: its last
         collective failed, so the members need new process groups (a new epoch) even if
-        the member list is the same. ``busy_s``: the seconds it spent on that contribution
-        (from its last decision to this arrival), its speed for ``shares="speed"``."""
+        the member list is the same. ``busy_s``/``fixed_s``: the seconds it computed that
+        contribution / its last boundary's own work took (:class:`.shares.Pace`)."""
         holding = [tuple(r) for r in holding]
         with self._cv:
             g = self._member(gid, incarnation)
             if self._finished:
                 return self._done_decision()
-            g.speed = update_speed(g.speed, sum(n for _, n in holding), busy_s)
+            g.pace.update(sum(n for _, n in holding), busy_s, fixed_s)
             g.ready = True
             g.decision = None
             g.arrival = {"step": step, "holding": holding, "fresh_link": fresh_link,
@@ -269,8 +269,9 @@ class Quorum:
             self._event("healed", gid, f"state of step {top} from group {donor_gid}", step=top)
         finished = top >= self.total_steps
         idx = {gid: i for i, gid in enumerate(members)}
-        shares = split_samples(self.segment_samples, {gid: (arrived[gid].ranks,
-                               arrived[gid].speed) for gid in members}, self.shares)
+        shares = split_samples(self.segment_samples, {gid: (
+            arrived[gid].ranks, arrived[gid].pace.rate, arrived[gid].pace.fixed_s)
+            for gid in members}, self.shares)
         for gid in members:
             g = arrived[gid]
             g.share = 0 if finished else shares[gid]
@@ -383,7 +384,7 @@ class Quorum:
             return {"live": sorted(gid for gid, g in self._groups.items() if g.ready),
                     "registered": sorted(self._groups), "epoch": self._epoch,
                     "shares": {gid: {"ranks": g.ranks, "samples": g.share,
-                                     "samples_per_s": g.speed}
+                                     "samples_per_s": g.pace.speed(g.share)}
                                for gid, g in sorted(self._groups.items()) if g.ready},
                     "step": self._max_step_seen, "quorums": self._formed,
                     "finished": self._finished, "events": list(self.events),

@@ -2,21 +2,51 @@
 
 On unequal boxes (a faster GPU, more devices in one group, a node under load) equal
 segments make every boundary wait for the slowest group. Split by speed, each group's
-batch is sized so that all groups finish their segment at about the same time; the
-averages weigh each contribution by its samples, so the update is still the mean over the
-boundary's samples. Speed is what a group reports on arrival: the samples of its last
-segment over the seconds since its last decision (a running mean, so one slow segment does
-not swing the split). Those seconds include the previous boundary's own work (the exchange,
-the optimizer step), which costs a slow box more than a fast one, and leave out only the
-wait for the other groups at the quorum: with each share proportional to that speed, the
-split settles where every group's whole cycle takes the same time. Pure functions: the
-quorum calls them under its lock.
+batch is sized so that all groups finish their cycle at about the same time; the averages
+weigh each contribution by its samples, so the update is still the mean over the
+boundary's samples.
+
+A group's cycle is a fixed part, the boundary's own work (the exchange, the optimizer step:
+seconds that do not depend on its batch, and that a slow box pays more for), plus its
+samples over its compute rate. Both are running means of what the group reports on arrival
+(:class:`Pace`): the seconds from its last decision to the end of that boundary, and the
+seconds from there to this arrival for its samples. The split solves for equal cycles:
+``fixed_i + n_i / rate_i = T`` with the ``n_i`` summing to the boundary's total. A split
+by compute rate alone would hand a slow box with a costly boundary too many samples; a split
+by whole-cycle speed (samples over everything) would hand it too few, since its speed
+measured at a small batch is mostly the fixed part. Pure functions: the quorum calls them
+under its lock.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 SHARES = ("equal", "speed")
-SPEED_SMOOTHING = 0.5  # weight of the newest segment in a group's running speed
+SPEED_SMOOTHING = 0.5  # weight of the newest segment in a group's running means
+
+
+@dataclass
+class Pace:
+    """A group's measured pace: compute rate (samples/s) and a boundary's fixed seconds."""
+
+    rate: float | None = None
+    fixed_s: float | None = None
+
+    def update(self, samples: int, compute_s: float | None, fixed_s: float | None) -> None:
+        """Fold in one segment: ``samples`` computed in ``compute_s``, after a boundary whose
+        own work took ``fixed_s`` (None: not measured, e.g. a heal's one-off transfer)."""
+        self.rate = update_speed(self.rate, samples, compute_s)
+        if fixed_s is not None and fixed_s >= 0:
+            a = SPEED_SMOOTHING
+            self.fixed_s = (fixed_s if self.fixed_s is None
+                            else a * fixed_s + (1 - a) * self.fixed_s)
+
+    def speed(self, samples: int) -> float | None:
+        """Samples/s of a whole cycle at ``samples`` per segment (what status shows)."""
+        if not self.rate or samples <= 0:
+            return self.rate
+        return samples / ((self.fixed_s or 0.0) + samples / self.rate)
 
 
 def check_mode(mode: str) -> None:
@@ -34,38 +64,52 @@ def update_speed(speed: float | None, samples: int, busy_s: float | None) -> flo
     return now if speed is None else SPEED_SMOOTHING * now + (1 - SPEED_SMOOTHING) * speed
 
 
-def split_samples(segment: int, groups: dict[int, tuple[int, float | None]],
-                  mode: str = "equal") -> dict[int, int]:
-    """Samples per group for the next segment. ``groups``: id -> (ranks, speed or None).
+def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
+                  ) -> dict[int, int]:
+    """Samples per group for the next segment. ``groups``: id -> (ranks, rate or None[,
+    fixed_s]): its rank count, compute rate (samples/s) and a boundary's fixed seconds.
 
-    ``"equal"``, or any group without a measured speed yet: ``segment`` each. ``"speed"``:
-    the same total (``segment`` times the groups) in proportion to speed, in whole
-    multiples of each group's rank count (its data-parallel ranks get equal batches), at
-    least one sample per rank; what rounding leaves goes to the largest remainders, then to
-    any group whose rank count still fits (2-rank groups next to a 1-rank one: no sample
-    of the total is left over)."""
+    ``"equal"``, or any group without a measured rate yet: ``segment`` each. ``"speed"``:
+    the same total (``segment`` times the groups) split so that every group's cycle,
+    ``fixed_s + samples / rate``, takes the same time (with no fixed part: in proportion
+    to rate); in whole multiples of each group's rank count (its data-parallel ranks get
+    equal batches), at least one sample per rank. What rounding leaves goes to the largest
+    remainders, then to any group whose rank count still fits (2-rank groups next to a
+    1-rank one: no sample of the total is left over)."""
     check_mode(mode)
-    if mode == "equal" or any(speed is None for _, speed in groups.values()):
+    if mode == "equal" or any(g[1] is None for g in groups.values()):
         return {gid: segment for gid in groups}
     total = segment * len(groups)
-    whole = sum(float(speed or 0.0) for _, speed in groups.values())
-    out: dict[int, int] = {}
+    ranks = {gid: g[0] for gid, g in groups.items()}
+    rate = {gid: max(float(g[1] or 0.0), 1e-9) for gid, g in groups.items()}
+    fixed = {gid: float(g[2] or 0.0) if len(g) > 2 else 0.0 for gid, g in groups.items()}
+    floor: set[int] = set()  # groups held at their minimum (one sample per rank)
+    while True:
+        free = [gid for gid in groups if gid not in floor]
+        left_total = total - sum(ranks[g] for g in floor)
+        cycle = (left_total + sum(fixed[g] * rate[g] for g in free)) / sum(
+            rate[g] for g in free) if free else 0.0
+        exact = {g: rate[g] * (cycle - fixed[g]) / ranks[g] for g in free}  # units of ranks
+        low = {g for g, x in exact.items() if x < 1}
+        if not low or len(low) == len(free):
+            break
+        floor |= low
+    out = {gid: ranks[gid] for gid in floor}
     rest: list[tuple[float, int]] = []
-    for gid, (ranks, speed) in groups.items():
-        exact = total * float(speed or 0.0) / whole / ranks  # in units of `ranks` samples
-        out[gid] = max(1, int(exact)) * ranks
-        rest.append((exact - int(exact), gid))
+    for gid, x in exact.items():
+        out[gid] = max(1, int(x)) * ranks[gid]
+        rest.append((x - int(x), gid))
     left = total - sum(out.values())
-    order = [gid for _, gid in sorted(rest, reverse=True)]
+    order = [gid for _, gid in sorted(rest, reverse=True)] + sorted(floor)
     while left > 0:  # largest remainders first; then whoever still fits (unequal rank counts)
-        fits = [gid for gid in order if groups[gid][0] <= left]
+        fits = [gid for gid in order if ranks[gid] <= left]
         if not fits:
             break
         for gid in fits:
-            if groups[gid][0] <= left:
-                out[gid] += groups[gid][0]
-                left -= groups[gid][0]
+            if ranks[gid] <= left:
+                out[gid] += ranks[gid]
+                left -= ranks[gid]
     return out
 
 
-__all__ = ["SHARES", "SPEED_SMOOTHING", "check_mode", "split_samples", "update_speed"]
+__all__ = ["SHARES", "SPEED_SMOOTHING", "Pace", "check_mode", "split_samples", "update_speed"]

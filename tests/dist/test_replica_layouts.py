@@ -45,8 +45,9 @@ class _Coordinator:
     def beat(self, gid, incarnation, rank):
         return self.quorum.beat(gid, incarnation, rank)
 
-    def arrive(self, gid, incarnation, step, holding, fresh_link, busy_s=None):
-        return self.quorum.arrive(gid, incarnation, step, holding, fresh_link, busy_s=busy_s)
+    def arrive(self, gid, incarnation, step, holding, fresh_link, busy_s=None, fixed_s=None):
+        return self.quorum.arrive(gid, incarnation, step, holding, fresh_link, busy_s=busy_s,
+                                  fixed_s=fixed_s)
 
     def checkpointed(self, step, path):
         self.quorum.checkpointed(step, path)

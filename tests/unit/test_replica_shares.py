@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ray_mesh.replicas.quorum import Quorum
-from ray_mesh.replicas.shares import split_samples, update_speed
+from ray_mesh.replicas.shares import Pace, split_samples, update_speed
 
 
 def test_equal_until_every_group_has_a_speed():
@@ -42,6 +42,31 @@ def test_speed_is_a_running_mean_and_ignores_empty_segments():
         split_samples(4, {0: (1, 1.0)}, "fast")
     with pytest.raises(ValueError, match="shares="):
         Quorum(segment_samples=4, total_steps=10, shares="fast")
+
+
+def test_the_split_makes_whole_cycles_equal_when_a_boundary_has_a_fixed_cost():
+    # boxes 0, 1: 100 samples/s of compute, 0.1 s of boundary; box 2: 30/s and 0.25 s.
+    # Equal cycles: T = (96 + 0.1*100*2 + 0.25*30) / 230 = 0.537 s; n = rate * (T - fixed).
+    got = split_samples(32, {0: (2, 100.0, 0.1), 1: (2, 100.0, 0.1), 2: (1, 30.0, 0.25)},
+                        "speed")
+    assert got == {0: 44, 1: 44, 2: 8}, got
+    cycles = [0.1 + 44 / 100, 0.1 + 44 / 100, 0.25 + 8 / 30]
+    assert max(cycles) - min(cycles) < 0.03, cycles
+    # by compute rate alone the slow box would get 96 * 30 / 230 = 12.5 (12): a 0.65 s cycle
+    assert split_samples(32, {0: (2, 100.0), 1: (2, 100.0), 2: (1, 30.0)}, "speed")[2] == 12
+    # a box whose boundary alone outlasts the others' cycle keeps one sample per rank
+    assert split_samples(8, {0: (1, 100.0, 0.0), 1: (1, 10.0, 5.0)}, "speed") == {0: 15, 1: 1}
+
+
+def test_a_pace_keeps_running_means_and_its_whole_cycle_speed():
+    p = Pace()
+    p.update(8, 2.0, None)            # the first segment: no boundary measured yet
+    assert p.rate == 4.0 and p.fixed_s is None and p.speed(8) == 4.0
+    p.update(8, 1.0, 0.5)             # 8/s now: the running mean is 6/s
+    assert p.rate == 6.0 and p.fixed_s == 0.5
+    assert p.speed(6) == pytest.approx(6 / (0.5 + 1.0))
+    p.update(0, None, 1.5)            # a boundary without samples still updates its cost
+    assert p.fixed_s == 1.0 and p.rate == 6.0
 
 
 def _boundary(q: Quorum, arrivals: dict[int, tuple[int, list, float | None]]) -> dict:
