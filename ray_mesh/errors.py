@@ -60,6 +60,12 @@ class MeshSpecError(UserInputError):
     """A mesh spec that cannot describe a mesh; the message says how to fix it."""
 
 
+class GroupLayoutError(UserInputError):
+    """A replica group's layout that cannot run (ray_mesh.replicas.layouts): an unknown dim,
+    a size that is not a whole number, a node that is not in the cluster, a group that fits
+    no node; the message names the group and the fix."""
+
+
 class LayoutError(UserInputError):
     """A layout string, mapping or family that cannot be read (ray_mesh.core.layout)."""
 
@@ -181,6 +187,7 @@ __all__ = [
     "DataSpecError",
     "DataSplitError",
     "GroupDropped",
+    "GroupLayoutError",
     "GroupsFailed",
     "JobError",
     "LayoutError",

@@ -19,11 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_mesh.errors import GroupLayoutError
+
 INNER_DIMS = ("dp_shard", "cp", "tp")  # dp_replicate is the groups; pp is not split by group
-
-
-class GroupLayoutError(ValueError):
-    """A replica group's layout that cannot run (the message names the fix)."""
 
 
 @dataclass(frozen=True)

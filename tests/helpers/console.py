@@ -32,6 +32,13 @@ EXPECTED: tuple[Expected, ...] = (
              "Ray's raylet notes that more Python workers start at once than the machine has "
              "cores (on 2 cores: 4 training workers plus Ray Data's read tasks); the size of "
              "the machine, not a fault of the job"),
+    Expected(r"\(gcs_server\) gcs_actor_scheduler\.cc:\d+: Failed to kill actor [0-9a-f]+, "
+             r"return status: Invalid: KillActor RPC failed for actor [0-9a-f]+: RpcError: "
+             r"RPC error: Socket closed",
+             "Ray 2.60's GCS, at the end of a run on a busy machine: it asks a worker to kill "
+             "one of Ray Train's actors whose process has already exited (the socket is "
+             "closed), and logs the failed request; the actor is gone either way. Seen once "
+             "in a fresh-clone run of the suite (the diloco example, 2026-11-26)"),
 )
 
 

@@ -138,10 +138,13 @@ def test_plan_doctor_and_unreachable_address(cluster):
     assert plan["rc"] == 0, plan
     assert "2 node(s) x 2 worker(s) per node (slot) = 4 workers" in plan["out"]
     assert "dp_replicate=2,dp_shard=2/fp32/sync" in plan["out"]  # the Layout string
-    table = plan["out"].split("rank  node")[1]
+    table = plan["out"].split("rank  node")[1].split("\n\n")[0]  # then: as replica groups
     rows = [ln.split() for ln in table.splitlines()[2:] if ln.strip()]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ("0", "0", ips[0]), ("1", "0", ips[0]), ("2", "1", ips[1]), ("3", "1", ips[1])]
+
+    groups = plan["out"].split("As replica groups")[1]  # unequal boxes: none left out
+    assert f"group 1: node {ips[1]}, 2 worker(s), layout dp_shard=2" in groups, plan["out"]
 
     uneq = out["plan_uneq"]
     assert uneq["rc"] == 0, uneq
