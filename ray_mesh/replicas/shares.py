@@ -94,6 +94,14 @@ def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
         if not low or len(low) == len(free):
             break
         floor |= low
+    # A noisy fixed-cost estimate must not starve a group: at least half its share by
+    # compute rate alone (a busy head node's boundary once pinned a group at its minimum).
+    whole = sum(rate.values())
+    for g in exact:
+        exact[g] = max(exact[g], total * rate[g] / whole / ranks[g] / 2)
+    scale = (total - sum(ranks[g] for g in floor)) / max(
+        sum(x * ranks[g] for g, x in exact.items()), 1e-9)
+    exact = {g: x * min(1.0, scale) for g, x in exact.items()}
     out = {gid: ranks[gid] for gid in floor}
     rest: list[tuple[float, int]] = []
     for gid, x in exact.items():
