@@ -83,32 +83,31 @@ def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
     ranks = {gid: g[0] for gid, g in groups.items()}
     rate = {gid: max(float(g[1] or 0.0), 1e-9) for gid, g in groups.items()}
     fixed = {gid: float(g[2] or 0.0) if len(g) > 2 else 0.0 for gid, g in groups.items()}
-    floor: set[int] = set()  # groups held at their minimum (one sample per rank)
+    # Each group's minimum, in units of its ranks: one sample per rank, and at least half
+    # its share by compute rate alone, so that a noisy fixed-cost estimate cannot starve it
+    # (a busy head node's boundary once pinned a group at one sample per rank).
+    whole = sum(rate.values())
+    least = {g: max(1.0, total * rate[g] / whole / ranks[g] / 2) for g in groups}
+    floor: set[int] = set()  # groups held at their minimum
     while True:
         free = [gid for gid in groups if gid not in floor]
-        left_total = total - sum(ranks[g] for g in floor)
+        left_total = total - sum(least[g] * ranks[g] for g in floor)
         cycle = (left_total + sum(fixed[g] * rate[g] for g in free)) / sum(
             rate[g] for g in free) if free else 0.0
         exact = {g: rate[g] * (cycle - fixed[g]) / ranks[g] for g in free}  # units of ranks
-        low = {g for g, x in exact.items() if x < 1}
+        low = {g for g, x in exact.items() if x < least[g]}
         if not low or len(low) == len(free):
             break
         floor |= low
-    # A noisy fixed-cost estimate must not starve a group: at least half its share by
-    # compute rate alone (a busy head node's boundary once pinned a group at its minimum).
-    whole = sum(rate.values())
-    for g in exact:
-        exact[g] = max(exact[g], total * rate[g] / whole / ranks[g] / 2)
-    scale = (total - sum(ranks[g] for g in floor)) / max(
-        sum(x * ranks[g] for g, x in exact.items()), 1e-9)
-    exact = {g: x * min(1.0, scale) for g, x in exact.items()}
-    out = {gid: ranks[gid] for gid in floor}
+    exact = {**{g: max(x, least[g]) for g, x in exact.items()},
+             **{g: least[g] for g in floor}}
+    out: dict[int, int] = {}
     rest: list[tuple[float, int]] = []
     for gid, x in exact.items():
         out[gid] = max(1, int(x)) * ranks[gid]
         rest.append((x - int(x), gid))
     left = total - sum(out.values())
-    order = [gid for _, gid in sorted(rest, reverse=True)] + sorted(floor)
+    order = [gid for _, gid in sorted(rest, reverse=True)]
     while left > 0:  # largest remainders first; then whoever still fits (unequal rank counts)
         fits = [gid for gid in order if ranks[gid] <= left]
         if not fits:
