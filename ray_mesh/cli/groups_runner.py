@@ -9,7 +9,6 @@ start, one line per membership event, and a summary per group at the end.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +17,8 @@ import ray
 
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.cli.preray import check_before_ray
-from ray_mesh.cli.runner import connect, env_defaults
+from ray_mesh.cli.runner import ray_session, will_embed
 from ray_mesh.errors import GroupsFailed
-from ray_mesh.raytrain.driver import CLI_ENV, EMBEDDED_ENV
 from ray_mesh.replicas.layouts import GroupLayoutError
 
 EMBEDDED_WORKERS = 4  # groups: auto on an embedded Ray: the workers it is started for
@@ -52,31 +50,22 @@ def run_groups_outcome(job: Job, address: str | None = None,
     per_worker = dict(job.scaling.resources_per_worker or {})
     workers = section.workers()
     cpus = (workers or EMBEDDED_WORKERS) * float(per_worker.get("CPU", 1))
-    embedded = not (address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized()
-    saved_address = os.environ.get("RAY_ADDRESS")
-    check_before_ray(job, embedded, workers=workers or EMBEDDED_WORKERS)
-    with env_defaults({**CLI_ENV, **(EMBEDDED_ENV if embedded else {})}):
-        started = connect(address, cpus)
+    check_before_ray(job, will_embed(address), workers=workers or EMBEDDED_WORKERS)
+    with ray_session(address, cpus):
+        use_gpu = _use_gpu(job, ray.cluster_resources(), workers)
+        mesh = MeshConfig(mesh={"dp_shard": -1}, verbose=verbose,
+                          total_steps=section.steps, **job.network.mesh_config_kwargs())
+        t0 = time.monotonic()
         try:
-            use_gpu = _use_gpu(job, ray.cluster_resources(), workers)
-            mesh = MeshConfig(mesh={"dp_shard": -1}, verbose=verbose,
-                              total_steps=section.steps, **job.network.mesh_config_kwargs())
-            t0 = time.monotonic()
-            try:
-                result = fit_replica_groups(
-                    train_fn, **section.fit_kwargs(), mesh_config=mesh, config=job.config,
-                    name=job.name, storage_path=job.run.storage_path,
-                    resources_per_worker=per_worker or None, use_gpu=use_gpu,
-                    on_event=lambda e: print(f"ray-mesh: {describe(e)}", flush=True),
-                    on_groups=lambda line: print(f"ray-mesh: {line}", flush=True))
-            except (GroupLayoutError, GroupsFailed) as exc:
-                raise JobError(str(exc)) from None
-            return GroupsOutcome(result, time.monotonic() - t0)
-        finally:
-            if started:
-                ray.shutdown()
-                if saved_address is None:
-                    os.environ.pop("RAY_ADDRESS", None)
+            result = fit_replica_groups(
+                train_fn, **section.fit_kwargs(), mesh_config=mesh, config=job.config,
+                name=job.name, storage_path=job.run.storage_path,
+                resources_per_worker=per_worker or None, use_gpu=use_gpu,
+                on_event=lambda e: print(f"ray-mesh: {describe(e)}", flush=True),
+                on_groups=lambda line: print(f"ray-mesh: {line}", flush=True))
+        except (GroupLayoutError, GroupsFailed) as exc:
+            raise JobError(str(exc)) from None
+        return GroupsOutcome(result, time.monotonic() - t0)
 
 
 def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome

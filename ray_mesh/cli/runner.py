@@ -103,6 +103,29 @@ def env_defaults(values: dict[str, str]) -> Iterator[None]:
             os.environ.pop(key, None)
 
 
+@contextmanager
+def ray_session(address: str | None, num_cpus_needed: float) -> Iterator[bool]:
+    """Ray for one job: the CLI's environment defaults (and the embedded ones when no
+    cluster is given), :func:`connect`, and on the way out an embedded Ray shut down and the
+    RAY_ADDRESS it set removed. Yields whether this job started Ray."""
+    embedded = will_embed(address)
+    saved_address = os.environ.get("RAY_ADDRESS")  # connect() sets it for an embedded Ray
+    with env_defaults({**CLI_ENV, **(EMBEDDED_ENV if embedded else {})}):
+        started = connect(address, num_cpus_needed)
+        try:
+            yield started
+        finally:
+            if started:
+                ray.shutdown()
+                if saved_address is None:
+                    os.environ.pop("RAY_ADDRESS", None)
+
+
+def will_embed(address: str | None) -> bool:
+    """Whether a job run now starts its own local Ray (no address, no RAY_ADDRESS, no Ray)."""
+    return not (address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized()
+
+
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail within ``timeout_s`` unless a Ray GCS answers at ``address``.
 
@@ -304,38 +327,29 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
     cpus = job.scaling.num_workers * float(
         (job.scaling.resources_per_worker or {}).get("CPU", 1))
     cpus += DATA_CPUS if job.data is not None else 0  # room for Ray Data's tasks
-    embedded = not (address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized()
-    saved_address = os.environ.get("RAY_ADDRESS")  # connect() sets it for an embedded Ray
-    check_before_ray(job, embedded)  # storage, size, interfaces: before Ray starts
-    with env_defaults({**CLI_ENV, **(EMBEDDED_ENV if embedded else {})}):
-        started = connect(address, cpus)
+    check_before_ray(job, will_embed(address))  # storage, size, interfaces: before Ray starts
+    with ray_session(address, cpus) as started:
+        cluster = ray.cluster_resources()
+        scaling = scaling_for(job, cluster)
+        check_data_resources(job, scaling, cluster)
+        # Resources, the mesh against the worker count, and a storage_path that is not
+        # writable or node-local on a multi-node cluster: all fail here, not later.
+        storage_path = check_cluster(scaling, mesh_config(job), job.run.storage_path,
+                                     check_store=True, name=job.name,
+                                     storage_endpoint=job.run.storage_endpoint)
+        trainer = build_trainer(job, scaling, storage_path, verbose)
+        url = metrics_url()
+        t0 = time.monotonic()
         try:
-            cluster = ray.cluster_resources()
-            scaling = scaling_for(job, cluster)
-            check_data_resources(job, scaling, cluster)
-            # Resources, the mesh against the worker count, and a storage_path that is not
-            # writable or node-local on a multi-node cluster: all fail here, not later.
-            storage_path = check_cluster(scaling, mesh_config(job), job.run.storage_path,
-                                         check_store=True, name=job.name,
-                                         storage_endpoint=job.run.storage_endpoint)
-            trainer = build_trainer(job, scaling, storage_path, verbose)
-            url = metrics_url()
-            t0 = time.monotonic()
-            try:
-                result = trainer.fit()
-            except Exception as exc:
-                # A group that cannot start again (a node lost, a fixed-size run) -> say so.
-                why = explain_startup_failure(exc, scaling.num_workers)
-                if why:
-                    raise JobError(why) from exc
-                # Our own error (a failed pre-flight, a bad mesh) inside Ray's wrappers.
-                ours = user_error_inside(exc, USER_ERROR_TYPES)
-                if ours is not None:
-                    raise ours from None
-                raise
-            return RunOutcome(result, time.monotonic() - t0, url, started)
-        finally:
-            if started:
-                ray.shutdown()
-                if saved_address is None:
-                    os.environ.pop("RAY_ADDRESS", None)
+            result = trainer.fit()
+        except Exception as exc:
+            # A group that cannot start again (a node lost, a fixed-size run) -> say so.
+            why = explain_startup_failure(exc, scaling.num_workers)
+            if why:
+                raise JobError(why) from exc
+            # Our own error (a failed pre-flight, a bad mesh) inside Ray's wrappers.
+            ours = user_error_inside(exc, USER_ERROR_TYPES)
+            if ours is not None:
+                raise ours from None
+            raise
+        return RunOutcome(result, time.monotonic() - t0, url, started)

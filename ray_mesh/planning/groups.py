@@ -68,13 +68,15 @@ def check_room(specs: Sequence[GroupSpec], per_worker: dict[str, float],
 
 
 def format_node_groups(specs: Sequence[GroupSpec],
-                       rates: dict[str, float | None] | None = None) -> str:
+                       rates: dict[str, float | str] | None = None) -> str:
     """The live cluster as replica groups (``groups="auto"``): one line per node with its
     layout and, given ``rates`` (each node's measured matmuls/s per device,
-    ``ray-mesh plan --calibrate``), its relative speed and share of each step."""
+    ``ray-mesh plan --calibrate``, or why it was not measured), its relative speed and share
+    of each step."""
     lines = ["As replica groups (fit_replica_groups(groups='auto') or replica_groups: {groups: "
              "auto}): one group per node, over its devices"]
-    known = {ip: r for ip, r in (rates or {}).items() if r}
+    known = {ip: float(r) for ip, r in (rates or {}).items()
+             if isinstance(r, (int, float)) and r > 0}
     top = max(known.values(), default=0.0)
     whole = sum(known.get(str(s.node), 0.0) * s.workers for s in specs)
     for i, s in enumerate(specs):
@@ -84,7 +86,8 @@ def format_node_groups(specs: Sequence[GroupSpec],
             line += (f", speed {rate / top:.2f} per device ({rate:.3g} matmuls/s), share "
                      f"{100 * rate * s.workers / whole:.0f}% with shares='speed'")
         elif rates is not None:
-            line += ", speed not measured (no answer in time: busy or unreachable)"
+            why = rates.get(str(s.node))
+            line += f", speed not measured ({why if isinstance(why, str) else 'no answer'})"
         lines.append(line)
     if rates is None:
         lines.append("  (--calibrate times each node's device for ~1 s and prints the shares; "

@@ -46,9 +46,11 @@ def _matmul_rate(use_gpu: bool, seconds: float) -> float:
 
 
 def node_speeds(nodes: Sequence[NodeInfo], use_gpu: bool, seconds: float = 1.0,
-                timeout_s: float = 60.0) -> dict[str, float | None]:
-    """Each alive node's matmul rate (per device), by address; None for a node that did
-    not answer within ``timeout_s`` (a busy or unreachable node is named, not waited for)."""
+                timeout_s: float = 60.0) -> dict[str, float | str]:
+    """Each alive node's matmul rate (per device), by address; for a node that was not
+    measured, why, as text: no answer within ``timeout_s`` (a busy or unreachable node is
+    named, not waited for), or the error its task raised (e.g. ray_mesh or torch missing in
+    that node's Python)."""
     task = ray.remote(_matmul_rate)
     refs = {}
     for n in nodes:
@@ -59,17 +61,24 @@ def node_speeds(nodes: Sequence[NodeInfo], use_gpu: bool, seconds: float = 1.0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
         ).remote(use_gpu and n.gpus >= 1, seconds)
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    out: dict[str, float | None] = {}
+    out: dict[str, float | str] = {}
     for ip, ref in refs.items():
-        out[ip] = None
-        if ref in ready:
-            try:
-                out[ip] = float(ray.get(ref, timeout=1))
-            except Exception:  # noqa: BLE001 - that node is named as not measured
-                out[ip] = None
-        else:
+        if ref not in ready:
             ray.cancel(ref, force=True)
+            out[ip] = f"no answer in {timeout_s:g} s: busy or unreachable"
+            continue
+        try:
+            out[ip] = float(ray.get(ref, timeout=1))
+        except Exception as e:  # noqa: BLE001 - that node is named with its error
+            out[ip] = f"the calibration task failed there: {_cause(e)}"
     return out
+
+
+def _cause(error: BaseException) -> str:
+    """The last line of a task's error (``RayTaskError`` carries the remote traceback)."""
+    cause = getattr(error, "cause", None) or error
+    text = f"{type(cause).__name__}: {cause}".strip().splitlines()
+    return text[-1][:300] if text else type(error).__name__
 
 
 __all__ = ["node_speeds"]

@@ -35,6 +35,7 @@ from ray_mesh.replicas.shares import check_mode
 
 logger = logging.getLogger(__name__)
 CONFIG_KEY = "ray_mesh_replica_group"
+INCARNATION = "incarnation"  # set by replica_group() in the worker: the attempt's id
 ENDED_GRACE_S = 20.0  # after the last step: how long a group still starting may take to end
 # A group failing this often without rejoining (or twice with the same error) is the code,
 # not a node coming and going.
@@ -87,8 +88,9 @@ class Coordinator:
     def checkpointed(self, step: int, path: str) -> None:
         self.quorum.checkpointed(step, path)
 
-    def failed(self, gid: int, error: str, rank: int = 0) -> None:
-        self.quorum.failed(gid, error, rank)
+    def failed(self, gid: int, error: str, rank: int = 0, incarnation: str | None = None
+               ) -> None:
+        self.quorum.failed(gid, error, rank, incarnation)
 
     def status(self) -> dict[str, Any]:
         status = self.quorum.status()
@@ -98,7 +100,7 @@ class Coordinator:
 
 
 class _Client:
-    """A worker's view of the coordinator actor (the ``Coordinator`` protocol of group.py);
+    """A worker's view of the coordinator actor (the ``Coordinator`` protocol of ray_mesh.replicas.coordinator);
     every call is bounded."""
 
     def __init__(self, handle: Any, timeout_s: float) -> None:
@@ -135,12 +137,16 @@ def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: 
     from ray_mesh.replicas import ReplicaGroup
 
     rg = config[CONFIG_KEY]
-    return ReplicaGroup(model, optimizer, client=_Client(rg["coordinator"], rg["timeout_s"]),
-                        group_id=rg["group_id"], total_steps=rg["total_steps"],
-                        segment_samples=rg["segment_samples"],
-                        checkpoint_dir=rg["checkpoint_dir"],
-                        checkpoint_every=rg["checkpoint_every"], exchange=rg["exchange"],
-                        layout=rg["layout"], **kwargs)
+    group = ReplicaGroup(model, optimizer, client=_Client(rg["coordinator"], rg["timeout_s"]),
+                         group_id=rg["group_id"], total_steps=rg["total_steps"],
+                         segment_samples=rg["segment_samples"],
+                         checkpoint_dir=rg["checkpoint_dir"],
+                         checkpoint_every=rg["checkpoint_every"], exchange=rg["exchange"],
+                         layout=rg["layout"], **kwargs)
+    # This worker's own copy of the config: _guarded names the attempt when it reports an
+    # error, so the coordinator drops it at once instead of waiting for its beats to stop.
+    rg[INCARNATION] = group.incarnation
+    return group
 
 
 def _guarded(train_fn: Any) -> Any:
@@ -157,7 +163,8 @@ def _guarded(train_fn: Any) -> Any:
                 import ray.train
 
                 rank = ray.train.get_context().get_world_rank()
-                ray.get(rg["coordinator"].failed.remote(rg["group_id"], text, rank), timeout=5)
+                ray.get(rg["coordinator"].failed.remote(rg["group_id"], text, rank,
+                                                        rg.get(INCARNATION)), timeout=5)
             raise
 
     return run

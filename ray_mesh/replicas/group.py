@@ -33,14 +33,15 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ray_mesh.checkpointing.sharded import broadcast_from_rank0
+from ray_mesh.errors import GroupDropped
+from ray_mesh.replicas.coordinator import Coordinator, Decision, Range
 from ray_mesh.replicas.link import CrossLink, broadcast_, weighted_mean
-from ray_mesh.replicas.quorum import Decision, GroupDropped, Range
 from ray_mesh.replicas.reshard import (
     check_exchange,
     full_like,
@@ -55,18 +56,6 @@ from ray_mesh.replicas.state import save as save_state
 
 if TYPE_CHECKING:
     from ray_mesh.core.diloco_config import DiLoCoConfig
-
-
-class Coordinator(Protocol):
-    """What a group needs from the run's coordinator (a Ray actor in ray_mesh.raytrain)."""
-
-    def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None: ...
-    def beat(self, gid: int, incarnation: str, rank: int) -> bool: ...
-    def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool, busy_s: float | None = None,
-               fixed_s: float | None = None) -> Decision: ...
-    def checkpointed(self, step: int, path: str) -> None: ...
-    def store_address(self) -> tuple[str, int]: ...
 
 
 LR_SCALING = ("none", "linear")
@@ -143,6 +132,16 @@ class ReplicaGroup:
         """Meet the other groups at this boundary: heal if behind, average the contributions
         of the groups present, take the (outer) optimizer step. True when a step was taken;
         False when there was nothing to average (the first call) or the run is done."""
+        try:
+            return self._commit()
+        except BaseException:
+            # This attempt is over (its own world broke, or it was dropped): drop its
+            # cross-group link now, so the other groups' collectives on it fail at once
+            # rather than when this process exits or the link times out.
+            self.link.forget()
+            raise
+
+    def _commit(self) -> bool:
         fresh = False
         while True:
             if self._dropped.is_set():

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
+
 
 class CrossLink:
     """Inner rank ``inner_rank``'s link to the same rank of the other member groups."""
@@ -49,25 +51,9 @@ class CrossLink:
         return self._pg
 
     def forget(self) -> None:
-        """Drop the current group (after a failed collective its pairs are closed)."""
+        """Drop the current group: its sockets close with it, so a peer still in a
+        collective on it gets an error at once instead of waiting for ``timeout_s``."""
         self._pg, self._epoch = None, None
-
-
-def _flat(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
-    out: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault(t.dtype, []).append(t.detach().reshape(-1).to("cpu"))
-    return {dt: torch.cat(parts) for dt, parts in out.items()}
-
-
-def _scatter_back(tensors: Sequence[torch.Tensor], flats: dict[torch.dtype, torch.Tensor]
-                  ) -> None:
-    offsets = dict.fromkeys(flats, 0)
-    with torch.no_grad():
-        for t in tensors:
-            n, o = t.numel(), offsets[t.dtype]
-            t.copy_(flats[t.dtype][o:o + n].view_as(t))
-            offsets[t.dtype] = o + n
 
 
 def weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
@@ -76,7 +62,7 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
     samples behind its contribution; 0 for a member that contributes nothing), and the
     total weight. New tensors; the inputs are left as they were, so a failed collective
     leaves the caller's contribution intact for the retry."""
-    flats = _flat(tensors)
+    flats = flat_by_dtype(tensors)
     scaled = {dt: f.double() * weight if dt.is_floating_point else f for dt, f in flats.items()}
     total = torch.tensor([float(weight)], dtype=torch.float64)
     if group is not None:
@@ -87,7 +73,7 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
     w_all = float(total.item())
     out_flat = {dt: (f / w_all if w_all > 0 else f).to(dt) for dt, f in scaled.items()}
     results = [torch.empty_like(t, device="cpu") for t in tensors]
-    _scatter_back(results, out_flat)
+    scatter_back(results, out_flat)
     return [r.to(t.device) for r, t in zip(results, tensors, strict=True)], w_all
 
 
@@ -98,7 +84,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGro
     that came in (0 on the sender)."""
     if group is None:
         return 0
-    flats = _flat(tensors)
+    flats = flat_by_dtype(tensors)
     opts = dist.BroadcastOptions()  # the group's own method: it is not in c10d's rank table
     opts.rootRank = src
     works = [group.broadcast([f], opts) for f in flats.values()]
@@ -107,7 +93,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGro
     if me == src:
         return 0
     if keep:
-        _scatter_back(tensors, flats)
+        scatter_back(tensors, flats)
     return sum(f.numel() * f.element_size() for f in flats.values())
 
 

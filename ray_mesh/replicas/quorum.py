@@ -38,33 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_mesh.errors import GroupDropped
+from ray_mesh.replicas.coordinator import Decision, Range
 from ray_mesh.replicas.shares import Pace, check_mode, split_samples
-
-Range = tuple[int, int]  # (first sample index, count)
-
-
-@dataclass
-class Decision:
-    """What one quorum tells one member group (plain data: it travels through Ray)."""
-
-    epoch: int                  # bumps whenever the member list changes: a new process group
-    step: int                   # the newest step any member holds (after healing: everyone's)
-    members: list[int]          # group ids, ascending; a group's index here is its cross rank
-    index: int                  # this group's position in ``members``
-    donor: int | None           # index of the member whose state the healers receive
-    healers: list[int]          # indices of members that receive the donor's state
-    contributors: list[int]     # indices of members whose contribution enters the average
-    ranges: list[Range]         # this group's samples for its next segment
-    restore: tuple[int, str] | None = None  # (step, path): the donor loads this first
-    done: bool = False          # the run has finished: return
-
-    @property
-    def heal(self) -> bool:
-        return self.index in self.healers
-
-    @property
-    def contributes(self) -> bool:
-        return self.index in self.contributors
 
 
 @dataclass
@@ -333,10 +308,14 @@ class Quorum:
                         donor=None, healers=[], contributors=[], ranges=[], done=True)
 
     # ------------------------------------------------------------------ the rest
-    def failed(self, gid: int, error: str, rank: int = 0) -> None:
+    def failed(self, gid: int, error: str, rank: int = 0, incarnation: str | None = None
+               ) -> None:
         """Rank ``rank`` of group ``gid`` raised in its train function. Every rank of an
         attempt may report the same error: one event per attempt, where a second report
-        from a rank that already reported (with no rejoin between) is the next attempt."""
+        from a rank that already reported (with no rejoin between) is the next attempt.
+        Given the attempt's ``incarnation``, that attempt leaves the quorum at once: Ray
+        Train starts the group again as a new one, and the others need not wait
+        ``dead_after_s`` for its heartbeats to stop."""
         with self._cv:
             seen = self._fail_ranks.get(gid)
             last = next((e for e in reversed(self.events) if e["group"] == gid
@@ -344,9 +323,12 @@ class Quorum:
             if (seen is not None and rank not in seen and last is not None
                     and last["kind"] == "failed" and last["detail"] == error):
                 seen.add(rank)
-                return
-            self._fail_ranks[gid] = {rank}
-            self._event("failed", gid, error)
+            else:
+                self._fail_ranks[gid] = {rank}
+                self._event("failed", gid, error)
+            g = self._groups.get(gid)
+            if incarnation is not None and g is not None and g.incarnation == incarnation:
+                self._drop(gid, f"its rank {rank} failed (the error above)")
 
     def checkpointed(self, step: int, path: str) -> None:
         """A complete checkpoint of ``step`` is at ``path``: the fallback when every group

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
+
 EXCHANGES = ("shards", "full")  # same layouts: shard with shard; different: full tensors
 
 
@@ -77,19 +79,10 @@ def share_from_leader(tensors: Sequence[torch.Tensor]) -> None:
     per dtype). Every rank calls it with tensors of the same shapes."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    dev = _device()
-    for parts in by_dtype.values():
-        flat = torch.cat([p.detach().reshape(-1).to(dev) for p in parts])
+    flats = flat_by_dtype(tensors, _device())
+    for flat in flats.values():
         dist.broadcast(flat, src=0)
-        offset = 0
-        with torch.no_grad():
-            for p in parts:
-                n = p.numel()
-                p.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
+    scatter_back(tensors, flats)
 
 
 def leader_outcome(ok: bool, total: float) -> tuple[bool, float]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from ports import free_port  # noqa: E402
+from ports import free_port_in  # noqa: E402
 
 from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
 
@@ -166,7 +166,7 @@ dist.destroy_process_group()
 
 def test_torch_rendezvous_and_gloo_listeners(cluster, tmp_path):
     """torch as ray_mesh starts it under Ray Train: TCPStore on rank 0, gloo pairs."""
-    port = free_port()
+    port = free_port_in(cluster.head.exec_prefix(), cluster.head.ip)
     go = tmp_path / "go"
     procs = []
     for rank in (0, 1):
@@ -247,7 +247,7 @@ def test_firewall_admits_only_the_tailnet(net, backend):
     if shutil.which(backend) is None:
         pytest.skip(f"{backend} is not installed (apt-get install -y nftables iptables)")
     head = net.head
-    high, low = free_port(), 80  # a Ray-like port, and one below the protected range
+    high, low = free_port_in(head.exec_prefix()), 80  # a Ray-like port; one below the range
     server = subprocess.Popen([*head.exec_prefix(), sys.executable, "-c", _LISTEN, str(high),
                                str(low)], stdout=subprocess.PIPE, text=True)
     env = {"RAY_MESH_FW_BACKEND": backend}

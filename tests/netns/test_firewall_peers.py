@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from ports import free_port  # noqa: E402
+from ports import free_port_in  # noqa: E402
 
 from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
 
@@ -92,7 +92,7 @@ def net():
         # A client off the tailnet: the host namespace gets an address next to node 0's eth0.
         subprocess.run(["ip", "addr", "replace", f"{c.decoy_subnet}.254/24", "dev",
                         c.head.decoy_host], check=True, timeout=10)
-        port = free_port()
+        port = free_port_in(c.head.exec_prefix())
         server = subprocess.Popen([*c.head.exec_prefix(), sys.executable, "-c", _LISTEN,
                                    str(port)], stdout=subprocess.PIPE, text=True)
         try:

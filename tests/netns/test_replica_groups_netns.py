@@ -1,7 +1,7 @@
 """Replica groups on the virtual cluster of unequal boxes: 2 + 2 + 1 workers, node 2 slower.
 
 Three namespace nodes with 2, 2 and 1 ``slot``; node 2's processes run under a CPU quota of
-0.4 cores (``NetnsCluster(node_cpus=...)``, a cgroup v1 CFS quota: the node does at most
+0.3 cores (``NetnsCluster(node_cpus=...)``, a cgroup v1 CFS quota: the node does at most
 that much work per second however idle the machine is). ``fit_replica_groups(groups="auto",
 shares="speed")`` driven from the head namespace (``benchmarks/replica_groups.py``'s driver):
 one group per node over its slots (``dp_shard=2``, ``dp_shard=2``, ``dp_shard=1``, so every
@@ -30,7 +30,7 @@ from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason
 pytestmark = pytest.mark.netns
 
 KILLED, KILL_AT = 1, 8
-SLOW, SLOW_CORES = 2, 0.4  # node 2: one slot, under a 0.4-core CPU quota
+SLOW, SLOW_CORES = 2, 0.3  # node 2: one slot, under a 0.3-core CPU quota
 
 
 @pytest.fixture(scope="module")

@@ -151,7 +151,7 @@ def test_benchmark_lm_job_batches_and_target_checks():
     assert lm.lr_factor(20, cfg) == pytest.approx(cfg["min_lr_ratio"])
     assert lm.lr_factor(10, cfg) == pytest.approx(1.0)
     loss = lm.loss_fn(lm.make_model(cfg)(x), y)
-    assert 4.5 < float(loss) < 6.5  # ~ln(256) at init
+    assert 4.5 < loss.item() < 6.5  # ~ln(256) at init
 
     sec = {"unshaped_tokens_s": 1000.0, "diloco_tokens_s": 950.0, "sync_tokens_s": 300.0,
            "diloco_val_loss": 2.46, "sync_val_loss": 2.40,

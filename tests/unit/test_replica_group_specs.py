@@ -111,4 +111,7 @@ def test_the_live_plan_lists_one_group_per_node_with_calibrated_shares():
     assert "group 2: node c, 1 worker(s), layout dp_shard=1, speed 0.40 per device" in text
     assert "share 9% with shares='speed'" in text  # 40 / (200 + 200 + 40)
     assert "--calibrate" in format_node_groups(specs)
-    assert "speed not measured" in format_node_groups(specs, {"a": 1.0, "b": 1.0, "c": None})
+    why = "the calibration task failed there: ModuleNotFoundError: No module named 'ray_mesh'"
+    text = format_node_groups(specs, {"a": 1.0, "b": 1.0, "c": why})
+    assert f"group 2: node c, 1 worker(s), layout dp_shard=1, speed not measured ({why})" in text
+    assert "speed 1.00 per device" in text and "busy or unreachable" not in text

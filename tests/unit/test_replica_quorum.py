@@ -214,3 +214,28 @@ def test_a_failure_is_one_event_per_attempt_whatever_the_ranks_report():
     q.failed(0, "KeyError: other", 1)  # another error: its own event
     assert [e["detail"] for e in q.events if e["group"] == 0] == \
         ["ValueError: bad", "ValueError: bad", "KeyError: other"]
+
+
+def test_a_failed_attempt_leaves_at_once_and_a_stale_report_drops_nothing():
+    """A rank that reports its error with its attempt's id takes that attempt out of the
+    quorum at once: the group waiting at the boundary goes on without it, with no clock
+    advance (no ``dead_after_s`` wait for heartbeats), and its samples are handed out again.
+    A late report from an older attempt leaves the new one alone."""
+    q, _ = make(groups=2)
+    d = boundary(q, {0: (0, []), 1: (0, [])})
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(d0=q.arrive(0, "a0", 0, d[0].ranges,
+                                                                    False, 10)))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # group 1 is alive and not there yet: group 0 waits for it
+    q.failed(1, "RuntimeError: Connection reset by peer", 1, incarnation="a1")
+    t.join(5)
+    assert not t.is_alive() and box["d0"].members == [0]
+    left = [e for e in q.events if e["kind"] == "left"]
+    assert [(e["group"], e["detail"]) for e in left] == [(1, "its rank 1 failed (the error "
+                                                          "above)")]
+    assert set(ids(d[1].ranges)) <= set(ids(q.data_state()["queue"])) | set(ids(box["d0"].ranges))
+    q.register(1, "b1", 1)  # the next attempt
+    q.failed(1, "RuntimeError: old", 0, incarnation="a1")
+    assert q.status()["registered"] == [0, 1]
