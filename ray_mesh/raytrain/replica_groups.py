@@ -100,8 +100,8 @@ class Coordinator:
 
 
 class _Client:
-    """A worker's view of the coordinator actor (the ``Coordinator`` protocol of ray_mesh.replicas.coordinator);
-    every call is bounded."""
+    """A worker's view of the coordinator actor (the ``Coordinator`` protocol of
+    :mod:`ray_mesh.replicas.coordinator`); every call is bounded."""
 
     def __init__(self, handle: Any, timeout_s: float) -> None:
         self.handle, self.timeout_s = handle, timeout_s
