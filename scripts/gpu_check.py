@@ -169,10 +169,23 @@ def main() -> int:
         to_local_(state, [f * 2 for f in full], likes)
         doubled = all(torch.equal(s, b * 2) for s, b in zip(state, before_local, strict=True))
         ok, total = leader_outcome(True, 7.0)
-        say("replica_full_exchange", shapes and doubled and ok and total == 7.0,
+        # One flat buffer per dtype on the device (what share_from_leader broadcasts over
+        # NCCL) and back into the tensors: the same values, on the same device.
+        from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
+
+        t = time.perf_counter()
+        flats = flat_by_dtype(full, dev)
+        copies = [torch.zeros_like(f) for f in full]
+        scatter_back(copies, flats)
+        sync(dev)
+        flat_ms = (time.perf_counter() - t) * 1e3
+        flat_ok = (all(f.device.type == dev.type for f in flats.values())
+                   and all(torch.equal(c, f) for c, f in zip(copies, full, strict=True)))
+        say("replica_full_exchange", shapes and doubled and ok and total == 7.0 and flat_ok,
             {"tensors": len(full), "dtensors": sum(lk is not None for lk in likes),
              "full_MiB": round(sum(f.numel() * f.element_size() for f in full) / 2**20, 1),
-             "to_full_ms": round(gather_ms, 2), "device": str(full[0].device)})
+             "to_full_ms": round(gather_ms, 2), "flat_round_trip_ms": round(flat_ms, 2),
+             "flat_dtypes": sorted(str(d) for d in flats), "device": str(full[0].device)})
 
     ray_mesh.shutdown_mesh()
     failed = [k for k, v in RESULTS.items() if isinstance(v, str) and v.startswith("FAIL")]
