@@ -171,3 +171,24 @@ def test_job_parsing_needs_no_ray():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_cli_sets_rays_controller_poll_low_unless_the_user_set_it(monkeypatch):
+    """docs/monitoring.md says `ray-mesh run` sets RAY_TRAIN_HEALTH_CHECK_INTERVAL_S low (a
+    report waits for the controller's poll): the CLI's defaults carry it, only for the run,
+    and a value the user exported wins."""
+    import os
+
+    from ray_mesh.cli.runner import env_defaults
+    from ray_mesh.raytrain.driver import CLI_ENV
+
+    key = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+    assert float(CLI_ENV[key]) <= 0.5
+    monkeypatch.delenv(key, raising=False)
+    with env_defaults(CLI_ENV):
+        assert os.environ[key] == CLI_ENV[key]
+    assert key not in os.environ
+    monkeypatch.setenv(key, "3")
+    with env_defaults(CLI_ENV):
+        assert os.environ[key] == "3"
+    assert os.environ[key] == "3"
