@@ -21,11 +21,11 @@ it.
 The runs store to an S3 bucket: a real moto server process (``ray-mesh storage serve``)
 inside the head's namespace, on its tailnet address, which the other node reaches through
 the WireGuard tunnel; the nodes share no storage. (The step log and final parameters are
-the test's own instrumentation, in pytest's ``tmp_path``.) The default-tier test, first:
+the test's own instrumentation, in pytest's ``tmp_path``.) The default-tier test:
 a worker SIGKILLed mid-run resumes from the bucket bitwise equal to an uninterrupted run;
 a shard object flipped in the bucket is refused by the manifest check on what comes back;
 ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the per-rank layout the
-run wrote into the bucket. The second: a DiLoCo run across the nodes, killed, resumes its
+run wrote into the bucket. In the slow tier, besides the node kills: a DiLoCo run across the nodes, killed, resumes its
 outer state from the bucket bitwise; the driver's storage check refuses a loopback endpoint
 and names a node that cannot reach the bucket.
 """
@@ -196,9 +196,16 @@ def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster,
     assert cluster.nodes[1].ip in text, text[-4000:]  # ranks on the far node, from the bucket
 
 
+# Slow tier (~100 s: a reference run, a killed run and its restart): the DiLoCo outer state's
+# resume from a bucket, bitwise, runs on local Ray in
+# tests/ray/test_checkpoint_s3_ray.py::test_diloco_outer_state_resumes_from_the_bucket (~45 s),
+# a resume from the bucket across this cluster's tunnel in the test above, the loopback and
+# unanswered endpoints' messages in tests/unit/test_storage_s3.py, and the per-node storage
+# probe naming a node in tests/netns/test_private_files.py.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_diloco_resumes_from_the_bucket_and_a_node_cut_off_from_it_is_named(cluster, tmp_path):
-    """Default tier, no node lost. DiLoCo with its replicas on the two nodes (FSDP inside
+    """No node lost. DiLoCo with its replicas on the two nodes (FSDP inside
     each), rank 1 killed at step 5: the restart takes checkpoint 4 from the bucket (after
     the outer step at 3, between syncs) and both replicas end bitwise equal to an
     uninterrupted run's. Then the driver's storage check on the two-node cluster: an

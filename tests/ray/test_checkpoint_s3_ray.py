@@ -12,7 +12,7 @@ endpoint))`` -- an ``S3FileSystem`` at the endpoint, credentials from the enviro
    bit, same length): loading it from the bucket is refused with a CheckpointError naming
    the shard. And ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the
    per-rank layout the run wrote into the bucket.
-2. (slow tier) DiLoCo over 2 replicas to the bucket: killed at step 5, the restart resumes the outer
+2. DiLoCo over 2 replicas to the bucket: killed at step 5, the restart resumes the outer
    state (outer step, outer momentum) and each replica's state from the bucket, bitwise.
 """
 
@@ -176,10 +176,10 @@ def test_hsdp_in_a_bucket_resumes_bitwise_refuses_tampering_and_status_reads_it(
     assert iface in named, named
 
 
-# Slow tier (~45 s): the same scenario runs in the default tier across two nodes of the
-# WireGuard cluster, with the bucket on the head
-# (tests/netns/test_checkpoint_netns.py::test_diloco_resumes_from_the_bucket_and_...).
-@pytest.mark.slow
+# Default tier (~45 s): the same scenario across two nodes of the WireGuard cluster, with the
+# bucket on the head, is the slow tier's
+# (tests/netns/test_checkpoint_netns.py::test_diloco_resumes_from_the_bucket_and_...): the
+# bucket across the tunnel is the default tier's there, with HSDP.
 @pytest.mark.ray
 def test_diloco_outer_state_resumes_from_the_bucket(ray_local, s3, tmp_path, monkeypatch):
     import ray_mesh
