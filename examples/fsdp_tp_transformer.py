@@ -19,7 +19,6 @@ import warnings
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
@@ -31,8 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import ray_mesh
-from ray_mesh.core.runtime import in_ray_train
-from ray_mesh.observability.progress import progress_line
+from ray_mesh.observability.progress import report_due, report_progress
 from ray_mesh.parallel import ParallelError, Pipeline, dp_mean, parallelize, shard_batch
 
 # TP hands FSDP2 the local view of its DTensor outputs (embedding, head); FSDP2 warns that an
@@ -199,23 +197,6 @@ def make_step(mesh, config: dict | None = None):
     return lambda: train_step(model, optim, x, y, mesh)
 
 
-def report(name: str, metrics: dict, steps: int) -> None:
-    """``ray.train.report(metrics)`` under Ray Train, where ray_mesh reads it for the console's
-    progress line, the metrics and the run's summary; under torchrun (no Ray Train) rank 0
-    prints the same line itself."""
-    if in_ray_train():
-        import ray.train
-
-        ray.train.report(metrics)
-    elif dist.get_rank() == 0:
-        print(progress_line(name, metrics["step"], steps, metrics, {}), flush=True)
-
-
-def due(step: int, steps: int, every: int) -> bool:
-    """Report after the first step, every ``every``-th and the last (on every rank)."""
-    return step == 0 or (step + 1) % every == 0 or step + 1 == steps
-
-
 def train_loop(config: dict) -> None:
     cfg = {**DEFAULTS, **(config or {})}
     mesh = ray_mesh.get_mesh()
@@ -223,8 +204,8 @@ def train_loop(config: dict) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     for step in range(cfg["steps"]):
         loss = train_step(model, optim, *batch(step, cfg), mesh).item()
-        if due(step, cfg["steps"], cfg["report_every"]):
-            report("fsdp_tp_transformer", {"step": step + 1, "loss": loss}, cfg["steps"])
+        if report_due(step, cfg["steps"], cfg["report_every"]):
+            report_progress("fsdp_tp_transformer", {"step": step + 1, "loss": loss}, cfg["steps"])
 
 
 if __name__ == "__main__":

@@ -13,12 +13,10 @@ fixed "teacher" so the loss goes down.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.core.runtime import in_ray_train
-from ray_mesh.observability.progress import progress_line
+from ray_mesh.observability.progress import report_due, report_progress
 from ray_mesh.parallel import dp_mean, dp_size, parallelize, shard_batch
 
 # batch_size is per dp replica (the global batch is batch_size x dp).
@@ -87,23 +85,6 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor,
     return dp_mean(loss, mesh)
 
 
-def report(name: str, metrics: dict, steps: int) -> None:
-    """``ray.train.report(metrics)`` under Ray Train, where ray_mesh reads it for the console's
-    progress line, the metrics and the run's summary; under torchrun (no Ray Train) rank 0
-    prints the same line itself."""
-    if in_ray_train():
-        import ray.train
-
-        ray.train.report(metrics)
-    elif dist.get_rank() == 0:
-        print(progress_line(name, metrics["step"], steps, metrics, {}), flush=True)
-
-
-def due(step: int, steps: int, every: int) -> bool:
-    """Report after the first step, every ``every``-th and the last (on every rank)."""
-    return step == 0 or (step + 1) % every == 0 or step + 1 == steps
-
-
 def train_loop(config: dict) -> None:
     cfg = {**DEFAULTS, **(config or {})}
     mesh = ray_mesh.get_mesh()
@@ -112,8 +93,8 @@ def train_loop(config: dict) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     for step in range(steps):
         avg = train_step(model, optim, *batch(step, cfg, dp_size(mesh)), mesh).item()
-        if due(step, steps, cfg["report_every"]):
-            report("hsdp", {"step": step + 1, "loss": avg,
+        if report_due(step, steps, cfg["report_every"]):
+            report_progress("hsdp", {"step": step + 1, "loss": avg,
                             "samples": (step + 1) * cfg["batch_size"] * dp_size(mesh)}, steps)
 
 

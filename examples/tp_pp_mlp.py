@@ -19,12 +19,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.core.runtime import in_ray_train
-from ray_mesh.observability.progress import progress_line
+from ray_mesh.observability.progress import report_due, report_progress
 from ray_mesh.parallel import Pipeline, dp_mean, dp_rank, dp_size, local_batch_size
 
 IN, HIDDEN, OUT = 50, 50, 4
@@ -87,23 +85,6 @@ def train_step(pipe: Pipeline, optim: torch.optim.Optimizer, x: torch.Tensor,
     return dp_mean(loss, mesh)
 
 
-def report(name: str, metrics: dict, steps: int) -> None:
-    """``ray.train.report(metrics)`` under Ray Train, where ray_mesh reads it for the console's
-    progress line, the metrics and the run's summary; under torchrun (no Ray Train) rank 0
-    prints the same line itself."""
-    if in_ray_train():
-        import ray.train
-
-        ray.train.report(metrics)
-    elif dist.get_rank() == 0:
-        print(progress_line(name, metrics["step"], steps, metrics, {}), flush=True)
-
-
-def due(step: int, steps: int, every: int) -> bool:
-    """Report after the first step, every ``every``-th and the last (on every rank)."""
-    return step == 0 or (step + 1) % every == 0 or step + 1 == steps
-
-
 def train_loop(config: dict) -> None:
     cfg = {**DEFAULTS, **(config or {})}
     mesh = ray_mesh.get_mesh()
@@ -112,8 +93,8 @@ def train_loop(config: dict) -> None:
     coord = f"pp {mesh['pp'].get_local_rank()} tp {mesh['tp'].get_local_rank()}"
     for step in range(cfg["steps"]):
         loss = train_step(pipe, optim, *batch(step, cfg), mesh).item()
-        if due(step, cfg["steps"], cfg["report_every"]):
-            report("tp_pp_mlp", {"step": step + 1, "loss": loss}, cfg["steps"])
+        if report_due(step, cfg["steps"], cfg["report_every"]):
+            report_progress("tp_pp_mlp", {"step": step + 1, "loss": loss}, cfg["steps"])
     x, _ = batch(cfg["steps"], cfg)
     out = pipe.forward_only(x[:local_batch_size(cfg["batch_size"], mesh)].to(pipe.device))
     if out is not None:

@@ -62,4 +62,32 @@ def show(line: str) -> None:
     logger.info("%s", line)
 
 
-__all__ = ["duration", "progress_line", "show"]
+def report_progress(name: str, metrics: dict[str, float], total_steps: int | None = None
+                    ) -> None:
+    """Report ``metrics`` the way the run was started; call it on every rank.
+
+    Under Ray Train: ``ray.train.report(metrics)``, and ray_mesh's recorder shows the progress
+    line on the driver, exports the numbers and the run's summary reads them. Under torchrun
+    (no Ray Train) world rank 0 prints the same line itself. So one train function serves
+    both launchers (the examples are run either way).
+    """
+    from ray_mesh.core.runtime import in_ray_train
+
+    if in_ray_train():
+        import ray.train
+
+        ray.train.report(metrics)
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(progress_line(name, metrics.get("step", 0), total_steps, metrics, {}), flush=True)
+
+
+def report_due(step: int, steps: int, every: int) -> bool:
+    """Whether 0-based ``step`` of ``steps`` reports: the first, every ``every``-th and the
+    last (the same answer on every rank, so every rank reports together)."""
+    return step == 0 or (step + 1) % every == 0 or step + 1 == steps
+
+
+__all__ = ["duration", "progress_line", "report_due", "report_progress", "show"]

@@ -25,9 +25,9 @@ the test's own instrumentation, in pytest's ``tmp_path``.) The default-tier test
 a worker SIGKILLed mid-run resumes from the bucket bitwise equal to an uninterrupted run;
 a shard object flipped in the bucket is refused by the manifest check on what comes back;
 ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the per-rank layout the
-run wrote into the bucket. In the slow tier, besides the node kills: a DiLoCo run across the nodes, killed, resumes its
-outer state from the bucket bitwise; the driver's storage check refuses a loopback endpoint
-and names a node that cannot reach the bucket.
+run wrote into the bucket. In the slow tier, besides the node kills: a DiLoCo run across
+the nodes, killed, resumes its outer state from the bucket bitwise; the driver's storage
+check refuses a loopback endpoint and names a node that cannot reach the bucket.
 """
 
 from __future__ import annotations

@@ -50,3 +50,13 @@ def test_one_definition():
     assert export.train_context is runtime.train_context
     with pytest.raises(guards.CheckpointError):
         guards.train_context()
+
+
+def test_report_progress_prints_the_progress_line_outside_ray_train(capsys):
+    """The examples' one train function under torchrun (here: no process group, no Ray
+    Train): the line ray_mesh's recorder shows under Ray Train, printed by the process."""
+    from ray_mesh.observability.progress import report_due, report_progress
+
+    report_progress("hsdp", {"step": 10, "loss": 0.40531}, 40)
+    assert capsys.readouterr().out == "hsdp: step 10/40 loss 0.4053\n"
+    assert [s for s in range(10) if report_due(s, 10, 4)] == [0, 3, 7, 9]
