@@ -34,7 +34,6 @@ class Decision:
         return self.index in self.contributors
 
 
-
 class Coordinator(Protocol):
     """What a group needs from the run's coordinator (a Ray actor in ray_mesh.raytrain)."""
 

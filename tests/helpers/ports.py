@@ -36,11 +36,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_port_in(prefix: list[str], address: str = "0.0.0.0", *, start: int | None = None) -> int:
+def free_port_in(prefix: list[str], address: str = "0.0.0.0") -> int:
     """A port free on ``address`` inside the namespace that ``prefix`` enters, outside the
-    ephemeral and Ray-worker ranges. ``start`` spreads callers over the quiet range."""
+    ephemeral and Ray-worker ranges; the probe starts at a point of the quiet range that
+    varies by call (an OS-chosen port), so callers spread over it."""
     low, high = _QUIET
-    first = low + (start if start is not None else free_port()) % (high - low - 200)
+    first = low + free_port() % (high - low - 200)
     out = subprocess.run([*prefix, sys.executable, "-c", _PROBE, str(first), str(high), address],
                          capture_output=True, text=True, timeout=30)
     if out.returncode != 0 or not out.stdout.strip():
