@@ -73,7 +73,7 @@ class Coordinator:
         self.layouts[gid] = layout
         self.quorum.register(gid, incarnation, ranks)
 
-    def beat(self, gid: int, incarnation: str, rank: int) -> bool:
+    def beat(self, gid: int, incarnation: str, rank: int) -> int | None:
         return self.quorum.beat(gid, incarnation, rank)
 
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
@@ -112,7 +112,7 @@ class _Client:
     def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None:
         self._get(self.handle.register.remote(gid, incarnation, ranks, layout))
 
-    def beat(self, gid: int, incarnation: str, rank: int) -> bool:
+    def beat(self, gid: int, incarnation: str, rank: int) -> int | None:
         return self._get(self.handle.beat.remote(gid, incarnation, rank))
 
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],

@@ -24,6 +24,7 @@ class Decision:
     ranges: list[Range]         # this group's samples for its next segment
     restore: tuple[int, str] | None = None  # (step, path): the donor loads this first
     done: bool = False          # the run has finished: return
+    waited_s: float = 0.0       # how long this group waited at the quorum for the others
 
     @property
     def heal(self) -> bool:
@@ -38,7 +39,7 @@ class Coordinator(Protocol):
     """What a group needs from the run's coordinator (a Ray actor in ray_mesh.raytrain)."""
 
     def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None: ...
-    def beat(self, gid: int, incarnation: str, rank: int) -> bool: ...
+    def beat(self, gid: int, incarnation: str, rank: int) -> int | None: ...
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
                fresh_link: bool, busy_s: float | None = None,
                fixed_s: float | None = None) -> Decision: ...

@@ -43,6 +43,7 @@ from ray_mesh.errors import GroupDropped
 from ray_mesh.replicas.coordinator import Coordinator, Decision, Range
 from ray_mesh.replicas.link import CrossLink, broadcast_, weighted_mean
 from ray_mesh.replicas.reshard import (
+    all_ranks_agree,
     check_exchange,
     full_like,
     leader_outcome,
@@ -92,10 +93,10 @@ class ReplicaGroup:
         self.ranges: list[Range] = []
         self.done = False
         self.last: Decision | None = None
-        # Its pace (shares.Pace): the seconds a boundary's own work took (from its decision
-        # to the end of the step) and the seconds of compute after it, for its samples.
+        # Its pace (shares.Pace): a boundary's own seconds (meeting the quorum, the exchange,
+        # the step: not the wait for others) and the seconds of compute for its samples.
         self._since: float | None = None
-        self._decided_at, self._fixed_s = 0.0, None
+        self._decided_at, self._fixed_s, self._meet_s = 0.0, None, 0.0
         self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
                                         "live_groups": 0}
         if self.rank == 0:
@@ -104,6 +105,7 @@ class ReplicaGroup:
         host, port = client.store_address()
         self.link = CrossLink(host, port, self.rank, timeout_s)
         self._dropped = threading.Event()
+        self._broken_epoch = 0  # from the beats: the newest epoch that lost a member
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat_loop, args=(beat_s,), daemon=True,
                                        name=f"ray_mesh-replica-beat-{group_id}")
@@ -148,15 +150,19 @@ class ReplicaGroup:
                 raise GroupDropped(f"replica group {self.gid}: the coordinator dropped this "
                                    "attempt (it stopped beating in time)")
             holding = self.ranges if self._has_contribution() else []
-            busy = None if self._since is None or fresh else time.monotonic() - self._since
+            called = time.monotonic()
+            busy = None if self._since is None or fresh else called - self._since
             d = self._quorum(holding, fresh, busy, None if fresh else self._fixed_s)
             self._decided_at = time.monotonic()
+            # Meeting the quorum costs this box its own time too (the call, the decision's
+            # way to every rank): that is part of its cycle; waiting for the others is not.
+            self._meet_s = max(0.0, self._decided_at - called - d.waited_s)
             self.last = d
             if d.done:
                 self.done = True
                 return False
             ok, applied = self._boundary(d)
-            if _all_ranks_agree(ok):
+            if all_ranks_agree(ok):
                 self._after(d, applied)
                 return applied
             self.link.forget()
@@ -197,7 +203,8 @@ class ReplicaGroup:
         if self.exchange == "full":
             return self._boundary_full(d)
         try:
-            pg = self.link.group(d.epoch, d.index, len(d.members))
+            abort = self._abort(d)
+            pg = self.link.group(d.epoch, d.index, len(d.members), abort)
             # Contributions first: a DiLoCo member's pseudo-gradient is of its own round,
             # and only healers take the donor's state (the others receive and drop it).
             mine = self._contribution()
@@ -206,13 +213,13 @@ class ReplicaGroup:
                 self._restore(d.restore[1])
             if d.donor is not None:
                 t0 = time.perf_counter()
-                got = broadcast_(self._state(), d.donor, pg, d.index, keep=d.heal)
+                got = broadcast_(self._state_and_likes()[0], d.donor, pg, d.index, d.heal, abort)
                 if d.heal:
                     self._adopt_counters()
                     self.stats["rejoin_bytes"] += got
                     self.stats["heal_s"] += time.perf_counter() - t0
                     self._drop_contribution()
-            avg, total = weighted_mean(mine, weight, pg)
+            avg, total = weighted_mean(mine, weight, pg, abort)
         except RuntimeError as exc:  # a peer group died mid-collective, or a timeout
             self.stats["last_error"] = str(exc)[:300]
             return False, False
@@ -237,8 +244,8 @@ class ReplicaGroup:
                 full = (to_full(state, state_likes) if d.index == d.donor
                         else [full_like(t, lk) for t, lk in zip(state, state_likes, strict=True)])
                 t0, got = time.perf_counter(), 0
-                ok, _ = self._as_leader(
-                    leader, lambda pg: broadcast_(full, d.donor, pg, d.index, keep=d.heal), d)
+                ok, _ = self._as_leader(leader, lambda pg, ab: broadcast_(
+                    full, d.donor, pg, d.index, d.heal, ab), d)
                 ok, _ = leader_outcome(ok, 0.0)
                 if not ok:
                     return False, False
@@ -250,7 +257,8 @@ class ReplicaGroup:
                     self.stats["rejoin_bytes"] += got
                     self.stats["heal_s"] += time.perf_counter() - t0
                     self._drop_contribution()
-            ok, result = self._as_leader(leader, lambda pg: weighted_mean(mine, weight, pg), d)
+            ok, result = self._as_leader(
+                leader, lambda pg, ab: weighted_mean(mine, weight, pg, ab), d)
             ok, total = leader_outcome(ok, result[1] if ok and leader else 0.0)
             if not ok:
                 return False, False
@@ -265,15 +273,21 @@ class ReplicaGroup:
         return True, True
 
     def _as_leader(self, leader: bool, step: Any, d: Decision) -> tuple[bool, Any]:
-        """Run ``step(pg)`` on the leaders' link, on the leader only: (it worked, its
+        """Run ``step(pg, abort)`` on the leaders' link, on the leader only: (it worked, its
         result). A failure is kept, so the group hears of it in :func:`leader_outcome`."""
         if not leader:
             return True, None
         try:
-            return True, step(self.link.group(d.epoch, d.index, len(d.members)))
+            abort = self._abort(d)
+            return True, step(self.link.group(d.epoch, d.index, len(d.members), abort), abort)
         except RuntimeError as exc:  # a peer group died mid-collective, or a timeout
             self.stats["last_error"] = str(exc)[:300]
             return False, None
+
+    def _abort(self, d: Decision) -> Any:
+        """For the link's waits: True once the quorum dropped a member of ``d``'s epoch
+        (its beats say so), or this attempt itself."""
+        return lambda: self._broken_epoch >= d.epoch or self._dropped.is_set()
 
     def _contribution_likes(self) -> list[torch.Tensor | None]:
         params = self.diloco.params if self.diloco is not None else self.model.parameters()
@@ -317,7 +331,8 @@ class ReplicaGroup:
         self.stats["live_groups"] = len(d.members)
         self._since = time.monotonic()
         # A heal's transfer is a one-off, not this box's pace: not counted.
-        self._fixed_s = None if d.donor is not None else self._since - self._decided_at
+        self._fixed_s = (None if d.donor is not None
+                         else self._since - self._decided_at + self._meet_s)
         if (applied and self.checkpoint_dir and self.checkpoint_every
                 and self.step % self.checkpoint_every == 0 and d.index == 0):
             path = f"{self.checkpoint_dir}/step_{self.step:08d}"
@@ -328,9 +343,6 @@ class ReplicaGroup:
                 self.client.checkpointed(self.step, path)
 
     # ------------------------------------------------------------------ state
-    def _state(self) -> list[torch.Tensor]:
-        return self._state_and_likes()[0]
-
     def _state_and_likes(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         dl = self.diloco
         self._counters[:] = torch.tensor([self.step, dl.inner_steps if dl else 0,
@@ -358,11 +370,13 @@ class ReplicaGroup:
     def _beat_loop(self, every: float) -> None:
         while not self._stop.wait(every):
             try:
-                if not self.client.beat(self.gid, self.incarnation, self.rank):
-                    self._dropped.set()
-                    return
+                broken = self.client.beat(self.gid, self.incarnation, self.rank)
             except Exception:  # noqa: BLE001 - the coordinator is busy: the next beat tells
                 continue
+            if broken is None:
+                self._dropped.set()
+                return
+            self._broken_epoch = broken
 
     def metrics(self) -> dict[str, float]:
         """Plain scalars for ``ray.train.report``: ``replica_groups/live`` and friends."""
@@ -380,17 +394,6 @@ def _barrier() -> None:
 def _shared_incarnation(rank: int) -> str:
     """One id for this attempt of the group, the same on every rank (rank 0's)."""
     return str(broadcast_from_rank0(uuid.uuid4().hex[:12] if rank == 0 else None, None))
-
-
-def _all_ranks_agree(ok: bool) -> bool:
-    """True when every rank of this group got through the boundary (a MIN over the
-    group's own world, which raises if a rank of this group is gone)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
-                        device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 __all__ = ["Coordinator", "LR_SCALING", "ReplicaGroup"]

@@ -11,17 +11,33 @@ groups pair shard with shard, so a collective moves exactly one copy of each sha
 Gloo, on CPU copies: this link is the slow one (the VPN between nodes), a dead peer shows up
 as an error at once (its sockets close) instead of a hang, and ``timeout_s`` bounds the rest
 (a peer that vanished without closing anything).
+
+A member can also fail where no socket tells: after the quorum named it, before it built
+the epoch's group (the others wait for it in the rendezvous), or with its node gone. The
+quorum knows first (the group reported its error, or stopped beating), so every wait here
+takes an ``abort`` check, asked every :data:`POLL_S`: once the epoch lost a member, the wait
+ends with :class:`LinkAbandoned` at once instead of at ``timeout_s``. An abandoned group is
+released on a thread of its own: gloo's destructor waits for the operation still queued.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
+
+POLL_S = 0.2  # how often a wait on the link asks whether its epoch lost a member
+Abort = Callable[[], bool]
+
+
+class LinkAbandoned(RuntimeError):
+    """The quorum lost a member of this link's epoch: its collectives cannot complete."""
 
 
 class CrossLink:
@@ -30,46 +46,109 @@ class CrossLink:
     def __init__(self, host: str, port: int, inner_rank: int, timeout_s: float = 30.0) -> None:
         self.host, self.port, self.inner_rank = host, port, inner_rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._store: dist.Store | None = None
         self._pg: dist.ProcessGroup | None = None
         self._epoch: int | None = None
         self.bytes_received = 0
 
-    def group(self, epoch: int, index: int, size: int) -> dist.ProcessGroup | None:
+    def group(self, epoch: int, index: int, size: int, abort: Abort | None = None
+              ) -> dist.ProcessGroup | None:
         """This rank's process group for ``epoch`` (position ``index`` of ``size``
-        members); None when it is the only member."""
+        members); None when it is the only member. Building it waits for every member;
+        ``abort`` ends that wait (:class:`LinkAbandoned`) when one will not come."""
         if size < 2:
-            self._pg, self._epoch = None, epoch
+            self.forget()
+            self._epoch = epoch
             return None
         if self._epoch != epoch or self._pg is None:
-            if self._store is None:
-                self._store = dist.TCPStore(self.host, self.port, is_master=False,
-                                            timeout=self.timeout)
-            prefix = dist.PrefixStore(f"replicas/{epoch}/{self.inner_rank}/", self._store)
-            self._pg = dist.ProcessGroupGloo(prefix, index, size, self.timeout)
+            self.forget()
+            # A store client per epoch: a client is one connection whose requests queue, so
+            # an abandoned rendezvous still blocked in it would hold up the next epoch's.
+            store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+            prefix = dist.PrefixStore(f"replicas/{epoch}/{self.inner_rank}/", store)
+            self._pg = _build(lambda: dist.ProcessGroupGloo(prefix, index, size, self.timeout),
+                              abort, epoch)
             self._epoch = epoch
         return self._pg
 
     def forget(self) -> None:
         """Drop the current group: its sockets close with it, so a peer still in a
-        collective on it gets an error at once instead of waiting for ``timeout_s``."""
-        self._pg, self._epoch = None, None
+        collective on it gets an error at once instead of waiting for ``timeout_s``. On a
+        thread of its own: with an operation still queued (an abandoned wait) gloo's
+        destructor blocks until that operation ends."""
+        pg, self._pg, self._epoch = self._pg, None, None
+        if pg is not None:
+            t = threading.Thread(target=_release, args=(pg,), daemon=True,
+                                 name="ray_mesh-link-release")
+            del pg  # the thread's arguments hold the last reference
+            t.start()
+
+
+def _release(pg: Any) -> None:
+    del pg
+
+
+def _build(make: Callable[[], Any], abort: Abort | None, epoch: int) -> Any:
+    """``make()`` (a gloo group's rendezvous) on a helper thread, so that ``abort`` can end
+    the wait; an abandoned rendezvous ends on its own (its timeout) on that thread."""
+    if abort is None:
+        return make()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["pg"] = make()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True, name="ray_mesh-link-rendezvous")
+    t.start()
+    while t.is_alive():
+        t.join(POLL_S)
+        if t.is_alive() and abort():
+            box.clear()
+            raise LinkAbandoned(f"cross-group link of epoch {epoch}: a member left before "
+                                "it joined the rendezvous (the quorum dropped it)")
+    if "error" in box:
+        raise box["error"]
+    return box.pop("pg")
+
+
+def wait_all(works: Sequence[Any], abort: Abort | None = None) -> None:
+    """Wait for ``works`` (gloo operations), asking ``abort`` every :data:`POLL_S`: an
+    operation's own error is raised as is; an abort raises :class:`LinkAbandoned` and
+    leaves the operation to end with its group (:meth:`CrossLink.forget`)."""
+    poll = datetime.timedelta(seconds=POLL_S)
+    for w in works:
+        if abort is None:
+            w.wait()
+            continue
+        while True:
+            try:
+                w.wait(poll)
+                break
+            except RuntimeError:
+                if w.is_completed():  # it ended as the short wait gave up: its own outcome
+                    w.wait()
+                    break
+                if abort():
+                    raise LinkAbandoned("cross-group collective abandoned: a member of its "
+                                        "epoch left (the quorum dropped it)") from None
 
 
 def weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
-                  group: dist.ProcessGroup | None) -> tuple[list[torch.Tensor], float]:
+                  group: dist.ProcessGroup | None, abort: Abort | None = None
+                  ) -> tuple[list[torch.Tensor], float]:
     """The mean of ``tensors`` over the group, each member weighted by ``weight`` (the
     samples behind its contribution; 0 for a member that contributes nothing), and the
     total weight. New tensors; the inputs are left as they were, so a failed collective
-    leaves the caller's contribution intact for the retry."""
+    leaves the caller's contribution intact for the retry. ``abort``: see :func:`wait_all`."""
     flats = flat_by_dtype(tensors)
     scaled = {dt: f.double() * weight if dt.is_floating_point else f for dt, f in flats.items()}
     total = torch.tensor([float(weight)], dtype=torch.float64)
     if group is not None:
         works = [dist.all_reduce(total, group=group, async_op=True)]
         works += [dist.all_reduce(f, group=group, async_op=True) for f in scaled.values()]
-        for w in works:
-            w.wait()
+        wait_all(works, abort)
     w_all = float(total.item())
     out_flat = {dt: (f / w_all if w_all > 0 else f).to(dt) for dt, f in scaled.items()}
     results = [torch.empty_like(t, device="cpu") for t in tensors]
@@ -78,7 +157,7 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None,
-               me: int, keep: bool = True) -> int:
+               me: int, keep: bool = True, abort: Abort | None = None) -> int:
     """Overwrite ``tensors`` with member ``src``'s, in place (only with ``keep``: a member
     that takes part without needing the state receives it and drops it); returns the bytes
     that came in (0 on the sender)."""
@@ -87,9 +166,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGro
     flats = flat_by_dtype(tensors)
     opts = dist.BroadcastOptions()  # the group's own method: it is not in c10d's rank table
     opts.rootRank = src
-    works = [group.broadcast([f], opts) for f in flats.values()]
-    for w in works:
-        w.wait()
+    wait_all([group.broadcast([f], opts) for f in flats.values()], abort)
     if me == src:
         return 0
     if keep:
@@ -97,4 +174,5 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGro
     return sum(f.numel() * f.element_size() for f in flats.values())
 
 
-__all__ = ["CrossLink", "broadcast_", "weighted_mean"]
+__all__ = ["POLL_S", "CrossLink", "LinkAbandoned", "broadcast_", "wait_all",
+           "weighted_mean"]

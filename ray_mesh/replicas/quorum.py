@@ -87,13 +87,15 @@ class Quorum:
         self._tentative: list[Range] = []  # contributions of the last formed quorum
         self._last: tuple[int, frozenset[int]] | None = None  # (step, members) last formed
         self._epoch = 0
+        self._broken = 0  # the newest epoch that lost a member after it formed
         self._formed = 0
         self._max_step_seen = 0
         self._checkpoint: tuple[int, str] | None = None
         self._books: dict[str, Any] = {}
         self._finished = False
         self._all_gone = False
-        self._left: set[int] = set()  # dropped since the last quorum: "joined" when back
+        self._left: set[int] = set()  # dropped while members: "joined" when back
+        self._changed = False  # a member left, or a group restarted, since the last quorum
         self._fail_ranks: dict[int, set[int]] = {}  # ranks that reported a group's last error
         self.consumed = 0  # samples whose contribution entered a committed average
         self.events: list[dict[str, Any]] = []
@@ -107,18 +109,23 @@ class Quorum:
             if old is not None and old.incarnation != incarnation:
                 self._requeue(old.assigned)
                 self._event("replaced", gid, "a new attempt of the group started")
+                self._changed = True
             now = self.clock()
             self._groups[gid] = _Group(incarnation, ranks, {r: now for r in range(ranks)})
             self._cv.notify_all()
 
-    def beat(self, gid: int, incarnation: str, rank: int) -> bool:
-        """A heartbeat from one rank; False when that incarnation is no longer a member."""
+    def beat(self, gid: int, incarnation: str, rank: int) -> int | None:
+        """A heartbeat from one rank. None when that incarnation is no longer a member;
+        otherwise the newest epoch that lost a member after it formed: a group waiting on
+        that epoch's link abandons the wait (:mod:`.link`) rather than wait for a peer
+        that will not come."""
         with self._cv:
             g = self._groups.get(gid)
             if g is None or g.incarnation != incarnation:
-                return False
+                return None
             g.beats[rank] = self.clock()
-            return True
+            self._drop_dead()  # the beats of the groups left drive it while none arrives
+            return self._broken
 
     def _alive(self, g: _Group, now: float) -> bool:
         return len(g.beats) == g.ranks and all(now - t <= self.dead_after_s
@@ -135,11 +142,14 @@ class Quorum:
     def _drop(self, gid: int, why: str) -> None:
         g = self._groups.pop(gid)
         self._requeue(g.assigned)
+        if self._last is not None and gid in self._last[1]:
+            self._broken = self._epoch  # its members may be waiting for it on the link
         if g.ready and not any(other.ready for other in self._groups.values()):
             self._all_gone = True  # the next quorum is a restart: it waits for everyone
         if g.ready:
             self._event("left", gid, why)
             self._left.add(gid)
+            self._changed = True
         self._cv.notify_all()
 
     # ------------------------------------------------------------------ the boundary
@@ -234,9 +244,10 @@ class Quorum:
             self._settle_books(arrived, members, contributors, top)
         membership = frozenset(members)
         fresh = any(arrived[g].arrival["fresh_link"] for g in members)
-        if self._last is None or self._last[1] != membership or fresh or self._left:
+        if self._last is None or self._last[1] != membership or fresh or self._changed:
             self._epoch += 1
             self._membership_events(membership, top)
+        self._changed = False
         self._last = (top, membership)
         self._formed += 1
         self._max_step_seen = max(self._max_step_seen, top)
@@ -244,6 +255,7 @@ class Quorum:
             self._event("healed", gid, f"state of step {top} from group {donor_gid}", step=top)
         finished = top >= self.total_steps
         idx = {gid: i for i, gid in enumerate(members)}
+        now = self.clock()
         shares = split_samples(self.segment_samples, {gid: (
             arrived[gid].ranks, arrived[gid].pace.rate, arrived[gid].pace.fixed_s)
             for gid in members}, self.shares)
@@ -256,7 +268,7 @@ class Quorum:
                 donor=idx[donor_gid] if (healers or restore) else None,
                 healers=[idx[h] for h in healers], contributors=[idx[c] for c in contributors],
                 ranges=list(g.assigned), restore=restore if gid == donor_gid else None,
-                done=finished)
+                done=finished, waited_s=max(0.0, now - g.arrival["since"]))
             g.arrival = None
         if finished:
             self._finished = True

@@ -96,11 +96,21 @@ def leader_outcome(ok: bool, total: float) -> tuple[bool, float]:
     return bool(box[0].item() > 0), float(box[1].item())
 
 
+def all_ranks_agree(ok: bool) -> bool:
+    """True when every rank of this group got through the boundary (a MIN over the
+    group's own world, which raises if a rank of this group is gone)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def check_exchange(exchange: str) -> None:
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}: use one of {EXCHANGES} (\"full\" when the "
                          "groups' layouts differ)")
 
 
-__all__ = ["EXCHANGES", "check_exchange", "full_like", "leader_outcome", "locals_of",
-           "share_from_leader", "to_full", "to_local_"]
+__all__ = ["EXCHANGES", "all_ranks_agree", "check_exchange", "full_like", "leader_outcome",
+           "locals_of", "share_from_leader", "to_full", "to_local_"]

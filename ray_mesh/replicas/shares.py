@@ -9,8 +9,11 @@ boundary's samples.
 A group's cycle is a fixed part, the boundary's own work (the exchange, the optimizer step:
 seconds that do not depend on its batch, and that a slow box pays more for), plus its
 samples over its compute rate. Both are running means of what the group reports on arrival
-(:class:`Pace`): the seconds from its last decision to the end of that boundary, and the
-seconds from there to this arrival for its samples. The split solves for equal cycles:
+(:class:`Pace`): the seconds its last boundary took, less the wait for the other groups
+(the quorum says how long that was: ``Decision.waited_s``), and the seconds from there to
+this arrival for its samples. A slow box pays more for its own part of a boundary too (the
+call to the coordinator, the decision's way to its ranks): left out, the split would
+hand it too many samples and everyone would wait for it. The split solves for equal cycles:
 ``fixed_i + n_i / rate_i = T`` with the ``n_i`` summing to the boundary's total. A split
 by compute rate alone would hand a slow box with a costly boundary too many samples; a split
 by whole-cycle speed (samples over everything) would hand it too few, since its speed

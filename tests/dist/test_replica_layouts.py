@@ -52,6 +52,9 @@ class _Coordinator:
     def checkpointed(self, step, path):
         self.quorum.checkpointed(step, path)
 
+    def failed(self, gid, error, rank=0, incarnation=None):
+        self.quorum.failed(gid, error, rank, incarnation)
+
     def store_address(self):
         return ("127.0.0.1", self.port)
 
@@ -78,10 +81,11 @@ class _Served:
 
 
 def _launch(gid: int, layout: str, nproc: int, port: int, steps: int, out: Path,
-            step_s: float = 0.0, diloco_every: int = 0, wait_groups: int = 0
-            ) -> subprocess.Popen:
+            step_s: float = 0.0, diloco_every: int = 0, wait_groups: int = 0,
+            die_at: int = -1) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     env["STEP_S"], env["WAIT_GROUPS"] = str(step_s), str(wait_groups)
+    env["DIE_AT_STEP"] = str(die_at)
     env["DILOCO_EVERY"] = str(diloco_every)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
@@ -178,3 +182,33 @@ def test_diloco_groups_of_different_layouts_end_with_the_same_model(tmp_path):
         assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()
     losses = [float((tmp_path / f"g{g}.eval").read_text()) for g in (0, 1)]
     assert abs(losses[0] - losses[1]) < 1e-6 and losses[0] < 0.6, losses  # 0.65 untrained
+
+
+@pytest.mark.timeout(240)
+def test_a_group_failing_after_the_quorum_named_it_does_not_stall_the_others(tmp_path):
+    """A worker of an FSDP group dies as the group joins: the first quorum names all three
+    groups, the others wait for its leader in the rendezvous of the epoch's cross-group link,
+    and that leader never comes (its own world broke first). Their heartbeats tell them the
+    epoch lost a member, and they go on at once without it, instead of waiting for the
+    link's whole timeout (20 s here)."""
+    steps = 8
+    served = _Served(steps, expected_groups=3)
+    survivors = [_launch(0, "fsdp", 2, served.port, steps, tmp_path),
+                 _launch(1, "plain", 1, served.port, steps, tmp_path)]
+    dying = _launch(2, "fsdp", 2, served.port, steps, tmp_path, die_at=0)
+    _finish(survivors, 200)
+    out, _ = dying.communicate(timeout=60)
+    assert dying.returncode != 0 and "FAILED group 2 rank 0 at step 0" in out, out[-4000:]
+    events = served.quorum.status()["events"]
+    left = [e for e in events if e["kind"] == "left" and e["group"] == 2]
+    assert left and "failed" in left[0]["detail"], events
+    assert ("joined", 2) in [(e["kind"], e["group"]) for e in events], events  # named first
+    for gid in (0, 1):
+        rows = _rows(tmp_path, gid)
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows
+        # the first step: the rendezvous abandoned, the link rebuilt, one step computed
+        assert rows[0]["t"] - left[0]["t"] < 6, (gid, rows[0]["t"] - left[0]["t"])
+        assert {r["groups"] for r in rows} == {2}, rows
+    a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
+    for x, y in zip(a, b, strict=True):
+        assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()

@@ -6,13 +6,20 @@ set: DiLoCo replica groups (AdamW inner steps, the outer step at each commit). T
 reaches the run's coordinator (a ``Quorum`` served by the test process through a
 ``multiprocessing`` manager) and trains harness/replica_train.py's MLP with
 ``exchange="full"``. Rank 0 writes ``g<GROUP>.jsonl`` (one line per committed step: the
-samples behind it) and ``g<GROUP>.pt`` (the final full parameters).
+samples behind it, and when) and ``g<GROUP>.pt`` (the final full parameters).
+
+``DIE_AT_STEP`` set: once this group's rank 1 holds that step (0: as the group joins), it
+exits before meeting the others; rank 0 then fails in the boundary, reports the error to the
+coordinator as ray_mesh's Ray glue does (``_guarded``), and exits. Its rank 0 ignores
+SIGTERM, which torchrun sends it as soon as rank 1 is gone (Ray Train's teardown of a group
+also takes a moment; the report is what ends the group's membership at once).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from multiprocessing.managers import BaseManager
@@ -69,7 +76,24 @@ def main() -> None:
                       total_steps=steps, segment_samples=8, exchange="full",
                       layout=f"{layout}={size}", timeout_s=20, diloco=diloco)
     dp_rank, dp_size = (rank, size) if layout == "fsdp" else (0, 1)
-    rg.commit()
+    die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
+    if die_at >= 0:  # rank 0 outlives torchrun's SIGTERM long enough to report (see above)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def commit() -> None:
+        if rg.step == die_at and rank == 1:  # its step computed, not yet met
+            os._exit(3)
+        try:
+            rg.commit()
+        except RuntimeError as exc:
+            if die_at < 0:
+                raise
+            # the group's own failure, reported as the Ray glue reports it
+            manager.coordinator().failed(gid, str(exc)[:200], rank, rg.incarnation)
+            print(f"FAILED group {gid} rank {rank} at step {rg.step}", flush=True)
+            os._exit(3)
+
+    commit()
     while rg.running:
         held = list(rg.ranges)
         if diloco:  # the round's inner steps on this group's own
@@ -86,10 +110,10 @@ def main() -> None:
         alone = len(rg.last.members) < int(os.environ.get("WAIT_GROUPS", "0"))
         time.sleep(float(os.environ.get("STEP_S", "0.05")) if alone else 0.0)
         before = rg.step
-        rg.commit()
+        commit()
         if rank == 0 and rg.step > before:
             with (out / f"g{gid}.jsonl").open("a") as f:
-                f.write(json.dumps({"step": rg.step, "ranges": held,
+                f.write(json.dumps({"step": rg.step, "ranges": held, "t": time.time(),
                                     "contributes": rg.last.contributes,
                                     "groups": len(rg.last.members)}) + "\n")
     rg.finish()

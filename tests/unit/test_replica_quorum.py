@@ -239,3 +239,57 @@ def test_a_failed_attempt_leaves_at_once_and_a_stale_report_drops_nothing():
     q.register(1, "b1", 1)  # the next attempt
     q.failed(1, "RuntimeError: old", 0, incarnation="a1")
     assert q.status()["registered"] == [0, 1]
+
+
+def test_the_beats_name_an_epoch_that_lost_a_member_after_it_formed():
+    """Members already on the link of an epoch cannot hear from the quorum through
+    ``arrive``: their heartbeats carry the newest epoch that lost a member (0: none), so
+    their waits end (ray_mesh.replicas.link); a dropped attempt's beat gets None. A quorum
+    formed after the loss has a newer epoch, which no beat names as lost."""
+    q, clock = make(groups=3)
+    d = boundary(q, {g: (0, []) for g in range(3)})
+    epoch = d[0].epoch
+    assert [q.beat(g, f"a{g}", 0) for g in range(3)] == [0, 0, 0]
+    q.failed(2, "RuntimeError: Connection closed by peer", 1, incarnation="a2")
+    assert q.beat(0, "a0", 0) == epoch and q.beat(1, "a1", 0) == epoch
+    assert q.beat(2, "a2", 0) is None
+    d = boundary(q, {0: (0, d[0].ranges), 1: (0, d[1].ranges)}, fresh=True)
+    assert d[0].members == [0, 1] and d[0].epoch > epoch
+    assert q.beat(0, "a0", 0) == epoch  # the new epoch is not named
+    # A silent loss (a node gone: no report) counts too, found by the others' own beats
+    # once the lost group's are older than dead_after_s, with no arrival to notice it.
+    clock.now += 3.0
+    q.beat(0, "a0", 0)
+    clock.now += 3.0
+    assert q.beat(0, "a0", 0) == d[0].epoch
+    assert [e["group"] for e in q.events if e["kind"] == "left"] == [2, 1]
+
+
+def test_a_group_that_stays_away_costs_one_new_epoch_not_one_per_step():
+    """A departure makes the next quorum a new epoch (new cross-group process groups); the
+    quorums after it keep that epoch while the member list stays the same."""
+    q, _ = make(groups=3)
+    d = boundary(q, {g: (0, []) for g in range(3)})
+    q.failed(2, "RuntimeError: gone", 0, incarnation="a2")
+    epochs = []
+    for step in range(3):
+        d = boundary(q, {0: (step, d[0].ranges), 1: (step, d[1].ranges)})
+        epochs.append(d[0].epoch)
+    assert epochs == [epochs[0]] * 3 and epochs[0] == 2, epochs
+    q.register(2, "b2", 1)  # back: a new member list, a new epoch
+    d = boundary(q, {2: (0, []), 0: (3, d[0].ranges), 1: (3, d[1].ranges)}, inc={2: "b2"})
+    assert d[0].members == [0, 1, 2] and d[0].epoch == 3
+
+
+def test_a_decision_says_how_long_the_group_waited_for_the_others():
+    """What a group spent at the boundary minus this wait is its own cost of meeting the
+    quorum, which its pace counts (ray_mesh.replicas.shares): a slow box pays more of it."""
+    q, clock = make(groups=2)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(d0=q.arrive(0, "a0", 0, [], False, 10)))
+    t.start()
+    t.join(0.3)
+    clock.now += 2.0
+    d1 = q.arrive(1, "a1", 0, [], False, 10)
+    t.join(5)
+    assert box["d0"].waited_s == 2.0 and d1.waited_s == 0.0
