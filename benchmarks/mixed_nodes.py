@@ -7,10 +7,10 @@ speed" is the same figure in every run: the last box has one device at two third
 others' per-device speed. A fourth node, the head, has no slot and no quota: it holds the
 driver and Ray's control plane (GCS, the coordinator, each group's Ray Train controller), as
 a user's head node would, so that the boxes' quotas measure training alone, the same in
-every run (with one group or three). The train function is ``harness/replica_train.py`` (an MLP with
-``work`` extra matmuls per sample, so a step is CPU work; FSDP inside each group). Every run
-is one ``fit_replica_groups`` (a boundary, i.e. a gradient average, every step) driven from
-the head namespace (``benchmarks/replica_groups.py``'s driver), each group pinned to its node:
+every run (with one group or three). The train function is ``harness/replica_train.py`` (an
+MLP with ``work`` extra matmuls per sample, so a step is CPU work; FSDP inside each group).
+Every run is one ``fit_replica_groups`` driven from the head namespace
+(``benchmarks/replica_groups.py``'s driver), each group pinned to its node:
 
 * ``speed``: ``groups="auto"``: the three groups (``dp_shard=2``, ``dp_shard=2``,
   ``dp_shard=1``; full tensors cross between them), ``shares="speed"``;
@@ -22,6 +22,12 @@ the head namespace (``benchmarks/replica_groups.py``'s driver), each group pinne
 * ``equal``: the same groups, equal segments (everyone at the slowest box's pace); the
   same total batch per step as ``speed``, so it is also the loss reference;
 * ``leave_out``: nodes 0 and 1 only, equal segments (a uniform mesh leaves the odd node out).
+
+Every run above goes in two modes: ``sync`` (a boundary, i.e. a gradient average, every
+step) and ``diloco`` (``diloco={"every": 4}``: a boundary closes a round of 4 inner steps on
+each group's own, so a faster group takes larger inner batches; the outer average weighs
+each pseudo-gradient by its samples). Their figures are ``results.json['mixed_nodes']``'s
+top level (``sync``) and ``['mixed_nodes']['diloco']``.
 
 Throughput is samples committed per second of training, from the groups' step logs (rank 0
 writes each committed step with its time): the samples of steps ``WARMUP + 1`` to the last
@@ -80,16 +86,21 @@ def mean_shares(logs_dir: Path) -> dict[str, float]:
 
 SLOTS = (2, 2, 1)  # the boxes (nodes 1-3; node 0 is the head, without slots)
 QUOTAS = {1: 0.6, 2: 0.6, 3: 0.2}  # cores per box
+# Per mode: boundaries, samples per group per boundary, the train function's settings. DiLoCo
+# moves the same samples per step as sync (32 per group per inner step, 4 inner steps).
+MODES = {"sync": {"steps": 60, "segment": 32, "train": {}},
+         "diloco": {"steps": 20, "segment": 128,
+                    "train": {"diloco": {"every": 4}, "lr": 0.01}}}
 
 
 def _run(cluster, name: str, root: Path, groups, *, shares: str, steps: int, segment: int,
-         work: int) -> dict:
+         work: int, train: dict) -> dict:
     from benchmarks.replica_groups import run_on_cluster
 
     logs_dir = root / name / "logs"
     args = {"groups": groups, "workers": None, "steps": steps, "segment_samples": segment,
             "shares": shares, "name": f"mixed-{name}",
-            "config": {"log_dir": str(logs_dir), "work": work},
+            "config": {"log_dir": str(logs_dir), "work": work, **train},
             "storage": str(root / "runs"), "resources_per_worker": {"CPU": 1, "slot": 1},
             "env": {}}
     t0 = time.monotonic()
@@ -109,7 +120,33 @@ def _run(cluster, name: str, root: Path, groups, *, shares: str, steps: int, seg
             "shares": shares_seen, "wall_s": time.monotonic() - t0}
 
 
-def measure(steps: int = 60, segment: int = 32, work: int = 100) -> dict:
+def _mode(cluster, root: Path, mode: str, work: int) -> dict:
+    """Every run of one mode, then its figures."""
+    m = MODES[mode]
+    kw = {"steps": m["steps"], "segment": m["segment"], "work": work, "train": m["train"]}
+    spec = [{"mesh": {"dp_shard": n}, "node": cluster.nodes[i + 1].ip}
+            for i, n in enumerate(SLOTS)]
+    r: dict = {}
+    r["speed"] = _run(cluster, f"{mode}-speed", root, "auto", shares="speed", **kw)
+    for i, n in enumerate(SLOTS):  # each box alone, at the batch it trains in `speed`
+        mean = r["speed"]["shares"][str(i)]
+        at = max(n, round(mean / n) * n)
+        r[f"alone_{i}"] = _run(cluster, f"{mode}-alone_{i}", root, [spec[i]], shares="equal",
+                               **{**kw, "segment": at})
+        r[f"alone_{i}"]["segment"] = at
+    r["equal"] = _run(cluster, f"{mode}-equal", root, "auto", shares="equal", **kw)
+    r["leave_out"] = _run(cluster, f"{mode}-leave_out", root, spec[:2], shares="equal", **kw)
+    speed = r["speed"]["samples_per_s"]
+    return {"runs": r,
+            "throughput_of_sum": speed / sum(r[f"alone_{i}"]["samples_per_s"]
+                                             for i in range(len(SLOTS))),
+            "vs_leave_out": speed / r["leave_out"]["samples_per_s"],
+            "vs_slowest_pace": speed / r["equal"]["samples_per_s"],
+            "final_loss_rel_diff": abs(r["speed"]["eval_loss"] - r["equal"]["eval_loss"])
+            / r["equal"]["eval_loss"]}
+
+
+def measure(work: int = 100, modes: tuple[str, ...] = ("sync", "diloco")) -> dict:
     """Every run above, then the figures for ``results.json['mixed_nodes']``."""
     from harness.netns.cpu import cpu_quota_unavailable_reason
     from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
@@ -117,40 +154,26 @@ def measure(steps: int = 60, segment: int = 32, work: int = 100) -> dict:
     if reason := netns_unavailable_reason(tunnel="veth") or cpu_quota_unavailable_reason():
         return {"status": f"not run: {reason}"}
     load0 = os.getloadavg()
+    sync, dl = MODES["sync"], MODES["diloco"]
     out: dict = {"statistic": STATISTIC.format(warmup=WARMUP),
                  "setup": (f"virtual cluster: 3 namespace nodes with {'+'.join(map(str, SLOTS))} "
                            f"slots under CPU quotas of {', '.join(map(str, QUOTAS.values()))} "
                            f"cores (cgroup v1) and a head without slots or quota, bare veth "
-                           f"links; one replica group per box, FSDP inside; {steps} steps, "
-                           f"{segment} samples per group per step, {work} 128x128 matmuls "
-                           f"per sample"),
-                 "runs": {}}
-    kw = {"steps": steps, "segment": segment, "work": work}
+                           f"links; one replica group per box, FSDP inside; {work} 128x128 "
+                           f"matmuls per sample. sync: {sync['steps']} steps, "
+                           f"{sync['segment']} samples per group per step; diloco: "
+                           f"{dl['steps']} rounds of {dl['train']['diloco']['every']} inner "
+                           f"steps, {dl['segment']} samples per group per round")}
     root = Path(tempfile.mkdtemp(prefix="mixed_nodes_"))
     with NetnsCluster([{}] + [{"slot": n} for n in SLOTS], tunnel="veth", start_attempts=4,
                       ray_start_timeout_s=180, node_cpus=QUOTAS) as cluster:
-        spec = [{"mesh": {"dp_shard": n}, "node": cluster.nodes[i + 1].ip}
-                for i, n in enumerate(SLOTS)]
-        runs = out["runs"]
-        runs["speed"] = _run(cluster, "speed", root, "auto", shares="speed", **kw)
-        for i, n in enumerate(SLOTS):  # each box alone, at the batch it trains in `speed`
-            mean = runs["speed"]["shares"][str(i)]
-            at = max(n, round(mean / n) * n)
-            runs[f"alone_{i}"] = _run(cluster, f"alone_{i}", root, [spec[i]], shares="equal",
-                                      **{**kw, "segment": at})
-            runs[f"alone_{i}"]["segment"] = at
-        runs["equal"] = _run(cluster, "equal", root, "auto", shares="equal", **kw)
-        runs["leave_out"] = _run(cluster, "leave_out", root, spec[:2], shares="equal", **kw)
-    r = out["runs"]
-    speed = r["speed"]["samples_per_s"]
-    out.update(
-        throughput_of_sum=speed / sum(r[f"alone_{i}"]["samples_per_s"]
-                                      for i in range(len(SLOTS))),
-        vs_leave_out=speed / r["leave_out"]["samples_per_s"],
-        vs_slowest_pace=speed / r["equal"]["samples_per_s"],
-        final_loss_rel_diff=abs(r["speed"]["eval_loss"] - r["equal"]["eval_loss"])
-        / r["equal"]["eval_loss"],
-        loadavg_start=load0, loadavg_end=os.getloadavg())
+        for mode in modes:
+            figures = _mode(cluster, root, mode, work)
+            if mode == "sync":
+                out.update(figures)
+            else:
+                out[mode] = figures
+    out.update(loadavg_start=load0, loadavg_end=os.getloadavg())
     return out
 
 
@@ -159,16 +182,22 @@ def markdown(m: dict) -> str:
     def shares(run: dict) -> str:
         return ", ".join(f"g{g}: {n:.1f}" for g, n in run["shares"].items() if g != "speeds")
 
-    rows = "\n".join(f"| `{name}` | {run['samples_per_s']:.1f} | {run['eval_loss']:.4f} | "
-                     f"{shares(run)} |" for name, run in m["runs"].items())
-    return (f"## Mixed nodes: shares by speed\n\n{m['setup']}. Statistic: {m['statistic']}."
-            f"\n\n| figure | value | target |\n|---|---|---|\n"
-            f"| `throughput_of_sum` | {m['throughput_of_sum']:.3f} | >= 0.9 |\n"
-            f"| `vs_leave_out` | {m['vs_leave_out']:.3f} | > 1 |\n"
-            f"| `vs_slowest_pace` | {m['vs_slowest_pace']:.3f} | > 1 |\n"
-            f"| `final_loss_rel_diff` | {m['final_loss_rel_diff']:.4f} | <= 0.03 |\n\n"
-            f"| run | samples/s | held-out loss | mean samples per step per group |\n"
-            f"|---|---|---|---|\n{rows}\n")
+    def table(f: dict) -> str:
+        rows = "\n".join(f"| `{name}` | {run['samples_per_s']:.1f} | {run['eval_loss']:.4f} | "
+                         f"{shares(run)} |" for name, run in f["runs"].items())
+        return (f"| figure | value | target |\n|---|---|---|\n"
+                f"| `throughput_of_sum` | {f['throughput_of_sum']:.3f} | >= 0.9 |\n"
+                f"| `vs_leave_out` | {f['vs_leave_out']:.3f} | > 1 |\n"
+                f"| `vs_slowest_pace` | {f['vs_slowest_pace']:.3f} | > 1 |\n"
+                f"| `final_loss_rel_diff` | {f['final_loss_rel_diff']:.4f} | <= 0.03 |\n\n"
+                f"| run | samples/s | held-out loss | mean samples per boundary per group |\n"
+                f"|---|---|---|---|\n{rows}\n")
+
+    text = (f"## Mixed nodes: shares by speed\n\n{m['setup']}. Statistic: {m['statistic']}."
+            f"\n\n### sync (a gradient average every step)\n\n{table(m)}")
+    if "diloco" in m:
+        text += f"\n### diloco (an outer average every 4 inner steps)\n\n{table(m['diloco'])}"
+    return text
 
 
 def main() -> int:

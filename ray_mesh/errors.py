@@ -49,6 +49,11 @@ class GroupDropped(ClusterError):  # noqa: N818 - a state the caller reacts to, 
     the group again (ray_mesh.replicas)."""
 
 
+class LinkAbandoned(ClusterError):  # noqa: N818 - a state the caller reacts to, not a bug
+    """A wait on the cross-group link ended because the quorum dropped a member of its epoch
+    (ray_mesh.replicas.link): the step is retried with the groups that remain."""
+
+
 class GroupsFailed(ClusterError):
     """A replica group failed several times in a row (twice with the same error) without
     rejoining in between: the train function or the group's setup, not a node coming and
@@ -191,6 +196,7 @@ __all__ = [
     "GroupsFailed",
     "JobError",
     "LayoutError",
+    "LinkAbandoned",
     "LinkError",
     "Malformed",
     "MeshSpecError",

@@ -155,6 +155,13 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
             return
         except grpc.RpcError as exc:
             code, details = exc.code(), (exc.details() or "")[:200]
+    if code == grpc.StatusCode.UNAUTHENTICATED and gcs and not _sends_token():
+        # ray.init would retry for ~20 s, a line a second, before failing with this cause.
+        raise JobError(
+            f"The Ray cluster at {address!r} uses token authentication and this shell does "
+            f"not send a token (RAY_AUTH_MODE is not 'token'). Copy the head's "
+            f"~/.ray/auth_token to this machine (or set RAY_AUTH_TOKEN) and set "
+            f"RAY_AUTH_MODE=token.")
     if code in ok:
         return
     why = (f"no answer within {timeout_s:g} s" if code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -167,6 +174,12 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         f"(`tailscale ip -4` on the head) and its GCS port (default 6379), and check this "
         f"machine reaches it (`tailscale ping {host}`)."
     )
+
+
+def _sends_token() -> bool:
+    """Whether Ray's client in this process sends the auth token (Ray 2.60: only when
+    ``RAY_AUTH_MODE=token``, whatever token file it could read)."""
+    return os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "token"
 
 
 def scaling_for(job: Job, cluster: dict[str, float]) -> ScalingConfig:

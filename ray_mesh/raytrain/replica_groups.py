@@ -103,8 +103,11 @@ class _Client:
     """A worker's view of the coordinator actor (the ``Coordinator`` protocol of
     :mod:`ray_mesh.replicas.coordinator`); every call is bounded."""
 
-    def __init__(self, handle: Any, timeout_s: float) -> None:
+    def __init__(self, handle: Any, timeout_s: float, arrive_s: float = 330.0) -> None:
         self.handle, self.timeout_s = handle, timeout_s
+        # arrive: the quorum ends its own wait first (arrive_timeout_s + dead_after_s, then
+        # a TimeoutError); this bound is for a coordinator that stopped answering at all.
+        self.arrive_s = arrive_s + 60.0
 
     def _get(self, ref: Any, timeout_s: float | None = None) -> Any:
         return ray.get(ref, timeout=timeout_s or self.timeout_s)
@@ -118,8 +121,8 @@ class _Client:
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
                fresh_link: bool, busy_s: float | None = None,
                fixed_s: float | None = None) -> Decision:
-        out = ray.get(self.handle.arrive.remote(gid, incarnation, step, holding, fresh_link,
-                                                busy_s, fixed_s))
+        out = self._get(self.handle.arrive.remote(gid, incarnation, step, holding, fresh_link,
+                                                  busy_s, fixed_s), self.arrive_s)
         if isinstance(out, str):
             raise GroupDropped(out)
         return out
@@ -137,7 +140,8 @@ def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: 
     from ray_mesh.replicas import ReplicaGroup
 
     rg = config[CONFIG_KEY]
-    group = ReplicaGroup(model, optimizer, client=_Client(rg["coordinator"], rg["timeout_s"]),
+    client = _Client(rg["coordinator"], rg["timeout_s"], rg.get("arrive_timeout_s", 330.0))
+    group = ReplicaGroup(model, optimizer, client=client,
                          group_id=rg["group_id"], total_steps=rg["total_steps"],
                          segment_samples=rg["segment_samples"],
                          checkpoint_dir=rg["checkpoint_dir"],
@@ -260,6 +264,7 @@ def fit_replica_groups(train_fn: Any, *,
         run_cfg = {**(config or {}), CONFIG_KEY: {
             "coordinator": coordinator, "group_id": gid, "total_steps": total_steps,
             "segment_samples": segment_samples, "timeout_s": timeout_s,
+            "arrive_timeout_s": arrive_timeout_s + dead_after_s,
             "checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every,
             "exchange": exchange, "layout": spec.label}}
         per_worker = dict(resources_per_worker or {})

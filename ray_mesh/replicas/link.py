@@ -30,14 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ray_mesh.errors import LinkAbandoned
 from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
 
 POLL_S = 0.2  # how often a wait on the link asks whether its epoch lost a member
 Abort = Callable[[], bool]
-
-
-class LinkAbandoned(RuntimeError):
-    """The quorum lost a member of this link's epoch: its collectives cannot complete."""
 
 
 class CrossLink:

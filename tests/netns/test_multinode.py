@@ -63,6 +63,22 @@ def test_dashboard_bound_to_tailnet_address(cluster):
     assert "0.0.0.0:8265" not in listening and "*:8265" not in listening
 
 
+def test_a_shell_without_the_token_is_told_at_once(cluster):
+    """The cluster uses token authentication (as `ray start` does by default). `ray-mesh run
+    --address` from a shell that does not send the token stops in seconds with the fix,
+    instead of Ray's `InvalidAuthToken` line every second for ~20 s before its own error."""
+    cmd = [sys.executable, "-m", "ray_mesh.cli", "run", "--address", cluster.address,
+           str(REPO / "examples" / "hsdp.yaml")]
+    t0 = time.monotonic()
+    proc = cluster.run_in(0, cmd, timeout=60, env={"RAY_AUTH_MODE": "", "PYTHONPATH": str(REPO)})
+    took, out = time.monotonic() - t0, proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "uses token authentication and this shell does not send a token" in out, out
+    assert "RAY_AUTH_MODE=token" in out and "InvalidAuthToken" not in out, out
+    assert "Traceback" not in out, out
+    assert took < 15, (took, out)
+
+
 def test_hsdp_across_two_nodes_and_bad_runs(cluster, tmp_path):
     out, logs = _driver(cluster, ["fits", str(tmp_path / "results")], timeout=480)
     ips = [n.ip for n in cluster.nodes]
