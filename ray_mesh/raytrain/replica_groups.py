@@ -103,11 +103,11 @@ class _Client:
     """A worker's view of the coordinator actor (the ``Coordinator`` protocol of
     :mod:`ray_mesh.replicas.coordinator`); every call is bounded."""
 
-    def __init__(self, handle: Any, timeout_s: float, arrive_s: float = 330.0) -> None:
-        self.handle, self.timeout_s = handle, timeout_s
-        # arrive: the quorum ends its own wait first (arrive_timeout_s + dead_after_s, then
-        # a TimeoutError); this bound is for a coordinator that stopped answering at all.
-        self.arrive_s = arrive_s + 60.0
+    def __init__(self, handle: Any, timeout_s: float, arrive_s: float) -> None:
+        # arrive_s: the quorum ends its own wait first (a TimeoutError after
+        # arrive_timeout_s + dead_after_s + 30 s); this bound is for a coordinator that
+        # stopped answering at all.
+        self.handle, self.timeout_s, self.arrive_s = handle, timeout_s, arrive_s
 
     def _get(self, ref: Any, timeout_s: float | None = None) -> Any:
         return ray.get(ref, timeout=timeout_s or self.timeout_s)
@@ -140,7 +140,7 @@ def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: 
     from ray_mesh.replicas import ReplicaGroup
 
     rg = config[CONFIG_KEY]
-    client = _Client(rg["coordinator"], rg["timeout_s"], rg.get("arrive_timeout_s", 330.0))
+    client = _Client(rg["coordinator"], rg["timeout_s"], rg["arrive_s"])
     group = ReplicaGroup(model, optimizer, client=client,
                          group_id=rg["group_id"], total_steps=rg["total_steps"],
                          segment_samples=rg["segment_samples"],
@@ -264,7 +264,7 @@ def fit_replica_groups(train_fn: Any, *,
         run_cfg = {**(config or {}), CONFIG_KEY: {
             "coordinator": coordinator, "group_id": gid, "total_steps": total_steps,
             "segment_samples": segment_samples, "timeout_s": timeout_s,
-            "arrive_timeout_s": arrive_timeout_s + dead_after_s,
+            "arrive_s": arrive_timeout_s + dead_after_s + 60.0,  # see _Client
             "checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every,
             "exchange": exchange, "layout": spec.label}}
         per_worker = dict(resources_per_worker or {})

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ray_mesh.checkpointing.sharded import broadcast_from_rank0
 from ray_mesh.errors import GroupDropped
 from ray_mesh.replicas.coordinator import Coordinator, Decision, Range
-from ray_mesh.replicas.link import CrossLink, broadcast_, weighted_mean
+from ray_mesh.replicas.link import Abort, CrossLink, broadcast_, weighted_mean
 from ray_mesh.replicas.reshard import (
     all_ranks_agree,
     check_exchange,
@@ -284,7 +284,7 @@ class ReplicaGroup:
             self.stats["last_error"] = str(exc)[:300]
             return False, None
 
-    def _abort(self, d: Decision) -> Any:
+    def _abort(self, d: Decision) -> Abort:
         """For the link's waits: True once the quorum dropped a member of ``d``'s epoch
         (its beats say so), or this attempt itself."""
         return lambda: self._broken_epoch >= d.epoch or self._dropped.is_set()

@@ -171,5 +171,5 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGro
     return sum(f.numel() * f.element_size() for f in flats.values())
 
 
-__all__ = ["POLL_S", "CrossLink", "LinkAbandoned", "broadcast_", "wait_all",
+__all__ = ["POLL_S", "Abort", "CrossLink", "LinkAbandoned", "broadcast_", "wait_all",
            "weighted_mean"]
