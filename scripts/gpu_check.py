@@ -32,6 +32,7 @@ import torch.nn as nn
 
 import ray_mesh
 from ray_mesh.core.devices import use_device
+from ray_mesh.parallel.compose import full_tensor
 
 RESULTS: dict[str, object] = {}
 
@@ -142,14 +143,14 @@ def main() -> int:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         path = os.path.join(tempfile.gettempdir(), "gpu_check_dcp")
-        before = {k: v.full_tensor().clone() for k, v in get_model_state_dict(model).items()}
+        before = {k: full_tensor(v).clone() for k, v in get_model_state_dict(model).items()}
         dcp.save(get_model_state_dict(model), checkpoint_id=path)
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()
         sd = get_model_state_dict(model)
         dcp.load(sd, checkpoint_id=path)
-        same = all(torch.equal(before[k], v.full_tensor()) for k, v in sd.items())
+        same = all(torch.equal(before[k], full_tensor(v)) for k, v in sd.items())
         say("dcp_roundtrip", same, {"tensors": len(before)})
 
         # Replica groups of different layouts (ray_mesh.replicas.reshard) on NCCL: the

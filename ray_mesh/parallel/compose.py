@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ray_mesh.parallel.fsdp import Blocks, Mode, apply_fsdp
 from ray_mesh.parallel.mesh import mesh_device
@@ -51,6 +51,22 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
 
+def full_tensor(tensor: DTensor) -> torch.Tensor:
+    """``tensor`` whole, on every rank of its mesh (a collective), one mesh dim at a time.
+
+    ``DTensor.full_tensor`` gathers FSDP + TP parameters (``_StridedShard`` on ``dp_shard``,
+    ``Shard`` on ``tp``) in two all-gathers, innermost dim first, and torch (2.11-2.13) then
+    logs a warning on every rank that it cannot merge them. Gathering outermost dim first
+    is the same two all-gathers and the same values, and says nothing to the user's console.
+    """
+    placements = list(tensor.placements)
+    for dim, placement in enumerate(placements):
+        if not isinstance(placement, Replicate):
+            placements[dim] = Replicate()
+            tensor = tensor.redistribute(tensor.device_mesh, placements)
+    return tensor.to_local()
+
+
 def full_parameters(modules: nn.Module | Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     """Every parameter as a whole, plain tensor on the CPU, keyed by its name in the model.
 
@@ -63,7 +79,7 @@ def full_parameters(modules: nn.Module | Iterable[nn.Module]) -> dict[str, torch
     out: dict[str, torch.Tensor] = {}
     for module in modules:
         for name, param in _unwrap(module).named_parameters():
-            value = param.full_tensor() if isinstance(param, DTensor) else param
+            value = full_tensor(param) if isinstance(param, DTensor) else param
             out[name] = value.detach().to("cpu", copy=True)
     return out
 

@@ -5,8 +5,9 @@ shards, so nothing is converted. Unequal boxes make unequal groups: a 2-device n
 ``dp_shard=2``, a 1-device node no sharding, another ``tp=2``. Their ranks hold different
 pieces of the same model, so what crosses between them is the *full* state:
 
-1. inside each group, every rank's shards become full tensors (``DTensor.full_tensor``:
-   an all-gather on the group's own, fast, intra-node world);
+1. inside each group, every rank's shards become full tensors
+   (:func:`~ray_mesh.parallel.compose.full_tensor`: all-gathers on the group's own, fast,
+   intra-node world);
 2. across groups only each group's rank 0 (its *leader*) takes part, on the leaders' link;
 3. inside the receiving group the leader's result goes to every rank
    (:func:`share_from_leader`), and each rank keeps its own shard of it
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ray_mesh.parallel.compose import full_tensor
 from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
 
 EXCHANGES = ("shards", "full")  # same layouts: shard with shard; different: full tensors
@@ -45,7 +47,7 @@ def to_full(tensors: Sequence[torch.Tensor], likes: Sequence[torch.Tensor | None
         if isinstance(like, DTensor):
             dt = DTensor.from_local(t, like.device_mesh, like.placements, run_check=False,
                                     shape=like.shape, stride=like.stride())
-            out.append(dt.full_tensor())
+            out.append(full_tensor(dt))
         else:
             out.append(t)
     return out

@@ -22,7 +22,7 @@ CHECKS = ["hsdp_example_under_torchrun", "tp_indivisible_hidden", "tp_plan_typo"
           "mesh_missing_dp_dim", "mesh_missing_pp_dim", "pp_1f1b_too_few_microbatches",
           "cp_on_gloo",
           "fsdp_mode_vs_mesh", "fsdp_bf16_mixed_precision", "ddp_mixed_precision",
-          "data_by_dp_rank"]
+          "data_by_dp_rank", "full_parameters_fsdp_tp_quiet"]
 
 
 

@@ -9,6 +9,7 @@ rows), and the hsdp example runs under torchrun. Rank 0 prints ``PASS <name>`` p
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import time
@@ -62,6 +63,31 @@ def mlp(n_layers: int) -> nn.Sequential:
 
 def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
+
+
+def full_parameters_quietly(mesh) -> None:
+    """``full_parameters`` of a 2-D FSDP + TP model equals ``DTensor.full_tensor`` and logs
+    nothing (torch's own gather warns on every rank that it cannot merge its all-gathers)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ray_mesh.parallel import full_parameters, parallelize
+
+    model = nn.Sequential(OrderedDict(up=nn.Linear(8, 16), down=nn.Linear(16, 5)))
+    model = parallelize(model, mesh, tp_plan={"up": ColwiseParallel(), "down": RowwiseParallel()})
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    torch_dtensor = logging.getLogger("torch.distributed.tensor")
+    torch_dtensor.addHandler(handler)
+    try:
+        ours = full_parameters(model)
+    finally:
+        torch_dtensor.removeHandler(handler)
+    assert not records, [r.getMessage() for r in records]
+    theirs = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+    if dist.get_rank() == 0:
+        print("PASS full_parameters_fsdp_tp_quiet", flush=True)
 
 
 def main() -> None:
@@ -166,6 +192,9 @@ def main() -> None:
     assert rows.flatten().tolist() == [4.0 * coord["dp"] + i for i in range(4)], rows
     if rank == 0:
         print("PASS data_by_dp_rank", flush=True)
+
+    # --- FSDP + TP parameters read back whole, with nothing on the console
+    full_parameters_quietly(checks.mesh_for(dp_replicate=1, dp_shard=2, tp=2))
 
     dist.barrier()
     if rank == 0:
