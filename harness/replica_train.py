@@ -116,11 +116,15 @@ def train_loop(config: dict) -> None:
         time.sleep(max(0.0, config.get("step_s", 0.0) - (time.monotonic() - t0)))
         before = rg.step
         _maybe_kill(config, gid, before + 1)
+        t1 = time.monotonic()
         contributes = rg.commit()
+        t2 = time.monotonic()
         if log and rank == 0 and contributes and rg.last.contributes and rg.step > before:
             with log.open("a") as f:
                 f.write(json.dumps({"step": rg.step, "ranges": held, "loss": float(loss.detach()),
                                     "groups": len(rg.last.members), "t": time.time(),
+                                    "compute_s": t1 - t0, "commit_s": t2 - t1,
+                                    "waited_s": rg.last.waited_s,
                                     "attempt": rg.incarnation}) + "\n")
     rg.finish()
     got = torch.tensor([float(rg.stats["rejoin_bytes"])])
