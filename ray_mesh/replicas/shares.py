@@ -8,10 +8,16 @@ boundary's samples.
 
 A group's cycle is a fixed part, the boundary's own work (the exchange, the optimizer step:
 seconds that do not depend on its batch, and that a slow box pays more for), plus its
-samples over its compute rate. Both are running means of what the group reports on arrival
-(:class:`Pace`): the seconds its last boundary took, less the wait for the other groups
-(the quorum says how long that was: ``Decision.waited_s``), and the seconds from there to
-this arrival for its samples. A slow box pays more for its own part of a boundary too (the
+samples over its compute rate. Both are medians of the last :data:`WINDOW` segments the
+group reports on arrival (:class:`Pace`): the seconds its last boundary took, less the wait
+for the other groups (the quorum says how long that was: ``Decision.waited_s``), and the
+seconds from there to this arrival for its samples. A median, not a running mean, because a
+box's segments are not all alike: one hiccup (a collection, a scheduler stall on a busy box)
+would otherwise move the split for several steps, and every step waits for the last group.
+The first segment after a group joins is not counted at all: it holds one-off costs (the
+first forward and backward, buffers allocated, the first collective's connections) that
+would make the box look slow and starve it of samples while its estimate recovers.
+A slow box pays more for its own part of a boundary too (the
 call to the coordinator, the decision's way to its ranks): left out, the split would
 hand it too many samples and everyone would wait for it. The split solves for equal cycles:
 ``fixed_i + n_i / rate_i = T`` with the ``n_i`` summing to the boundary's total. A split
@@ -23,27 +29,36 @@ under its lock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 SHARES = ("equal", "speed")
-SPEED_SMOOTHING = 0.5  # weight of the newest segment in a group's running means
+WINDOW = 5  # a group's pace is the median of its last WINDOW segments
 
 
 @dataclass
 class Pace:
-    """A group's measured pace: compute rate (samples/s) and a boundary's fixed seconds."""
+    """A group's measured pace: compute rate (samples/s) and a boundary's fixed seconds,
+    each the median of its last :data:`WINDOW` segments; the first segment is warm-up."""
 
     rate: float | None = None
     fixed_s: float | None = None
+    warm: bool = False  # the first measured segment (warm-up) has been seen and left out
+    _rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)
+    _fixed: deque = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)
 
     def update(self, samples: int, compute_s: float | None, fixed_s: float | None) -> None:
         """Fold in one segment: ``samples`` computed in ``compute_s``, after a boundary whose
         own work took ``fixed_s`` (None: not measured, e.g. a heal's one-off transfer)."""
-        self.rate = update_speed(self.rate, samples, compute_s)
+        if compute_s is not None and compute_s > 0 and samples > 0:
+            if self.warm:
+                self._rates.append(samples / compute_s)
+                self.rate = statistics.median(self._rates)
+            self.warm = True
         if fixed_s is not None and fixed_s >= 0:
-            a = SPEED_SMOOTHING
-            self.fixed_s = (fixed_s if self.fixed_s is None
-                            else a * fixed_s + (1 - a) * self.fixed_s)
+            self._fixed.append(fixed_s)
+            self.fixed_s = statistics.median(self._fixed)
 
     def speed(self, samples: int) -> float | None:
         """Samples/s of a whole cycle at ``samples`` per segment (what status shows)."""
@@ -57,14 +72,6 @@ def check_mode(mode: str) -> None:
     if mode not in SHARES:
         raise ValueError(f"shares={mode!r}: use one of {SHARES} (\"speed\" sizes each "
                          "group's batch to its measured speed)")
-
-
-def update_speed(speed: float | None, samples: int, busy_s: float | None) -> float | None:
-    """A group's running speed (samples/s) after a segment of ``samples`` in ``busy_s``."""
-    if not busy_s or busy_s <= 0 or samples <= 0:
-        return speed
-    now = samples / busy_s
-    return now if speed is None else SPEED_SMOOTHING * now + (1 - SPEED_SMOOTHING) * speed
 
 
 def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
@@ -122,4 +129,4 @@ def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
     return out
 
 
-__all__ = ["SHARES", "SPEED_SMOOTHING", "Pace", "check_mode", "split_samples", "update_speed"]
+__all__ = ["SHARES", "WINDOW", "Pace", "check_mode", "split_samples"]

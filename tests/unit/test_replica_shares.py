@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ray_mesh.replicas.quorum import Quorum
-from ray_mesh.replicas.shares import Pace, split_samples, update_speed
+from ray_mesh.replicas.shares import WINDOW, Pace, split_samples
 
 
 def test_equal_until_every_group_has_a_speed():
@@ -34,10 +34,7 @@ def test_the_boundary_total_is_split_by_speed(segment, groups, want):
     assert all(n % groups[g][0] == 0 and n >= groups[g][0] for g, n in got.items())
 
 
-def test_speed_is_a_running_mean_and_ignores_empty_segments():
-    assert update_speed(None, 8, 2.0) == 4.0
-    assert update_speed(4.0, 8, 1.0) == 6.0  # half the newest (8/s), half the old
-    assert update_speed(4.0, 0, 1.0) == 4.0 and update_speed(4.0, 8, None) == 4.0
+def test_a_bad_shares_mode_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="shares='fast'"):
         split_samples(4, {0: (1, 1.0)}, "fast")
     with pytest.raises(ValueError, match="shares="):
@@ -58,15 +55,33 @@ def test_the_split_makes_whole_cycles_equal_when_a_boundary_has_a_fixed_cost():
     assert split_samples(8, {0: (1, 100.0, 0.0), 1: (1, 10.0, 5.0)}, "speed") == {0: 15, 1: 1}
 
 
-def test_a_pace_keeps_running_means_and_its_whole_cycle_speed():
+def test_a_pace_leaves_out_the_warm_up_and_takes_medians():
     p = Pace()
-    p.update(8, 2.0, None)            # the first segment: no boundary measured yet
-    assert p.rate == 4.0 and p.fixed_s is None and p.speed(8) == 4.0
-    p.update(8, 1.0, 0.5)             # 8/s now: the running mean is 6/s
-    assert p.rate == 6.0 and p.fixed_s == 0.5
-    assert p.speed(6) == pytest.approx(6 / (0.5 + 1.0))
-    p.update(0, None, 1.5)            # a boundary without samples still updates its cost
-    assert p.fixed_s == 1.0 and p.rate == 6.0
+    p.update(8, 8.0, None)            # the first segment: warm-up (1/s), not counted
+    assert p.rate is None and p.fixed_s is None and p.speed(8) is None
+    p.update(8, 2.0, 0.5)             # 4/s
+    assert p.rate == 4.0 and p.fixed_s == 0.5
+    assert p.speed(8) == pytest.approx(8 / (0.5 + 2.0))
+    p.update(8, 1.0, 1.5)             # 8/s: the median of two is their mean
+    assert p.rate == 6.0 and p.fixed_s == 1.0
+    p.update(8, 0.1, 0.4)             # a spike (80/s) next to 4 and 8: the median is 8
+    assert p.rate == 8.0 and p.fixed_s == 0.5
+    p.update(0, None, 0.5)            # a boundary without samples still counts its cost
+    assert p.rate == 8.0 and p.fixed_s == 0.5
+    for _ in range(WINDOW):           # only the last WINDOW segments count
+        p.update(8, 4.0, 0.2)
+    assert p.rate == 2.0 and p.fixed_s == 0.2
+
+
+def test_one_slow_segment_does_not_move_the_split():
+    """A hiccup (one segment 4x slower) on the fast box: with a median its share holds
+    (the running mean used before gave it 45 samples/s and 42 samples, not 48)."""
+    p = Pace()
+    for compute_s in (9.0, 0.5, 0.5, 0.5, 2.0):  # warm-up, three steady, one hiccup
+        p.update(40, compute_s, 0.1)
+    slow = {0: (1, p.rate, p.fixed_s), 1: (1, 20.0, 0.1)}
+    assert p.rate == 80.0
+    assert split_samples(30, slow, "speed") == {0: 48, 1: 12}
 
 
 def _boundary(q: Quorum, arrivals: dict[int, tuple[int, list, float | None]]) -> dict:
@@ -94,12 +109,16 @@ def test_the_quorum_gives_the_faster_group_the_larger_segment_and_skips_no_sampl
     d = _boundary(q, {0: (0, [], None), 1: (0, [], None)})
     assert [sum(n for _, n in d[g].ranges) for g in range(2)] == [6, 6]  # no speed yet
     seen = [r for g in range(2) for r in d[g].ranges]
+    # the first segment is warm-up (not counted): still equal
+    d = _boundary(q, {0: (0, d[0].ranges, 5.0), 1: (0, d[1].ranges, 5.0)})
+    assert [sum(n for _, n in d[g].ranges) for g in range(2)] == [6, 6]
+    seen += [r for g in range(2) for r in d[g].ranges]
     # group 0 did its 6 samples in 1 s, group 1 in 2 s: 6/s against 3/s
-    d = _boundary(q, {0: (0, d[0].ranges, 1.0), 1: (0, d[1].ranges, 2.0)})
+    d = _boundary(q, {0: (1, d[0].ranges, 1.0), 1: (1, d[1].ranges, 2.0)})
     assert [sum(n for _, n in d[g].ranges) for g in range(2)] == [8, 4]
     seen += [r for g in range(2) for r in d[g].ranges]
     ids = sorted(i for s, n in seen for i in range(s, s + n))
-    assert ids == list(range(24))  # every sample once, none skipped
+    assert ids == list(range(36))  # every sample once, none skipped
     shares = q.status()["shares"]
     assert shares[0]["samples"] == 8 and shares[1]["samples"] == 4
     assert shares[0]["samples_per_s"] == 6.0 and shares[1]["samples_per_s"] == 3.0
