@@ -2,23 +2,27 @@
 
 Three namespace nodes (``harness/netns``, bare veth links) with 2, 2 and 1 ``slot`` (the
 workers a node has room for), each under a CPU quota (cgroup v1 CFS, ``NetnsCluster
-(node_cpus=...)``): 0.6, 0.6 and 0.2 cores. A quota holds alone or not, so "a node's own
-speed" is the same figure in every run: the last box has one device at two thirds of the
-others' per-device speed. A fourth node, the head, has no slot and no quota: it holds the
-driver and Ray's control plane (GCS, the coordinator, each group's Ray Train controller), as
-a user's head node would, so that the boxes' quotas measure training alone, the same in
-every run (with one group or three). The train function is ``harness/replica_train.py`` (an
-MLP with ``work`` extra matmuls per sample, so a step is CPU work; FSDP inside each group).
+(node_cpus=...)``): 0.6, 0.6 and 0.2 cores: the last box has one device at two thirds of
+the others' per-device speed. A quota is a cap, not a reservation: the boxes share the
+machine's two cores, so a box is measured beside the others (see ``alone`` below). A fourth
+node, the head, has no slot and no quota: it holds the driver and Ray's control plane (GCS,
+the coordinator, each group's Ray Train controller), as a user's head node would.
+The train function is ``harness/replica_train.py`` (an MLP with ``work`` extra matmuls per
+sample, so a step is CPU work; FSDP inside each group).
 Every run is one ``fit_replica_groups`` driven from the head namespace
 (``benchmarks/replica_groups.py``'s driver), each group pinned to its node:
 
 * ``speed``: ``groups="auto"``: the three groups (``dp_shard=2``, ``dp_shard=2``,
   ``dp_shard=1``; full tensors cross between them), ``shares="speed"``;
-* ``alone_0`` / ``alone_1`` / ``alone_2``: one group alone on that box, each step at the
+* ``alone_0`` / ``alone_1`` / ``alone_2``: one group alone on each box, each step at the
   batch that box trained on in ``speed`` (its mean share): what each box does by itself at
   the same work per step (a boundary costs a round trip to the coordinator whatever the
   batch, so a box alone at a smaller batch would look slower than it is, and the sum of the
-  three could fall below what they do together);
+  three could fall below what they do together). The three runs go at the same time, each
+  its own ``fit_replica_groups`` with nothing shared: the boxes are one machine's cores, and
+  a box measured while the others were idle borrowed their share of it (at the same batch a
+  fast box computed a step in 0.41 s alone, 0.47 s beside the others, median), which
+  separate machines would not lend;
 * ``equal``: the same groups, equal segments (everyone at the slowest box's pace); the
   same total batch per step as ``speed``, so it is also the loss reference;
 * ``leave_out``: nodes 0 and 1 only, equal segments (a uniform mesh leaves the odd node out).
@@ -47,6 +51,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,8 +60,9 @@ from benchmarks.common import REPO  # noqa: E402
 from harness import replica_check as rc  # noqa: E402
 
 TRAIN = str(REPO / "harness" / "replica_train.py") + ":train_loop"
-STATISTIC = ("single run per configuration: samples/s of steps after the first "
-             "{warmup} (from the step logs' commit times), no repeats, no spread")
+STATISTIC = ("single run per configuration (the three alone runs side by side): samples/s "
+             "of steps after the first {warmup} (from the step logs' commit times), no "
+             "repeats, no spread")
 WARMUP = 4
 
 
@@ -73,6 +79,23 @@ def _throughput(logs_dir: Path) -> tuple[float, int]:
         raise RuntimeError(f"only {len(steps)} committed steps after warm-up in {logs_dir}")
     samples = sum(per_step[s][1] for s in steps[1:])
     return samples / (per_step[steps[-1]][0] - per_step[steps[0]][0]), len(steps)
+
+
+def cycle_parts(logs_dir: Path) -> dict[str, dict[str, float]]:
+    """Per group, the medians over its steps after WARMUP of where a step's time went: its
+    compute, its own part of the boundary (the commit less the quorum wait) and the wait
+    for the other groups (``harness/replica_train.py`` logs each)."""
+    import statistics
+
+    out = {}
+    for gid, rows in rc.read(logs_dir).items():
+        late = [r for r in rows if r["step"] > WARMUP and "compute_s" in r]
+        if late:
+            out[str(gid)] = {
+                "compute_s": statistics.median(r["compute_s"] for r in late),
+                "own_boundary_s": statistics.median(r["commit_s"] - r["waited_s"] for r in late),
+                "wait_s": statistics.median(r["waited_s"] for r in late)}
+    return out
 
 
 def mean_shares(logs_dir: Path) -> dict[str, float]:
@@ -116,7 +139,7 @@ def _run(cluster, name: str, root: Path, groups, *, shares: str, steps: int, seg
             "eval_loss": min(f["eval_loss"] for f in finals),
             "eval_loss_spread": max(f["eval_loss"] for f in finals)
             - min(f["eval_loss"] for f in finals),
-            "layouts": raw["status"].get("layouts", {}),
+            "layouts": raw["status"].get("layouts", {}), "cycle": cycle_parts(logs_dir),
             "shares": shares_seen, "wall_s": time.monotonic() - t0}
 
 
@@ -128,12 +151,13 @@ def _mode(cluster, root: Path, mode: str, work: int) -> dict:
             for i, n in enumerate(SLOTS)]
     r: dict = {}
     r["speed"] = _run(cluster, f"{mode}-speed", root, "auto", shares="speed", **kw)
-    for i, n in enumerate(SLOTS):  # each box alone, at the batch it trains in `speed`
-        mean = r["speed"]["shares"][str(i)]
-        at = max(n, round(mean / n) * n)
-        r[f"alone_{i}"] = _run(cluster, f"{mode}-alone_{i}", root, [spec[i]], shares="equal",
-                               **{**kw, "segment": at})
-        r[f"alone_{i}"]["segment"] = at
+    # each box alone, at the batch it trains in `speed`; the three at once (see above)
+    at = {i: max(n, round(r["speed"]["shares"][str(i)] / n) * n) for i, n in enumerate(SLOTS)}
+    with ThreadPoolExecutor(len(SLOTS)) as pool:
+        alone = {i: pool.submit(_run, cluster, f"{mode}-alone_{i}", root, [spec[i]],
+                                shares="equal", **{**kw, "segment": at[i]}) for i in at}
+        for i, future in alone.items():
+            r[f"alone_{i}"] = {**future.result(), "segment": at[i]}
     r["equal"] = _run(cluster, f"{mode}-equal", root, "auto", shares="equal", **kw)
     r["leave_out"] = _run(cluster, f"{mode}-leave_out", root, spec[:2], shares="equal", **kw)
     speed = r["speed"]["samples_per_s"]
@@ -182,16 +206,21 @@ def markdown(m: dict) -> str:
     def shares(run: dict) -> str:
         return ", ".join(f"g{g}: {n:.1f}" for g, n in run["shares"].items() if g != "speeds")
 
+    def cycle(run: dict) -> str:
+        return ", ".join(f"g{g}: {c['compute_s']:.2f} / {c['own_boundary_s']:.2f} / "
+                         f"{c['wait_s']:.2f}" for g, c in run.get("cycle", {}).items())
+
     def table(f: dict) -> str:
         rows = "\n".join(f"| `{name}` | {run['samples_per_s']:.1f} | {run['eval_loss']:.4f} | "
-                         f"{shares(run)} |" for name, run in f["runs"].items())
+                         f"{shares(run)} | {cycle(run)} |" for name, run in f["runs"].items())
         return (f"| figure | value | target |\n|---|---|---|\n"
                 f"| `throughput_of_sum` | {f['throughput_of_sum']:.3f} | >= 0.9 |\n"
                 f"| `vs_leave_out` | {f['vs_leave_out']:.3f} | > 1 |\n"
                 f"| `vs_slowest_pace` | {f['vs_slowest_pace']:.3f} | > 1 |\n"
                 f"| `final_loss_rel_diff` | {f['final_loss_rel_diff']:.4f} | <= 0.03 |\n\n"
-                f"| run | samples/s | held-out loss | mean samples per boundary per group |\n"
-                f"|---|---|---|---|\n{rows}\n")
+                f"| run | samples/s | held-out loss | mean samples per boundary per group | "
+                f"median s per step: compute / own boundary / wait for others |\n"
+                f"|---|---|---|---|---|\n{rows}\n")
 
     text = (f"## Mixed nodes: shares by speed\n\n{m['setup']}. Statistic: {m['statistic']}."
             f"\n\n### sync (a gradient average every step)\n\n{table(m)}")
