@@ -6,25 +6,24 @@ batch is sized so that all groups finish their cycle at about the same time; the
 weigh each contribution by its samples, so the update is still the mean over the
 boundary's samples.
 
-A group's cycle is a fixed part, the boundary's own work (the exchange, the optimizer step:
-seconds that do not depend on its batch, and that a slow box pays more for), plus its
-samples over its compute rate. Both are medians of the last :data:`WINDOW` segments the
-group reports on arrival (:class:`Pace`): the seconds its last boundary took, less the wait
-for the other groups (the quorum says how long that was: ``Decision.waited_s``), and the
-seconds from there to this arrival for its samples. A median, not a running mean, because a
-box's segments are not all alike: one hiccup (a collection, a scheduler stall on a busy box)
-would otherwise move the split for several steps, and every step waits for the last group.
-The first segment after a group joins is not counted at all: it holds one-off costs (the
-first forward and backward, buffers allocated, the first collective's connections) that
-would make the box look slow and starve it of samples while its estimate recovers.
-A slow box pays more for its own part of a boundary too (the
-call to the coordinator, the decision's way to its ranks): left out, the split would
-hand it too many samples and everyone would wait for it. The split solves for equal cycles:
-``fixed_i + n_i / rate_i = T`` with the ``n_i`` summing to the boundary's total. A split
-by compute rate alone would hand a slow box with a costly boundary too many samples; a split
-by whole-cycle speed (samples over everything) would hand it too few, since its speed
-measured at a small batch is mostly the fixed part. Pure functions: the quorum calls them
-under its lock.
+A group's cycle is a fixed part plus its samples over its compute rate. The fixed part is
+the boundary's own work: the exchange, the optimizer step, and meeting the quorum (the call
+to the coordinator, the decision's way to its ranks), but not the wait for the other groups
+(the quorum says how long that was: ``Decision.waited_s``). These seconds do not depend on
+the batch, and a slow box pays more for them. The split solves for equal cycles:
+``fixed_i + n_i / rate_i = T`` with the ``n_i`` summing to the boundary's total. A split by
+compute rate alone would hand a slow box with a costly boundary too many samples, and
+everyone would wait for it; a split by whole-cycle speed (samples over everything) would
+hand it too few, since its speed measured at a small batch is mostly the fixed part.
+
+Both parts are medians of the last :data:`WINDOW` segments the group reports on arrival
+(:class:`Pace`). A median, not a running mean, because a box's segments are not all alike:
+one hiccup (a collection, a scheduler stall on a busy box) would otherwise move the split
+for several steps, and every step waits for the last group. The first segment after a
+group joins is not counted at all: it holds one-off costs (the first forward and backward,
+buffers allocated, the first collective's connections) that would make the box look slow
+and starve it of samples while its estimate recovers. Pure functions: the quorum calls
+them under its lock.
 """
 
 from __future__ import annotations
