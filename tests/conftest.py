@@ -16,19 +16,13 @@ import pytest
 LOCAL_RAY_CPUS = 8
 TESTS_DIR = Path(__file__).resolve().parent
 HELPERS_DIR = TESTS_DIR / "helpers"
-# One folder per kind of test; the folder name is also the marker each test gets.
+# One folder per kind of test; the folder name is also the marker each test gets. A run goes
+# in this order: fast kinds first, and tests/ray last, because its shared Ray (``ray_local``)
+# lives until the session ends: a unit test must never see a Ray client in its process (it
+# changes what check_storage probes and which threads a snapshot lists), and the netns
+# clusters must not share the 2 cores with an idle local Ray.
 KINDS = ("unit", "dist", "netns", "ray")
-# Two streams, one xdist worker each (--dist loadgroup), side by side on CI's 2 cores: the
-# suite's wall time is the longer stream, not the sum. Each stream runs in order, alone in its
-# worker: the tests that start processes of their own (torchrun groups, the virtual clusters
-# in network namespaces, which never share ports, folders or `ray stop` with the host), and the
-# tests on the shared local Ray (``ray_local``). Unit tests fill in on the second worker before
-# its stream: the queue is "own processes", unit, "shared Ray", so the shared Ray is the last
-# thing a worker runs (it lives until the session ends, and a unit test must never see a Ray
-# client in its process: it changes what check_storage probes and which threads a snapshot
-# lists).
-STREAMS = {"dist": "own_processes", "netns": "own_processes", "ray": "shared_ray"}
-ORDER = ("dist", "netns", "unit", "ray")  # the queue's order (xdist hands groups out FIFO)
+SERIAL = "serial"  # the xdist group of every kind but unit
 sys.path.insert(0, str(HELPERS_DIR))  # the tests' own drivers, train functions and fixtures
 # harness/ (what tests and benchmarks share) and benchmarks/ import from the repository root,
 # as under `python -m pytest` there; this makes a plain `pytest` (or another cwd) alike.
@@ -71,15 +65,16 @@ def item_kind(item) -> str:
 
 
 def kind_order(item) -> int:
-    """Where an item's kind comes in a run (ORDER; anything else last)."""
+    """Where an item's kind comes in a run (KINDS order; anything else last)."""
     kind = item_kind(item)
-    return ORDER.index(kind) if kind in ORDER else len(ORDER)
+    return KINDS.index(kind) if kind in KINDS else len(KINDS)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """The kinds' markers and order; every kind but unit in its stream's xdist group (one
-    worker each, in order; see STREAMS); ``@pytest.mark.slow`` tests (multi-minute
+    """The kinds' markers and order; every kind but unit in one xdist group ("serial": one
+    worker, in order, as without xdist: Ray and the virtual clusters take the whole machine,
+    and only unit tests run side by side); ``@pytest.mark.slow`` tests (multi-minute
     scenarios) run only with RAY_MESH_SLOW_TESTS=1."""
     if missing := missing_kinds(config, items):
         raise pytest.UsageError(
@@ -90,8 +85,8 @@ def pytest_collection_modifyitems(config, items):
         kind = item_kind(item)
         if kind in KINDS:
             item.add_marker(getattr(pytest.mark, kind))
-        if kind in STREAMS:
-            item.add_marker(pytest.mark.xdist_group(STREAMS[kind]))
+        if kind != "unit":
+            item.add_marker(pytest.mark.xdist_group(SERIAL))
     items.sort(key=kind_order)  # stable: the order inside a kind is pytest's
     if os.environ.get(SLOW_ENV) == "1":
         return

@@ -13,5 +13,5 @@ def _no_ray_client():
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         pytest.fail("a Ray client is connected in this process before a unit test: tests/unit "
-                    "must run before tests/ray (tests/conftest.py ORDER)")
+                    "must run before tests/ray (tests/conftest.py KINDS order)")
     yield
