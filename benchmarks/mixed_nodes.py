@@ -201,18 +201,20 @@ def measure(work: int = 100, modes: tuple[str, ...] = ("sync", "diloco")) -> dic
     return out
 
 
+def cycle_text(run: dict) -> str:
+    """A run's :func:`cycle_parts` as RESULTS.md shows them: compute / own boundary / wait."""
+    return ", ".join(f"g{g}: {c['compute_s']:.2f} / {c['own_boundary_s']:.2f} / "
+                     f"{c['wait_s']:.2f}" for g, c in run.get("cycle", {}).items())
+
+
 def markdown(m: dict) -> str:
     """The RESULTS.md section for ``results.json['mixed_nodes']``."""
     def shares(run: dict) -> str:
         return ", ".join(f"g{g}: {n:.1f}" for g, n in run["shares"].items() if g != "speeds")
 
-    def cycle(run: dict) -> str:
-        return ", ".join(f"g{g}: {c['compute_s']:.2f} / {c['own_boundary_s']:.2f} / "
-                         f"{c['wait_s']:.2f}" for g, c in run.get("cycle", {}).items())
-
     def table(f: dict) -> str:
         rows = "\n".join(f"| `{name}` | {run['samples_per_s']:.1f} | {run['eval_loss']:.4f} | "
-                         f"{shares(run)} | {cycle(run)} |" for name, run in f["runs"].items())
+                         f"{shares(run)} | {cycle_text(run)} |" for name, run in f["runs"].items())
         return (f"| figure | value | target |\n|---|---|---|\n"
                 f"| `throughput_of_sum` | {f['throughput_of_sum']:.3f} | >= 0.9 |\n"
                 f"| `vs_leave_out` | {f['vs_leave_out']:.3f} | > 1 |\n"

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -165,3 +167,20 @@ def test_failures_name_every_missing_figure_and_nothing_else(monkeypatch):
         "recovery.netns: failed: driver rc 1",
         "bringup: no result"]
     assert failures({"meshbuild": {"ranks_4": {}}}, ["meshbuild"]) == []
+
+
+def test_mixed_nodes_reads_where_each_groups_step_went(tmp_path):
+    """The medians behind RESULTS.md's "compute / own boundary / wait" column: steps after
+    the warm-up only, a group's own part of the boundary being its commit less its wait."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import mixed_nodes as mn
+
+    for gid, (compute, wait) in {0: (0.4, 0.1), 1: (0.5, 0.0)}.items():
+        rows = [{"step": s, "ranges": [[s * 10, 4]], "t": float(s), "compute_s": compute,
+                 "commit_s": 0.05 + wait, "waited_s": wait} for s in range(1, 10)]
+        rows[0]["compute_s"] = 9.0  # a warm-up step: not counted
+        (tmp_path / f"g{gid}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = mn.cycle_parts(tmp_path)
+    assert got["0"] == pytest.approx({"compute_s": 0.4, "own_boundary_s": 0.05, "wait_s": 0.1})
+    assert got["1"] == pytest.approx({"compute_s": 0.5, "own_boundary_s": 0.05, "wait_s": 0.0})
+    assert "g0: 0.40 / 0.05 / 0.10" in mn.cycle_text({"cycle": got})
