@@ -7,8 +7,9 @@ the gradient all-reduce of a synchronous HSDP step, or the pseudo-gradient avera
 closes a DiLoCo round. There the quorum
 
 * decides the members: every group that is alive (all of its ranks sent a heartbeat within
-  ``dead_after_s``) and has arrived. A group that stops beating is dropped (its ranks get
-  "dropped" on their next call and fail, so that Ray Train replaces that group alone);
+  ``dead_after_s``, longer for a jittery box: :mod:`.liveness`) and has arrived. A group
+  that stops beating is dropped (its ranks get "dropped" on their next call and fail, so
+  that Ray Train replaces that group alone);
 * picks a donor (the lowest group holding the newest step) and the groups to heal from it
   over the network: a group that joins or returns, or one left behind by a failed step;
 * hands each member the samples of its next segment (``segment_samples`` sample indices per
@@ -39,14 +40,14 @@ from typing import Any
 
 from ray_mesh.errors import GroupDropped
 from ray_mesh.replicas.coordinator import Decision, Range
+from ray_mesh.replicas.liveness import Beats
 from ray_mesh.replicas.shares import Pace, check_mode, split_samples
 
 
 @dataclass
 class _Group:
     incarnation: str
-    ranks: int
-    beats: dict[int, float] = field(default_factory=dict)
+    beats: Beats
     ready: bool = False           # arrived at least once: counts for the quorum from then on
     arrival: dict[str, Any] | None = None
     assigned: list[Range] = field(default_factory=list)
@@ -110,8 +111,7 @@ class Quorum:
                 self._requeue(old.assigned)
                 self._event("replaced", gid, "a new attempt of the group started")
                 self._changed = True
-            now = self.clock()
-            self._groups[gid] = _Group(incarnation, ranks, {r: now for r in range(ranks)})
+            self._groups[gid] = _Group(incarnation, Beats.starting(ranks, self.clock()))
             self._cv.notify_all()
 
     def beat(self, gid: int, incarnation: str, rank: int) -> int | None:
@@ -123,20 +123,16 @@ class Quorum:
             g = self._groups.get(gid)
             if g is None or g.incarnation != incarnation:
                 return None
-            g.beats[rank] = self.clock()
+            g.beats.beat(rank, self.clock())
             self._drop_dead()  # the beats of the groups left drive it while none arrives
             return self._broken
-
-    def _alive(self, g: _Group, now: float) -> bool:
-        return len(g.beats) == g.ranks and all(now - t <= self.dead_after_s
-                                               for t in g.beats.values())
 
     def _drop_dead(self) -> None:
         if self._finished:  # the groups stop beating as they end: not a departure
             return
         now = self.clock()
         for gid, g in list(self._groups.items()):
-            if not self._alive(g, now):
+            if not g.beats.alive(now, self.dead_after_s):
                 self._drop(gid, "stopped beating (a worker or its node is gone)")
 
     def _drop(self, gid: int, why: str) -> None:
@@ -168,6 +164,7 @@ class Quorum:
             if self._finished:
                 return self._done_decision()
             g.pace.update(sum(n for _, n in holding), busy_s, fixed_s)
+            g.beats.arrived(self.clock())
             g.ready = True
             g.decision = None
             g.arrival = {"step": step, "holding": holding, "fresh_link": fresh_link,
@@ -257,7 +254,7 @@ class Quorum:
         idx = {gid: i for i, gid in enumerate(members)}
         now = self.clock()
         shares = split_samples(self.segment_samples, {gid: (
-            arrived[gid].ranks, arrived[gid].pace.rate, arrived[gid].pace.fixed_s)
+            arrived[gid].beats.ranks, arrived[gid].pace.rate, arrived[gid].pace.fixed_s)
             for gid in members}, self.shares)
         for gid in members:
             g = arrived[gid]
@@ -377,7 +374,7 @@ class Quorum:
             self._drop_dead()
             return {"live": sorted(gid for gid, g in self._groups.items() if g.ready),
                     "registered": sorted(self._groups), "epoch": self._epoch,
-                    "shares": {gid: {"ranks": g.ranks, "samples": g.share,
+                    "shares": {gid: {"ranks": g.beats.ranks, "samples": g.share,
                                      "samples_per_s": g.pace.speed(g.share)}
                                for gid, g in sorted(self._groups.items()) if g.ready},
                     "step": self._max_step_seen, "quorums": self._formed,

@@ -293,3 +293,48 @@ def test_a_decision_says_how_long_the_group_waited_for_the_others():
     d1 = q.arrive(1, "a1", 0, [], False, 10)
     t.join(5)
     assert box["d0"].waited_s == 2.0 and d1.waited_s == 0.0
+
+
+def test_a_starved_box_whose_beats_come_late_stays_in_and_a_silent_one_still_leaves():
+    """A busy box's beats come late, not never: the bound follows their gaps (at most 3x
+    dead_after_s), so seconds of starvation do not drop a live group (ray_mesh/replicas/
+    liveness.py). A group that stops beating altogether still leaves, in bounded time."""
+    q, clock = make(2, dead_after_s=5)
+    for _ in range(10):  # group 1's box is starved: its beats come 4 s apart
+        for _ in range(4):
+            beat_all(q, clock, [0])
+        q.beat(1, "a1", 0)
+    clock.now += 3
+    beat_all(q, clock, [0], dt=3.5)  # 6.5 s since group 1's last beat: past dead_after_s
+    assert q.beat(1, "a1", 0) is not None  # still a member (None: dropped)
+    for _ in range(16):  # now it goes silent: gone once 15 s (3 x dead_after_s) have passed
+        beat_all(q, clock, [0])
+    assert q.beat(1, "a1", 0) is None
+
+
+def test_an_arrival_counts_as_a_beat_of_every_rank_of_the_group():
+    q, clock = make(2, dead_after_s=5)
+    boundary(q, {0: (0, []), 1: (0, [])})
+    clock.now += 4
+    t = threading.Thread(target=q.arrive, args=(1, "a1", 1, []), kwargs={"timeout_s": 30},
+                         daemon=True)
+    t.start()  # group 1 arrives at 4 s but sends no beat: its ranks are alive all the same
+    t.join(0.3)
+    clock.now += 3  # 7 s after its last beat, 3 s after its arrival
+    assert q.beat(0, "a0", 0) is not None
+    assert q.beat(1, "a1", 0) is not None  # still a member
+    assert not [e for e in q.events if e["kind"] == "left"]
+
+
+def test_the_bound_follows_the_longest_recent_gap_within_one_and_three_dead_after_s():
+    from ray_mesh.replicas.liveness import Beats
+
+    beats = Beats.starting(2, 0.0)
+    assert beats.bound(5.0) == 5.0  # no gap seen yet
+    beats.beat(0, 0.5)
+    beats.beat(1, 3.0)
+    assert beats.bound(5.0) == 6.0  # 2 x the 3 s gap of rank 1
+    beats.beat(1, 13.0)
+    assert beats.bound(5.0) == 15.0  # capped at 3 x dead_after_s
+    assert beats.alive(13.0 + 15.0, 5.0) is False  # rank 0 is 27.5 s silent
+    assert Beats(2, {0: 0.0}).alive(0.0, 5.0) is False  # a rank never seen
