@@ -156,6 +156,38 @@ def v2_worker_group_type() -> type | None:
     return WorkerGroup
 
 
+def warm_autoscaling_coordinator(timeout_s: float) -> bool:
+    """Start Ray's autoscaling coordinator actor now, on this node, and wait (bounded) until
+    it answers; False when it did not in ``timeout_s`` or this Ray has none.
+
+    Why: Ray Train 2.60's controller, on the driver's node, creates that actor on its first
+    resource request and gives the request a 5 s ``ray.get``. On a busy machine starting a
+    new actor process takes longer, and the controller logs a WARNING with the whole
+    ``GetTimeoutError`` traceback into the user's console (then retries 20 s later). The
+    actor is named, detached and pinned to its creator's node, so one made here from the
+    driver is the one the controller finds.
+
+    Internal: ``ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator.
+    get_or_create_autoscaling_coordinator`` (Ray 2.60.0). Public replacement: none.
+    """
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+    except ImportError:
+        return False
+    import ray
+
+    if not ray.is_initialized():  # its remote() would start a Ray of its own
+        return False
+    try:
+        actor = get_or_create_autoscaling_coordinator()
+        ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a warm-up: Ray Train makes the actor itself anyway
+        return False
+    return True
+
+
 def startup_timeout_error_type() -> type:
     """Ray Train V2's ``WorkerGroupStartupTimeoutError`` (a group that could not start).
 
@@ -355,4 +387,5 @@ __all__ = [
     "set_mesh_group",
     "startup_timeout_error_type",
     "v2_worker_group_type",
+    "warm_autoscaling_coordinator",
 ]

@@ -189,9 +189,10 @@ def _on_driver_at_fit() -> None:
     """Driver-side set-up a ``MeshConfig`` run gets without extra calls (see driver.py)."""
     if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is not None:
         return  # not a connected driver (Ray not started yet, or inside an actor)
-    from ray_mesh.raytrain.driver import enable_state_tracking
+    from ray_mesh.raytrain.driver import enable_state_tracking, warm_controller_actors
 
     enable_state_tracking()
+    warm_controller_actors()
 
 
 class _TrainThreadContext:

@@ -83,6 +83,22 @@ def enable_state_tracking() -> bool:
     return on
 
 
+WARM_TIMEOUT_S = 60.0  # the autoscaling coordinator's start on a busy driver node
+
+
+def warm_controller_actors() -> None:
+    """Before ``fit()``: start the actor Ray Train's controller asks for resources
+    (``private_apis.warm_autoscaling_coordinator``: made on first use, its start on a busy
+    machine outlasts the controller's 5 s wait and prints a traceback). Bounded; a
+    coordinator that does not answer in time is said once, in one line."""
+    from ray_mesh.private_apis import warm_autoscaling_coordinator
+
+    if not warm_autoscaling_coordinator(WARM_TIMEOUT_S):
+        logger.info("Ray's autoscaling coordinator did not start within %.0f s (a busy head "
+                    "node?): Ray Train may log a resource-request timeout; it retries on "
+                    "its own", WARM_TIMEOUT_S)
+
+
 def cluster_worker_setup() -> None:
     """``worker_process_setup_hook`` of a job (``ray-mesh run``, the driver example): every
     process of the job talks to the cluster it belongs to, and what Ray says to itself is
@@ -136,4 +152,5 @@ def _above_info(record: logging.LogRecord) -> bool:
 
 
 __all__ = ["CLI_ENV", "EMBEDDED_ENV", "cluster_worker_setup", "embedded_worker_setup",
-           "enable_state_tracking", "quiet_report_lines", "state_api_available"]
+           "enable_state_tracking", "quiet_report_lines", "state_api_available",
+           "warm_controller_actors"]

@@ -29,6 +29,7 @@ from typing import Any
 import ray
 
 from ray_mesh.errors import GroupDropped, GroupsFailed
+from ray_mesh.raytrain.driver import warm_controller_actors
 from ray_mesh.replicas.layouts import GroupSpec, exchange_for, group_specs
 from ray_mesh.replicas.quorum import Decision, Quorum, Range
 from ray_mesh.replicas.shares import check_mode
@@ -255,6 +256,7 @@ def fit_replica_groups(train_fn: Any, *,
         raise ValueError("checkpoint_every needs checkpoint_dir: a directory every node "
                          "reaches (the fallback when every group is gone)")
     exchange = exchange_for(specs)
+    warm_controller_actors()  # the groups' controllers run on this node (_pinned_here)
     coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
         segment_samples, total_steps, dead_after_s, arrive_timeout_s, len(specs), name, shares)
     ray.get(coordinator.store_address.remote(), timeout=60)
