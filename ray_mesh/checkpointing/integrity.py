@@ -7,9 +7,10 @@ filesystem, a bucket). Three rules follow:
   code. Completeness is judged from our own JSON files only: the marker (step, progress) and
   a manifest of every file the save wrote, with its size and SHA-256.
 * **Only the checkpoint about to be loaded is unpickled**, and first through
-  :func:`read_metadata`, an unpickler that admits DCP's metadata classes and nothing else, so
-  a crafted ``.metadata`` is refused, and DCP is handed that one checked object (it never
-  reads the file itself: :mod:`ray_mesh.checkpointing.safe_load`).
+  :func:`read_metadata`, an unpickler that admits DCP's metadata classes and nothing else
+  (:mod:`ray_mesh.checkpointing.dcp_metadata`: no code runs, no shared object changes, no
+  file over a size cap is read), so a crafted ``.metadata`` is refused, and DCP is handed that
+  one checked object (it never reads the file itself: :mod:`ray_mesh.checkpointing.safe_load`).
 * **Deletion only of what ray_mesh created.** :data:`OWNED` is written into a checkpoint
   directory right after it is made, before any shard; only a directory carrying it may be
   removed by ray_mesh.
@@ -30,17 +31,23 @@ This module is Ray-free and torch-light (torch is imported for the metadata clas
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import stat
 from pathlib import Path
 from typing import Any
 
+from ray_mesh.checkpointing.dcp_metadata import (
+    METADATA,
+    METADATA_MAX_BYTES,
+    METADATA_MAX_ENV,
+    metadata_max_bytes,
+    metadata_size_problem,
+    read_metadata,
+)
 from ray_mesh.core.files import write_atomic
 from ray_mesh.core.safe import safe_text
 
@@ -52,7 +59,6 @@ MANIFEST = "ray_mesh_manifest.json"
 """Every file the save wrote (relative name -> size and SHA-256), written before the marker."""
 OWNED = ".ray_mesh_owned"
 """Written when ray_mesh creates a checkpoint directory: ray_mesh may delete only these."""
-METADATA = ".metadata"
 _CHUNK = 1 << 20
 
 
@@ -177,6 +183,8 @@ def manifest_problem(path: Path, verify: bool) -> str | None:
         if not f.is_file():
             return f"{what} {name} is missing"
         size = f.stat().st_size
+        if name == METADATA and (too_big := metadata_size_problem(size)):
+            return f"its {too_big}"  # before hashing it, and long before unpickling it
         if size != info["size"]:
             how = "truncated" if size < info["size"] else "longer than written"
             return f"{what} {name} is {how} ({size} of {info['size']} bytes)"
@@ -209,75 +217,14 @@ def parse_marker(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 
 # ----------------------------------------------------------------------------- metadata
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
-_EXTRA_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-}
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """Admits DCP's metadata classes, torch dtypes/sizes/layouts and plain containers only.
-
-    The pure-Python unpickler (``pickle._Unpickler``, stable across CPython 3.x) because its
-    opcodes can be overridden: ``BUILD`` on a class would set attributes of that class in the
-    loading process (``setattr(Metadata, ...)``), so it is refused; ``BUILD`` on an instance
-    (how dataclasses are restored) is kept. ``.metadata`` is small: the speed does not matter.
-    """
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def load_build(self) -> None:
-        if isinstance(self.stack[-2], type):
-            raise pickle.UnpicklingError(f"it applies BUILD to the class "
-                                         f"{self.stack[-2].__name__} (would change it)")
-        pickle._Unpickler.load_build(self)
-
-    dispatch[pickle.BUILD[0]] = load_build
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        obj = super().find_class(module, name) if (
-            module in _METADATA_MODULES or (module, name) in _EXTRA_GLOBALS
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        ) else None
-        if obj is None or (module in _METADATA_MODULES and not (
-                isinstance(obj, type) and obj.__module__ == module)):  # defined there only
-            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP metadata "
-                                         f"never holds")
-        return obj
-
-
-def read_metadata(path: str | os.PathLike) -> Any:
-    """DCP's ``Metadata`` of checkpoint ``path``, unpickled with the restricted unpickler.
-
-    Raises ``ValueError`` naming what was unexpected (a class outside DCP's metadata, or an
-    object that is not a ``Metadata``); nothing from the file runs.
-    """
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    data = (Path(path) / METADATA).read_bytes()
-    try:
-        meta = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure: not DCP metadata
-        raise ValueError(f"{METADATA} is not DCP metadata: {type(exc).__name__}: {exc}") \
-            from exc
-    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
-        raise ValueError(f"{METADATA} unpickles to a {type(meta).__name__}, not DCP Metadata")
-    return meta
-
-
 def checked_metadata(path: Path) -> Any:
     """:func:`read_metadata`, and every file it points into is one the manifest vouches for.
 
     The one read of ``.metadata`` before a load: the object returned is what DCP is handed
     (:mod:`ray_mesh.checkpointing.safe_load`), so the file is never read a second time.
+
+    Also refused: an entry with ``transform_descriptors`` (ray_mesh never writes one; DCP
+    would expand a compressed entry in memory before any check of ours).
 
     Raises:
         ValueError: why the metadata cannot be loaded (a sentence starting with "its ...").
@@ -290,11 +237,18 @@ def checked_metadata(path: Path) -> Any:
         listed = set(json.loads((path / MANIFEST).read_text())["files"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"its {MANIFEST} is unreadable ({exc})") from exc
-    for info in (meta.storage_data or {}).values():
+    for index, info in (meta.storage_data or {}).items():
         rel = getattr(info, "relative_path", None)
         if rel is not None and str(rel) not in listed:
             raise ValueError(f"its {METADATA} points into {rel!r}, which the {MANIFEST} does "
                              f"not list")
+        if getattr(info, "transform_descriptors", None):  # DCP would decompress it unchecked
+            raise ValueError(
+                f"its {METADATA} declares key {getattr(index, 'fqn', index)!r} in {rel!r} "
+                f"as transformed ({info.transform_descriptors!r}: e.g. zstd-compressed, which "
+                f"DCP expands in memory before anything checks it); ray_mesh never writes "
+                f"transforms, so the checkpoint was altered: resume from another one, and find "
+                f"out who can write to this storage")
     return meta
 
 
@@ -307,7 +261,8 @@ def metadata_problem(path: Path) -> str | None:
     return None
 
 
-__all__ = ["MANIFEST", "MARKER", "METADATA", "OWNED", "checked_metadata", "describe",
-           "drop_world_access", "is_owned", "manifest_problem",
-           "mark_owned", "metadata_problem", "parse_marker", "rank_files", "read_metadata",
+__all__ = ["MANIFEST", "MARKER", "METADATA", "METADATA_MAX_BYTES", "METADATA_MAX_ENV",
+           "OWNED", "checked_metadata", "describe", "drop_world_access", "is_owned",
+           "manifest_problem", "mark_owned", "metadata_max_bytes", "metadata_problem",
+           "metadata_size_problem", "parse_marker", "rank_files", "read_metadata",
            "sha256_file", "write_json_atomic"]

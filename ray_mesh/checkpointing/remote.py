@@ -13,6 +13,7 @@ local files only; the copy is removed when the load is done. Ray-free.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,7 +29,8 @@ def download(path: str, dest: str | os.PathLike, *, endpoint: str | None = None)
     """Copy checkpoint directory ``path`` (a URI, or a local path) into ``dest``; returns it.
 
     ``endpoint``: the S3-compatible server of an ``s3://`` path (as the job's
-    ``run.storage_endpoint``). Raises :class:`CheckpointError` when there is nothing there.
+    ``run.storage_endpoint``). Raises :class:`CheckpointError` when there is nothing there,
+    or when an object vanishes during the copy (named, never a bare ``FileNotFoundError``).
     """
     import pyarrow.fs
 
@@ -43,9 +45,29 @@ def download(path: str, dest: str | os.PathLike, *, endpoint: str | None = None)
                               f"the path (a checkpoint_<step> directory of the run).")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    pyarrow.fs.copy_files(root, str(dest), source_filesystem=fs,
-                          destination_filesystem=pyarrow.fs.LocalFileSystem())
+    try:
+        pyarrow.fs.copy_files(root, str(dest), source_filesystem=fs,
+                              destination_filesystem=pyarrow.fs.LocalFileSystem())
+    except FileNotFoundError as exc:  # listed, then gone: rotated out or replaced mid-copy
+        raise CheckpointError(
+            f"Checkpoint {path} changed while it was being copied: {_missing(exc)} was listed "
+            f"but is gone (a run rotating checkpoints out, num_to_keep, deletes old ones). "
+            f"Load a checkpoint the run still keeps (a newer checkpoint_<step>), or stop the "
+            f"run that prunes this one, then retry.") from None
+    except OSError as exc:
+        raise CheckpointError(f"Checkpoint {path} cannot be copied: {exc}. Check the storage "
+                              f"credentials and this machine's free space ({dest}), then "
+                              f"retry.") from None
     return dest
+
+
+def _missing(exc: OSError) -> str:
+    """The object a pyarrow ``FileNotFoundError`` names (in quotes in its message), else the
+    message itself: pyarrow sets no ``filename``."""
+    if exc.filename:
+        return str(exc.filename)
+    quoted = re.search(r"'([^']+)'", str(exc))
+    return quoted.group(1) if quoted else str(exc)
 
 
 def load(path: str, model: torch.nn.Module, optimizers: sharded.Optimizers = None, *,

@@ -64,7 +64,7 @@ def load(path: str | os.PathLike, diloco: DiLoCo, model: torch.nn.Module,
             f"with replicate mode sync, or start this DiLoCo run in a new run directory.")
     optims = _optims(optimizers)
     state, mine = diloco.checkpoint_state(model, optims, saved)
-    load_state(path, state, meta, group)
+    load_state(path, state, meta, group, verified=verify)
     diloco.apply_checkpoint_state(state, model, optims, mine)
     progress = read_progress(path)
     progress.warnings += rng.load(path, _rank(group))

@@ -4,7 +4,10 @@ Dropout masks, random augmentations and sampling all come from generators whose 
 part of the model or optimizer. Without it a resumed run diverges from an uninterrupted one at
 its first random draw. Each rank writes its own ``rng_rank<r>.json`` (torch CPU generator,
 every CUDA generator when CUDA is initialised, Python ``random``, NumPy's global generator
-when NumPy is importable). JSON, never pickle: reading it back runs nothing.
+when NumPy is importable). JSON, never pickle: reading it back runs nothing. Written through
+:func:`ray_mesh.core.files.write_atomic` (a fresh ``O_EXCL`` temporary name, then a rename):
+the checkpoint directory may be writable by others, and a symlink planted at
+``rng_rank<r>.json`` must not redirect our write into a file it points to.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ray_mesh.core.files import write_atomic
 
 FORMAT = 1
 
@@ -79,7 +84,7 @@ def save(path: Path, rank: int) -> str:
     """Write this rank's random state into checkpoint ``path``; returns the file name."""
     name = file_name(rank)
     path.mkdir(parents=True, exist_ok=True)  # as DCP would: save() may come before it
-    (path / name).write_text(json.dumps(capture()))
+    write_atomic(path / name, json.dumps(capture()))
     return name
 
 

@@ -121,9 +121,13 @@ def _our_error(exc: CheckpointException) -> CheckpointError | None:
 
 
 def load_state(path: str | os.PathLike, state: dict[str, Any], metadata: Metadata,
-               group: dist.ProcessGroup | None = None) -> None:
+               group: dist.ProcessGroup | None = None, *, verified: bool = False) -> None:
     """``dcp.load(state)`` from ``path`` with ``metadata`` (from
     :func:`ray_mesh.checkpointing.integrity.read_metadata`): nothing in the files runs.
+
+    ``verified``: every file was just hashed against the manifest (``load(verify=True)``),
+    so a shard DCP cannot read was written that way, not damaged since: the error says so
+    instead of advising a verification that already ran.
 
     Raises:
         CheckpointError: a bytes entry that is not plain data or stands where a tensor
@@ -137,11 +141,16 @@ def load_state(path: str | os.PathLike, state: dict[str, Any], metadata: Metadat
         ours = _our_error(exc)
         if ours is not None:
             raise CheckpointError(str(ours)) from None
+        why = (
+            "Every file matches the SHA-256 recorded at save, so the shards were unreadable "
+            "when written (or were altered together with the manifest, by someone who can "
+            "write this storage); resume from an older checkpoint." if verified else
+            "A shard is corrupt although its size is right; load again with verify=True "
+            "(hashes every file against the manifest) to name it, or resume from an older "
+            "checkpoint.")
         raise CheckpointError(
             f"Checkpoint {path} cannot be loaded: DCP could not read its shards "
-            f"({str(exc).splitlines()[0][:300]}). A shard is corrupt although its size is "
-            f"right; load with verify=True to name it, or resume from an older checkpoint."
-        ) from exc
+            f"({str(exc).splitlines()[0][:300]}). {why}") from exc
 
 
 def check_compatible(path: str | os.PathLike, model: torch.nn.Module,

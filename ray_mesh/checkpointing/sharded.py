@@ -328,7 +328,7 @@ def load(
             f"Checkpoint {path} holds no optimizer state, but an optimizer was passed. Pass "
             f"optimizers=None to load the model alone."
         )
-    load_state(path, state, meta, group)
+    load_state(path, state, meta, group, verified=verify)
     if optims:
         set_state_dict(model, optims, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])

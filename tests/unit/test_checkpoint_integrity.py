@@ -181,8 +181,23 @@ def test_unreadable_shard_is_a_checkpoint_error(good, tmp_path, damage):
     with pytest.raises(sharded.CheckpointError, match="corrupt"):
         sharded.load(bad, _model(1), None)  # found by the checksum
     if damage == "zeros":  # without the checksum DCP itself fails: a CheckpointError too
-        with pytest.raises(sharded.CheckpointError, match="DCP could not read"):
+        with pytest.raises(sharded.CheckpointError, match="DCP could not read.*"
+                                                          "load again with verify=True"):
             sharded.load(bad, _model(1), None, verify=False)
+
+
+def test_unreadable_shard_that_passed_verification_says_so(good, tmp_path):
+    """Round 3, item 8: a shard DCP cannot read although it matches the manifest (written that
+    way, or altered with the manifest): the error does not advise verify=True, which ran."""
+    bad = _copy(good, tmp_path, 6)
+    shard = bad / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    _refresh_manifest(bad)
+    with pytest.raises(sharded.CheckpointError) as err:
+        sharded.load(bad, _model(1), None, verify=True)
+    msg = str(err.value)
+    assert "DCP could not read" in msg and "matches the SHA-256 recorded at save" in msg, msg
+    assert "verify=True" not in msg, msg
 
 
 def test_load_restores_model_progress_and_rng(good, tmp_path):
@@ -241,6 +256,59 @@ def test_rng_round_trip(tmp_path):
     assert "no random state for rank 1" in rng.load(tmp_path, 1)[0]
     (tmp_path / rng.file_name(0)).write_text("[]")
     assert "unusable" in rng.load(tmp_path, 0)[0]
+
+
+def test_rng_file_follows_no_planted_symlink(tmp_path):
+    """Round 3, item 8: a symlink planted at ``rng_rank0.json`` in the claimed directory (by
+    whoever can write the storage) is replaced, never written through."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    path = sharded.prepare_dir(tmp_path / "checkpoint_00000001", None)
+    (path / rng.file_name(0)).symlink_to(victim)
+    sharded.save(path, _model())
+    assert victim.read_text() == "keep"
+    assert not (path / rng.file_name(0)).is_symlink()
+    assert json.loads((path / rng.file_name(0)).read_text())["format"] == rng.FORMAT
+
+
+def test_download_names_an_object_gone_mid_copy(good, tmp_path, monkeypatch):
+    """Round 3, item 8: an object listed, then deleted before it is copied (a run rotating
+    checkpoints out) is a CheckpointError naming it and what to do, not a FileNotFoundError.
+    Real pyarrow copy, from a filesystem that deletes one shard right after listing."""
+    import pyarrow.fs as pafs
+
+    from ray_mesh.checkpointing import remote
+    from ray_mesh.core import object_store
+
+    src = _copy(good, tmp_path, 6)
+    gone = src / "__0_0.distcp"
+    local = pafs.LocalFileSystem()
+
+    class Rotating(pafs.FileSystemHandler):
+        def __eq__(self, other): return isinstance(other, Rotating)
+        def __ne__(self, other): return not self == other
+        def get_type_name(self): return "rotating"
+        def normalize_path(self, p): return p
+        def get_file_info(self, paths): return local.get_file_info(paths)
+        def open_input_stream(self, p): return local.open_input_stream(p)
+        def open_input_file(self, p): return local.open_input_file(p)
+
+        def get_file_info_selector(self, selector):
+            listed = local.get_file_info(selector)
+            gone.unlink()
+            return listed
+
+        def _unused(self, *args, **kwargs): raise AssertionError("download only reads")
+        create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = _unused
+        delete_file = move = copy_file = open_output_stream = open_append_stream = _unused
+
+    monkeypatch.setattr(object_store, "filesystem",
+                        lambda path, endpoint=None: (pafs.PyFileSystem(Rotating()), str(src)))
+    uri = "s3://bucket/run/checkpoint_00000006"
+    with pytest.raises(sharded.CheckpointError, match=rf"{uri} changed while it was being "
+                                                      rf"copied: .*__0_0\.distcp was listed "
+                                                      rf"but is gone.*newer checkpoint"):
+        remote.download(uri, tmp_path / "copy")
 
 
 @pytest.mark.parametrize("payload", [

@@ -5,8 +5,10 @@ entry (``BytesStorageMetadata``) in ``.metadata``, point it at a shard holding a
 ``torch.save``d object whose ``__reduce__`` runs code, and recompute the integrity manifest
 (anyone who can write the files can). DCP's default planner reads bytes entries with
 ``torch.load(weights_only=False)``; ray_mesh's loader must refuse with a
-:class:`CheckpointError` naming the file and the key, and never run the payload. Real DCP, one
-process, no process group.
+:class:`CheckpointError` naming the file and the key, and never run the payload. Round 3 adds
+a ``.metadata`` that changes the process without running code (``BUILD`` on a shared enum
+member or function), entries DCP would decompress before any check (``transform_descriptors``)
+and a ``.metadata`` too large to read. Real DCP, one process, no process group.
 """
 
 from __future__ import annotations
@@ -159,3 +161,111 @@ def test_local_checkpoint_files_are_not_world_readable(tmp_path):
     assert not stat.S_IMODE(path.stat().st_mode) & 0o007
     for f in path.iterdir():
         assert not stat.S_IMODE(f.stat().st_mode) & 0o007, f.name
+
+
+# ----------------------------------------------------------------------------- round 3
+def _global(module: str, name: str) -> bytes:
+    """Pickle opcodes pushing ``module.name`` (SHORT_BINUNICODE x2, STACK_GLOBAL)."""
+    return b"".join(b"\x8c" + bytes([len(x)]) + x.encode() for x in (module, name)) + b"\x93"
+
+
+def _str(text: str) -> bytes:
+    return b"\x8c" + bytes([len(text)]) + text.encode()
+
+
+# BUILD on an object every checkpoint of the process shares, then POP: the real metadata
+# follows, so the file is a complete, valid DCP .metadata with one extra change in front.
+_POISON = {
+    # _MEM_FORMAT_ENCODING(0)._value_ = 7: every later save writes 7, which no load accepts
+    "enum member": _global("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
+    + b"K\x00\x85R}" + _str("_value_") + b"K\x07sb0",
+    # torch.serialization._get_layout.cache = {"x": 1}: every later layout lookup fails
+    "function": _global("torch.serialization", "_get_layout")
+    + b"}" + _str("cache") + b"}" + _str("x") + b"K\x01ssb0",
+}
+
+
+@pytest.mark.parametrize("target", sorted(_POISON))
+def test_build_on_a_shared_object_is_refused_and_changes_nothing(tmp_path, target):
+    """Round 3, item 2: a crafted ``.metadata`` that BUILDs an enum member or the permitted
+    function ``_get_layout`` is refused, and this process's later saves still load."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    from torch.serialization import _get_layout
+
+    member = _MEM_FORMAT_ENCODING(0)
+    before = (dict(vars(member)), dict(vars(_get_layout)))
+    path, _, _ = _saved(tmp_path / "checkpoint_00000001")
+    meta = path / integrity.METADATA
+    meta.write_bytes(b"\x80\x04" + _POISON[target] + meta.read_bytes())
+    sharded.mark_complete(path, sharded.Progress(1))  # the manifest vouches for it
+    try:
+        fresh = _model()
+        with pytest.raises(CheckpointError, match=r"BUILD to .*only DCP's metadata "
+                                                  r"dataclasses.*resume from another"):
+            sharded.load(path, fresh, torch.optim.AdamW(fresh.parameters()))
+        assert (dict(vars(member)), dict(vars(_get_layout))) == before
+        later, model, opt = _saved(tmp_path / "checkpoint_00000002")  # this process saves
+        fresh = _model()
+        sharded.load(later, fresh, torch.optim.AdamW(fresh.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(),
+                                                     strict=True))
+    finally:  # the process as it was, whatever happened above
+        vars(member).update(before[0])
+        vars(_get_layout).clear()
+        vars(_get_layout).update(before[1])
+
+
+def _zstd_bomb(mib: int) -> bytes:
+    """A zstd frame of RLE blocks (4 bytes each) expanding to ``mib`` MiB of zeros."""
+    blocks = mib * 8  # 128 KiB each
+    head = b"\x28\xb5\x2f\xfd\x00\x38"  # magic, no content size, window 2**17
+    return head + b"".join(
+        (((128 << 10) << 3) | (1 << 1) | (i == blocks - 1)).to_bytes(3, "little") + b"\0"
+        for i in range(blocks))
+
+
+def test_transformed_entries_are_refused_before_any_read(tmp_path):
+    """Round 3, item 3: an entry declared zstd-compressed (``transform_descriptors``) would be
+    expanded by DCP in memory before anything checks it; ray_mesh writes none: refused while
+    the metadata is checked, naming the key and the file."""
+    path, _, _ = _saved(tmp_path / "checkpoint_00000001")
+    meta = pickle.loads((path / integrity.METADATA).read_bytes())
+    bomb = _zstd_bomb(16)  # 1 KiB of file, 16 MiB once expanded
+    (path / "__0_1.distcp").write_bytes(bomb)
+    key = "optim.param_groups.0.lr"
+    index = next(i for i in meta.storage_data if i.fqn == key)
+    meta.storage_data[index] = _StorageInfo("__0_1.distcp", 0, len(bomb), ["stream.zstd/1"])
+    (path / integrity.METADATA).write_bytes(pickle.dumps(meta))
+    sharded.mark_complete(path, sharded.Progress(1))
+    why = sharded.loadable_problem(path)
+    assert why and key in why and "__0_1.distcp" in why and "transformed" in why, why
+    fresh = _model()
+    with pytest.raises(CheckpointError, match=r"stream\.zstd/1.*resume from another"):
+        sharded.load(path, fresh, torch.optim.AdamW(fresh.parameters()))
+
+
+def test_metadata_over_the_size_cap_is_refused_unread(tmp_path, monkeypatch):
+    """Round 3, item 8: ``.metadata`` size is checked before it is read. A valid pickle with
+    trailing junk (the unpickler stops at STOP) over the cap: refused by size, naming the
+    setting that raises the cap; a sparse file just over the default cap is refused without
+    reading a byte; a wrong setting is named."""
+    path, _, _ = _saved(tmp_path / "checkpoint_00000001")
+    meta = path / integrity.METADATA
+    meta.write_bytes(meta.read_bytes() + b"\0" * (128 << 10))
+    sharded.mark_complete(path, sharded.Progress(1))
+    monkeypatch.setenv("RAY_MESH_METADATA_MAX_BYTES", str(64 << 10))
+    with pytest.raises(CheckpointError, match=r"over the 65536-byte cap.*"
+                                              r"RAY_MESH_METADATA_MAX_BYTES"):
+        sharded.load(path, _model(), verify=False)
+    with pytest.raises(ValueError, match="over the 65536-byte cap"):
+        integrity.read_metadata(path)
+    monkeypatch.setenv("RAY_MESH_METADATA_MAX_BYTES", "lots")
+    assert "RAY_MESH_METADATA_MAX_BYTES='lots' is not a number" in sharded.problem(path)
+    monkeypatch.delenv("RAY_MESH_METADATA_MAX_BYTES")
+    sharded.load(path, _model(), verify=False)  # under the default cap: loads
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    with open(sparse / integrity.METADATA, "wb") as f:
+        f.truncate(integrity.METADATA_MAX_BYTES + 1)  # no disk, and never read
+    with pytest.raises(ValueError, match=f"{integrity.METADATA_MAX_BYTES + 1} bytes, over"):
+        integrity.read_metadata(sparse)
