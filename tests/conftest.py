@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ HELPERS_DIR = TESTS_DIR / "helpers"
 # changes what check_storage probes and which threads a snapshot lists), and the netns
 # clusters must not share the 2 cores with an idle local Ray.
 KINDS = ("unit", "dist", "netns", "ray")
-SERIAL = "serial"  # the xdist group of every kind but unit
+HEAVY = KINDS[1:]  # one at a time (tests/helpers/heavy.py), the unit tests beside them
 sys.path.insert(0, str(HELPERS_DIR))  # the tests' own drivers, train functions and fixtures
 # harness/ (what tests and benchmarks share) and benchmarks/ import from the repository root,
 # as under `python -m pytest` there; this makes a plain `pytest` (or another cwd) alike.
@@ -30,11 +31,15 @@ REPO_DIR = TESTS_DIR.parent
 if str(REPO_DIR) not in sys.path:
     sys.path.insert(1, str(REPO_DIR))
 
+import heavy  # noqa: E402 - tests/helpers
+import streams  # noqa: E402
 from require_all import (  # noqa: E402 - a hook pytest finds here; CI fails on skips
     SLOW_ENV,
     SLOW_REASON,
     pytest_runtest_makereport,  # noqa: F401
 )
+
+_STREAM = pytest.StashKey[streams.UnitStream]()  # the parent's unit stream, if any
 
 
 def worker_runtime_env() -> dict:
@@ -45,14 +50,19 @@ def worker_runtime_env() -> dict:
     return {"env_vars": {"PYTHONPATH": path}}
 
 
+def whole_suite(config) -> bool:
+    """A run over all of tests/ (no paths, -k or -m given)."""
+    asked = [Path(a).resolve() for a in config.args]
+    return asked == [TESTS_DIR] and not config.option.keyword and not config.option.markexpr
+
+
 def missing_kinds(config, items) -> list[str]:
     """The kinds' folders a run over the whole of tests/ collected nothing from.
 
     pytest's default ``norecursedirs`` holds "dist", which once kept tests/dist out of every
     run without a word; a whole-suite run (no paths, -k or -m given) now fails instead.
     """
-    asked = [Path(a).resolve() for a in config.args]
-    if asked != [TESTS_DIR] or config.option.keyword or config.option.markexpr:
+    if not whole_suite(config):
         return []
     seen = {item_kind(item) for item in items}
     return [kind for kind in KINDS if any((TESTS_DIR / kind).glob("test_*.py"))
@@ -70,12 +80,20 @@ def kind_order(item) -> int:
     return KINDS.index(kind) if kind in KINDS else len(KINDS)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_configure(config):
+    """One heavy-test journal for every process of the run; in the unit stream's child, its
+    reports file (taken out of the environment, so no test's own pytest child writes there)."""
+    os.environ.setdefault(heavy.JOURNAL_ENV, os.path.join(
+        tempfile.mkdtemp(prefix="ray_mesh_heavy_"), "journal.jsonl"))
+    reports = os.environ.pop(streams.STREAM_ENV, "")
+    if reports and reports != "0":
+        config.pluginmanager.register(streams.ReportWriter(config, reports))
+
+
 def pytest_collection_modifyitems(config, items):
-    """The kinds' markers and order; every kind but unit in one xdist group ("serial": one
-    worker, in order, as without xdist: Ray and the virtual clusters take the whole machine,
-    and only unit tests run side by side); ``@pytest.mark.slow`` tests (multi-minute
-    scenarios) run only with RAY_MESH_SLOW_TESTS=1."""
+    """The kinds' markers and order; the unit tests to a child of their own in a whole-suite
+    run (tests/helpers/streams.py); ``@pytest.mark.slow`` tests (multi-minute scenarios) run
+    only with RAY_MESH_SLOW_TESTS=1."""
     if missing := missing_kinds(config, items):
         raise pytest.UsageError(
             f"tests/{', tests/'.join(missing)} collected no test in a whole-suite run: check "
@@ -85,15 +103,90 @@ def pytest_collection_modifyitems(config, items):
         kind = item_kind(item)
         if kind in KINDS:
             item.add_marker(getattr(pytest.mark, kind))
-        if kind != "unit":
-            item.add_marker(pytest.mark.xdist_group(SERIAL))
     items.sort(key=kind_order)  # stable: the order inside a kind is pytest's
-    if os.environ.get(SLOW_ENV) == "1":
+    if os.environ.get(SLOW_ENV) != "1":
+        skip = pytest.mark.skip(reason=SLOW_REASON)
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+    unit = [item for item in items if item_kind(item) == "unit"]
+    if (whole_suite(config) and os.environ.get(streams.STREAM_ENV) != "0"
+            and not config.option.collectonly and not hasattr(config, "workerinput")
+            and unit and len(unit) < len(items)):
+        items[:] = [item for item in items if item_kind(item) != "unit"]
+        config.stash[_STREAM] = streams.UnitStream(
+            config, unit, TESTS_DIR / "unit",
+            Path(tempfile.mkdtemp(prefix="ray_mesh_unit_stream_")))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A heavy test holds the machine-wide lock from its setup to its teardown (session
+    fixtures' start and stop included); the unit stream's new reports are logged after it."""
+    try:
+        if item_kind(item) in HEAVY:
+            journal = Path(os.environ[heavy.JOURNAL_ENV])
+            with heavy.alone(item.nodeid, journal, say=_say(item.config)):
+                return (yield)
+        return (yield)
+    finally:
+        if stream := item.config.stash.get(_STREAM, None):
+            stream.drain()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    """After the heavy kinds: the unit stream's end, then the overlap check of the journal."""
+    config = session.config
+    stream = config.stash.get(_STREAM, None)
+    try:
+        result = yield
+    except BaseException:
+        if stream:
+            stream.stop()
+        raise
+    if stream:
+        stream.finish(say=_say(config))
+    if not hasattr(config, "workerinput"):
+        _check_overlaps(config)
+    return result
+
+
+def _say(config):
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    return (lambda text: reporter.write_line(text.strip())) if reporter else print
+
+
+def _check_overlaps(config) -> None:
+    """Fail the run, naming them, when two heavy tests overlapped (tests/helpers/heavy.py)."""
+    pairs = heavy.overlaps(heavy.read(Path(os.environ[heavy.JOURNAL_ENV])))
+    if not pairs:
         return
-    skip = pytest.mark.skip(reason=SLOW_REASON)
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    location = ("tests/conftest.py", None, "heavy tests run one at a time")
+    nodeid = "tests/conftest.py::heavy_tests_run_one_at_a_time"
+    message = (f"{len(pairs)} pair(s) of heavy tests (dist, netns, ray) overlapped in time; "
+               "they must run one at a time (run the suite as README.md says: one "
+               "`python -m pytest`, no -n):\n" + heavy.describe(pairs))
+    hook = config.hook
+    hook.pytest_runtest_logstart(nodeid=nodeid, location=location)
+    hook.pytest_runtest_logreport(report=pytest.TestReport(
+        nodeid=nodeid, location=location, keywords={}, outcome="failed", longrepr=message,
+        when="call"))
+    hook.pytest_runtest_logfinish(nodeid=nodeid, location=location)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the time went, by kind: the sum of each test's setup, call and teardown."""
+    spent: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                kind = Path(report.location[0]).parent.name
+                spent[kind] = spent.get(kind, 0.0) + report.duration
+    if spent:
+        parts = ", ".join(f"{kind} {spent[kind]:.0f} s" for kind in
+                          sorted(spent, key=lambda k: KINDS.index(k) if k in KINDS else 9))
+        terminalreporter.write_line(f"time by kind (setup + call + teardown): {parts}")
 
 
 @pytest.fixture(scope="session")

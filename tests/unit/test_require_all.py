@@ -69,6 +69,9 @@ def test_the_suite_reports_skips_and_ci_requires_everything():
     assert ci.rstrip().splitlines()[-1].endswith("python -m pytest")
     for pkg in ("shellcheck", "iproute2", "chromium", "nftables", "iptables"):
         assert pkg in ci, pkg
+    # only what the tests need: a recommended kernel image and initramfs cost CI minutes
+    installs = [ln for ln in ci.splitlines() if "apt-get install" in ln]
+    assert installs and all("--no-install-recommends" in ln for ln in installs), installs
     readme = (REPO / "README.md").read_text()
     test_cmd = next(ln for ln in ci.splitlines() if "python -m pytest" in ln)
     # .ci/run is the README's test command (plus the installs and the CI switch).
