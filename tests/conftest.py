@@ -139,6 +139,8 @@ def pytest_runtestloop(session):
     """After the heavy kinds: the unit stream's end, then the overlap check of the journal."""
     config = session.config
     stream = config.stash.get(_STREAM, None)
+    if stream:  # the progress figures count the unit tests the child runs
+        session.testscollected += len(stream.items)
     try:
         result = yield
     except BaseException:
