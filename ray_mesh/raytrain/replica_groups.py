@@ -53,21 +53,21 @@ class Coordinator:
                  arrive_timeout_s: float, expected_groups: int, run: str,
                  shares: str = "equal") -> None:
         from ray.util.metrics import Gauge
-        from torch.distributed import TCPStore
+
+        from ray_mesh.replicas.link_store import serve_store
 
         self.quorum = Quorum(segment_samples=segment_samples, total_steps=total_steps,
                              dead_after_s=dead_after_s, arrive_timeout_s=arrive_timeout_s,
                              expected_groups=expected_groups, shares=shares)
-        host = ray.util.get_node_ip_address()
-        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.address = (host, int(self.store.port))
+        # On this node's address only, with the key the groups sign their rendezvous with.
+        self.store, self.address = serve_store(ray.util.get_node_ip_address())
         # Exported by Ray's metrics agent as ray_ray_mesh_replica_groups_live{run=...}.
         self.run = run
         self.live = Gauge("ray_mesh_replica_groups_live", description="replica groups alive "
                           "and taking part in the run", tag_keys=("run",))
         self.layouts: dict[int, str] = {}
 
-    def store_address(self) -> tuple[str, int]:
+    def store_address(self) -> tuple[str, int, str]:
         return self.address
 
     def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None:
@@ -131,7 +131,7 @@ class _Client:
     def checkpointed(self, step: int, path: str) -> None:
         self._get(self.handle.checkpointed.remote(step, path))
 
-    def store_address(self) -> tuple[str, int]:
+    def store_address(self) -> tuple[str, int, str]:
         return tuple(self._get(self.handle.store_address.remote()))
 
 

@@ -102,8 +102,8 @@ class ReplicaGroup:
         if self.rank == 0:
             client.register(group_id, self.incarnation, self.size, layout)
         _barrier()
-        host, port = client.store_address()
-        self.link = CrossLink(host, port, self.rank, timeout_s)
+        host, port, key = client.store_address()  # key: signs the link's rendezvous
+        self.link = CrossLink(host, port, self.rank, timeout_s, key=key)
         self._dropped = threading.Event()
         self._broken_epoch = 0  # from the beats: the newest epoch that lost a member
         self._stop = threading.Event()

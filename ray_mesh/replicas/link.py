@@ -6,7 +6,10 @@ that world: when a group goes, the others must keep their mesh. So inner rank ``
 member group meets the others' inner rank ``i`` in a separate gloo process group, built
 directly on a TCP store that outlives the groups (the coordinator hosts it), under a prefix
 per epoch: a new member list is a new group, and an old one is never reused. Same-layout
-groups pair shard with shard, so a collective moves exactly one copy of each shard.
+groups pair shard with shard, so a collective moves exactly one copy of each shard. The store
+listens on the coordinator node's address only, and gloo meets on it through a
+:class:`~.link_store.SignedStore`: what a member reads there must carry the run's key, so a
+host that reaches the port cannot join an epoch (:mod:`.link_store`).
 
 Gloo, on CPU copies: this link is the slow one (the VPN between nodes), a dead peer shows up
 as an error at once (its sockets close) instead of a hang, and ``timeout_s`` bounds the rest
@@ -32,16 +35,21 @@ import torch.distributed as dist
 
 from ray_mesh.errors import LinkAbandoned
 from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
+from ray_mesh.replicas.link_store import SignedStore, parse_key
 
 POLL_S = 0.2  # how often a wait on the link asks whether its epoch lost a member
 Abort = Callable[[], bool]
 
 
 class CrossLink:
-    """Inner rank ``inner_rank``'s link to the same rank of the other member groups."""
+    """Inner rank ``inner_rank``'s link to the same rank of the other member groups, over
+    the coordinator's store at ``host:port``, signing with its ``key`` (hex:
+    :func:`~.link_store.serve_store`)."""
 
-    def __init__(self, host: str, port: int, inner_rank: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, host: str, port: int, inner_rank: int, timeout_s: float = 30.0, *,
+                 key: str) -> None:
         self.host, self.port, self.inner_rank = host, port, inner_rank
+        self.key = parse_key(key)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pg: dist.ProcessGroup | None = None
         self._epoch: int | None = None
@@ -61,7 +69,9 @@ class CrossLink:
             # A store client per epoch: a client is one connection whose requests queue, so
             # an abandoned rendezvous still blocked in it would hold up the next epoch's.
             store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
-            prefix = dist.PrefixStore(f"replicas/{epoch}/{self.inner_rank}/", store)
+            under = f"replicas/{epoch}/{self.inner_rank}/"
+            prefix = SignedStore(dist.PrefixStore(under, store), under, self.key,
+                                 f"{self.host}:{self.port}")
             self._pg = _build(lambda: dist.ProcessGroupGloo(prefix, index, size, self.timeout),
                               abort, epoch)
             self._epoch = epoch

@@ -13,21 +13,22 @@ import time
 
 import pytest
 import torch
-from torch.distributed import TCPStore
 
 from ray_mesh.replicas.link import POLL_S, CrossLink, LinkAbandoned, weighted_mean
+from ray_mesh.replicas.link_store import serve_store
 
 TIMEOUT_S = 20.0  # the link's own bound: every wait below must end long before it
 
 
 @pytest.fixture
 def store():
-    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield s
+    s, address = serve_store("127.0.0.1")  # as the coordinator serves it
+    yield address
 
 
 def _link(store, timeout_s: float = TIMEOUT_S) -> CrossLink:
-    return CrossLink("127.0.0.1", int(store.port), 0, timeout_s)
+    host, port, key = store
+    return CrossLink(host, port, 0, timeout_s, key=key)
 
 
 def _later(seconds: float) -> threading.Event:

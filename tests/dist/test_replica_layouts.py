@@ -34,8 +34,8 @@ AUTHKEY = b"replica-layouts"
 class _Coordinator:
     """The ``Coordinator`` protocol of ray_mesh.replicas.group over a local Quorum."""
 
-    def __init__(self, quorum: Quorum, store_port: int) -> None:
-        self.quorum, self.port = quorum, store_port
+    def __init__(self, quorum: Quorum, store_address: tuple[str, int, str]) -> None:
+        self.quorum, self.address = quorum, store_address
         self.layouts: dict[int, str] = {}
 
     def register(self, gid, incarnation, ranks, layout=""):
@@ -56,20 +56,20 @@ class _Coordinator:
         self.quorum.failed(gid, error, rank, incarnation)
 
     def store_address(self):
-        return ("127.0.0.1", self.port)
+        return self.address
 
 
 class _Served:
     """A Quorum and a TCP store for the groups, served until closed."""
 
     def __init__(self, steps: int, expected_groups: int) -> None:
-        from torch.distributed import TCPStore
+        from ray_mesh.replicas.link_store import serve_store
 
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store, address = serve_store("127.0.0.1")  # as the Ray coordinator serves it
         self.quorum = Quorum(segment_samples=8, total_steps=steps, dead_after_s=10.0,
                              arrive_timeout_s=60.0, expected_groups=expected_groups,
                              start_timeout_s=60.0)
-        self.coordinator = _Coordinator(self.quorum, int(self.store.port))
+        self.coordinator = _Coordinator(self.quorum, address)
 
         class Manager(BaseManager):
             pass
