@@ -145,7 +145,8 @@ def _serve_bucket(work: Path) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
     with open(work / "serve.log", "w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-m", "ray_mesh.cli.main", "storage",
-                                 "serve", "--port", str(port), "--bucket", "bench"],
+                                 "serve", "--port", str(port), "--bucket", "bench",
+                                 "--key-file", str(work / "storage.env")],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=str(REPO))
     endpoint = f"http://127.0.0.1:{port}"
@@ -162,9 +163,12 @@ def _checkpoints(reps: int, width: int, layers: int) -> dict:
     import ray
 
     work = Path(tempfile.mkdtemp(prefix="rmbench_ckpt_"))
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                       ("AWS_EC2_METADATA_DISABLED", "true")):
-        os.environ.setdefault(key, value)  # inherited by the local Ray's workers
+    from ray_mesh.cli.storage_guard import make_key, write_key_file
+
+    key = make_key()  # the server's key (it answers signed requests only), made here first:
+    write_key_file(work / "storage.env", key)  # the local Ray's workers inherit it
+    os.environ.update(AWS_ACCESS_KEY_ID=key[0], AWS_SECRET_ACCESS_KEY=key[1],
+                      AWS_EC2_METADATA_DISABLED="true")
     server, endpoint, bucket = _serve_bucket(work)
     runs: dict[str, list[dict]] = {"local": [], "bucket": []}
     try:

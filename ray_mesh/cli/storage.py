@@ -7,6 +7,12 @@ bound to an address the nodes reach (the head's tailnet address), with the bucke
 It keeps objects **in memory**: they are gone when it stops. For anything that must outlive
 the process, use MinIO or a cloud bucket; the job settings are the same
 (``storage_path: s3://BUCKET/runs``, ``storage_endpoint: http://HOST:PORT``).
+
+It serves the S3 API only, to requests signed with its own key: made at the first start,
+printed once and kept in a private key file (``--key-file``, default
+``~/.ray_mesh/storage.env``; export it on every node and the driver). moto alone would answer
+anyone, its admin API included (a reset wipes every bucket): ``storage_guard`` says why and
+how.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+from ray_mesh.cli.storage_guard import DEFAULT_KEY_FILE, Key, SignedS3Only, load_or_make_key
 from ray_mesh.core.object_store import bucket_problem
 from ray_mesh.errors import StorageError, StorageURIError
 
@@ -39,33 +47,48 @@ def _check_port_free(host: str, port: int) -> None:
                 f"tailnet address, or 127.0.0.1 for one machine).") from None
 
 
-def start_server(host: str, port: int, bucket: str,
-                 timeout_s: float = START_TIMEOUT_S) -> Any:
-    """Start moto's S3 server on ``host:port`` with ``bucket`` created; returns the server
-    (``.stop()`` ends it). Bounded: raises :class:`StorageError` when it does not answer."""
+class Server:
+    """moto's S3 app behind :class:`~ray_mesh.cli.storage_guard.SignedS3Only`, served by
+    werkzeug on threads (what moto's ``ThreadedMotoServer`` does, with no other service)."""
+
+    def __init__(self, host: str, port: int, key: Key, made: bool = False) -> None:
+        from moto.server import MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        self.key, self.made = key, made  # made: the key was made by this start
+        self._server = make_server(host, port, SignedS3Only(create_backend_app("s3"), key),
+                                   threaded=True, request_handler=MotoRequestHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="ray_mesh-storage-serve")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._thread.join(10)
+
+
+def start_server(host: str, port: int, bucket: str, key_file: str = DEFAULT_KEY_FILE,
+                 timeout_s: float = START_TIMEOUT_S) -> Server:
+    """Serve moto's S3 API on ``host:port`` with ``bucket`` created, to requests signed with
+    the key of ``key_file`` (made there if missing); returns the server (``.stop()`` ends
+    it). Bounded: raises :class:`StorageError` when it does not answer."""
     why = bucket_problem(bucket)
     if why:
         raise StorageURIError(f"--bucket: {why}.")
     try:
-        from moto.server import ThreadedMotoServer
+        import moto.server  # noqa: F401 - moto[server]: flask and werkzeug with it
     except ImportError:
         raise StorageError(
             "ray-mesh storage serve needs moto's S3 server: pip install 'moto[server]>=5.2.5' "
             "(a lab server; in production use MinIO or a cloud bucket).") from None
     _check_port_free(host, port)
-    server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)
-    starter = threading.Thread(target=server.start, daemon=True, name="ray_mesh-moto-start")
-    starter.start()
-    starter.join(timeout_s)
-    if starter.is_alive():
-        raise StorageError(f"ray-mesh storage serve: the S3 server on {host}:{port} did not "
-                           f"start within {timeout_s:g} s.")
+    key, made = load_or_make_key(key_file)
+    server = Server(host, port, key, made)
     import pyarrow.fs
 
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    # Explicit lab keys: moto checks none, and an anonymous upload would be stored framed.
-    fs = pyarrow.fs.S3FileSystem(endpoint_override=where, scheme="http", access_key="lab",
-                                 secret_key="lab", allow_bucket_creation=True,
+    fs = pyarrow.fs.S3FileSystem(endpoint_override=where, scheme="http", access_key=key[0],
+                                 secret_key=key[1], allow_bucket_creation=True,
                                  connect_timeout=5, request_timeout=10)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -84,18 +107,24 @@ def start_server(host: str, port: int, bucket: str,
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
+    logging.basicConfig()  # the guard's refusals, one line each
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
-    server = start_server(args.host, args.port, args.bucket)
+    server = start_server(args.host, args.port, args.bucket, args.key_file)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
-    print(f"{READY} {url}, bucket {args.bucket} (moto, in memory: objects are lost when this "
-          f"stops; Ctrl-C stops it)\n"
+    key_file = Path(args.key_file).expanduser()
+    # The key is printed once, when it is made; later starts name the file only.
+    key = (f"made now and kept in {key_file} (mode 0600): `. {key_file}`, or\n"
+           f"    export AWS_ACCESS_KEY_ID={server.key[0]} AWS_SECRET_ACCESS_KEY={server.key[1]}"
+           if server.made else f"the one in {key_file} (`. {key_file}`)")
+    print(f"{READY} {url}, bucket {args.bucket} (moto's S3 API only, signed requests only; in "
+          f"memory: objects are lost when this stops; Ctrl-C stops it)\n"
           f"  job file:  run: {{storage_path: s3://{args.bucket}/runs, storage_endpoint: "
           f"{url}}}\n"
           f"  or:        ray-mesh run JOB --storage-path s3://{args.bucket}/runs "
           f"--storage-endpoint {url}\n"
-          f"  every node and the driver: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY set "
-          f"(any values for this server)", flush=True)
+          f"  every node and the driver (before `ray start`): this server's key, {key}",
+          flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -103,6 +132,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         pass
     server.stop()
     print("ray-mesh storage: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _cmd_key(args: argparse.Namespace) -> int:
+    """``ray-mesh storage key``: the server's key made now (printed once), for nodes that
+    must have it in their environment before Ray starts, i.e. before the server runs."""
+    (key_id, secret), made = load_or_make_key(args.key_file)
+    path = Path(args.key_file).expanduser()
+    print(f"ray-mesh storage: key made, kept in {path} (mode 0600); every node and the "
+          f"driver: `. {path}` before `ray start`, or:\n    export AWS_ACCESS_KEY_ID={key_id} "
+          f"AWS_SECRET_ACCESS_KEY={secret}" if made else
+          f"ray-mesh storage: the key in {path} (made earlier; delete it for a new one)")
     return 0
 
 
@@ -121,7 +162,15 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--port", type=port_flag, default=9000, help="port (default 9000)")
     serve.add_argument("--bucket", default="ray-mesh", type=name_flag,
                        help="bucket to create (default ray-mesh)")
+    key = verbs.add_parser("key", help="make the server's key now (before `ray start` on "
+                           "the nodes), or say where it is")
+    for verb in (serve, key):
+        verb.add_argument("--key-file", default=DEFAULT_KEY_FILE, type=name_flag,
+                          help="the server's key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY): "
+                               "read from this private file, or made and written there (0600) "
+                               f"when it does not exist (default {DEFAULT_KEY_FILE})")
     serve.set_defaults(func=_cmd_serve)
+    key.set_defaults(func=_cmd_key)
 
 
-__all__ = ["READY", "START_TIMEOUT_S", "add_parser", "start_server"]
+__all__ = ["READY", "START_TIMEOUT_S", "Server", "add_parser", "start_server"]

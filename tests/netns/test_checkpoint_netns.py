@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from moto_s3 import FAKE_CREDENTIALS, S3Server
+from moto_s3 import S3Server, new_credentials
 
 from harness.ckpt_train import attempts, steps
 from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason
@@ -50,12 +50,15 @@ pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
 DRIVER = Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_elastic_driver.py"
 STEPS = 10  # as in the driver
+# The bucket server's key (ray-mesh storage serve answers signed requests only): in every
+# node's environment before Ray starts, as each real machine exports it.
+CREDENTIALS = new_credentials()
 
 
 
 def _launch(cluster: NetnsCluster, mode: str, work: Path) -> subprocess.Popen:
     env = cluster.node_env(cluster.head)
-    env.update(FAKE_CREDENTIALS, RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO),
+    env.update(CREDENTIALS, RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO),
                PYTHONUNBUFFERED="1",
                RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="20",
                RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5")
@@ -99,15 +102,15 @@ def _result(proc: subprocess.Popen, work: Path, mode: str, timeout_s: float = 50
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two nodes (the head's dashboard on, for ``ray-mesh status``) and the bucket's server
-    in the head's namespace on its tailnet address. Every node has (moto's fake) AWS
-    credentials in its environment, as each real machine has its own."""
+    in the head's namespace on its tailnet address. Every node has the server's key in its
+    environment, as each real machine has it."""
     if reason := netns_unavailable_reason():
         pytest.skip(f"virtual cluster unavailable: {reason}")
-    with NetnsCluster([{"slot": 2}, {"slot": 2}], env=FAKE_CREDENTIALS, dashboard=True,
+    with NetnsCluster([{"slot": 2}, {"slot": 2}], env=CREDENTIALS, dashboard=True,
                       start_attempts=4, ray_start_timeout_s=180) as c:
-        env = {**c.node_env(c.head), **FAKE_CREDENTIALS}
+        env = {**c.node_env(c.head), **CREDENTIALS}
         c.s3 = S3Server(bucket="ckpt-netns", host=c.head.ip, prefix=c.head.exec_prefix(),
-                        env=env)
+                        env=env, credentials=CREDENTIALS)
         try:
             yield c
         finally:
@@ -179,7 +182,7 @@ def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster,
     script = tmp_path / "tamper.py"
     script.write_text(_TAMPER)
     out = cluster.run_in(0, [sys.executable, str(script), s3.uri("runs"), s3.endpoint],
-                         timeout=120, env={**FAKE_CREDENTIALS, "PYTHONPATH": str(REPO)})
+                         timeout=120, env={**CREDENTIALS, "PYTHONPATH": str(REPO)})
     text = out.stdout + out.stderr
     assert "CLEAN 8" in text, text[-3000:]
     refused = [x for x in text.splitlines() if x.startswith("REFUSED ")]
@@ -189,7 +192,7 @@ def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster,
                              "--address", f"http://{cluster.head.ip}:8265",
                              "--storage", s3.uri("runs"), "--storage-endpoint", s3.endpoint,
                              "--deadline", "60", "--timeout", "15"],
-                         timeout=120, env={**FAKE_CREDENTIALS, "PYTHONPATH": str(REPO)})
+                         timeout=120, env={**CREDENTIALS, "PYTHONPATH": str(REPO)})
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert "(layout from run dir)" in text, text[-4000:]

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 from llm_job import REPO, check_run, write_job
-from moto_s3 import FAKE_CREDENTIALS, S3Server
+from moto_s3 import S3Server, new_credentials
 
 from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 from ray_mesh.checkpointing import sharded
@@ -42,13 +42,15 @@ for i in fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True)):
 def test_llm_job_trains_and_checkpoints_across_two_nodes(tmp_path):
     if reason := netns_unavailable_reason():
         pytest.skip(f"virtual cluster unavailable: {reason}")
-    # Every machine has its own (moto's fake) AWS credentials in its environment.
-    with NetnsCluster([{"slot": 2}, {"slot": 2}], env=FAKE_CREDENTIALS) as cluster:
-        env = {**FAKE_CREDENTIALS, "RAY_ADDRESS": cluster.address, "PYTHONPATH": str(REPO),
+    # Every machine has the bucket server's key in its environment before Ray starts (the
+    # server answers signed requests only).
+    creds = new_credentials()
+    with NetnsCluster([{"slot": 2}, {"slot": 2}], env=creds) as cluster:
+        env = {**creds, "RAY_ADDRESS": cluster.address, "PYTHONPATH": str(REPO),
                "PYTHONUNBUFFERED": "1"}
         s3 = S3Server(bucket="llm-netns", host=cluster.head.ip,
                       prefix=cluster.head.exec_prefix(),
-                      env={**cluster.node_env(cluster.head), **env})
+                      env={**cluster.node_env(cluster.head), **env}, credentials=creds)
         # Half a CPU per worker leaves each 2-CPU node one for Ray Data's read and pack tasks.
         job = write_job(tmp_path / "llm.yaml", name="llm_netns", mesh="{dp_shard: 2, tp: 2}",
                         steps=STEPS, report=REPORT, storage=s3.uri("runs"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from pathlib import Path
 
@@ -38,8 +39,12 @@ DILOCO_TRAIN = str(REPO / "tests" / "helpers" / "_diloco_train.py") + ":train_lo
 
 
 @pytest.fixture(scope="module")
-def s3():
-    server = S3Server(bucket="ckpt-bucket")
+def s3(ray_local):
+    # The server answers requests signed with its key only: it gets the credentials the
+    # local Ray's workers inherited (set by ray_local, tests/conftest.py), as a lab's nodes
+    # have the server's key in their environment.
+    server = S3Server(bucket="ckpt-bucket", credentials={
+        k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
     yield server
     server.stop()
 

@@ -8,7 +8,8 @@ read, a server that stores other bytes than it was sent -- is refused by
 starts) with one :class:`~ray_mesh.errors.RayMeshError` line naming the fix. The servers are
 real processes: ``ray-mesh storage serve`` (moto) and a ``moto_server`` that enforces
 credentials (``tests/helpers/moto_s3.py``). A good bucket is accepted and the probe leaves
-every object that was there untouched, and nothing of its own.
+every object that was there untouched, and nothing of its own. (What ``ray-mesh storage
+serve`` refuses, unsigned and foreign requests: ``test_storage_serve_auth.py``.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from moto_s3 import FAKE_CREDENTIALS, AuthS3Server, S3Server
+from moto_s3 import FAKE_CREDENTIALS, AuthS3Server, BareS3Server, S3Server
 from ports import free_port
 
 from ray_mesh.checkpointing import check_storage
@@ -39,7 +40,15 @@ def s3():
 
 @pytest.fixture
 def creds(monkeypatch):
+    """Some credentials, for checks that never reach a server."""
     for k, v in FAKE_CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.fixture
+def signed(s3, monkeypatch):
+    """The key of the ``s3`` server (made at its start), as a node exports it."""
+    for k, v in s3.credentials.items():
         monkeypatch.setenv(k, v)
 
 
@@ -102,7 +111,7 @@ def test_a_loopback_endpoint_is_refused_on_a_cluster_of_several_nodes(path, endp
 
 
 # ----------------------------------------------------------------------------- server
-def test_a_good_bucket_is_accepted_and_the_probe_touches_nothing_else(s3, creds):
+def test_a_good_bucket_is_accepted_and_the_probe_touches_nothing_else(s3, signed):
     fs = s3.filesystem()
     old = f"{s3.bucket}/runs/exp/checkpoint_00000003_abc/__0_0.distcp"
     with fs.open_output_stream(old) as f:
@@ -122,7 +131,7 @@ def test_a_good_bucket_is_accepted_and_the_probe_touches_nothing_else(s3, creds)
     check_storage(f"{s3.uri('runs')}?endpoint_override=127.0.0.1:{s3.port}&scheme=http")
 
 
-def test_a_missing_bucket_is_named_with_how_to_create_it(s3, creds):
+def test_a_missing_bucket_is_named_with_how_to_create_it(s3, signed):
     with pytest.raises(ObjectStoreError, match="bucket 'no-such-bucket' does not exist. "
                                                "Create it") as err:
         check_storage("s3://no-such-bucket/runs", endpoint=s3.endpoint)
@@ -157,20 +166,37 @@ def test_an_endpoint_that_does_not_answer_is_a_bounded_wait(creds):
     assert "Fix storage_endpoint" in _one_line(err.value)
 
 
-def test_a_server_that_keeps_other_bytes_is_caught_by_the_read_back(s3, monkeypatch, tmp_path):
-    """No credentials: pyarrow's SDK uploads anonymously with aws-chunked framing, which moto
-    stores as is; checkpoints would be corrupt. The probe reads back and says so."""
+def _no_credentials(monkeypatch, home: Path) -> None:
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
               "AWS_PROFILE"):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws
+    monkeypatch.setenv("HOME", str(home))  # no ~/.aws
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with pytest.raises(ObjectStoreError, match="returned other bytes than were written") as e:
+
+
+def test_a_server_that_keeps_other_bytes_is_caught_by_the_read_back(monkeypatch, tmp_path):
+    """No credentials: pyarrow's SDK uploads anonymously with aws-chunked framing, which a
+    bare moto stores as is; checkpoints would be corrupt. The probe reads back and says so."""
+    _no_credentials(monkeypatch, tmp_path)
+    bare = BareS3Server()
+    try:
+        with pytest.raises(ObjectStoreError, match="returned other bytes than were written") \
+                as e:
+            check_storage(bare.uri("runs"), endpoint=bare.endpoint)
+    finally:
+        bare.stop()
+    assert "AWS_ACCESS_KEY_ID" in _one_line(e.value)
+
+
+def test_storage_serve_refuses_a_client_without_its_key(s3, monkeypatch, tmp_path):
+    """``ray-mesh storage serve`` answers no anonymous request: the check names the fix."""
+    _no_credentials(monkeypatch, tmp_path)
+    with pytest.raises(ObjectStoreError, match="is denied") as e:
         check_storage(s3.uri("runs"), endpoint=s3.endpoint)
     assert "AWS_ACCESS_KEY_ID" in _one_line(e.value)
 
 
-def test_the_cli_refuses_a_missing_bucket_in_one_line_before_ray(s3, creds, tmp_path):
+def test_the_cli_refuses_a_missing_bucket_in_one_line_before_ray(s3, signed, tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(f"train: {TRAIN}\nmesh: ddp\nscaling: {{num_workers: 2}}\n")
     t0 = time.monotonic()
