@@ -31,6 +31,7 @@ import pytest
 
 from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason
 from ray_mesh.cli.storage import READY
+from ray_mesh.cli.storage_guard import DEFAULT_KEY_FILE, read_key_file
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
@@ -78,6 +79,12 @@ def test_the_block_has_every_step():
     assert set(parts) == set(HEADINGS.values()), parts
     assert any("ray-head.sh" in c for c in parts["head"])
     assert any(c.startswith("ray-mesh storage serve") for c in parts["head"])
+    # the bucket's key in Ray's environment: made before the head's Ray, sourced on each box
+    assert parts["head"].index("ray-mesh storage key") < parts["head"].index(
+        ". ~/.ray_mesh/storage.env") < next(
+        i for i, c in enumerate(parts["head"]) if "ray-head.sh" in c)
+    for part in ("worker", "anywhere"):
+        assert parts[part][0] == ". ~/.ray_mesh/storage.env", parts[part]
     assert any("ray-worker.sh" in c for c in parts["worker"])
     anywhere = " ".join(parts["anywhere"])
     for step in ("ray-mesh doctor", "ray-mesh plan", "ray-mesh run", "examples/driver.py"):
@@ -142,7 +149,8 @@ def test_deploy_readme_walkthrough_runs_on_the_tailnet(tmp_path):
         # would stop every Ray process it sees, and the virtual nodes share a process table).
         cluster.nodes[1].kill_work()
         lan, lan1 = cluster.head.lan_ip, cluster.nodes[1].lan_ip
-        creds = {"AWS_ACCESS_KEY_ID": "lab", "AWS_SECRET_ACCESS_KEY": "lab"}  # as every box
+        key = read_key_file(Path(DEFAULT_KEY_FILE).expanduser())  # the block's bucket key
+        creds = {"AWS_ACCESS_KEY_ID": key[0], "AWS_SECRET_ACCESS_KEY": key[1]}  # as every box
         rejoin = cluster.run_in(1, ["ray", "start", f"--address={lan}:6379", "--num-cpus=2"],
                                 timeout=240, env=creds)
         assert rejoin.returncode == 0, rejoin.stdout + rejoin.stderr
