@@ -30,6 +30,7 @@ import ray
 
 from ray_mesh.errors import GroupDropped, GroupsFailed
 from ray_mesh.raytrain.driver import warm_controller_actors
+from ray_mesh.raytrain.replica_client import CoordinatorClient
 from ray_mesh.replicas.layouts import GroupSpec, exchange_for, group_specs
 from ray_mesh.replicas.quorum import Decision, Quorum, Range
 from ray_mesh.replicas.shares import check_mode
@@ -78,12 +79,18 @@ class Coordinator:
         return self.quorum.beat(gid, incarnation, rank)
 
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool, busy_s: float | None = None,
-               fixed_s: float | None = None) -> Decision | str:
+               fresh_link: bool, busy_s: float | None = None, fixed_s: float | None = None,
+               wait_s: float | None = None) -> Decision | str | None:
         try:
             return self.quorum.arrive(gid, incarnation, step, holding, fresh_link,
-                                      busy_s=busy_s, fixed_s=fixed_s)
+                                      busy_s=busy_s, fixed_s=fixed_s, wait_s=wait_s)
         except GroupDropped as exc:  # a plain value: the caller raises it in its own process
+            return str(exc)
+
+    def await_decision(self, gid: int, incarnation: str, wait_s: float) -> Decision | str | None:
+        try:
+            return self.quorum.await_decision(gid, incarnation, wait_s)
+        except GroupDropped as exc:
             return str(exc)
 
     def checkpointed(self, step: int, path: str) -> None:
@@ -100,48 +107,13 @@ class Coordinator:
         return status
 
 
-class _Client:
-    """A worker's view of the coordinator actor (the ``Coordinator`` protocol of
-    :mod:`ray_mesh.replicas.coordinator`); every call is bounded."""
-
-    def __init__(self, handle: Any, timeout_s: float, arrive_s: float) -> None:
-        # arrive_s: the quorum ends its own wait first (a TimeoutError after
-        # arrive_timeout_s + dead_after_s + 30 s); this bound is for a coordinator that
-        # stopped answering at all.
-        self.handle, self.timeout_s, self.arrive_s = handle, timeout_s, arrive_s
-
-    def _get(self, ref: Any, timeout_s: float | None = None) -> Any:
-        return ray.get(ref, timeout=timeout_s or self.timeout_s)
-
-    def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None:
-        self._get(self.handle.register.remote(gid, incarnation, ranks, layout))
-
-    def beat(self, gid: int, incarnation: str, rank: int) -> int | None:
-        return self._get(self.handle.beat.remote(gid, incarnation, rank))
-
-    def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool, busy_s: float | None = None,
-               fixed_s: float | None = None) -> Decision:
-        out = self._get(self.handle.arrive.remote(gid, incarnation, step, holding, fresh_link,
-                                                  busy_s, fixed_s), self.arrive_s)
-        if isinstance(out, str):
-            raise GroupDropped(out)
-        return out
-
-    def checkpointed(self, step: int, path: str) -> None:
-        self._get(self.handle.checkpointed.remote(step, path))
-
-    def store_address(self) -> tuple[str, int, str]:
-        return tuple(self._get(self.handle.store_address.remote()))
-
-
 def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: Any) -> Any:
     """In a train function started by :func:`fit_replica_groups`: this worker's
     :class:`~ray_mesh.replicas.ReplicaGroup` (``kwargs``: its options, e.g. ``diloco=``)."""
     from ray_mesh.replicas import ReplicaGroup
 
     rg = config[CONFIG_KEY]
-    client = _Client(rg["coordinator"], rg["timeout_s"], rg["arrive_s"])
+    client = CoordinatorClient(rg["coordinator"], rg["timeout_s"], rg["arrive_s"])
     group = ReplicaGroup(model, optimizer, client=client,
                          group_id=rg["group_id"], total_steps=rg["total_steps"],
                          segment_samples=rg["segment_samples"],
@@ -266,7 +238,7 @@ def fit_replica_groups(train_fn: Any, *,
         run_cfg = {**(config or {}), CONFIG_KEY: {
             "coordinator": coordinator, "group_id": gid, "total_steps": total_steps,
             "segment_samples": segment_samples, "timeout_s": timeout_s,
-            "arrive_s": arrive_timeout_s + dead_after_s + 60.0,  # see _Client
+            "arrive_s": arrive_timeout_s + dead_after_s + 60.0,  # see CoordinatorClient
             "checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every,
             "exchange": exchange, "layout": spec.label}}
         per_worker = dict(resources_per_worker or {})

@@ -4,10 +4,14 @@ data that travels through Ray to every rank of the group)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+from ray_mesh.errors import GroupDropped
 
 Range = tuple[int, int]  # (first sample index, count)
+QUORUM_POLL_S = 5.0  # one call's wait for the quorum (a collective bound is >= 15 s)
 
 
 @dataclass
@@ -41,10 +45,39 @@ class Coordinator(Protocol):
     def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None: ...
     def beat(self, gid: int, incarnation: str, rank: int) -> int | None: ...
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool, busy_s: float | None = None,
-               fixed_s: float | None = None) -> Decision: ...
+               fresh_link: bool, busy_s: float | None = None, fixed_s: float | None = None,
+               wait_s: float | None = None) -> Decision | None: ...  # None: wait on
+    def await_decision(self, gid: int, incarnation: str, wait_s: float
+                       ) -> Decision | None: ...
     def checkpointed(self, step: int, path: str) -> None: ...
     def store_address(self) -> tuple[str, int, str]: ...  # host, port, key (link_store)
 
 
-__all__ = ["Coordinator", "Decision", "Range"]
+def meet_quorum(client: Coordinator, leader: bool, share: Callable[[Any], Any], gid: int,
+                incarnation: str, step: int, holding: list[Range], fresh: bool,
+                busy_s: float | None, fixed_s: float | None) -> Decision:
+    """A group at a boundary: its leader meets the quorum in calls of at most
+    :data:`QUORUM_POLL_S` and ``share``s each answer with the group's other ranks (a
+    broadcast from rank 0). Their wait is then one short collective after another, never
+    one as long as the slowest group takes to arrive: a long one would end at the hang
+    watch's bound (``hang_timeout_s``) and fail the group on a merely busy machine."""
+    answer: Any = None
+    first = True
+    while answer is None:
+        if leader:
+            try:
+                answer = (client.arrive(gid, incarnation, step, holding, fresh, busy_s,
+                                        fixed_s, wait_s=QUORUM_POLL_S) if first
+                          else client.await_decision(gid, incarnation, QUORUM_POLL_S))
+            except (GroupDropped, TimeoutError) as exc:
+                answer = exc
+            except Exception as exc:  # noqa: BLE001 - every rank of the group raises it
+                answer = RuntimeError(f"replica group {gid}: the coordinator did not answer "
+                                      f"at step {step}: {exc!r}")
+        answer, first = share(answer), False
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
+__all__ = ["QUORUM_POLL_S", "Coordinator", "Decision", "Range", "meet_quorum"]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ray_mesh.checkpointing.sharded import broadcast_from_rank0
 from ray_mesh.errors import GroupDropped
-from ray_mesh.replicas.coordinator import Coordinator, Decision, Range
+from ray_mesh.replicas.coordinator import Coordinator, Decision, Range, meet_quorum
 from ray_mesh.replicas.link import Abort, CrossLink, broadcast_, weighted_mean
 from ray_mesh.replicas.reshard import (
     all_ranks_agree,
@@ -185,18 +185,9 @@ class ReplicaGroup:
 
     def _quorum(self, holding: list[Range], fresh: bool, busy_s: float | None = None,
                 fixed_s: float | None = None) -> Decision:
-        answer: Any = None
-        if self.rank == 0:
-            try:
-                answer = self.client.arrive(self.gid, self.incarnation, self.step,
-                                            [tuple(r) for r in holding], fresh, busy_s,
-                                            fixed_s)
-            except GroupDropped as exc:
-                answer = exc
-        answer = broadcast_from_rank0(answer, None)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
+        return meet_quorum(self.client, self.rank == 0, lambda a: broadcast_from_rank0(a, None),
+                           self.gid, self.incarnation, self.step, [tuple(r) for r in holding],
+                           fresh, busy_s, fixed_s)
 
     def _boundary(self, d: Decision) -> tuple[bool, bool]:
         """Heal, average, apply; (this rank saw no error, an update was applied)."""

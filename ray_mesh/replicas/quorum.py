@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_mesh.errors import GroupDropped
+from ray_mesh.replicas.books import Books
 from ray_mesh.replicas.coordinator import Decision, Range
 from ray_mesh.replicas.liveness import Beats
 from ray_mesh.replicas.shares import Pace, check_mode, split_samples
@@ -83,22 +84,18 @@ class Quorum:
         self.clock = clock
         self._cv = threading.Condition()
         self._groups: dict[int, _Group] = {}
-        self._cursor = 0
-        self._queue: list[Range] = []
-        self._tentative: list[Range] = []  # contributions of the last formed quorum
+        self.books = Books()  # the sample books (:mod:`.books`)
         self._last: tuple[int, frozenset[int]] | None = None  # (step, members) last formed
         self._epoch = 0
         self._broken = 0  # the newest epoch that lost a member after it formed
         self._formed = 0
         self._max_step_seen = 0
         self._checkpoint: tuple[int, str] | None = None
-        self._books: dict[str, Any] = {}
         self._finished = False
         self._all_gone = False
         self._left: set[int] = set()  # dropped while members: "joined" when back
         self._changed = False  # a member left, or a group restarted, since the last quorum
         self._fail_ranks: dict[int, set[int]] = {}  # ranks that reported a group's last error
-        self.consumed = 0  # samples whose contribution entered a committed average
         self.events: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ membership
@@ -108,7 +105,7 @@ class Quorum:
         with self._cv:
             old = self._groups.get(gid)
             if old is not None and old.incarnation != incarnation:
-                self._requeue(old.assigned)
+                self.books.requeue(old.assigned)
                 self._event("replaced", gid, "a new attempt of the group started")
                 self._changed = True
             self._groups[gid] = _Group(incarnation, Beats.starting(ranks, self.clock()))
@@ -137,7 +134,7 @@ class Quorum:
 
     def _drop(self, gid: int, why: str) -> None:
         g = self._groups.pop(gid)
-        self._requeue(g.assigned)
+        self.books.requeue(g.assigned)
         if self._last is not None and gid in self._last[1]:
             self._broken = self._epoch  # its members may be waiting for it on the link
         if g.ready and not any(other.ready for other in self._groups.values()):
@@ -151,13 +148,14 @@ class Quorum:
     # ------------------------------------------------------------------ the boundary
     def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
                fresh_link: bool = False, timeout_s: float | None = None,
-               busy_s: float | None = None, fixed_s: float | None = None) -> Decision:
+               busy_s: float | None = None, fixed_s: float | None = None,
+               wait_s: float | None = None) -> Decision | None:
         """Group ``gid`` reaches a boundary holding state at ``step`` and a contribution
-        computed on ``holding`` (its assigned samples; empty when it has none). Blocks until
-        a quorum forms and returns this group's part of it. ``fresh_link``: its last
-        collective failed, so the members need new process groups (a new epoch) even if
-        the member list is the same. ``busy_s``/``fixed_s``: the seconds it computed that
-        contribution / its last boundary's own work took (:class:`.shares.Pace`)."""
+        computed on ``holding`` (its assigned samples; may be empty). Blocks until a quorum
+        forms (``timeout_s`` at most) and returns this group's part of it, or None after
+        ``wait_s`` (:meth:`await_decision` waits on). ``fresh_link``: its last collective
+        failed: new process groups (a new epoch). ``busy_s``/``fixed_s``: its compute and
+        own boundary seconds (:class:`.shares.Pace`)."""
         holding = [tuple(r) for r in holding]
         with self._cv:
             g = self._member(gid, incarnation)
@@ -167,23 +165,40 @@ class Quorum:
             g.beats.arrived(self.clock())
             g.ready = True
             g.decision = None
+            bound = self.arrive_timeout_s + self.dead_after_s + 30 if timeout_s is None \
+                else timeout_s
             g.arrival = {"step": step, "holding": holding, "fresh_link": fresh_link,
-                         "since": self.clock()}
+                         "since": self.clock(), "deadline": self.clock() + bound}
             self._cv.notify_all()
-            deadline = self.clock() + (timeout_s if timeout_s is not None
-                                       else self.arrive_timeout_s + self.dead_after_s + 30)
-            while g.decision is None:
-                self._member(gid, incarnation)
-                if self._finished:
-                    return self._done_decision()
-                self._try_form()
-                if g.decision is not None:
-                    break
-                if self.clock() > deadline:
-                    raise TimeoutError(f"replica group {gid}: no quorum formed within "
-                                       f"{timeout_s} s at step {step}")
-                self._cv.wait(timeout=0.2)
-            return g.decision
+            return self._await(g, gid, incarnation, wait_s)
+
+    def await_decision(self, gid: int, incarnation: str, wait_s: float | None = None
+                       ) -> Decision | None:
+        """After :meth:`arrive` returned None: wait on, at most ``wait_s``. The group's
+        other ranks wait in a collective meanwhile: short waits never look like a hang."""
+        with self._cv:
+            g = self._member(gid, incarnation)
+            return self._done_decision() if self._finished else self._await(
+                g, gid, incarnation, wait_s)
+
+    def _await(self, g: _Group, gid: int, incarnation: str, wait_s: float | None
+               ) -> Decision | None:
+        until = None if wait_s is None else self.clock() + wait_s
+        while g.decision is None:
+            self._member(gid, incarnation)
+            if self._finished:
+                return self._done_decision()
+            self._try_form()
+            if g.decision is not None:
+                break
+            if g.arrival is not None and self.clock() > g.arrival["deadline"]:
+                raise TimeoutError(f"replica group {gid}: no quorum formed within "
+                                   f"{g.arrival['deadline'] - g.arrival['since']:g} s at "
+                                   f"step {g.arrival['step']}")
+            if until is not None and self.clock() >= until:
+                return None
+            self._cv.wait(timeout=0.2)
+        return g.decision
 
     def _member(self, gid: int, incarnation: str) -> _Group:
         g = self._groups.get(gid)
@@ -236,7 +251,9 @@ class Quorum:
             contributors = [g for g in members
                             if g not in healers and arrived[g].arrival["holding"]]
         if restore:
-            self._load_books()
+            self.books.load()
+            for g in self._groups.values():
+                g.assigned = []
         else:
             self._settle_books(arrived, members, contributors, top)
         membership = frozenset(members)
@@ -259,7 +276,7 @@ class Quorum:
         for gid in members:
             g = arrived[gid]
             g.share = 0 if finished else shares[gid]
-            g.assigned = self._take(g.share)
+            g.assigned = self.books.take(g.share)
             g.decision = Decision(
                 epoch=self._epoch, step=top, members=members, index=idx[gid],
                 donor=idx[donor_gid] if (healers or restore) else None,
@@ -273,37 +290,17 @@ class Quorum:
 
     def _settle_books(self, arrived: dict[int, _Group], members: list[int],
                       contributors: list[int], top: int) -> None:
-        """Samples: the last quorum's contributions count once anyone moved past its step;
-        what a member no longer holds (it died, healed, or its step failed) is handed out
-        again; the contributions of this quorum wait for the next one to count."""
-        if self._last is not None and top > self._last[0]:
-            self.consumed += sum(n for _, n in self._tentative)
-        elif self._tentative:
-            still = {r for gid in contributors for r in arrived[gid].arrival["holding"]}
-            self._requeue([r for r in self._tentative if r not in still])
-        self._tentative = [r for gid in contributors for r in arrived[gid].arrival["holding"]]
+        """The books after a quorum (:meth:`.books.Books.settle`); members' assignments
+        are released but for what they contributed."""
+        contributions = [r for gid in contributors for r in arrived[gid].arrival["holding"]]
+        released = []
         for gid in members:
             g = arrived[gid]
             held = set(g.arrival["holding"]) if gid in contributors else set()
-            self._requeue([r for r in g.assigned if r not in held])
+            released += [r for r in g.assigned if r not in held]
             g.assigned = []
-
-    def _requeue(self, ranges: list[Range]) -> None:
-        self._queue.extend(r for r in ranges if r[1] > 0)
-
-    def _take(self, n: int) -> list[Range]:
-        out: list[Range] = []
-        while n > 0 and self._queue:
-            start, count = self._queue.pop(0)
-            use = min(count, n)
-            out.append((start, use))
-            if count > use:
-                self._queue.insert(0, (start + use, count - use))
-            n -= use
-        if n > 0:
-            out.append((self._cursor, n))
-            self._cursor += n
-        return out
+        self.books.settle(self._last is not None and top > self._last[0], contributions,
+                          released)
 
     def _membership_events(self, members: frozenset[int], step: int) -> None:
         before = self._last[1] if self._last is not None else frozenset()
@@ -346,27 +343,19 @@ class Quorum:
         with self._cv:
             if self._checkpoint is not None and step < self._checkpoint[0]:
                 return
-            used = self.consumed
-            if self._last is not None and self._last[0] == step - 1:
-                used += sum(n for _, n in self._tentative)  # that step committed
             open_ranges = [r for g in self._groups.values() for r in g.assigned]
             self._checkpoint = (step, path)
-            self._books = {"cursor": self._cursor, "queue": self._queue + open_ranges,
-                           "consumed": used}
+            self.books.save(self._last is not None and self._last[0] == step - 1, open_ranges)
 
-    def _load_books(self) -> None:
-        books = self._books
-        self._cursor, self._queue = books["cursor"], list(books["queue"])
-        self.consumed = books["consumed"]
-        self._tentative = []
-        for g in self._groups.values():
-            g.assigned = []
+    @property
+    def consumed(self) -> int:
+        """Samples whose contribution entered a committed average."""
+        return self.books.consumed
 
     def data_state(self) -> dict[str, Any]:
         """The sample books, to save with a checkpoint (and to check in tests)."""
         with self._cv:
-            return {"cursor": self._cursor, "queue": list(self._queue),
-                    "tentative": list(self._tentative), "consumed": self.consumed}
+            return self.books.state()
 
     def status(self) -> dict[str, Any]:
         """Plain data for the console, ``ray-mesh status`` and the metrics."""

@@ -45,9 +45,13 @@ class _Coordinator:
     def beat(self, gid, incarnation, rank):
         return self.quorum.beat(gid, incarnation, rank)
 
-    def arrive(self, gid, incarnation, step, holding, fresh_link, busy_s=None, fixed_s=None):
+    def arrive(self, gid, incarnation, step, holding, fresh_link, busy_s=None, fixed_s=None,
+               wait_s=None):
         return self.quorum.arrive(gid, incarnation, step, holding, fresh_link, busy_s=busy_s,
-                                  fixed_s=fixed_s)
+                                  fixed_s=fixed_s, wait_s=wait_s)
+
+    def await_decision(self, gid, incarnation, wait_s):
+        return self.quorum.await_decision(gid, incarnation, wait_s)
 
     def checkpointed(self, step, path):
         self.quorum.checkpointed(step, path)
@@ -82,8 +86,9 @@ class _Served:
 
 def _launch(gid: int, layout: str, nproc: int, port: int, steps: int, out: Path,
             step_s: float = 0.0, diloco_every: int = 0, wait_groups: int = 0,
-            die_at: int = -1) -> subprocess.Popen:
+            die_at: int = -1, pg_timeout_s: float = 600.0) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
+    env["PG_TIMEOUT_S"] = str(pg_timeout_s)
     env["STEP_S"], env["WAIT_GROUPS"] = str(step_s), str(wait_groups)
     env["DIE_AT_STEP"] = str(die_at)
     env["DILOCO_EVERY"] = str(diloco_every)
@@ -212,3 +217,21 @@ def test_a_group_failing_after_the_quorum_named_it_does_not_stall_the_others(tmp
     a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
     for x, y in zip(a, b, strict=True):
         assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()
+
+
+@pytest.mark.timeout(240)
+def test_a_group_waiting_longer_than_its_collective_bound_for_a_late_one_stays_in(tmp_path):
+    """On a busy machine one group can start a minute after the others. Its peers' leaders
+    wait for it at the first quorum while their other ranks wait in a collective: one long
+    wait ended at the group's collective bound (MeshConfig's hang watch makes it 75 s) and
+    failed the group (seen: four such failures at step 0, then GroupsFailed). The leader
+    now meets the quorum in short calls and shares each answer, so a wait of any length is
+    many short collectives: here 2.3x the bound (an FSDP group whose process groups time
+    out after 7 s; the other group starts 16 s later)."""
+    served = _Served(3, expected_groups=2)
+    early = _launch(0, "fsdp", 2, served.port, 3, tmp_path, pg_timeout_s=7.0)
+    time.sleep(16)
+    late = _launch(1, "plain", 1, served.port, 3, tmp_path)
+    _finish([early, late], 120)
+    assert [r["step"] for r in _rows(tmp_path, 0)] == [1, 2, 3]
+    assert [r["step"] for r in _rows(tmp_path, 1)] == [1, 2, 3]

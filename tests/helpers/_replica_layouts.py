@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from multiprocessing.managers import BaseManager
 from pathlib import Path
 
@@ -63,7 +64,10 @@ def build(layout: str, size: int) -> nn.Module:
 def main() -> None:
     gid, layout, port, steps, out = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
                                      int(sys.argv[4]), Path(sys.argv[5]))
-    dist.init_process_group("gloo")
+    # PG_TIMEOUT_S: the group's own collectives' bound (MeshConfig's hang watch sets
+    # hang_timeout_s + 15 s), to show a long quorum wait does not trip it
+    timeout = float(os.environ.get("PG_TIMEOUT_S", "600"))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     rank, size = dist.get_rank(), dist.get_world_size()
     manager = Manager(address=("127.0.0.1", port), authkey=AUTHKEY)
     manager.connect()

@@ -338,3 +338,25 @@ def test_the_bound_follows_the_longest_recent_gap_within_one_and_three_dead_afte
     assert beats.bound(5.0) == 15.0  # capped at 3 x dead_after_s
     assert beats.alive(13.0 + 15.0, 5.0) is False  # rank 0 is 27.5 s silent
     assert Beats(2, {0: 0.0}).alive(0.0, 5.0) is False  # a rank never seen
+
+
+def test_a_leader_waits_in_short_calls_and_the_arrival_stands_between_them():
+    """``arrive(wait_s=...)`` returns None while the others are still coming and keeps the
+    arrival; ``await_decision`` waits on for the same boundary. A group's other ranks wait
+    in a collective while its leader is here: each call stays far below the hang watch's
+    bound, however long the others take (replicas/group.py's _quorum)."""
+    import time
+
+    q = Quorum(segment_samples=SEG, total_steps=10, expected_groups=2, start_timeout_s=60)
+    q.register(0, "a0", 2)
+    q.register(1, "a1", 1)
+    t0 = time.monotonic()
+    assert q.arrive(0, "a0", 0, [], wait_s=0.3) is None
+    assert 0.25 < time.monotonic() - t0 < 2
+    assert q.await_decision(0, "a0", wait_s=0.2) is None  # still alone: no quorum of one
+    d1 = q.arrive(1, "a1", 0, [], wait_s=5)
+    d0 = q.await_decision(0, "a0", wait_s=5)
+    assert d0 is not None and d1 is not None and d0.members == d1.members == [0, 1]
+    assert q.await_decision(0, "a0", wait_s=0.1) is d0  # asked again: the same decision
+    with pytest.raises(GroupDropped):
+        q.await_decision(0, "another-attempt", wait_s=0.1)
