@@ -56,7 +56,7 @@ from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 from ray_mesh.errors import CollectiveHangError
 from ray_mesh.observability import active
 from ray_mesh.observability.hang_report import P2P_DIM, format_report
-from ray_mesh.observability.hang_store import HangStore, connect_store
+from ray_mesh.observability.hang_store import HangStore, connect_reader, connect_store
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ class HangWatch:
     """The watchdog of one rank; see the module docstring."""
 
     def __init__(self, groups: dict[str, dist.ProcessGroup], store: dist.Store, *, rank: int,
-                 world_size: int, timeout_s: float, poll_s: float | None = None) -> None:
+                 world_size: int, timeout_s: float, poll_s: float | None = None,
+                 reader: Any = None) -> None:
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"hang_timeout_s must be > 0 (or None to turn the watch off), "
                              f"got {timeout_s!r}.")
@@ -126,7 +127,7 @@ class HangWatch:
         self.by_dim = {name: (label, g) for label, g in groups.items()
                        for name in label.split("=")}
         self.store = store
-        self.wire = HangStore(store, rank, world_size)
+        self.wire = HangStore(store, rank, world_size, reader)  # reader: length first
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
         self.poll_s = poll_s or min(1.0, self.timeout_s / 10)
         self.report: str | None = None
@@ -170,6 +171,8 @@ class HangWatch:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5 * self.poll_s + 1)
+        if self.wire.reader is not None:
+            self.wire.reader.close()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -292,9 +295,11 @@ def start_watch(mesh: DeviceMesh, timeout_s: float, *, pg_timeout_s: float | Non
         end = min(end, pg_timeout_s)
     for group in groups.values():
         group.set_timeout(timedelta(seconds=end))
-    return HangWatch(groups, store or connect_store(), rank=dist.get_rank(),
-                     world_size=dist.get_world_size(), timeout_s=timeout_s,
-                     poll_s=poll_s).start()
+    reader = None
+    if store is None:  # the job's own store: its values are read length first
+        store, reader = connect_store(), connect_reader()
+    return HangWatch(groups, store, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                     timeout_s=timeout_s, poll_s=poll_s, reader=reader).start()
 
 
 def current() -> HangWatch | None:

@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from ray_mesh.core.safe import safe_text
 from ray_mesh.errors import Malformed
+from ray_mesh.observability.store_wire import CHECKED_TORCH as WIRE_TORCH
+from ray_mesh.observability.store_wire import BoundedReader, Oversize
 
 logger = logging.getLogger("ray_mesh.observability.hang")
 
@@ -57,8 +59,17 @@ def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
     return v
 
 
+def _finite(v: Any) -> bool:
+    """A JSON number that is a finite float: an integer of 400 digits is not (float() of it
+    raises OverflowError, which would end the watch thread instead of refusing the value)."""
+    try:
+        return type(v) in (int, float) and math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _num(v: Any, what: str) -> float:
-    _check(type(v) in (int, float) and math.isfinite(v), f"{what} must be a finite number")
+    _check(_finite(v), f"{what} must be a finite number")
     return float(v)
 
 
@@ -90,10 +101,11 @@ def decode(raw: bytes | str, kind: str) -> Any:
     limit = LIMITS[kind]
     data = raw.encode() if isinstance(raw, str) else raw
     _check(len(data) <= limit, f"{len(data)} bytes, over the {limit}-byte limit for {kind!r}")
-    try:
+    try:  # ValueError: also an integer over Python's 4300 digits; RecursionError: nesting
         return json.loads(data.decode(), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Malformed(f"not JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise Malformed(f"not JSON ray_mesh writes ({type(exc).__name__}: "
+                        f"{str(exc)[:80]})") from None
 
 
 def parse_beat(obj: Any) -> dict[str, Any]:
@@ -204,27 +216,50 @@ def encode_report(by: int, dim: str, text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the store
+def _endpoint(prefix: str | None) -> tuple[str, int, str]:
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise RuntimeError("The hang watch needs MASTER_ADDR and MASTER_PORT (the rendezvous "
+                           "store); build the mesh with ray_mesh first.")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return host, int(port), prefix or f"ray_mesh/hang/{restart}"
+
+
 def connect_store(prefix: str | None = None, timeout_s: float = 30.0) -> dist.Store:
     """A client of the job's rendezvous TCPStore (MASTER_ADDR:MASTER_PORT), under a prefix.
 
     Under Ray each run attempt has its own MASTER_PORT; under torchrun the prefix carries
     the restart count, so a restarted job never reads an old attempt's report.
     """
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port:
-        raise RuntimeError("The hang watch needs MASTER_ADDR and MASTER_PORT (the rendezvous "
-                           "store); build the mesh with ray_mesh first.")
-    store = dist.TCPStore(host, int(port), is_master=False,
+    host, port, prefix = _endpoint(prefix)
+    store = dist.TCPStore(host, port, is_master=False,
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    prefix = prefix or f"ray_mesh/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return dist.PrefixStore(prefix, store)
 
 
-class HangStore:
-    """One rank's reads and writes of the watch's keys; malformed values are warned once."""
+def connect_reader(prefix: str | None = None) -> BoundedReader:
+    """A reader of the same keys as :func:`connect_store` that checks a value's length
+    before reading it (:mod:`ray_mesh.observability.store_wire`)."""
+    return BoundedReader(*_endpoint(prefix))
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+
+class HangStore:
+    """One rank's reads and writes of the watch's keys; malformed values are warned once.
+
+    ``reader``: the store's keys read length first (:func:`connect_reader`), so a value
+    over its limit is refused unread; without one (or when this torch's store does not
+    answer it as expected) values are read whole with ``store.get`` and checked after.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int,
+                 reader: BoundedReader | None = None) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
+        if reader is not None and not reader.works(store, rank):
+            logger.warning("ray_mesh hang watch (rank %d): the rendezvous store did not answer "
+                           "a length-first read as torch %s did; values are read whole.",
+                           rank, WIRE_TORCH)
+            reader = None
+        self.reader = reader
         self.warned: dict[str, str] = {}  # key -> why its latest malformed value was refused
         self._last: dict[str, bytes] = {}  # key -> digest of the malformed value last warned
         self._count: dict[str, int] = {}
@@ -250,14 +285,27 @@ class HangStore:
         """The parsed value under ``key``; None when absent or malformed (warned)."""
         if not self.store.check([key]):
             return None
-        raw = self.store.get(key)
+        try:
+            raw = self._get(key, LIMITS[kind])
+        except Oversize as exc:
+            self.malformed(key, f"{exc.size} bytes, over the {LIMITS[kind]}-byte limit for "
+                                f"{kind!r} (not read)", f"{key} {exc.size}".encode())
+            return None
         try:
             value = parse(decode(raw, kind))
-        except Malformed as exc:
-            self.malformed(key, str(exc), raw)
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+            # Malformed is a ValueError; anything else a hostile value provokes in a parser
+            # is refused the same way: an exception here would end the watch thread.
+            why = str(exc) if isinstance(exc, Malformed) else (
+                f"{type(exc).__name__}: {str(exc)[:80]}")
+            self.malformed(key, why, raw)
             return None
         self.warned.pop(key, None)
         return value
+
+    def _get(self, key: str, limit: int) -> bytes:
+        """The value, length first where a reader is set (:class:`Oversize` over ``limit``)."""
+        return self.reader.get(key, limit) if self.reader is not None else self.store.get(key)
 
     def beats(self, ranks: Any) -> dict[int, dict[str, Any] | None]:
         return {r: self.read(f"beat/{r}", "beat", parse_beat) for r in ranks}
@@ -296,15 +344,23 @@ class HangStore:
     def claim(self) -> bool:
         """True for the one rank that writes the report. The counter is read first without
         changing it (``add`` on a non-integer makes torch's server drop the connection)."""
+        if self.reader is not None and self.store.check(["claim"]):
+            try:  # compare_set answers with the whole value: its length is checked first
+                self.reader.get("claim", LIMITS["claim"])
+            except Oversize as exc:
+                self.malformed("claim", f"{exc.size} bytes, not a count of ranks (not read)",
+                               f"claim {exc.size}".encode())
+                return False
         now = self.store.compare_set("claim", "", "0")
         now = now.decode(errors="replace") if isinstance(now, bytes) else str(now)
-        if not (now.isascii() and now.isdigit() and int(now) <= self.world_size):
+        if not (len(now) <= LIMITS["claim"] and now.isascii() and now.isdigit()
+                and int(now) <= self.world_size):  # int() of 5000 digits raises
             self.malformed("claim", f"{now[:40]!r} is not a count of ranks 0..{self.world_size}",
                            now.encode())
             return False
         return self.store.add("claim", 1) == 1
 
 
-__all__ = ["HangStore", "LIMITS", "Malformed", "connect_store", "decode", "encode_report",
-           "encode_snapshot", "parse_beat", "parse_report", "parse_request", "parse_snapshot",
-           "trim_threads"]
+__all__ = ["HangStore", "LIMITS", "Malformed", "connect_reader", "connect_store", "decode",
+           "encode_report", "encode_snapshot", "parse_beat", "parse_report", "parse_request",
+           "parse_snapshot", "trim_threads"]

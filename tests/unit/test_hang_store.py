@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -123,3 +124,99 @@ def test_report_lists_a_malformed_rank():
     text = format_report({}, {}, 2, 60, 75, malformed={1: "rank must be 1"})
     assert "rank 1: MALFORMED snapshot in the rendezvous store (rank must be 1)" in text
     assert "rank 0: NO ANSWER" in text
+
+
+HOSTILE = {  # each escaped decode()/the parsers as ValueError, RecursionError, OverflowError
+    "5000-digit-int": '{"seq": {}, "t": ' + "9" * 5000 + "}",
+    "30000-deep-array": "[" * 30_000 + "]" * 30_000,
+    "400-digit-seconds": '{"seq": {}, "t": ' + "9" * 400 + "}",
+}
+
+
+@pytest.mark.parametrize("raw", HOSTILE.values(), ids=HOSTILE.keys())
+def test_a_hostile_beat_is_malformed_not_an_exception(raw):
+    store = dist.HashStore()
+    wire = hs.HangStore(store, rank=0, world_size=2)
+    store.set("beat/1", raw)
+    assert wire.beats([1]) == {1: None}
+    assert "beat/1" in wire.warned and len(wire.warned["beat/1"]) < 200
+
+
+@pytest.mark.parametrize("key, raw", [("report", HOSTILE["5000-digit-int"]),
+                                      ("report", HOSTILE["30000-deep-array"]),
+                                      ("request", "[" * 2000 + "]" * 2000),  # 4000 B
+                                      ("claim", "9" * 5000)],
+                         ids=["report-digits", "report-deep", "request-deep", "claim-digits"])
+def test_the_watch_thread_keeps_watching_after_a_hostile_value(key, raw, capsys):
+    """A real HangWatch thread: the hostile value is warned about, and a report written
+    afterwards is still picked up (before, the thread had ended on the first tick)."""
+    store = dist.HashStore()
+    watch = HangWatch({}, store, rank=1, world_size=4, timeout_s=5, poll_s=0.01)
+    if key == "claim":
+        watch._stalled_dim = lambda now: "tp"  # a hang seen: every tick reads the claim
+    store.set(key, raw)
+    watch.start()
+    try:
+        deadline = time.monotonic() + 10
+        while key not in watch.wire.warned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert key in watch.wire.warned and watch._thread.is_alive()
+        store.set("report", hs.encode_report(0, "tp", "ray_mesh: collective hang: seen"))
+        assert watch.report_ready.wait(10), watch.wire.warned
+    finally:
+        watch.stop()
+    assert watch.report == "ray_mesh: collective hang: seen"
+    assert "holds a malformed value" in capsys.readouterr().err
+
+
+def test_a_grown_key_is_refused_without_being_read(monkeypatch):
+    """``append`` grows a key past any limit (the server caps only one ``set`` at 8 MiB):
+    before, every rank's watch read such a value whole at every poll, then refused it. The
+    job's own store is read length first; checked against this torch's real TCPStore."""
+    import resource
+    import subprocess
+    import sys
+
+    # The server in a process of its own: answering a GET it copies the value, which must
+    # not count as this process reading it.
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch.distributed as d; s = d.TCPStore("
+         "'127.0.0.1', 0, is_master=True, wait_for_workers=False); print(s.port, flush=True);"
+         " sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", server.stdout.readline().strip())
+    store, reader = hs.connect_store(timeout_s=10), hs.connect_reader()
+    wire = hs.HangStore(store, rank=0, world_size=2, reader=reader)
+    assert wire.reader is reader  # this torch answers the length-first read
+    try:
+        wire.publish_beat({"tp": 3})
+        store.set("beat/1", json.dumps({"seq": {"tp": 2}, "t": 1.0}))
+        assert wire.beats([0, 1]) == {0: {"seq": {"tp": 3}, "t": wire.beats([0])[0]["t"]},
+                                      1: {"seq": {"tp": 2}, "t": 1.0}}
+        chunk = b" " * (8 << 20)  # JSON whitespace: a legal, 64 MiB value
+        for _ in range(8):
+            store.append("snap/1", chunk)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        good, bad = wire.snapshots([1])
+        grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        assert good == {} and "67108864 bytes, over the 2097152-byte limit" in bad[1], bad
+        assert "(not read)" in bad[1] and grew_mb < 32, grew_mb  # whole: >= 64 MB more
+        for _ in range(2):
+            store.append("claim", b"9" * 4096)
+        assert wire.claim() is False and "not read" in wire.warned["claim"]
+        assert wire.beats([1])[1]["seq"] == {"tp": 2}  # the connection is good again
+    finally:
+        reader.close()
+        server.communicate("", timeout=30)
+
+
+def test_a_store_that_does_not_answer_falls_back_to_whole_reads():
+    """A reader whose probe fails (here: nothing listens) is dropped at start-up, with a
+    warning, and the watch reads values whole as before."""
+    from ray_mesh.observability.store_wire import BoundedReader
+
+    wire = hs.HangStore(dist.HashStore(), rank=0, world_size=2,
+                        reader=BoundedReader("127.0.0.1", 1, "p", timeout_s=2))
+    assert wire.reader is None
+    wire.store.set("beat/1", json.dumps({"seq": {}, "t": 1.0}))
+    assert wire.beats([1])[1] == {"seq": {}, "t": 1.0}
