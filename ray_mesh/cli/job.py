@@ -37,6 +37,7 @@ from ray_mesh.cli.job_checks import (
     JobError,
     check_backend,
     check_keys,
+    check_mesh_fits,
     check_train_ref,
     load_function,
 )
@@ -44,7 +45,7 @@ from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.object_store import check_location
 from ray_mesh.core.options import OPTION_DEFAULTS, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
-from ray_mesh.core.values import MAX_SECONDS, describe, read_bool, read_int, read_str
+from ray_mesh.core.values import MAX_SECONDS, brief, describe, read_bool, read_int, read_str
 from ray_mesh.errors import LayoutError, ParallelError, StorageURIError
 from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
 from ray_mesh.raytrain.elastic import STARTUP_RETRIES
@@ -113,7 +114,7 @@ class ScalingSection:
                 not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int | float)
                 or not math.isfinite(v) or v < 0 for k, v in res.items())):
             raise JobError(f"scaling.resources_per_worker must map resource names to amounts "
-                           f">= 0, e.g. {{CPU: 1, GPU: 1}}; got {res!r}.")
+                           f">= 0, e.g. {{CPU: 1, GPU: 1}}; got {brief(res)}.")
         read_str("scaling.placement_strategy", self.placement_strategy,
                  choices=PLACEMENT_STRATEGIES, none_ok=True, error=JobError)
 
@@ -289,6 +290,9 @@ class Job:
                 check_replicate_mesh(replicate, mesh.dp_replicate)
         except (ParallelError, LayoutError) as exc:
             raise JobError(str(exc)) from exc
+        run = RunSection(**check_keys("run", top.get("run"), RUN_KEYS))
+        if mesh != "auto" and groups is None:  # before Ray starts, not at its bring-up
+            check_mesh_fits(mesh, scaling.num_workers, run.min_workers)
         return cls(
             replicate=replicate,
             layout=None if mesh == "auto" else replace(given or Layout(), mesh=mesh,
@@ -299,7 +303,7 @@ class Job:
             mesh=mesh,
             scaling=scaling,
             network=NetworkSection(**check_keys("network", top.get("network"), NETWORK_KEYS)),
-            run=RunSection(**check_keys("run", top.get("run"), RUN_KEYS)),
+            run=run,
             base_dir=base_dir or Path.cwd(),
             data=data_spec,
             plan=plan,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ray_mesh.core.values import describe, read_str
+from ray_mesh.core.values import brief, describe, read_str
 from ray_mesh.errors import JobError
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
@@ -46,13 +46,38 @@ def check_keys(section: str, data: Any, allowed: tuple[str, ...]) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise JobError(f"'{section}' must be a mapping, got {type(data).__name__}: {data!r}.")
+        raise JobError(f"'{section}' must be a mapping, got {type(data).__name__}: "
+                       f"{brief(data)}.")
     for key in data:
         if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
+            close = difflib.get_close_matches(key[:100], allowed, n=1) \
+                if isinstance(key, str) else []
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise JobError(f"Unknown key {key!r} in '{section}'.{hint} Allowed: {allowed}.")
+            raise JobError(f"Unknown key {brief(key)} in '{section}'.{hint} Allowed: "
+                           f"{allowed}.")
     return dict(data)
+
+
+def check_mesh_fits(mesh: Any, num_workers: int, min_workers: int | None) -> None:
+    """The mesh against ``scaling.num_workers`` (and an elastic range), on the driver.
+
+    The same checks Ray Train's start runs (``cli.runner.check_cluster``), made here so that
+    ``dp_shard: 3`` over 4 workers fails in a second, before Ray starts. A mesh with a
+    ``nodes`` dim is left to bring-up (the node count is not known yet).
+    """
+    from ray_mesh.core.spec import NODES, MeshSpecError
+    from ray_mesh.raytrain.elastic import check_elastic_mesh
+
+    if min_workers is not None and min_workers > num_workers:
+        return  # Job's own check names run.min_workers and the fix
+    try:
+        if min_workers is not None:
+            check_elastic_mesh(mesh, min_workers, num_workers)
+        elif NODES not in mesh.shape:
+            mesh.resolve(num_workers)
+    except MeshSpecError as exc:
+        raise JobError(f"mesh: {exc} (In a job file the worker count is "
+                       f"scaling.num_workers, or ray-mesh run --num-workers.)") from None
 
 
 def check_train_ref(ref: Any) -> str:
@@ -144,5 +169,5 @@ def _ship_by_value(module: Any) -> None:
     cloudpickle.register_pickle_by_value(module)
 
 
-__all__ = ["BACKENDS", "JobError", "check_backend", "check_keys", "check_train_ref",
-           "load_function"]
+__all__ = ["BACKENDS", "JobError", "check_backend", "check_keys", "check_mesh_fits",
+           "check_train_ref", "load_function"]

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from ray_mesh.core.yaml_load import load_yaml
 from ray_mesh.errors import MeshSpecError
 
 DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -288,75 +287,6 @@ def _unknown_dim_message(name: str) -> str:
     close = difflib.get_close_matches(str(name), known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return f"Unknown mesh dim {name!r}.{hint} The dims are {DIM_NAMES}."
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, but a key given twice in one mapping is an error.
-
-    Plain PyYAML keeps the last value without a word, so a job file with ``name:`` twice
-    silently runs under the second one.
-    """
-
-    def construct_mapping(self, node, deep=False):  # noqa: ANN001 - PyYAML's signature
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # `<<: *anchor`: later keys override merged ones on purpose
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.get(key)
-                except TypeError:
-                    continue  # an unhashable key: the base loader reports it
-                seen.setdefault(key, key_node.start_mark.line)
-                if first is not None:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} appears twice in one mapping (also on line "
-                        f"{first + 1}): keep one of them", key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_text(path: Path, error: type[Exception]) -> str:
-    """A YAML file's text; a directory, a device, a missing file or non-UTF-8 bytes say so."""
-    if path.is_dir():
-        inside = sorted(p.name for p in path.glob("*.y*ml"))[:5]
-        hint = f" (YAML files there: {', '.join(inside)})" if inside else ""
-        raise error(f"{str(path)!r} is a directory, not a YAML file: give the path of the "
-                    f"file itself{hint}.")
-    if not path.exists():
-        raise error(f"YAML file {str(path)!r} does not exist.")
-    if not path.is_file():
-        raise error(f"{str(path)!r} is not a regular file (a device, pipe or socket): give "
-                    f"the path of a YAML file.")
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise error(f"{str(path)!r} is not UTF-8 text (byte 0x{raw[exc.start]:02x} on line "
-                    f"{line}): save it as UTF-8.") from None
-
-
-def load_yaml(source: str | Path, *, error: type[Exception] = MeshSpecError) -> Any:
-    """Load YAML from a path or text; a parse error names the file, line and column.
-
-    ``error`` is the exception raised for a missing file or bad YAML: ``MeshSpecError`` for
-    mesh files, the caller's own for other files (job files pass ``JobError``). A key given
-    twice in one mapping is an error too (:class:`_StrictLoader`).
-    """
-    where = "<text>"
-    text = source
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
-                                    and source.endswith((".yaml", ".yml"))):
-        path = Path(source)
-        where, text = str(path), _read_text(path, error)
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise error(f"{where} is not valid YAML{at}: {problem}. Fix that line.") from exc
 
 
 __all__ = [

@@ -10,10 +10,44 @@ int is meant, ``.nan`` for seconds, ``0`` for a bool. Each reader raises ``error
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
+
+from ray_mesh.core.safe import safe_text
 
 MAX_SECONDS = 7 * 24 * 3600.0
 """The longest timeout accepted anywhere (a week): anything longer is a typo or 'never'."""
+
+
+class _Brief(reprlib.Repr):
+    """``repr`` that stops early: a few items per container, three levels, short strings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 60, 60, 40
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 6
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 12_000:  # repr() itself raises past 4300 digits
+            return f"<an integer of about {int(x.bit_length() * 0.30103)} digits>"
+        return super().repr_int(x, level)
+
+
+_BRIEF = _Brief()
+
+
+def brief(value: Any, limit: int = 120) -> str:
+    """``value`` as an error message may quote it: bounded in size whatever it is.
+
+    A YAML file of a few hundred bytes can hold a list of a billion items (aliases) or a
+    thousand levels of nesting, and JSON an integer of thousands of digits; plain ``repr``
+    of those takes gigabytes, recurses too deep or raises. Control characters are escaped.
+    """
+    try:
+        text = _BRIEF.repr(value)
+    except Exception:  # noqa: BLE001 - a value's own __repr__ failing: name its type
+        text = f"<a {type(value).__name__}>"
+    return safe_text(text, limit)
 
 
 def _lead(where: str) -> str:
@@ -28,19 +62,19 @@ def describe(value: Any) -> str:
     if isinstance(value, str):
         try:
             float(value)
-            return f"{value!r} (a string: write the number without quotes)"
+            return f"{brief(value)} (a string: write the number without quotes)"
         except ValueError:
             pass
         if value.lower() in ("true", "false", "yes", "no", "on", "off"):
             return f"{value!r} (a string: write true or false without quotes)"
-        return repr(value)
+        return brief(value)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return f"{value!r} (a float: write {int(value)})"
     if value is None:
         return "nothing (null)"
     if isinstance(value, list | tuple | dict):
-        return f"{value!r} (a {type(value).__name__})"
-    return repr(value)
+        return f"{brief(value)} (a {type(value).__name__})"
+    return brief(value)
 
 
 def read_int(where: str, value: Any, low: int, high: int | None = None, *,
@@ -94,7 +128,9 @@ def read_str(where: str, value: Any, *, choices: tuple[str, ...] | None = None,
     if choices is not None:
         import difflib
 
-        close = difflib.get_close_matches(str(value), choices, n=1)
+        # str() of an integer past 4300 digits raises; only text gets a suggestion.
+        close = difflib.get_close_matches(value[:100], choices, n=1) \
+            if isinstance(value, str) else []
         if not close and isinstance(value, str):
             close = [c for c in choices if c.lower() == value.lower()]
         mean = f" Did you mean {close[0]!r}?" if close else ""
@@ -108,5 +144,5 @@ def read_port(where: str, value: Any, *, error: type[Exception] = ValueError) ->
     return read_int(where, value, 1, 65535, example=29500, error=error)  # type: ignore[return-value]
 
 
-__all__ = ["MAX_SECONDS", "describe", "read_bool", "read_int", "read_port", "read_seconds",
+__all__ = ["MAX_SECONDS", "brief", "describe", "read_bool", "read_int", "read_port", "read_seconds",
            "read_str"]

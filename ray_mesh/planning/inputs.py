@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray_mesh.core.layout import DiLoCoConfig, LayoutError, check_family
+from ray_mesh.core.values import brief
 from ray_mesh.planning.cost import (
     DATA_PARALLEL,
     PLANNED_FAMILIES,
@@ -73,7 +74,7 @@ def _number(section: str, key: str, value: Any, *, low: float, high: float = mat
         integer and not isinstance(value, int))
     if not ok or not (low <= value < high) or (isinstance(value, float) and math.isnan(value)):
         kind = "an integer" if integer else "a number"
-        raise PlanError(f"{section}.{key}: {value!r} is not {kind} in [{low:g}, {high:g}); "
+        raise PlanError(f"{section}.{key}: {brief(value)} is not {kind} in [{low:g}, {high:g}); "
                         f"e.g. {key}: {int(low) + 1 if integer else low + 1:g}")
     return value
 
@@ -108,8 +109,8 @@ class PlanInputs:
                                 " [sync], or leave plan.step out to rank DiLoCo by prediction")
             check_trial_settings(self.trial_steps, self.trial_budget_s)
         if not self.precisions or set(self.precisions) - set(PRECISIONS):
-            raise PlanError(f"plan.precisions: {list(self.precisions)!r}; give a non-empty list "
-                            f"from {', '.join(PRECISIONS)}")
+            raise PlanError(f"plan.precisions: {brief(list(self.precisions))}; give a "
+                            f"non-empty list from {', '.join(PRECISIONS)}")
         if not self.sync and self.diloco is None:
             raise PlanError("plan.replicate allows no mode: list sync, diloco or both")
 
@@ -156,11 +157,11 @@ class PlanInputs:
         mem = data.get("memory_gb")
         backend = data.get("backend")
         if backend not in (None, "gloo", "nccl"):
-            raise PlanError(f"plan.backend: {backend!r}; use gloo or nccl (default: the "
+            raise PlanError(f"plan.backend: {brief(backend)}; use gloo or nccl (default: the "
                             "cluster's, nccl with GPUs)")
         layouts = data.get("layouts", list(DATA_PARALLEL))
         if not isinstance(layouts, list) or not layouts:
-            raise PlanError(f"plan.layouts: {layouts!r}; give a list of layout families from "
+            raise PlanError(f"plan.layouts: {brief(layouts)}; give a list of layout families from "
                             f"{', '.join(PLANNED_FAMILIES)} (the ones the train function "
                             "can run)")
         for name in layouts:
@@ -169,19 +170,19 @@ class PlanInputs:
             except LayoutError as exc:
                 raise PlanError(f"plan.layouts: {exc}") from None
             if name not in PLANNED_FAMILIES:
-                raise PlanError(f"plan.layouts: the planner does not rank {name!r}; choose "
+                raise PlanError(f"plan.layouts: the planner does not rank {brief(name)}; choose "
                                 f"from {', '.join(PLANNED_FAMILIES)}")
         bf16 = data.get("bf16_grads", False)
         if not isinstance(bf16, bool):
-            raise PlanError(f"plan.bf16_grads: {bf16!r} must be true or false")
+            raise PlanError(f"plan.bf16_grads: {brief(bf16)} must be true or false")
         precisions = data.get("precisions", ["fp32", "bf16_grads"] if bf16 else ["fp32"])
         if not isinstance(precisions, list):
-            raise PlanError(f"plan.precisions: {precisions!r}; give a list like "
+            raise PlanError(f"plan.precisions: {brief(precisions)}; give a list like "
                             "[fp32, bf16_grads]")
         sync, diloco = _replicate(data.get("replicate"))
         step = data.get("step")
         if step is not None and not isinstance(step, str):
-            raise PlanError(f"plan.step: {step!r}; give 'file.py:make_step' (a function "
+            raise PlanError(f"plan.step: {brief(step)}; give 'file.py:make_step' (a function "
                             "make_step(mesh, config) returning one training step)")
         trial = {"step": None if step is None else load_factory(step),
                  "step_config": dict(model_config or {}),
@@ -201,7 +202,7 @@ def _replicate(value: Any) -> tuple[bool, DiLoCoConfig | None]:
     """``plan.replicate`` -> (sync allowed, DiLoCo's (every, compress) if allowed)."""
     if isinstance(value, list):
         if not value or set(value) - set(REPLICATE_MODES):
-            raise PlanError(f"plan.replicate: {value!r}; give a list from sync, diloco, or a "
+            raise PlanError(f"plan.replicate: {brief(value)}; give a list from sync, diloco, or a "
                             "mapping {every: 50, compress: int8} (sync + DiLoCo so set)")
         return "sync" in value, DiLoCoConfig() if "diloco" in value else None
     return True, _diloco(value)
@@ -212,14 +213,14 @@ def _diloco(value: Any) -> DiLoCoConfig | None:
     if value is None:
         return None
     if not isinstance(value, Mapping) or set(value) - {"every", "compress", "mode"}:
-        raise PlanError(f"plan.replicate: {value!r}; give {{every: 50, compress: int8}} to "
+        raise PlanError(f"plan.replicate: {brief(value)}; give {{every: 50, compress: int8}} to "
                         "also rank DiLoCo layouts (compress: none, bf16 or int8)")
     if value.get("mode", "diloco") != "diloco":
         raise PlanError("plan.replicate.mode: only diloco (sync layouts are always ranked)")
     every = int(_number("plan.replicate", "every", value.get("every", 50), low=1, integer=True))
     compress = value.get("compress", "none")
     if compress not in ("none", "bf16", "int8"):
-        raise PlanError(f"plan.replicate.compress: {compress!r}; use none, bf16 or int8")
+        raise PlanError(f"plan.replicate.compress: {brief(compress)}; use none, bf16 or int8")
     return DiLoCoConfig(every=every, compress=compress)
 
 
@@ -245,5 +246,5 @@ def _model_stats(value: Any, load_factory: Callable[[str], Callable[..., Any]],
             except TypeError:
                 module = factory()
         return ModelStats.from_module(module, heads=config.get("heads"))
-    raise PlanError(f"plan.model: {value!r}; give a mapping {{params, layers, hidden, heads}} "
+    raise PlanError(f"plan.model: {brief(value)}; give a mapping {{params, layers, hidden, heads}} "
                     "or a 'file.py:function' that builds the model from the job's config")

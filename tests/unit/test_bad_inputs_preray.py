@@ -52,11 +52,26 @@ def test_duplicate_keys_are_refused_at_any_depth_but_merges_are_not():
 
 def test_num_workers_override_is_checked_like_the_file(tmp_path):
     (tmp_path / "job.yaml").write_text("train: a:b\nscaling: {num_workers: 4}\n"
-                                       "mesh: {dp_shard: 2, dp_replicate: 2}\n")
+                                       "mesh: {dp_shard: -1, dp_replicate: 2}\n")
     job = Job.from_yaml(tmp_path / "job.yaml")
     assert job.with_num_workers(8).scaling.num_workers == 8
     with pytest.raises(JobError, match="num_workers must be an int"):
         job.with_num_workers(-2)
+    with pytest.raises(JobError, match="5 workers do not divide"):  # the mesh, before Ray
+        job.with_num_workers(5)
+
+
+@pytest.mark.parametrize("mesh, workers, says", [
+    ("{dp_shard: 3}", 4, "= 3 ranks, but the run has 4 workers"),
+    ("{dp_replicate: 2, dp_shard: -1, tp: 3}", 4, "4 workers do not divide"),
+    ("{dp_replicate: 2, dp_shard: 2}\nrun: {min_workers: 2}", 4, "elastic run"),
+])
+def test_the_mesh_is_checked_against_the_workers_before_ray(mesh, workers, says):
+    """Before, ``dp_shard: 3`` over 4 workers parsed, and failed only after Ray started."""
+    text = f"train: a:b\nscaling: {{num_workers: {workers}}}\nmesh: {mesh}\n"
+    with pytest.raises(JobError, match=says) as err:
+        Job.from_dict(load_yaml(text, error=JobError))
+    assert "scaling.num_workers" in str(err.value)
 
 
 @pytest.mark.parametrize("env, nccl, bad", [

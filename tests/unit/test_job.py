@@ -146,8 +146,8 @@ def test_bad_network_values_fail_at_parse(network, match):
 def test_job_is_not_edited_in_place():
     import dataclasses
 
-    job = Job.from_dict({"train": "a:b", "scaling": {"num_workers": 4},
-                         "run": {"min_workers": 2}})
+    job = Job.from_dict({"train": "a:b", "mesh": "hsdp", "scaling": {"num_workers": 4},
+                         "run": {"min_workers": 2}})  # elastic: dp_replicate follows nodes
     with pytest.raises(dataclasses.FrozenInstanceError):
         job.run = None  # type: ignore[misc]
     bigger = job.with_num_workers(8)
