@@ -96,6 +96,17 @@ def name_flag(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
 
 
+def storage_flag(text: str) -> str:
+    """``type=`` for ``status --storage``: a path or URI without credentials in it."""
+    from ray_mesh.core.object_store import credential_problem
+
+    name = name_flag(text)
+    why = credential_problem(name)
+    if why:
+        raise argparse.ArgumentTypeError(why.rstrip("."))
+    return name
+
+
 def address_problem(address: str) -> str | None:
     """Why ``address`` cannot be a Ray cluster address for ``ray.init``, or None.
 
@@ -106,6 +117,10 @@ def address_problem(address: str) -> str | None:
 
     if address in ("auto", "local"):
         return None
+    if not address:  # ray.init("") means "auto": the Ray running on this machine
+        return ("the address is empty (Ray would join whatever runs on this machine): give "
+                "the head's GCS address, e.g. 100.64.0.1:6379, or auto on purpose; leave "
+                "--address out for an embedded Ray with run")
     if address.startswith(("http://", "https://")):
         host = address.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0] or "<head>"
         return (f"{address!r} is the Ray dashboard URL (what `ray job submit` takes); give "
@@ -131,4 +146,4 @@ def address_flag(text: str) -> str:
 
 
 __all__ = ["CliParser", "address_flag", "address_problem", "int_flag", "name_flag",
-           "port_flag", "positive_number", "seconds_flag"]
+           "port_flag", "positive_number", "seconds_flag", "storage_flag"]

@@ -23,6 +23,7 @@ from ray_mesh.cli.flags import (
     port_flag,
     positive_number,
     seconds_flag,
+    storage_flag,
 )
 from ray_mesh.cli.job import MAX_WORKERS, Job, JobError
 from ray_mesh.core.safe import safe_text
@@ -346,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "read by then is named in a note")
     status.add_argument("--max-mb", type=int_flag(1, 4096, example=32), default=32,
                         help="MiB one answer or layout file may hold (default 32)")
-    status.add_argument("--storage", action="append", type=name_flag, metavar="PATH_OR_URI",
+    status.add_argument("--storage", action="append", type=storage_flag, metavar="PATH_OR_URI",
                         help="read the layout files of runs whose storage_path is exactly "
                              "this (repeatable). Only storage named here is opened, with this "
                              "machine's credentials; a path the cluster reports is not")

@@ -34,6 +34,10 @@ PYARROW_QUERY_KEYS = ("endpoint_override", "scheme", "region", "allow_bucket_cre
                       "allow_bucket_deletion", "access_key", "secret_key", "session_token",
                       "anonymous", "role_arn", "session_name", "external_id",
                       "load_frequency", "force_virtual_addressing", "tls_ca_file_path")
+CREDENTIAL_KEYS = ("access_key", "secret_key", "session_token")
+"""pyarrow's URI options that are credentials: refused (a storage path is printed, written
+into the run's files and recorded by Ray; credentials belong in each machine's AWS
+environment variables or ~/.aws)."""
 
 
 def is_uri(path: str) -> bool:
@@ -52,14 +56,51 @@ def bucket_problem(bucket: str) -> str | None:
     return None
 
 
+def _uri_like(path: str) -> bool:
+    """A URI, or text that starts like one (``s3:bucket?...``, refused later as malformed)."""
+    return is_uri(path) or re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", path) is not None
+
+
+def redacted(storage_path: str) -> str:
+    """``storage_path`` as it may be printed: a URI's query keeps its option names, never
+    their values, and a ``user:password@`` is left out (``s3://bucket/runs?scheme=...``)."""
+    if not isinstance(storage_path, str) or not _uri_like(storage_path):
+        return storage_path
+    shown, _, query = storage_path.partition("?")
+    scheme, sep, rest = shown.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if sep and "@" in netloc:
+        shown = f"{scheme}://...@{netloc.rsplit('@', 1)[1]}{slash}{path}"
+    names = [part.split("=", 1)[0] for part in query.split("&") if part]
+    return shown + ("?" + "&".join(f"{n}=..." for n in names) if query else "")
+
+
+def credential_problem(storage_path: str) -> str | None:
+    """Why ``storage_path`` must not be used as written (it carries credentials), or None."""
+    if not isinstance(storage_path, str) or not _uri_like(storage_path):
+        return None
+    head, _, query = storage_path.partition("?")
+    netloc = head.partition("://")[2].partition("/")[0]
+    names = {part.split("=", 1)[0] for part in query.split("&") if part}
+    found = [k for k in CREDENTIAL_KEYS if k in names] + (["user:password@"] if "@" in netloc
+                                                            else [])
+    if not found:
+        return None
+    return (f"storage_path {redacted(storage_path)!r} carries credentials ({', '.join(found)}),"
+            f" which would be printed in errors, written into the run's files and recorded by "
+            f"Ray: remove them and set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+            f"AWS_SESSION_TOKEN) in the environment of every node, or use ~/.aws/credentials.")
+
+
 def parse_endpoint(endpoint: str, key: str = "storage_endpoint") -> tuple[str, str]:
     """``http://HOST:PORT`` -> (``HOST:PORT``, ``http``); :class:`StorageURIError` otherwise."""
+    shown_url = redacted(endpoint) if isinstance(endpoint, str) else endpoint
     example = f"{key}: http://10.0.0.5:9000 (the S3 server's URL: scheme, host and port)"
     if not isinstance(endpoint, str) or not endpoint.strip():
         raise StorageURIError(f"{key} {endpoint!r} is empty; write e.g. {example}.")
     parts = urlsplit(endpoint.strip())
     if parts.scheme not in ("http", "https"):
-        raise StorageURIError(f"{key} {endpoint!r} must start with http:// or https://; "
+        raise StorageURIError(f"{key} {shown_url!r} must start with http:// or https://; "
                               f"write e.g. {example}.")
     try:
         port = parts.port
@@ -67,7 +108,7 @@ def parse_endpoint(endpoint: str, key: str = "storage_endpoint") -> tuple[str, s
         port = -1
     if not parts.hostname or port == -1 or parts.path.strip("/") or parts.query \
             or parts.username or parts.password:
-        raise StorageURIError(f"{key} {endpoint!r} is not a server URL (host and optional "
+        raise StorageURIError(f"{key} {shown_url!r} is not a server URL (host and optional "
                               f"port only: no path, query or user); write e.g. {example}.")
     return parts.netloc.rsplit("@", 1)[-1], parts.scheme
 
@@ -81,32 +122,36 @@ def check_location(storage_path: str, endpoint: str | None = None) -> None:
     if not isinstance(storage_path, str) or not storage_path.strip():
         raise StorageURIError(f"storage_path {storage_path!r} is empty: write a directory or "
                               f"a URI such as s3://bucket/runs.")
+    secret = credential_problem(storage_path)
+    if secret:  # first: every message below quotes the path
+        raise StorageURIError(secret)
+    shown_path = redacted(storage_path)
     if endpoint is not None:
         parse_endpoint(endpoint)
     if not is_uri(storage_path):
         if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/?[^/]", storage_path):
             raise StorageURIError(
-                f"storage_path {storage_path!r} is not a URI (a scheme needs '://'): write "
+                f"storage_path {shown_path!r} is not a URI (a scheme needs '://'): write "
                 f"e.g. s3://bucket/runs, or ./{storage_path.replace(':', '_')} for a directory.")
         if endpoint is not None:
             raise StorageURIError(
-                f"storage_endpoint {endpoint} was given, but storage_path {storage_path!r} is "
+                f"storage_endpoint {endpoint} was given, but storage_path {shown_path!r} is "
                 f"a local path: write storage_path as s3://BUCKET/path, or drop the endpoint.")
         return
     parts = urlsplit(storage_path)
     scheme = parts.scheme.lower()
     if not re.match(r"^[a-z][a-z0-9+.-]*$", scheme) or not storage_path.startswith(
             f"{parts.scheme}://"):
-        raise StorageURIError(f"storage_path {storage_path!r} is not a URI: write "
+        raise StorageURIError(f"storage_path {shown_path!r} is not a URI: write "
                               f"SCHEME://BUCKET/path, e.g. s3://bucket/runs.")
     if scheme == "s3":
         why = bucket_problem(parts.netloc)
         if why:
-            raise StorageURIError(f"storage_path {storage_path!r}: {why}.")
+            raise StorageURIError(f"storage_path {shown_path!r}: {why}.")
     query = parse_qs(parts.query, keep_blank_values=True)
     unknown = sorted(k for k in query if k not in PYARROW_QUERY_KEYS)
     if unknown:
-        raise StorageURIError(f"storage_path {storage_path!r} has unknown URI options "
+        raise StorageURIError(f"storage_path {shown_path!r} has unknown URI options "
                               f"{unknown}: pyarrow takes {list(PYARROW_QUERY_KEYS[:3])} and "
                               f"the like; for an endpoint use storage_endpoint instead.")
     if endpoint is not None:
@@ -115,7 +160,7 @@ def check_location(storage_path: str, endpoint: str | None = None) -> None:
                                   f"server), not {scheme}://; drop it or use s3://.")
         if "endpoint_override" in query:
             raise StorageURIError(
-                f"storage_path {storage_path!r} names an endpoint_override and "
+                f"storage_path {shown_path!r} names an endpoint_override and "
                 f"storage_endpoint {endpoint} is given too: keep one (storage_endpoint).")
 
 
@@ -191,5 +236,6 @@ def same_location(a: str, b: str) -> bool:
     return norm(a) == norm(b) and (is_uri(a) or is_uri(b) or a.rstrip("/") == b.rstrip("/"))
 
 
-__all__ = ["StorageURIError", "bucket_problem", "check_location", "filesystem", "is_uri",
-           "parse_endpoint", "run_storage", "same_location", "shown"]
+__all__ = ["CREDENTIAL_KEYS", "StorageURIError", "bucket_problem", "check_location",
+           "credential_problem", "filesystem", "is_uri", "parse_endpoint", "redacted",
+           "run_storage", "same_location", "shown"]

@@ -213,11 +213,28 @@ def rendezvous_url(address: str, port: int) -> str:
 
 
 def split_host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
-    """Parse ``host:port``, ``[v6]:port``, a bare v6 address or host (then ``default_port``)."""
+    """Parse ``host:port``, ``[v6]:port``, a bare v6 address or host (then ``default_port``).
+
+    Empty text and a malformed bracket (``[::1``, ``[]:6379``, ``[::1]x``, a name in
+    brackets) are refused: ``ray.init`` reads an empty address as "auto" (whatever Ray runs
+    on this machine), and a half-written bracket would be joined as some other host.
+    """
     text = text.strip()
+    if not text:
+        raise ValueError("the address is empty: write host:port ([v6]:port for IPv6).")
     if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
+        host, closed, rest = text[1:].partition("]")
+        try:
+            ipaddress.IPv6Address(host)
+            good = bool(closed) and (not rest or rest.startswith(":"))
+        except ValueError:
+            good = False
+        if not good:
+            raise ValueError(f"{text[:100]!r} is not [IPv6]:port: close the bracket around an "
+                             f"IPv6 address, e.g. [fd7a:115c:a1e0::1]:6379.")
+        port_text = rest[1:]
+        if rest == ":":
+            raise ValueError(f"{text[:100]!r} has no valid port: write [v6]:port.")
     elif text.count(":") == 1:
         host, _, port_text = text.partition(":")
     else:  # a hostname, an IPv4 address, or a bare IPv6 address

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ray_mesh.core.layout import Layout
-from ray_mesh.core.object_store import same_location
+from ray_mesh.core.object_store import redacted, same_location
 from ray_mesh.core.safe import safe_text
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.core.table import markdown_table, text_table
@@ -141,7 +141,7 @@ def read_run_file(named: str, run_name: str, filename: str, parse: Any, timeout_
                   max_bytes: int, endpoint: str | None = None) -> Any:
     """``<named>/<run_name>/<filename>`` (storage the viewer named), bounded, through
     ``parse(data, what)``; None when absent. Raises Malformed or SourceError."""
-    what = safe_text(f"{named}/{run_name}/{filename}", 300)
+    what = safe_text(f"{redacted(named)}/{run_name}/{filename}", 300)  # no query values
     data = read_storage_file(named, f"{run_name}/{filename}", timeout_s=timeout_s,
                              max_bytes=max_bytes, what=what,
                              endpoint=endpoint if named.startswith("s3://") else None)

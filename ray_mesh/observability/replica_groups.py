@@ -73,8 +73,10 @@ def _shares(raw: Any, what: str) -> dict[int, dict[str, Any]]:
         raise Malformed(f"{what}: shares is not a mapping of at most {MAX_GROUPS} groups")
     out = {}
     for key, s in raw.items():
-        gid = si.integer(int(key) if isinstance(key, str) and key.isdigit() else key,
-                         f"{what}: shares group")
+        # JSON keys are text; int() of "²" or of 5000 digits raises, so only short ASCII
+        # digits are read as a number (anything else is refused as not an integer).
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18
+        gid = si.integer(int(key) if digits else key, f"{what}: shares group")
         if not isinstance(s, dict):
             raise Malformed(f"{what}: shares of group {gid} is not an object")
         speed = s.get("samples_per_s")

@@ -21,8 +21,10 @@ from typing import Any
 
 from ray_mesh.core.layout import LayoutError
 from ray_mesh.core.layout import parse_layout as parse_layout_string
+from ray_mesh.core.object_store import redacted
 from ray_mesh.core.safe import NAME_LIMIT, safe_text
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
+from ray_mesh.core.values import brief
 from ray_mesh.errors import Malformed
 
 MAX_RANKS = 100_000  # as ray-mesh run's MAX_WORKERS: more is not a real run
@@ -32,8 +34,9 @@ _RANK_LABEL = re.compile(r"[0-9]{1,6}")  # ASCII digits only ("²".isdigit() is 
 
 
 def shown(value: Any, limit: int = 40) -> str:
-    """A short, escaped rendering of an unexpected value for a "malformed" message."""
-    return safe_text(repr(value), limit)
+    """A short, escaped rendering of an unexpected value for a "malformed" message (bounded:
+    ``repr`` of a 5000-digit integer raises, of a deep list recurses)."""
+    return brief(value, limit)
 
 
 def text(value: Any, what: str, limit: int = NAME_LIMIT) -> str:
@@ -50,13 +53,18 @@ def integer(value: Any, what: str, low: int = 0, high: int = MAX_RANKS) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise Malformed(f"{what} {shown(value)} is not an integer")
     if not low <= value <= high:
-        raise Malformed(f"{what} {value} is outside [{low}, {high}]")
+        raise Malformed(f"{what} {shown(value)} is outside [{low}, {high}]")
     return value
 
 
 def number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
-            value):
+    """A finite int or float (an integer too large for a float, 1e400 written out, is not)."""
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(
+            value)
+    except OverflowError:
+        ok = False
+    if not ok:
         raise Malformed(f"{what} {shown(value)} is not a finite number")
     return float(value)
 
@@ -152,7 +160,10 @@ def parse_run(r: dict[str, Any]) -> dict[str, Any]:
     return {"name": text(r.get("name"), "name"), "id": text(r.get("id"), "id"),
             "status": text(r.get("status"), "status", 32),
             "start_time_ns": integer(r.get("start_time_ns", 0), "start_time_ns", 0, 2**63),
-            "storage_path": None if storage is None else text(storage, "storage_path", 4096),
+            # Shown, never a query's values: a run started elsewhere may carry credentials.
+            "storage_path": None if storage is None else text(
+                redacted(storage) if isinstance(storage, str) else storage, "storage_path",
+                4096),
             "storage_raw": storage if isinstance(storage, str) else None,
             "mesh": mesh, "workers": sorted(workers, key=lambda w: w["rank"]),
             "layout": layout_text(dig(r, "run_settings", "backend_config", "config", "layout"),

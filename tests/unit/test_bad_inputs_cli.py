@@ -79,6 +79,10 @@ JOB_CASES = [
     ("empty-file", "", [], ["empty", "train:"]),
     ("top-level-list", "- a\n- b\n", [], ["top level must be a mapping"]),
     ("syntax", "train: t.py:train_loop\nmesh: {dp_shard: 2\n", [], ["not valid YAML", "line"]),
+    ("yaml-deep", BASE + "config: " + "[" * 20_000 + "]" * 20_000 + "\n", [],
+     ["refused at line 4", "nests deeper than 64 levels"]),
+    ("yaml-digits", BASE + "config: {seed: " + "9" * 5000 + "}\n", [],
+     ["refused at line 4", "an integer of 5000 characters", "quote it"]),
     # keys
     ("unknown-key", BASE + "netwrk: {}\n", [], ["'netwrk'", "Did you mean 'network'"]),
     ("unknown-nested-key", BASE + "network: {preflite: true}\n", [], ["'preflite'",
@@ -134,15 +138,25 @@ JOB_CASES = [
     ("storage-unwritable", BASE + "run: {storage_path: /proc/ray_results}\n", [],
      ["storage_path", "not writable"]),
     ("storage-empty", BASE + "run: {storage_path: ''}\n", [], ["run.storage_path"]),
+    ("storage-credentials", BASE + "run: {storage_path: 's3://bkt/runs?access_key=AKIA0&"
+                                   "secret_key=SEKRIT&session_token=T0KEN'}\n", [],
+     ["run.storage_path", "carries credentials (access_key, secret_key, session_token)",
+      "AWS_SECRET_ACCESS_KEY", "secret_key=..."]),
+    ("storage-userinfo", BASE, ["--storage-path", "s3://AKIA0:SEKRIT@bkt/runs"],
+     ["carries credentials (user:password@)", "s3://...@bkt/runs", "AWS_ACCESS_KEY_ID"]),
+    # the mesh against the workers: on the driver, before Ray starts
+    ("mesh-vs-workers", BASE + "mesh: {dp_shard: 3}\n", [],
+     ["mesh:", "dp_shard=3 x cp=1 x tp=1 = 3 ranks", "2 workers", "scaling.num_workers"]),
     # command-line overrides go through the job's own checks
     ("num-workers-flag", BASE, ["--num-workers", "-2"], ["--num-workers", "from 1"]),
     ("num-workers-flag-float", BASE, ["--num-workers", "2.0"], ["--num-workers",
                                                                 "whole number"]),
-    ("num-workers-vs-min", BASE + "run: {min_workers: 2}\n", ["--num-workers", "1"],
+    ("num-workers-vs-min", BASE + "mesh: hsdp\nrun: {min_workers: 2}\n", ["--num-workers", "1"],
      ["--num-workers 1", "min_workers=2"]),
     ("address-dashboard-url", BASE, ["--address", "http://127.0.0.1:8265"],
      ["--address", "dashboard URL", "127.0.0.1:6379", "auto"]),
     ("address-bad-port", BASE, ["--address", "127.0.0.1:99999"], ["--address", "port"]),
+    ("address-open-bracket", BASE, ["--address", "[::1"], ["--address", "[IPv6]:port"]),
 ]
 
 
@@ -151,7 +165,8 @@ JOB_CASES = [
 DEFAULT_TIER = {"duplicate-key", "not-utf8", "unknown-nested-key", "bool-as-string",
                 "int-as-float", "seconds-nan", "placement", "resources-list",
                 "train-outside-folder", "interface-missing", "storage-unwritable",
-                "num-workers-flag", "address-dashboard-url"}
+                "num-workers-flag", "address-dashboard-url", "yaml-deep", "storage-credentials",
+                "mesh-vs-workers", "address-open-bracket"}
 
 
 def _tiered(cases: list, ids: list[str]) -> list:
@@ -166,7 +181,9 @@ def test_bad_job_file_or_run_flag(cli, tmp_path, text, args, words):
     folder.mkdir(parents=True)
     job = _job(folder, text)
     (folder / "t_nopy").write_text("def train_loop(config):\n    pass\n")
-    _refused(cli(["run", job, *args], folder), *words)
+    proc = cli(["run", job, *args], folder)
+    _refused(proc, *words)
+    assert "SEKRIT" not in proc.stdout + proc.stderr  # a credential is never printed
 
 
 @pytest.mark.parametrize("target, words", [
@@ -195,13 +212,15 @@ FLAG_CASES = [
     (["doctor", "--port", "0"], ["--port", "1 to 65535"]),
     (["doctor", "--link-probe", "60"], ["--link-probe", "<= 30"]),
     (["doctor", "--interface", ""], ["--interface", "non-empty"]),
+    (["doctor", "--address", ""], ["--address", "empty", "auto on purpose"]),
+    (["plan", "--address", "[::1:6379"], ["--address", "[IPv6]:port"]),
     (["status", "--timeout", "-1"], ["--timeout", "seconds > 0"]),
     (["status", "--timeout", "inf"], ["--timeout", "finite"]),
     (["run"], ["job"]),
     (["frobnicate"], ["frobnicate"]),
 ]
 DEFAULT_TIER |= {"plan_--tp_0", "doctor_--timeout_nan", "doctor_--port_99999",
-                 "status_--timeout_-1"}
+                 "status_--timeout_-1", "doctor_--address_"}
 
 
 @pytest.mark.parametrize("args, words", _tiered(FLAG_CASES, ["_".join(c[0]) for c in FLAG_CASES]))
@@ -278,13 +297,16 @@ STATUS_FLAG_CASES = [
     (["status", "--max-mb", "0"], ["--max-mb", "from 1 to 4096"]),
     (["status", "--deadline", "0"], ["--deadline", "seconds > 0"]),
     (["status", "--storage", " "], ["--storage", "non-empty"]),
+    (["status", "--storage", "s3://bkt/runs?secret_key=SEKRIT"],
+     ["--storage", "carries credentials (secret_key)", "secret_key=..."]),
 ]
 
 
 @pytest.mark.parametrize("args, words", STATUS_FLAG_CASES,
                          ids=["_".join(c[0]) for c in STATUS_FLAG_CASES])
 def test_bad_status_flags_fail_at_parse_time(cli, tmp_path, args, words):
-    assert "--help" in _refused(cli(args, tmp_path), *words)
+    line = _refused(cli(args, tmp_path), *words)
+    assert "--help" in line and "SEKRIT" not in line
 
 
 def test_status_escapes_what_the_cluster_says_in_errors_and_notes(cli, tmp_path):

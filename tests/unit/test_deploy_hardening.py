@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -186,6 +187,36 @@ def test_systemd_units_are_hardened(unit, tmp_path):
     bad = [ln for ln in (out.stdout + out.stderr).splitlines()
            if re.search(r"Unknown (key|section)|Failed to parse|Invalid|[Ii]gnoring", ln)]
     assert not bad, bad
+
+
+ROOT_PATH = "PATH=/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@pytest.mark.parametrize("unit", ["ray-mesh-head.service", "ray-mesh-worker.service"])
+def test_the_root_firewall_step_runs_nothing_from_the_units_path(unit, tmp_path):
+    """The firewall step runs as root ("+") with the unit's environment, whose PATH puts
+    the venv first: a ``bash`` or ``nft`` planted there by whoever can write the venv must
+    not run. The unit's own command line runs here with such a PATH (``print`` instead of
+    ``apply``: it checks the same inputs and loads nothing)."""
+    line = next(ln for ln in (TAILSCALE / "systemd" / unit).read_text().splitlines()
+                if "firewall.sh apply" in ln and "ExecStartPre=" in ln)
+    argv = shlex.split(line.split("ExecStartPre=", 1)[1].lstrip("+-!@:"))
+    assert ROOT_PATH in argv and "/bin/bash" in argv, argv
+    argv = [str(TAILSCALE / "firewall.sh") if a.endswith("/deploy/tailscale/firewall.sh")
+            else "print" if a == "apply" else a for a in argv]
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    for name in ("bash", "env", "nft", "iptables", "ip6tables", "tailscale", "python3"):
+        (venv / name).write_text(f"#!/bin/sh\necho {name} >> {tmp_path}/ran\n"
+                                 f"exec /usr/bin/{name} \"$@\"\n")
+        (venv / name).chmod(0o755)
+    (tmp_path / "evil.sh").write_text(f"echo BASH_ENV >> {tmp_path}/ran\n")
+    env = {"PATH": f"{venv}:/usr/bin:/bin", "BASH_ENV": str(tmp_path / "evil.sh"),
+           "RAY_MESH_FW_PEERS": "100.64.0.2", **NO_PEERS_FILE}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
+    assert "# ray-mesh firewall" in proc.stderr, proc.stderr  # the script itself ran
+    ran = (tmp_path / "ran").read_text() if (tmp_path / "ran").exists() else ""
+    assert not ran, f"ran from the unit's PATH or BASH_ENV as root: {ran.split()}"
 
 
 # ----------------------------------------------------------------------------- Tailscale ACL

@@ -60,3 +60,33 @@ def test_the_html_view_shows_each_groups_layout_speed_and_share(tmp_path):
 def test_a_hostile_file_is_refused_with_the_field_named(doc, why):
     with pytest.raises(Malformed, match=why):
         rgf.parse(json.dumps(doc).encode(), "f")
+
+
+BIG = "9" * 5000  # over Python's 4300-digit int() limit
+DEEP = "[" * 30_000 + "]" * 30_000
+SHARE = '"0": {"ranks": 1, "samples": 3, "samples_per_s": '
+
+
+def _doc(rest: str) -> str:
+    return '{"live": [], "events": [], ' + rest + "}"
+
+
+HOSTILE_FILES = {
+    "5000-digit-share-key": _doc('"shares": {"' + BIG + '": {}}'),
+    "superscript-share-key": _doc('"shares": {"\\u00b2": {}}'),
+    "400-digit-speed": _doc('"shares": {' + SHARE + "9" * 400 + "}}"),
+    "5000-digit-step": _doc('"step": ' + BIG),
+    "4000-digit-step": _doc('"step": ' + "9" * 4000),
+    "30000-deep-array": _doc('"step": ' + DEEP),
+    "deep-detail": '{"live": [], "events": [{"kind": "left", "group": 0, "step": 0, '
+                   '"detail": ' + "[" * 900 + "]" * 900 + "}]}",
+}
+
+
+@pytest.mark.parametrize("text", HOSTILE_FILES.values(), ids=HOSTILE_FILES.keys())
+def test_hostile_numbers_and_nesting_are_malformed_in_one_short_message(text):
+    """Before, these escaped the parser as ValueError or OverflowError (and a 4000-digit
+    step was printed whole): ``ray-mesh status`` crashed on the file a cluster wrote."""
+    with pytest.raises(Malformed) as err:
+        rgf.parse(text.encode(), "f")
+    assert len(str(err.value)) < 300, str(err.value)[:400]
