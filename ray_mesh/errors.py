@@ -117,6 +117,15 @@ class StorageError(ConfigurationError):
     """A storage_path that cannot hold this run's checkpoints; the message says what to use."""
 
 
+class RequestRefused(StorageError):
+    """A request ``ray-mesh storage serve`` answers with an S3 error instead of passing it
+    to its server (``status``, ``code``: the HTTP status line and S3 error code)."""
+
+    def __init__(self, status: str, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
 class ObjectStoreError(StorageError):
     """An object store (an S3 endpoint and bucket) that cannot hold this run's checkpoints:
     the endpoint does not answer, the bucket is missing, the credentials are refused, or it
@@ -161,6 +170,14 @@ class Malformed(ClusterError, ValueError):
     """A record from the cluster that is not what ray_mesh writes; the message says why."""
 
 
+class Oversize(Malformed):  # noqa: N818 - a size, not an error of the program
+    """A store value larger than its limit; ``size`` is its length in bytes (left unread)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size} bytes")
+        self.size = size
+
+
 # ----------------------------------------------------------------------------- checkpoints
 class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint holds another model: the message lists the keys that do not match."""
@@ -203,10 +220,12 @@ __all__ = [
     "ModelConfigError",
     "NetworkError",
     "NonFiniteError",
+    "Oversize",
     "ObjectStoreError",
     "ParallelError",
     "PlanError",
     "PreflightError",
+    "RequestRefused",
     "RayMeshError",
     "SourceError",
     "StatusError",

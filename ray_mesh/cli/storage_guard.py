@@ -40,7 +40,7 @@ from urllib.parse import quote, unquote, urlsplit
 from xml.sax.saxutils import escape
 
 from ray_mesh.core.safe import safe_text
-from ray_mesh.errors import StorageError
+from ray_mesh.errors import RequestRefused, StorageError
 
 logger = logging.getLogger(__name__)
 DEFAULT_KEY_FILE = "~/.ray_mesh/storage.env"
@@ -160,61 +160,54 @@ def _signature(secret: str, date: str, region: str, string_to_sign: str) -> str:
     return SigV4Auth(Credentials("id", secret), "s3", region).signature(string_to_sign, request)
 
 
-class Refused(Exception):  # noqa: N818 - an answer, not a failure of the server
-    """A request the guard answers with an S3 error instead of passing it to moto."""
-
-    def __init__(self, status: str, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
 def check_request(environ: dict[str, Any], key: Key,
                   now: datetime.datetime | None = None) -> None:
-    """Raise :class:`Refused` unless ``environ`` is an S3 request signed with ``key`` (the
-    module docstring lists the checks). A body whose hash was signed is read and put back."""
+    """Raise :class:`~ray_mesh.errors.RequestRefused` unless ``environ`` is an S3 request
+    signed with ``key`` (the module docstring lists the checks). A body whose hash was
+    signed is read and put back."""
     path = environ.get("PATH_INFO", "")
     if path.startswith("/moto-api") or path == "/favicon.ico":
-        raise Refused("403 Forbidden", "AccessDenied", "ray-mesh storage serve serves the S3 "
-                      "API only: moto's admin API (/moto-api/) is not served.")
+        raise RequestRefused("403 Forbidden", "AccessDenied", "ray-mesh storage serve serves "
+                             "the S3 API only: moto's admin API (/moto-api/) is not served.")
     query = environ.get("QUERY_STRING", "")
     if re.search(r"(^|&)(X-Amz-Signature|X-Amz-Credential|Signature|AWSAccessKeyId)=", query):
-        raise Refused("403 Forbidden", "AccessDenied", "presigned URLs are not accepted: "
+        raise RequestRefused("403 Forbidden", "AccessDenied", "presigned URLs are not accepted: "
                       "sign the request in its Authorization header (any AWS SDK does).")
     auth = environ.get("HTTP_AUTHORIZATION", "")
     if not auth:
-        raise Refused("403 Forbidden", "AccessDenied", f"the request is not signed "
+        raise RequestRefused("403 Forbidden", "AccessDenied", f"the request is not signed "
                       f"(anonymous requests are refused). {_KEY_FIX}.")
     m = _AUTH_RE.match(auth.strip())
     if m is None:
-        raise Refused("403 Forbidden", "AccessDenied", f"only AWS Signature Version 4 "
+        raise RequestRefused("403 Forbidden", "AccessDenied", f"only AWS Signature Version 4 "
                       f"(AWS4-HMAC-SHA256 in the Authorization header) is accepted. {_KEY_FIX}.")
     key_id, day, region, service, signed, given = m.groups()
     if not hmac.compare_digest(key_id.encode(), key[0].encode()):
-        raise Refused("403 Forbidden", "InvalidAccessKeyId", f"the access key id is not "
+        raise RequestRefused("403 Forbidden", "InvalidAccessKeyId", f"the access key id is not "
                       f"this server's. {_KEY_FIX}.")
     if service != "s3":
-        raise Refused("403 Forbidden", "AccessDenied", f"ray-mesh storage serve serves the "
+        raise RequestRefused("403 Forbidden", "AccessDenied", f"ray-mesh storage serve serves the "
                       f"S3 API only, not {safe_text(service, 40)!r}.")
     names = signed.split(";")
     payload = _header(environ, "x-amz-content-sha256")
     stamp = _header(environ, "x-amz-date")
     if not {"host", "x-amz-date", "x-amz-content-sha256"} <= set(names):
-        raise Refused("403 Forbidden", "AccessDenied", "the signature must cover the host, "
+        raise RequestRefused("403 Forbidden", "AccessDenied", "the signature must cover the host, "
                       "x-amz-date and x-amz-content-sha256 headers (any AWS SDK signs them).")
     try:
         when = datetime.datetime.strptime(stamp, "%Y%m%dT%H%M%SZ").replace(
             tzinfo=datetime.timezone.utc)
     except ValueError:
-        raise Refused("403 Forbidden", "AccessDenied", "x-amz-date is not a SigV4 date "
+        raise RequestRefused("403 Forbidden", "AccessDenied", "x-amz-date is not a SigV4 date "
                       "(YYYYMMDDTHHMMSSZ).") from None
     skew = abs(((now or datetime.datetime.now(datetime.timezone.utc)) - when).total_seconds())
     if skew > MAX_SKEW_S or stamp[:8] != day:
-        raise Refused("403 Forbidden", "RequestTimeTooSkewed", f"the request is dated "
+        raise RequestRefused("403 Forbidden", "RequestTimeTooSkewed", f"the request is dated "
                       f"{stamp}, {skew:.0f} s from the server's clock (at most {MAX_SKEW_S} s "
                       f"are accepted): fix the clock of the client or the server.")
     if payload not in _PAYLOAD_CONSTANTS and not re.fullmatch(r"[0-9a-f]{64}", payload):
-        raise Refused("400 Bad Request", "InvalidArgument", "x-amz-content-sha256 must be the "
-                      "body's SHA-256 in hex or one of AWS's payload constants.")
+        raise RequestRefused("400 Bad Request", "InvalidArgument", "x-amz-content-sha256 must "
+                             "be the body's SHA-256 in hex or one of AWS's payload constants.")
     headers = "".join(f"{n}:{_header(environ, n)}\n" for n in names)
     raw = environ.get("RAW_URI") or environ.get("REQUEST_URI") or path
     raw_path = raw.split("?", 1)[0] if raw.startswith("/") else urlsplit(raw).path or "/"
@@ -228,7 +221,7 @@ def check_request(environ: dict[str, Any], key: Key,
                              hashlib.sha256(canonical.encode()).hexdigest()])
             if hmac.compare_digest(_signature(key[1], stamp, region, sts), given):
                 return _check_body(environ, payload)
-    raise Refused("403 Forbidden", "SignatureDoesNotMatch", f"the signature does not match "
+    raise RequestRefused("403 Forbidden", "SignatureDoesNotMatch", f"the signature does not match "
                   f"this server's key. {_KEY_FIX}.")
 
 
@@ -243,7 +236,7 @@ def _check_body(environ: dict[str, Any], payload: str) -> None:
         body = stream.read() if environ.get("wsgi.input_terminated") else b""
     environ["wsgi.input"] = io.BytesIO(body)
     if not hmac.compare_digest(hashlib.sha256(body).hexdigest(), payload):
-        raise Refused("400 Bad Request", "XAmzContentSHA256Mismatch", "the body is not the "
+        raise RequestRefused("400 Bad Request", "XAmzContentSHA256Mismatch", "the body is not the "
                       "one the client signed (its SHA-256 differs from x-amz-content-sha256).")
 
 
@@ -257,7 +250,7 @@ class SignedS3Only:
                  ) -> Iterable[bytes]:
         try:
             check_request(environ, self.key)
-        except Refused as no:
+        except RequestRefused as no:
             logger.warning("ray-mesh storage: refused %s %s from %s: %s",
                            environ.get("REQUEST_METHOD"),
                            safe_text(environ.get("PATH_INFO", ""), 120),
@@ -271,5 +264,5 @@ class SignedS3Only:
         return self.app(environ, start_response)
 
 
-__all__ = ["DEFAULT_KEY_FILE", "MAX_SKEW_S", "Refused", "SignedS3Only", "check_request",
+__all__ = ["DEFAULT_KEY_FILE", "MAX_SKEW_S", "SignedS3Only", "check_request",
            "load_or_make_key", "make_key", "read_key_file", "write_key_file"]

@@ -41,12 +41,14 @@ MAX_INT_CHARS = 1000
 ``str()`` stop at 4300 decimal digits; hex, octal and base-60 forms grow faster)."""
 
 
-class _LimitError(yaml.composer.ComposerError):
-    """A bound of :class:`_StrictLoader` was passed (not a syntax error)."""
+LIMIT = "ray_mesh_limit"  # set on a YAML error that is a bound passed, not a syntax error
 
 
-def _limit_error(problem: str, mark: Any) -> _LimitError:
-    return _LimitError(None, None, problem, mark)
+def _limit_error(problem: str, mark: Any) -> yaml.composer.ComposerError:
+    """A bound of :class:`_StrictLoader` was passed: reported as YAML reports a problem."""
+    exc = yaml.composer.ComposerError(None, None, problem, mark)
+    setattr(exc, LIMIT, True)
+    return exc
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -162,7 +164,7 @@ def load_yaml(source: str | Path, *, error: type[Exception] = MeshSpecError) -> 
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        if isinstance(exc, _LimitError):
+        if getattr(exc, LIMIT, False):
             raise error(f"{where} is refused{at}: {problem}.") from exc
         raise error(f"{where} is not valid YAML{at}: {problem}. Fix that line.") from exc
 

@@ -30,9 +30,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ray_mesh.core.safe import safe_text
-from ray_mesh.errors import Malformed
+from ray_mesh.errors import Malformed, Oversize
 from ray_mesh.observability.store_wire import CHECKED_TORCH as WIRE_TORCH
-from ray_mesh.observability.store_wire import BoundedReader, Oversize
+from ray_mesh.observability.store_wire import BoundedReader
 
 logger = logging.getLogger("ray_mesh.observability.hang")
 

@@ -22,17 +22,11 @@ import socket
 import struct
 from typing import Any
 
+from ray_mesh.errors import Oversize
+
 CHECKED_TORCH = "2.13.0"
 _VALIDATE, _GET = 0, 3  # c10d::detail::QueryType
 _MAGIC = 0x3C85F7CE  # c10d::detail::validationMagicNumber
-
-
-class Oversize(Exception):  # noqa: N818 - a size, not an error of the program
-    """The value is larger than the limit; ``size`` is its length in bytes (not read)."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(f"{size} bytes")
-        self.size = size
 
 
 class BoundedReader:
@@ -92,4 +86,4 @@ class BoundedReader:
             return False
 
 
-__all__ = ["BoundedReader", "CHECKED_TORCH", "Oversize"]
+__all__ = ["BoundedReader", "CHECKED_TORCH"]
