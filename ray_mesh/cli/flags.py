@@ -107,6 +107,17 @@ def storage_flag(text: str) -> str:
     return name
 
 
+def status_address_flag(text: str) -> str:
+    """``type=`` for ``status --address``: a GCS address or a dashboard URL, never empty
+    (an empty one would read whatever cluster runs on this machine)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "the address is empty: give the head's GCS address (100.64.0.1:6379) or its "
+            "dashboard URL (http://100.64.0.1:8265), or leave --address out for the cluster "
+            "RAY_ADDRESS names")
+    return text
+
+
 def address_problem(address: str) -> str | None:
     """Why ``address`` cannot be a Ray cluster address for ``ray.init``, or None.
 
@@ -146,4 +157,5 @@ def address_flag(text: str) -> str:
 
 
 __all__ = ["CliParser", "address_flag", "address_problem", "int_flag", "name_flag",
-           "port_flag", "positive_number", "seconds_flag", "storage_flag"]
+           "port_flag", "positive_number", "seconds_flag", "status_address_flag",
+           "storage_flag"]

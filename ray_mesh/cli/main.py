@@ -23,6 +23,7 @@ from ray_mesh.cli.flags import (
     port_flag,
     positive_number,
     seconds_flag,
+    status_address_flag,
     storage_flag,
 )
 from ray_mesh.cli.job import MAX_WORKERS, Job, JobError
@@ -333,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Show the cluster's nodes, the ray_mesh runs on it "
                                         "(running, or all with --all), each run's layout "
                                         "and its latest metrics.")
-    status.add_argument("--address", default=None,
+    status.add_argument("--address", default=None, type=status_address_flag,
                         help="GCS address (<head>:6379) or dashboard URL (http://<head>:8265);"
                              " else RAY_ADDRESS, else the local dashboard")
     status.add_argument("--all", action="store_true", help="include finished runs")

@@ -297,6 +297,7 @@ STATUS_FLAG_CASES = [
     (["status", "--max-mb", "0"], ["--max-mb", "from 1 to 4096"]),
     (["status", "--deadline", "0"], ["--deadline", "seconds > 0"]),
     (["status", "--storage", " "], ["--storage", "non-empty"]),
+    (["status", "--address", ""], ["--address", "empty", "dashboard URL"]),
     (["status", "--storage", "s3://bkt/runs?secret_key=SEKRIT"],
      ["--storage", "carries credentials (secret_key)", "secret_key=..."]),
 ]
