@@ -197,6 +197,11 @@ def ray_local(tmp_path_factory):
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    # What `ray-mesh run` sets for every job (ray_mesh.raytrain.driver.CLI_ENV): Ray Train's
+    # controller looks at its workers every 0.2 s instead of 2 s, so a run that reports
+    # each step is not held to ~0.5 steps/s and its end is seen at once. Ray Train hands it
+    # from the driver (this process) to each run's controller.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     # Checkpoints in a bucket (tests/ray/test_checkpoint_s3_ray.py, a moto server): every Ray
     # process resolves AWS credentials from its environment, inherited from here. moto checks
     # none, but without any pyarrow uploads anonymously and moto stores the chunk framing.

@@ -26,9 +26,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-LOCK_PATH = Path(tempfile.gettempdir()) / "ray_mesh_heavy_tests.lock"
+# RAY_MESH_HEAVY_LOCK / RAY_MESH_HEAVY_WAIT_S: another lock file and bound, for the test of
+# this machinery (tests/unit/test_suite_streams.py) only.
+LOCK_PATH = Path(os.environ.get("RAY_MESH_HEAVY_LOCK")
+                 or Path(tempfile.gettempdir()) / "ray_mesh_heavy_tests.lock")
 JOURNAL_ENV = "RAY_MESH_HEAVY_JOURNAL"
-WAIT_S = 900.0  # longer than any one heavy test (the suite's per-test timeout is 600 s)
+# longer than any one heavy test (the suite's per-test timeout is 600 s)
+WAIT_S = float(os.environ.get("RAY_MESH_HEAVY_WAIT_S", "900"))
 POLL_S = 0.5
 
 

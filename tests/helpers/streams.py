@@ -66,6 +66,8 @@ class UnitStream:
                 self._log(json.loads(line))
 
     def _log(self, data: dict) -> None:
+        if isinstance(data.get("longrepr"), list):  # a skip's (path, line, reason): JSON
+            data["longrepr"] = tuple(data["longrepr"])  # made the tuple a list
         hook = self.config.hook
         report = hook.pytest_report_from_serializable(config=self.config, data=data)
         if report is None or not isinstance(report, pytest.TestReport):
