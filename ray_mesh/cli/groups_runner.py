@@ -2,8 +2,11 @@
 
 The same connection, pre-Ray checks and environment as a one-mesh job
 (:mod:`ray_mesh.cli.runner`); then :func:`~ray_mesh.raytrain.replica_groups.fit_replica_groups`
-with the section's groups, the job's ``network:`` settings for every group's mesh, and its
-``scaling.resources_per_worker``/``use_gpu``. The console shows each group's layout at the
+with the section's groups, the job's ``network:`` settings for every group's mesh, its
+``scaling.resources_per_worker``/``use_gpu``, and its ``run:`` storage (``storage_path``,
+``storage_endpoint``: each group's run and the fallback checkpoints), ``num_to_keep`` (the
+fallback checkpoints kept) and ``max_failures`` (each group's restarts, resolved into the
+section by :mod:`ray_mesh.cli.job_groups`). The console shows each group's layout at the
 start, one line per membership event, and a summary per group at the end.
 """
 
@@ -60,6 +63,7 @@ def run_groups_outcome(job: Job, address: str | None = None,
             result = fit_replica_groups(
                 train_fn, **section.fit_kwargs(), mesh_config=mesh, config=job.config,
                 name=job.name, storage_path=job.run.storage_path,
+                storage_endpoint=job.run.storage_endpoint, num_to_keep=job.run.num_to_keep,
                 resources_per_worker=per_worker or None, use_gpu=use_gpu,
                 on_event=lambda e: print(f"ray-mesh: {describe(e)}", flush=True),
                 on_groups=lambda line: print(f"ray-mesh: {line}", flush=True))

@@ -291,6 +291,8 @@ class Job:
         except (ParallelError, LayoutError) as exc:
             raise JobError(str(exc)) from exc
         run = RunSection(**check_keys("run", top.get("run"), RUN_KEYS))
+        if groups is not None and "max_failures" in (top.get("run") or {}):
+            groups = replace(groups, max_group_failures=run.max_failures)  # per group
         if mesh != "auto" and groups is None:  # before Ray starts, not at its bring-up
             check_mesh_fits(mesh, scaling.num_workers, run.min_workers)
         return cls(

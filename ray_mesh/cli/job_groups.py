@@ -8,14 +8,19 @@
       steps: 100             # boundaries (steps) of the whole run
       segment_samples: 32    # samples per group per step (by speed: the mean)
       shares: speed          # equal (default) | speed
-      checkpoint_every: 0    # the fallback checkpoint, every N steps, into checkpoint_dir
-      checkpoint_dir: null   # a directory every node reaches
-      max_group_failures: 20 # restarts of one group before the run gives up on it
+      checkpoint_every: 0    # the fallback checkpoint, every N steps (0: none)
+      checkpoint_dir: null   # default: <run.storage_path>/<name>-fallback (a bucket is fine)
+      max_group_failures: 20 # restarts of one group (-1: no limit); or run.max_failures
 
 Each group is a Ray Train run of the job's train function, which builds its group with
 ``ray_mesh.replica_group(model, optimizer, config)`` (see docs/replica_groups.md). The
 job's ``mesh:``, ``layout:``, ``replicate:``, ``data:`` and ``plan:`` do not apply (each group's
 layout is here; samples come from the run's quorum), and are refused with the reason.
+``scaling.num_workers``/``placement_strategy`` (a group is packed on one node) and
+``run.min_workers``/``startup_retries`` (a group whose node is gone waits for it) are refused
+too. ``run.storage_path``/``storage_endpoint`` hold the groups' runs and the fallback
+checkpoints, ``run.num_to_keep`` bounds those, and ``run.max_failures`` is each group's
+restart budget (or ``max_group_failures``: one of the two).
 """
 
 from __future__ import annotations
@@ -56,17 +61,15 @@ class ReplicaGroupsSection:
         read_int("replica_groups.steps", self.steps, 1, error=JobError)
         read_int("replica_groups.segment_samples", self.segment_samples, 1, error=JobError)
         read_int("replica_groups.checkpoint_every", self.checkpoint_every, 0, error=JobError)
-        read_int("replica_groups.max_group_failures", self.max_group_failures, 0,
+        read_int("replica_groups.max_group_failures", self.max_group_failures, -1,
                  error=JobError)
         read_str("replica_groups.checkpoint_dir", self.checkpoint_dir, none_ok=True,
-                 error=JobError, hint=" (a directory every node reaches)")
+                 error=JobError, hint=" (a bucket URI or a directory every node reaches; "
+                 "leave it out for the run's storage)")
         if self.shares not in SHARES:
             raise JobError(f"replica_groups.shares: {self.shares!r}; use one of "
                            f"{', '.join(SHARES)} (speed sizes each group's batch to its "
                            "measured speed)")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise JobError("replica_groups.checkpoint_every needs replica_groups."
-                           "checkpoint_dir: a directory every node reaches")
         if self.groups != "auto":
             try:
                 group_specs(self.groups, self.workers_per_group)
@@ -100,10 +103,23 @@ def check_alongside(top: dict[str, Any]) -> None:
     if isinstance(scaling, dict) and scaling.get("num_workers") is not None:
         raise JobError("scaling.num_workers does not go with replica_groups: each group's "
                        "size is its layout (replica_groups.groups). Remove it.")
+    if isinstance(scaling, dict) and scaling.get("placement_strategy") not in (
+            None, "STRICT_PACK"):
+        raise JobError("scaling.placement_strategy does not go with replica_groups: each "
+                       "group is packed on one node (STRICT_PACK). Remove it.")
     run = top.get("run") or {}
     if isinstance(run, dict) and run.get("min_workers") is not None:
         raise JobError("run.min_workers does not go with replica_groups: groups leave and "
                        "rejoin on their own. Remove it.")
+    if isinstance(run, dict) and run.get("startup_retries") is not None:
+        raise JobError("run.startup_retries does not go with replica_groups: a group whose "
+                       "node is gone waits for it while the others train on, and the run "
+                       "ends it after the last step. Remove it.")
+    section = top.get("replica_groups")
+    if isinstance(run, dict) and "max_failures" in run and isinstance(section, dict) \
+            and "max_group_failures" in section:
+        raise JobError("run.max_failures and replica_groups.max_group_failures both set each "
+                       "group's restart budget: keep one of them.")
 
 
 __all__ = ["KEYS", "NOT_WITH_GROUPS", "ReplicaGroupsSection", "check_alongside"]

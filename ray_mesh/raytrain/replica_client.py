@@ -42,8 +42,14 @@ class CoordinatorClient:
         return _dropped_or(self._get(self.handle.await_decision.remote(gid, incarnation, wait_s),
                                      wait_s + self.timeout_s))
 
+    def checkpoint_started(self, step: int) -> None:
+        self._get(self.handle.checkpoint_started.remote(step))
+
     def checkpointed(self, step: int, path: str) -> None:
         self._get(self.handle.checkpointed.remote(step, path))
+
+    def checkpoint_failed(self, gid: int, step: int, error: str) -> None:
+        self._get(self.handle.checkpoint_failed.remote(gid, step, error))
 
     def store_address(self) -> tuple[str, int, str]:
         return tuple(self._get(self.handle.store_address.remote()))

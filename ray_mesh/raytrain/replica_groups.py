@@ -7,9 +7,9 @@ mesh. A Ray Train run per group gives exactly the isolation wanted with public A
 its ``FailureConfig`` restarts that group alone, ``STRICT_PACK`` keeps it on one node, and a
 node that does not come back leaves its run waiting for resources while the others train.
 
-* :class:`Coordinator` (an actor on the driver's node): the run's
-  :class:`~ray_mesh.replicas.quorum.Quorum` and the TCP store the cross-group process
-  groups meet on (it outlives every group).
+* :class:`~ray_mesh.raytrain.replica_coordinator.Coordinator` (an actor on the driver's
+  node): the run's :class:`~ray_mesh.replicas.quorum.Quorum` and the TCP store the
+  cross-group process groups meet on (it outlives every group).
 * :func:`fit_replica_groups`: starts the coordinator and one runner actor per group (each
   calls ``TorchTrainer.fit``), prints groups leaving and joining as they happen, and ends
   the runs still waiting for a node once the run is over (killing a runner ends its
@@ -28,11 +28,12 @@ from typing import Any
 
 import ray
 
-from ray_mesh.errors import GroupDropped, GroupsFailed
+from ray_mesh.errors import GroupsFailed
 from ray_mesh.raytrain.driver import warm_controller_actors
 from ray_mesh.raytrain.replica_client import CoordinatorClient
+from ray_mesh.raytrain.replica_coordinator import Coordinator
+from ray_mesh.raytrain.replica_storage import check_groups_storage, check_settings
 from ray_mesh.replicas.layouts import GroupSpec, exchange_for, group_specs
-from ray_mesh.replicas.quorum import Decision, Quorum, Range
 from ray_mesh.replicas.shares import check_mode
 
 logger = logging.getLogger(__name__)
@@ -46,67 +47,6 @@ STATUS_EVERY_S = 10.0  # the status file between events: shares and speeds move
 NODE_PIN = 0.001  # of a node's node:<address> resource (1.0 in all), per worker of a group
 
 
-@ray.remote(num_cpus=0, max_concurrency=256)
-class Coordinator:
-    """The quorum and the cross-group store of one run (see the module docstring)."""
-
-    def __init__(self, segment_samples: int, total_steps: int, dead_after_s: float,
-                 arrive_timeout_s: float, expected_groups: int, run: str,
-                 shares: str = "equal") -> None:
-        from ray.util.metrics import Gauge
-
-        from ray_mesh.replicas.link_store import serve_store
-
-        self.quorum = Quorum(segment_samples=segment_samples, total_steps=total_steps,
-                             dead_after_s=dead_after_s, arrive_timeout_s=arrive_timeout_s,
-                             expected_groups=expected_groups, shares=shares)
-        # On this node's address only, with the key the groups sign their rendezvous with.
-        self.store, self.address = serve_store(ray.util.get_node_ip_address())
-        # Exported by Ray's metrics agent as ray_ray_mesh_replica_groups_live{run=...}.
-        self.run = run
-        self.live = Gauge("ray_mesh_replica_groups_live", description="replica groups alive "
-                          "and taking part in the run", tag_keys=("run",))
-        self.layouts: dict[int, str] = {}
-
-    def store_address(self) -> tuple[str, int, str]:
-        return self.address
-
-    def register(self, gid: int, incarnation: str, ranks: int, layout: str = "") -> None:
-        self.layouts[gid] = layout
-        self.quorum.register(gid, incarnation, ranks)
-
-    def beat(self, gid: int, incarnation: str, rank: int) -> int | None:
-        return self.quorum.beat(gid, incarnation, rank)
-
-    def arrive(self, gid: int, incarnation: str, step: int, holding: list[Range],
-               fresh_link: bool, busy_s: float | None = None, fixed_s: float | None = None,
-               wait_s: float | None = None) -> Decision | str | None:
-        try:
-            return self.quorum.arrive(gid, incarnation, step, holding, fresh_link,
-                                      busy_s=busy_s, fixed_s=fixed_s, wait_s=wait_s)
-        except GroupDropped as exc:  # a plain value: the caller raises it in its own process
-            return str(exc)
-
-    def await_decision(self, gid: int, incarnation: str, wait_s: float) -> Decision | str | None:
-        try:
-            return self.quorum.await_decision(gid, incarnation, wait_s)
-        except GroupDropped as exc:
-            return str(exc)
-
-    def checkpointed(self, step: int, path: str) -> None:
-        self.quorum.checkpointed(step, path)
-
-    def failed(self, gid: int, error: str, rank: int = 0, incarnation: str | None = None
-               ) -> None:
-        self.quorum.failed(gid, error, rank, incarnation)
-
-    def status(self) -> dict[str, Any]:
-        status = self.quorum.status()
-        status["layouts"] = dict(self.layouts)
-        self.live.set(len(status["live"]), tags={"run": self.run})
-        return status
-
-
 def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: Any) -> Any:
     """In a train function started by :func:`fit_replica_groups`: this worker's
     :class:`~ray_mesh.replicas.ReplicaGroup` (``kwargs``: its options, e.g. ``diloco=``)."""
@@ -118,8 +58,11 @@ def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: 
                          group_id=rg["group_id"], total_steps=rg["total_steps"],
                          segment_samples=rg["segment_samples"],
                          checkpoint_dir=rg["checkpoint_dir"],
-                         checkpoint_every=rg["checkpoint_every"], exchange=rg["exchange"],
-                         layout=rg["layout"], **kwargs)
+                         checkpoint_every=rg["checkpoint_every"],
+                         checkpoint_endpoint=rg.get("checkpoint_endpoint"),
+                         checkpoint_keep=rg.get("checkpoint_keep"),
+                         upload_timeout_s=rg.get("upload_timeout_s", 600.0),
+                         exchange=rg["exchange"], layout=rg["layout"], **kwargs)
     # This worker's own copy of the config: _guarded names the attempt when it reports an
     # error, so the coordinator drops it at once instead of waiting for its beats to stop.
     rg[INCARNATION] = group.incarnation
@@ -188,10 +131,11 @@ def fit_replica_groups(train_fn: Any, *,
                        workers_per_group: int | None = None, total_steps: int,
                        segment_samples: int, mesh_config: Any = None,
                        config: dict[str, Any] | None = None, name: str = "replica-groups",
-                       storage_path: str | None = None,
+                       storage_path: str | None = None, storage_endpoint: str | None = None,
                        resources_per_worker: dict[str, float] | None = None,
                        use_gpu: bool = False, max_group_failures: int = 20,
                        checkpoint_every: int = 0, checkpoint_dir: str | None = None,
+                       num_to_keep: int | None = None, upload_timeout_s: float = 600.0,
                        dead_after_s: float = 5.0, arrive_timeout_s: float = 300.0,
                        timeout_s: float = 30.0, poll_s: float = 0.5, shares: str = "equal",
                        on_event: Any = None, on_groups: Any = None) -> ReplicaGroupsResult:
@@ -212,9 +156,28 @@ def fit_replica_groups(train_fn: Any, *,
     (default: log) the groups' line (layouts, nodes) before they start.
     ``shares="speed"`` sizes each group's segment to its measured speed (unequal boxes:
     :mod:`ray_mesh.replicas.shares`); the default gives every group ``segment_samples``.
-    """
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
 
+    Storage: ``storage_path`` (a directory, or a bucket URI with ``storage_endpoint`` for an
+    S3-compatible server) holds each group's run and, every ``checkpoint_every`` steps, the
+    run's fallback checkpoint (restored when every group is gone at once): in
+    ``<storage_path>/<name>-fallback`` unless ``checkpoint_dir`` names another place,
+    written locally and uploaded in the background (:mod:`ray_mesh.replicas.fallback`;
+    ``upload_timeout_s`` bounds one upload), the ``num_to_keep`` newest kept (None: all).
+    The storage is probed from the driver and every alive node before anything starts
+    (:mod:`ray_mesh.raytrain.replica_storage`). ``max_group_failures``: restarts of one
+    group (-1: no limit).
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+
+    from ray_mesh.core.object_store import run_storage
+
+    check_settings(checkpoint_every=checkpoint_every, num_to_keep=num_to_keep,
+                   max_group_failures=max_group_failures, upload_timeout_s=upload_timeout_s)
+    if groups != "auto":
+        group_specs(groups, workers_per_group)  # the layouts' text first: nothing contacted
+    location, location_endpoint = check_groups_storage(  # before any actor or group starts
+        storage_path=storage_path, storage_endpoint=storage_endpoint, name=name,
+        checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir)
     if groups == "auto":  # one group per alive node, as many workers as it has room for
         specs = _groups_of_this_cluster(resources_per_worker, use_gpu)
     else:
@@ -224,9 +187,6 @@ def fit_replica_groups(train_fn: Any, *,
         f" on {s.node}" if s.node else "") for i, s in enumerate(specs))
     (on_groups or logger.info)(line)
     check_mode(shares)
-    if checkpoint_every and not checkpoint_dir:
-        raise ValueError("checkpoint_every needs checkpoint_dir: a directory every node "
-                         "reaches (the fallback when every group is gone)")
     exchange = exchange_for(specs)
     warm_controller_actors()  # the groups' controllers run on this node (_pinned_here)
     coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
@@ -239,7 +199,9 @@ def fit_replica_groups(train_fn: Any, *,
             "coordinator": coordinator, "group_id": gid, "total_steps": total_steps,
             "segment_samples": segment_samples, "timeout_s": timeout_s,
             "arrive_s": arrive_timeout_s + dead_after_s + 60.0,  # see CoordinatorClient
-            "checkpoint_dir": checkpoint_dir, "checkpoint_every": checkpoint_every,
+            "checkpoint_dir": location, "checkpoint_every": checkpoint_every,
+            "checkpoint_endpoint": location_endpoint, "checkpoint_keep": num_to_keep,
+            "upload_timeout_s": upload_timeout_s,
             "exchange": exchange, "layout": spec.label}}
         per_worker = dict(resources_per_worker or {})
         if spec.node:  # Ray's own node:<address> resource pins the group to that node
@@ -249,9 +211,11 @@ def fit_replica_groups(train_fn: Any, *,
                                             placement_strategy="STRICT_PACK",
                                             resources_per_worker=per_worker or None),
             "torch_config": _group_mesh_config(mesh_config, spec, groups),
-            "run_config": RunConfig(name=f"{name}-g{gid}", storage_path=storage_path,
+            "run_config": RunConfig(name=f"{name}-g{gid}",
+                                    **run_storage(storage_path, storage_endpoint),
                                     failure_config=FailureConfig(
-                                        max_failures=max_group_failures)),
+                                        max_failures=max_group_failures),
+                                    checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep)),
         }
         runners[gid] = _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
         refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs)

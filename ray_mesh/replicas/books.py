@@ -4,8 +4,9 @@ Samples are addressed by index (``(start, count)`` ranges). Fresh ones come from
 those a group no longer holds (it died, healed, or its step failed) go to a queue that the
 next assignments drain first. A quorum's contributions are *tentative* until a later quorum
 moves past their step: only then did they enter a committed average, and they count as
-consumed. A checkpoint keeps a copy of the books; a restore from it hands out again
-everything not used at its step. So no sample is skipped or used twice, whatever leaves.
+consumed. A checkpoint keeps a copy of the books (taken when it is written, in force once
+it is in storage); a restore from it hands out again everything not used at its step.
+So no sample is skipped or used twice, whatever leaves.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Books:
     tentative: list[Range] = field(default_factory=list)  # the last quorum's contributions
     consumed: int = 0  # samples whose contribution entered a committed average
     saved: dict[str, Any] = field(default_factory=dict)  # at the last checkpoint
+    pending: dict[int, dict[str, Any]] = field(default_factory=dict)  # still uploading
 
     def requeue(self, ranges: list[Range]) -> None:
         self.queue.extend(r for r in ranges if r[1] > 0)
@@ -56,12 +58,34 @@ class Books:
         self.tentative = list(contributions)
         self.requeue(released)
 
-    def save(self, step_committed: bool, open_ranges: list[Range]) -> None:
-        """A checkpoint: what it used (with the last contributions if that step
-        committed) and what a restore must hand out again (the queue and ``open_ranges``)."""
+    def snapshot(self, step_committed: bool, open_ranges: list[Range]) -> dict[str, Any]:
+        """The books of a checkpoint: what it used (with the last contributions if that
+        step committed) and what a restore must hand out again (the queue and
+        ``open_ranges``)."""
         used = self.consumed + (sum(n for _, n in self.tentative) if step_committed else 0)
-        self.saved = {"cursor": self.cursor, "queue": self.queue + open_ranges,
-                      "consumed": used}
+        return {"cursor": self.cursor, "queue": self.queue + open_ranges, "consumed": used}
+
+    def save(self, step_committed: bool, open_ranges: list[Range]) -> None:
+        """A checkpoint written now: its books become the ones a restore goes back to."""
+        self.saved = self.snapshot(step_committed, open_ranges)
+
+    def hold(self, step: int, step_committed: bool, open_ranges: list[Range]) -> None:
+        """Step ``step``'s checkpoint is written but still uploading: its books wait in
+        ``pending`` until :meth:`keep` (uploaded) or :meth:`drop` (failed)."""
+        self.pending[step] = self.snapshot(step_committed, open_ranges)
+
+    def keep(self, step: int) -> bool:
+        """Step ``step``'s upload is complete: its held books become the saved ones (and
+        any held for older steps are dropped). False when none were held for it."""
+        held = self.pending.pop(step, None)
+        self.pending = {s: b for s, b in self.pending.items() if s > step}
+        if held is None:
+            return False
+        self.saved = held
+        return True
+
+    def drop(self, step: int) -> None:
+        self.pending.pop(step, None)
 
     def load(self) -> None:
         """Back to the last checkpoint's books."""

@@ -49,7 +49,9 @@ class Coordinator(Protocol):
                wait_s: float | None = None) -> Decision | None: ...  # None: wait on
     def await_decision(self, gid: int, incarnation: str, wait_s: float
                        ) -> Decision | None: ...
-    def checkpointed(self, step: int, path: str) -> None: ...
+    def checkpoint_started(self, step: int) -> None: ...  # written, uploading (fallback)
+    def checkpointed(self, step: int, path: str) -> None: ...  # in storage, complete
+    def checkpoint_failed(self, gid: int, step: int, error: str) -> None: ...
     def store_address(self) -> tuple[str, int, str]: ...  # host, port, key (link_store)
 
 

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from ray_mesh.checkpointing.sharded import broadcast_from_rank0
-from ray_mesh.errors import GroupDropped
+from ray_mesh.errors import CheckpointError, GroupDropped
 from ray_mesh.replicas.coordinator import Coordinator, Decision, Range, meet_quorum
+from ray_mesh.replicas.fallback import Fallback
 from ray_mesh.replicas.link import Abort, CrossLink, broadcast_, weighted_mean
 from ray_mesh.replicas.reshard import (
     all_ranks_agree,
@@ -52,8 +53,7 @@ from ray_mesh.replicas.reshard import (
     to_full,
     to_local_,
 )
-from ray_mesh.replicas.state import load_into, local_of, materialize, tensors_and_likes
-from ray_mesh.replicas.state import save as save_state
+from ray_mesh.replicas.state import local_of, materialize, tensors_and_likes
 
 if TYPE_CHECKING:
     from ray_mesh.core.diloco_config import DiLoCoConfig
@@ -70,7 +70,9 @@ class ReplicaGroup:
                  segment_samples: int, diloco: DiLoCoConfig | None = None,
                  lr_scaling: str = "none", timeout_s: float = 30.0, beat_s: float = 0.5,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 exchange: str = "shards", layout: str = "") -> None:
+                 checkpoint_endpoint: str | None = None, checkpoint_keep: int | None = None,
+                 upload_timeout_s: float = 600.0, exchange: str = "shards",
+                 layout: str = "") -> None:
         if lr_scaling not in LR_SCALING:
             raise ValueError(f"lr_scaling={lr_scaling!r}: use one of {LR_SCALING}")
         check_exchange(exchange)
@@ -78,7 +80,6 @@ class ReplicaGroup:
         self.model, self.optimizer, self.client = model, optimizer, client
         self.gid, self.total_steps = group_id, total_steps
         self.segment_samples, self.lr_scaling = segment_samples, lr_scaling
-        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.size = dist.get_world_size() if dist.is_initialized() else 1
         self.incarnation = _shared_incarnation(self.rank)
@@ -102,6 +103,11 @@ class ReplicaGroup:
         if self.rank == 0:
             client.register(group_id, self.incarnation, self.size, layout)
         _barrier()
+        # The run's fallback checkpoints (checkpoint_dir: a URI or a shared directory).
+        self.fallback = Fallback(checkpoint_dir, client, group_id, every=checkpoint_every,
+                                 endpoint=checkpoint_endpoint, keep=checkpoint_keep,
+                                 upload_timeout_s=upload_timeout_s) \
+            if checkpoint_dir and checkpoint_every else None
         host, port, key = client.store_address()  # key: signs the link's rendezvous
         self.link = CrossLink(host, port, self.rank, timeout_s, key=key)
         self._dropped = threading.Event()
@@ -175,6 +181,8 @@ class ReplicaGroup:
         if not self.done:
             self._quorum([], False)
             self.done = True
+        if self.fallback is not None:  # the upload under way, bounded
+            self.fallback.close()
         self._stop.set()
 
     # ------------------------------------------------------------------ inside a boundary
@@ -324,14 +332,8 @@ class ReplicaGroup:
         # A heal's transfer is a one-off, not this box's pace: not counted.
         self._fixed_s = (None if d.donor is not None
                          else self._since - self._decided_at + self._meet_s)
-        if (applied and self.checkpoint_dir and self.checkpoint_every
-                and self.step % self.checkpoint_every == 0 and d.index == 0):
-            path = f"{self.checkpoint_dir}/step_{self.step:08d}"
-            state, likes = self._state_and_likes()
-            full = self.exchange == "full"
-            save_state(path, to_full(state, likes) if full else state, self.step, full=full)
-            if self.rank == 0:
-                self.client.checkpointed(self.step, path)
+        if applied and d.index == 0 and self.fallback and self.fallback.due(self.step):
+            self.fallback.save(self.step, *self._state_and_likes())  # uploads on its own
 
     # ------------------------------------------------------------------ state
     def _state_and_likes(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -347,13 +349,10 @@ class ReplicaGroup:
             self.diloco.inner_steps, self.diloco.outer_steps = inner, outer
 
     def _restore(self, path: str) -> None:
-        state, likes = self._state_and_likes()
-        if self.exchange == "full":  # saved full: every layout reads it
-            full = [full_like(t, lk) for t, lk in zip(state, likes, strict=True)]
-            load_into(path, full)
-            to_local_(state, full, likes)
-        else:
-            load_into(path, state)
+        if self.fallback is None:
+            raise CheckpointError(f"replica group {self.gid} was asked to restore {path}, but "
+                                  "has no checkpoint settings: give every group the same")
+        self.fallback.restore(path, *self._state_and_likes())  # saved by global shape
         self._adopt_counters()
         self._drop_contribution()
         self.stats["restored_from"] = path

@@ -336,16 +336,35 @@ class Quorum:
             if incarnation is not None and g is not None and g.incarnation == incarnation:
                 self._drop(gid, f"its rank {rank} failed (the error above)")
 
-    def checkpointed(self, step: int, path: str) -> None:
-        """A complete checkpoint of ``step`` is at ``path``: the fallback when every group
-        that held a newer step is gone. Its sample books are kept with it: a restore hands
-        out again everything not yet used at that step."""
+    def checkpoint_started(self, step: int) -> None:
+        """``step``'s checkpoint is written and uploading: its sample books are taken now
+        (they are those of this step) and kept with it once :meth:`checkpointed` says it
+        is in storage."""
         with self._cv:
-            if self._checkpoint is not None and step < self._checkpoint[0]:
+            self.books.hold(step, *self._books_at(step))
+
+    def checkpointed(self, step: int, path: str) -> None:
+        """A complete checkpoint of ``step`` is at ``path`` (in storage, all of it): the
+        fallback when every group that held a newer step is gone. Its sample books are kept
+        with it: a restore hands out again everything not yet used at that step."""
+        with self._cv:
+            if self._checkpoint is not None and (step < self._checkpoint[0] or (
+                    step == self._checkpoint[0] and step not in self.books.pending)):
+                self.books.drop(step)  # older, or the same step recorded already
                 return
-            open_ranges = [r for g in self._groups.values() for r in g.assigned]
             self._checkpoint = (step, path)
-            self.books.save(self._last is not None and self._last[0] == step - 1, open_ranges)
+            if not self.books.keep(step):  # not announced: its books are those of now
+                self.books.save(*self._books_at(step))
+
+    def checkpoint_failed(self, gid: int, step: int, error: str) -> None:
+        """``step``'s checkpoint did not reach storage: the fallback stays the previous."""
+        with self._cv:
+            self.books.drop(step)
+            self._event("unsaved", gid, error, step=step)
+
+    def _books_at(self, step: int) -> tuple[bool, list[Range]]:
+        open_ranges = [r for g in self._groups.values() for r in g.assigned]
+        return self._last is not None and self._last[0] == step - 1, open_ranges
 
     @property
     def consumed(self) -> int:
@@ -367,6 +386,7 @@ class Quorum:
                                      "samples_per_s": g.pace.speed(g.share)}
                                for gid, g in sorted(self._groups.items()) if g.ready},
                     "step": self._max_step_seen, "quorums": self._formed,
+                    "checkpoint": list(self._checkpoint) if self._checkpoint else None,
                     "finished": self._finished, "events": list(self.events),
                     **{k: v for k, v in self.data_state().items() if k != "tentative"}}
 

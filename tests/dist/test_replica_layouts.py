@@ -7,6 +7,10 @@
 * A ``tp=2`` group joins a run an unsharded group has been training alone: it heals from it
   (the full state, resharded into its own layout), and both end with the same parameters.
 * DiLoCo groups (FSDP2 of 2, unsharded) end with the same model.
+* The run's fallback checkpoint in an S3 bucket (a real moto server): an FSDP2 group of 2
+  writes it every 3 steps and the whole group leaves at step 6; a ``tp=2`` group started
+  then restores step 6 from the bucket (another layout, through DCP) with its optimizer
+  state, and ends where one model trained on the same samples does.
 """
 
 from __future__ import annotations
@@ -53,8 +57,14 @@ class _Coordinator:
     def await_decision(self, gid, incarnation, wait_s):
         return self.quorum.await_decision(gid, incarnation, wait_s)
 
+    def checkpoint_started(self, step):
+        self.quorum.checkpoint_started(step)
+
     def checkpointed(self, step, path):
         self.quorum.checkpointed(step, path)
+
+    def checkpoint_failed(self, gid, step, error):
+        self.quorum.checkpoint_failed(gid, step, error)
 
     def failed(self, gid, error, rank=0, incarnation=None):
         self.quorum.failed(gid, error, rank, incarnation)
@@ -86,8 +96,10 @@ class _Served:
 
 def _launch(gid: int, layout: str, nproc: int, port: int, steps: int, out: Path,
             step_s: float = 0.0, diloco_every: int = 0, wait_groups: int = 0,
-            die_at: int = -1, pg_timeout_s: float = 600.0) -> subprocess.Popen:
+            die_at: int = -1, pg_timeout_s: float = 600.0,
+            extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
+    env.update(extra_env or {})
     env["PG_TIMEOUT_S"] = str(pg_timeout_s)
     env["STEP_S"], env["WAIT_GROUPS"] = str(step_s), str(wait_groups)
     env["DIE_AT_STEP"] = str(die_at)
@@ -235,3 +247,53 @@ def test_a_group_waiting_longer_than_its_collective_bound_for_a_late_one_stays_i
     _finish([early, late], 120)
     assert [r["step"] for r in _rows(tmp_path, 0)] == [1, 2, 3]
     assert [r["step"] for r in _rows(tmp_path, 1)] == [1, 2, 3]
+
+
+@pytest.mark.timeout(300)
+def test_a_group_of_another_layout_restores_the_fallback_from_a_bucket(tmp_path):
+    """No shared filesystem: the fallback checkpoint goes to an S3 bucket (a real moto
+    server, ``ray-mesh storage serve``). An FSDP2 group of 2 checkpoints every 3 steps and
+    leaves at step 6 (its upload done): every group is gone. A ``tp=2`` group then joins
+    the run: the quorum has it restore step 6 from the bucket (DCP shards by global shape,
+    checked against their manifest, loaded into the tp layout), parameters and momentum
+    equal to what the FSDP group held, and it trains on from there as one model would."""
+    import pyarrow.fs
+    from moto_s3 import S3Server
+
+    s3 = S3Server(bucket="fallback-dist")
+    try:
+        steps = 8
+        served = _Served(steps, expected_groups=1)
+        ckpt = {**s3.credentials, "CKPT_DIR": s3.uri("runs/rg-fallback"), "CKPT_EVERY": "3",
+                "CKPT_ENDPOINT": s3.endpoint}
+        first = _launch(0, "fsdp", 2, served.port, steps, tmp_path, step_s=0.3, wait_groups=2,
+                        extra_env={**ckpt, "LEAVE_AT_STEP": "6"})
+        out = _finish([first], 150)[0]
+        assert "LEFT group 0 at step 6: {'step': 6" in out, out[-3000:]
+        status = served.quorum.status()
+        assert status["checkpoint"][0] == 6, status
+        uri = status["checkpoint"][1]
+        assert uri.startswith(s3.uri("runs/rg-fallback/checkpoint_00000006_")), uri
+        names = {i.base_name for i in s3.filesystem().get_file_info(
+            pyarrow.fs.FileSelector(uri[len("s3://"):], recursive=True))}
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "ray_mesh_manifest.json",
+                "ray_mesh_checkpoint.json"} <= names, names
+        second = _launch(1, "tp", 2, served.port, steps, tmp_path, extra_env=ckpt)
+        out = _finish([second], 200)[0]
+        events = served.quorum.status()["events"]
+        restore = [e for e in events if e["kind"] == "restore"]
+        assert restore and restore[0]["step"] == 6 and uri in restore[0]["detail"], events
+        left, back = torch.load(tmp_path / "g0.leave.pt"), torch.load(tmp_path / "g1.first.pt")
+        for key in ("params", "momenta"):
+            assert len(left[key]) == len(back[key]) == 4, key
+            for x, y in zip(left[key], back[key], strict=True):
+                assert torch.equal(x, y), (key, (x - y).abs().max())
+        # steps 1-6 of group 0, then 7-8 of group 1 from the restored state: one model
+        rows = _rows(tmp_path, 0)[:6] + [r for r in _rows(tmp_path, 1) if r["step"] > 6]
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows
+        ref = _reference([r["ranges"] for r in rows])
+        final = torch.load(tmp_path / "g1.pt")
+        for x, r in zip(final, ref, strict=True):
+            assert torch.allclose(x, r, atol=1e-5), (x - r).abs().max()
+    finally:
+        s3.stop()

@@ -18,7 +18,9 @@ the final parameters).
 (outer step, momentum, the global parameters) and each replica's state from the bucket.
 ``probe``: the driver's storage check as ``ray-mesh run`` makes it, twice: with the endpoint
 on loopback (refused before any probe: every machine has its own), and with the real one
-while the test drops node 1's packets to it (node 1's own probe fails; the node is named).
+while the test drops node 1's packets to it (node 1's own probe fails; the node is named);
+then ``fit_replica_groups`` with the bucket as its storage (the fallback checkpoints go
+there) is refused the same way, naming node 1, before any group starts.
 The runs store to the S3 bucket at the endpoint (the only storage every node reaches: the
 nodes share no filesystem for it); the log and final parameters are the test's own files.
 Prints one ``RESULT {json}`` line.
@@ -67,6 +69,15 @@ def probe(storage_uri: str, endpoint: str) -> dict:
             out[what] = None
         except StorageError as exc:
             out[what] = str(exc)
+    from ray_mesh.raytrain.replica_groups import fit_replica_groups
+
+    try:  # refused before the coordinator or any group starts
+        fit_replica_groups(lambda config: None, groups=2, workers_per_group=1, total_steps=1,
+                           segment_samples=1, name="probe-groups", storage_path=storage_uri,
+                           storage_endpoint=endpoint, checkpoint_every=1)
+        out["groups"] = None
+    except StorageError as exc:
+        out["groups"] = str(exc)
     return {"ok": True, **out}
 
 

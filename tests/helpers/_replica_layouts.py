@@ -13,6 +13,12 @@ exits before meeting the others; rank 0 then fails in the boundary, reports the 
 coordinator as ray_mesh's Ray glue does (``_guarded``), and exits. Its rank 0 ignores
 SIGTERM, which torchrun sends it as soon as rank 1 is gone (Ray Train's teardown of a group
 also takes a moment; the report is what ends the group's membership at once).
+
+``CKPT_DIR`` set: the run's fallback checkpoint every ``CKPT_EVERY`` steps into it (a bucket
+URI at ``CKPT_ENDPOINT``). ``LEAVE_AT_STEP`` set: once the group holds that step, it waits
+for its upload, rank 0 writes ``g<GROUP>.leave.pt`` (the full parameters and optimizer
+state) and the whole group exits without finishing: every group is gone. After its first
+commit (a restore, when the run is in that state), rank 0 writes ``g<GROUP>.first.pt``.
 """
 
 from __future__ import annotations
@@ -78,7 +84,11 @@ def main() -> None:
              torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     rg = ReplicaGroup(model, optim, client=manager.coordinator(), group_id=gid,
                       total_steps=steps, segment_samples=8, exchange="full",
-                      layout=f"{layout}={size}", timeout_s=20, diloco=diloco)
+                      layout=f"{layout}={size}", timeout_s=20, diloco=diloco,
+                      checkpoint_dir=os.environ.get("CKPT_DIR") or None,
+                      checkpoint_every=int(os.environ.get("CKPT_EVERY", "0")),
+                      checkpoint_endpoint=os.environ.get("CKPT_ENDPOINT") or None)
+    leave_at = int(os.environ.get("LEAVE_AT_STEP", "-1"))
     dp_rank, dp_size = (rank, size) if layout == "fsdp" else (0, 1)
     die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
     if die_at >= 0:  # rank 0 outlives torchrun's SIGTERM long enough to report (see above)
@@ -98,6 +108,7 @@ def main() -> None:
             os._exit(3)
 
     commit()
+    dump(model, optim, rank, out / f"g{gid}.first.pt")
     while rg.running:
         held = list(rg.ranges)
         if diloco:  # the round's inner steps on this group's own
@@ -120,6 +131,12 @@ def main() -> None:
                 f.write(json.dumps({"step": rg.step, "ranges": held, "t": time.time(),
                                     "contributes": rg.last.contributes,
                                     "groups": len(rg.last.members)}) + "\n")
+        if rg.step == leave_at:  # every group gone: the run's fallback is all that is left
+            rg.fallback.close()
+            dump(model, optim, rank, out / f"g{gid}.leave.pt")
+            print(f"LEFT group {gid} at step {rg.step}: {rg.fallback.uploaded}", flush=True)
+            dist.barrier()
+            os._exit(0)
     rg.finish()
     full = [p.full_tensor() if isinstance(p, DTensor) else p.detach()
             for p in model.parameters()]
@@ -131,6 +148,18 @@ def main() -> None:
     if rank == 0:
         (out / f"g{gid}.eval").write_text(str(loss))
     dist.destroy_process_group()
+
+
+def dump(model: nn.Module, optim: torch.optim.Optimizer, rank: int, path: Path) -> None:
+    """The full parameters and SGD momentum (a collective for sharded ones), from rank 0."""
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    params = [full(p) for p in model.parameters()]
+    momenta = [full(optim.state[p]["momentum_buffer"]) for p in model.parameters()
+               if "momentum_buffer" in optim.state.get(p, {})]
+    if rank == 0:
+        torch.save({"params": params, "momenta": momenta}, path)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ a shard object flipped in the bucket is refused by the manifest check on what co
 ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the per-rank layout the
 run wrote into the bucket. In the slow tier, besides the node kills: a DiLoCo run across
 the nodes, killed, resumes its outer state from the bucket bitwise; the driver's storage
-check refuses a loopback endpoint and names a node that cannot reach the bucket.
+check refuses a loopback endpoint and names a node that cannot reach the bucket, for one
+mesh and for a run of replica groups.
 """
 
 from __future__ import annotations
@@ -238,6 +239,10 @@ def test_diloco_resumes_from_the_bucket_and_a_node_cut_off_from_it_is_named(clus
     assert res["node"] and res["node"].startswith(f"on node {far.ip}: storage endpoint "
                                                   f"{s3.endpoint} did not answer within 5 s"), res
     assert "\n" not in res["node"] and "credentials its `ray start` ran with" in res["node"]
+    # a run of replica groups on that storage (its fallback checkpoints go there) is refused
+    # the same way on the driver, naming the node, before any group starts
+    assert res["groups"] and res["groups"].startswith(f"on node {far.ip}: storage endpoint "
+                                                      f"{s3.endpoint} did not answer within"), res
 
 
 # Slow tier (~2 min: a node killed mid-run, a restart, a reshard): elastic resharding is

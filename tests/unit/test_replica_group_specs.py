@@ -92,7 +92,10 @@ def test_the_job_file_takes_a_replica_groups_section():
     ({}, {"shares": "fast"}, "replica_groups.shares: 'fast'"),
     ({}, {"steps": 0}, "replica_groups.steps"),
     ({}, {"groups": [{"pp": 2}]}, "replica_groups.groups: replica group 0: dim 'pp'"),
-    ({}, {"checkpoint_every": 2}, "needs replica_groups.checkpoint_dir"),
+    ({"run": {"startup_retries": 2}}, {}, "run.startup_retries does not go with"),
+    ({"scaling": {"placement_strategy": "SPREAD"}}, {}, "packed on one node"),
+    ({"run": {"max_failures": 3}}, {"max_group_failures": 5}, "keep one of them"),
+    ({}, {"max_group_failures": -2}, "replica_groups.max_group_failures"),
     ({}, {"segment": 4}, "Unknown key 'segment'"),
 ])
 def test_a_bad_replica_groups_job_is_refused_with_the_fix(extra, section, why):
@@ -101,6 +104,23 @@ def test_a_bad_replica_groups_job_is_refused_with_the_fix(extra, section, why):
     groups = {"groups": [{"dp_shard": 1}], "steps": 5, "segment_samples": 4, **section}
     with pytest.raises(JobError, match=why):
         Job.from_dict({"train": "x.py:f", "replica_groups": groups, **extra})
+
+
+def test_every_run_key_of_a_groups_job_reaches_the_groups():
+    """run.max_failures is each group's restart budget, and checkpoint_every alone puts
+    the fallback checkpoints in the run's storage (checkpoint_dir left out)."""
+    from ray_mesh.cli.job import Job
+
+    groups = {"groups": [{"dp_shard": 1}], "steps": 5, "segment_samples": 4,
+              "checkpoint_every": 2}
+    job = Job.from_dict({"train": "x.py:f", "replica_groups": groups, "run": {
+        "storage_path": "s3://bucket/runs", "storage_endpoint": "http://10.0.0.5:9000",
+        "max_failures": -1, "num_to_keep": 2}})
+    kwargs = job.replica_groups.fit_kwargs()
+    assert kwargs["max_group_failures"] == -1 and kwargs["checkpoint_dir"] is None
+    assert kwargs["checkpoint_every"] == 2
+    assert Job.from_dict({"train": "x.py:f", "replica_groups": groups}).replica_groups \
+        .max_group_failures == 20  # the section's default without run.max_failures
 
 
 def test_the_live_plan_lists_one_group_per_node_with_calibrated_shares():

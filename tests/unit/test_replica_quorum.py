@@ -142,6 +142,33 @@ def test_every_group_gone_restores_the_checkpoint_and_its_sample_books():
     assert d[1].heal and d[1].restore is None and d[1].donor == 0
 
 
+def test_an_uploading_checkpoint_is_restored_only_once_in_storage_with_its_own_books():
+    """The fallback is written at step 1, and its upload ends a step later: until then the
+    quorum does not restore it (every group gone: step 0, nothing lost twice), and once
+    recorded it restores step 1 with the books of step 1, not of the upload's end. A failed
+    upload leaves the previous fallback and is an event the driver prints."""
+    q, clock = make(2)
+    d = boundary(q, {0: (0, []), 1: (0, [])})
+    held = {g: d[g].ranges for g in range(2)}
+    d = boundary(q, {g: (0, held[g]) for g in range(2)})  # step 1 committed by the next
+    q.checkpoint_started(1)  # written locally: its books are these
+    open_at_checkpoint = ids(d[0].ranges) + ids(d[1].ranges)
+    assert q.status()["checkpoint"] is None  # not in storage yet: not a fallback
+    d = boundary(q, {g: (1, d[g].ranges) for g in range(2)})  # step 2 meanwhile
+    q.checkpoint_started(2)
+    q.checkpoint_failed(0, 2, "the fallback checkpoint of step 2 is not in s3://b/x: ...")
+    assert [(e["kind"], e["step"]) for e in q.events if e["kind"] == "unsaved"] == \
+        [("unsaved", 2)]
+    q.checkpointed(1, "s3://b/x/checkpoint_00000001_ab")  # the upload of step 1 ended
+    assert q.status()["checkpoint"] == [1, "s3://b/x/checkpoint_00000001_ab"]
+    for g in range(2):
+        q.register(g, f"r{g}", 1)
+    clock.now += 0.5
+    d = boundary(q, {0: (0, [])}, inc={0: "r0"})
+    assert d[0].restore == (1, "s3://b/x/checkpoint_00000001_ab") and d[0].step == 1
+    assert ids(d[0].ranges) == open_at_checkpoint[:SEG]  # step 1's books, not step 2's
+
+
 def test_the_first_boundary_waits_for_every_expected_group():
     q, clock = make(2, start_timeout_s=30)
     box = {}
