@@ -6,6 +6,7 @@ decay. Reports training loss, validation loss in bits per byte next to the text'
 (byte frequency) entropy, tokens/s per rank and in total, and writes sharded checkpoints.
 
     ray-mesh run examples/llm.yaml                       # Ray Data streams the training rows
+    ray-mesh run examples/llm_groups.yaml                # replica groups, samples by index
     torchrun --nproc-per-node 4 examples/llm.py [examples/llm.yaml] [--config '{"steps": 50}']
 
 Under Ray Train the training rows come from ``ray.train.get_dataset_shard("train")`` (the
@@ -324,6 +325,109 @@ def train_loop(config: dict) -> dict:
     if cfg["step_times"]:
         summary.update(times)
     return summary
+
+
+def train_groups(config: dict) -> dict:
+    """The LM as replica groups (``ray-mesh run examples/llm_groups.yaml``): one Ray Train
+    run per group (``replica_groups:``), each training on the samples the run's quorum hands
+    it, read by index from the job's ``data:`` (``ray_mesh.data.group_samples``), so that a
+    group that leaves and rejoins neither skips nor repeats a sequence.
+
+    ``config.diloco`` (``{every: 4, outer_lr: 0.7, ...}``, ``DiLoCoConfig``'s keys) makes
+    them DiLoCo groups; ``replica_groups.segment_samples`` is then a whole round's samples.
+    """
+    from ray_mesh.raytrain.replica_groups import replica_group
+
+    return train_as_group(config, lambda model, optim, **kw: replica_group(model, optim,
+                                                                          config, **kw))
+
+
+def train_as_group(config: dict, make_group) -> dict:
+    """The replica-group loop, with the group made by ``make_group(model, optimizer,
+    diloco=...)``: ``ray_mesh``'s under Ray (:func:`train_groups`), or a ``ReplicaGroup`` on
+    a local quorum (tests/helpers/_lm_groups.py runs it under torchrun, without Ray)."""
+    from ray_mesh.core.diloco_config import DiLoCoConfig
+    from ray_mesh.data import group_samples
+    from ray_mesh.observability.progress import report_progress
+    from ray_mesh.parallel import dp_rank
+
+    cfg = merged(config)
+    mesh = ray_mesh.get_mesh()
+    spec, mcfg = data_spec(cfg), model_config(cfg)
+    mcfg.check_seq_len(spec.seq_len, "data.seq_len")
+    data = group_samples(config)  # sample i: the same sequence in every group, every node
+    model = build(mesh, cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
+                              weight_decay=cfg["weight_decay"])
+    diloco = DiLoCoConfig(**cfg["diloco"]) if cfg.get("diloco") else None
+    rg = make_group(model, optim, diloco=diloco)
+    schedule = {**cfg, "steps": rg.total_steps}  # the run's steps, not config.steps
+
+    def set_lr(*_: object) -> None:  # at each optimizer step, from the run's step: a group
+        for g in optim.param_groups:  # that heals inside commit() adopts the donor's step
+            g["lr"] = cfg["lr"] * lr_factor(rg.step, schedule)  # before the step it takes
+    optim.register_step_pre_hook(set_lr)
+    rank, size = dp_rank(mesh), dp_size(mesh)  # tp peers read the same samples
+    device = next(model.parameters()).device
+    _print(f"llm: {num_params(model) / 1e6:.2f}M parameters, group of {dist.get_world_size()}"
+           f" ranks (dp {size} x tp {mesh['tp'].size()}), {len(data)} training rows of "
+           f"{data.seq_len + 1} tokens by index, {'DiLoCo' if diloco else 'sync'}")
+    summary: dict = {"params": num_params(model), "losses": {}, "data": data.fingerprint}
+    trained, window, timer, timed = 0, [], time.perf_counter(), 0
+    rg.commit()  # join the run: heal from a live group, get this group's samples
+    while rg.running:
+        held = sum(n for _, n in rg.ranges)
+        parts = (rg.inner_batches(rank, size) if diloco else [rg.sample_ids(rank, size)])
+        for k, ids in enumerate(parts):
+            group_n = sum(len((rg.inner_batches(r, size) if diloco
+                               else [rg.sample_ids(r, size)])[k]) for r in range(size))
+            window.append(_group_loss(model, data, ids, group_n, size, mesh, device))
+            if cfg["grad_clip"]:  # this group's gradient (the average of clipped ones is too)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+            if diloco:  # inner step on the group's own; the commit is the outer one
+                optim.step()
+                optim.zero_grad()
+        before = rg.step
+        stepped = rg.commit()  # average with the groups present, optimizer (outer) step
+        if stepped and rg.last.contributes:  # this group's samples were in the average
+            trained, timed = trained + held, timed + held
+        if rg.running and (rg.step == before or rg.step % cfg["report_every"]):
+            continue
+        took = time.perf_counter() - timer
+        loss = sum(window) / max(1, len(window))
+        metrics = {"step": rg.step, "loss": loss, "lr": optim.param_groups[0]["lr"],
+                   "samples": trained, "tokens": trained * data.seq_len, **rg.metrics()}
+        summary["losses"][rg.step] = loss
+        summary["tokens_per_s"] = timed * data.seq_len / took
+        if rg.step % cfg["eval_every"] == 0 or not rg.running:
+            val, entropy = evaluate(model, mesh, cfg, max(1, spec.global_batch // size))
+            metrics.update(val_loss=val, val_bpb=bits_per_byte(val), unigram_entropy_bpb=entropy)
+            _print(f"llm: eval at step {rg.step}: val loss {val:.4f}, val bits/byte "
+                   f"{bits_per_byte(val):.3f} (unigram entropy {entropy:.3f} bits/byte)")
+            summary.update(val_loss=val, val_bpb=bits_per_byte(val), unigram_bpb=entropy)
+        report_progress("llm", metrics, rg.total_steps)  # the progress line: tokens/s
+        window, timer, timed = [], time.perf_counter(), 0
+    rg.finish()
+    return {**summary, "step": rg.step, "samples": trained}
+
+
+def _group_loss(model: nn.Module, data, ids: list[int], group_n: int, dp: int, mesh,
+                device) -> float:
+    """Forward and backward of this rank's samples, scaled so that the group's gradient
+    (FSDP averages it over the ``dp`` ranks) is the mean over the group's tokens, however
+    unevenly its samples split; a rank without samples runs one row at weight 0 (its
+    collectives must still run). Returns the group's mean loss per token."""
+    rows = data.batch(ids if ids else [0]).to(device)
+    tokens = rows[:, 1:].numel() if ids else 0
+    logits = model(rows[:, :-1])
+    total = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(0, 1),
+                            reduction="sum")
+    per_token = max(1, group_n * (rows.shape[1] - 1))
+    (total * (dp / per_token if ids else 0.0)).backward()
+    stat = torch.stack([total.detach().double() * bool(ids),
+                        torch.tensor(float(tokens), dtype=torch.float64, device=device)])
+    dist.all_reduce(stat, group=mesh.get_group("dp"))
+    return (stat[0] / stat[1].clamp(min=1)).item()
 
 
 def _main() -> None:

@@ -10,6 +10,8 @@ A job file::
     network: {interface: auto, bringup_timeout_s: 120, worker_niceness: 0, hang_timeout_s: 60}
     run: {storage_path: ./ray_results, max_failures: 0, num_to_keep: 3}
     data: {paths: [stdlib], seq_len: 128, batch_size: 16}   # see ray_mesh.data.spec
+    # replica_groups: {...} instead of mesh: runs replica groups (cli.job_groups); data:
+    # then feeds them by sample index (ray_mesh.data.indexed)
     replicate: {mode: diloco, every: 50, compress: int8}  # default mode: sync (HSDP)
     # or, instead of mesh: and replicate:, the whole layout in one (ray_mesh.core.layout):
     # layout: dp_replicate=nodes,dp_shard=-1/bf16/sync
@@ -278,9 +280,15 @@ class Job:
         from ray_mesh.data.spec import DataSpecError, parse_job_data
 
         try:  # files, split, batch vs dp, seq_len vs the model: all before any worker
-            data_spec = parse_job_data(top.get("data"), base_dir or Path.cwd(),
-                                       mesh=None if mesh == "auto" else mesh,
-                                       num_workers=scaling.num_workers, config=config)
+            if groups is not None:  # one group's step is the batch
+                from ray_mesh.cli.job_groups import parse_group_data
+
+                data_spec = parse_group_data(top.get("data"), groups, base_dir or Path.cwd(),
+                                             config)
+            else:
+                data_spec = parse_job_data(top.get("data"), base_dir or Path.cwd(),
+                                           mesh=None if mesh == "auto" else mesh,
+                                           num_workers=scaling.num_workers, config=config)
         except DataSpecError as exc:
             raise JobError(str(exc)) from exc
         try:

@@ -11,11 +11,16 @@
       checkpoint_every: 0    # the fallback checkpoint, every N steps (0: none)
       checkpoint_dir: null   # default: <run.storage_path>/<name>-fallback (a bucket is fine)
       max_group_failures: 20 # restarts of one group (-1: no limit); or run.max_failures
+      data_from: files       # files (each node reads data.paths) | ray_data (the driver
+                             # reads them once into Ray's object store)
 
 Each group is a Ray Train run of the job's train function, which builds its group with
 ``ray_mesh.replica_group(model, optimizer, config)`` (see docs/replica_groups.md). The
-job's ``mesh:``, ``layout:``, ``replicate:``, ``data:`` and ``plan:`` do not apply (each group's
-layout is here; samples come from the run's quorum), and are refused with the reason.
+job's ``mesh:``, ``layout:``, ``replicate:`` and ``plan:`` do not apply (each group's layout
+is here), and are refused with the reason. A ``data:`` section is checked as for one mesh,
+with one group's step (``segment_samples``) as its batch, which every listed group's
+data-parallel size must divide; its samples are read by index
+(:func:`ray_mesh.data.group_samples`), since the run's quorum hands out index ranges.
 ``scaling.num_workers``/``placement_strategy`` (a group is packed on one node) and
 ``run.min_workers``/``startup_retries`` (a group whose node is gone waits for it) are refused
 too. ``run.storage_path``/``storage_endpoint`` hold the groups' runs and the fallback
@@ -25,7 +30,9 @@ restart budget (or ``max_group_failures``: one of the two).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from ray_mesh.cli.job_checks import JobError
@@ -33,13 +40,13 @@ from ray_mesh.core.values import read_int, read_str
 from ray_mesh.replicas.layouts import GroupLayoutError, group_specs
 from ray_mesh.replicas.shares import SHARES
 
+DATA_FROM = ("files", "ray_data")
+
 NOT_WITH_GROUPS = {
     "mesh": "each group's layout is replica_groups.groups",
     "layout": "each group's layout is replica_groups.groups",
     "replicate": "the groups average at every step; DiLoCo is the train function's "
                  "replica_group(..., diloco=...)",
-    "data": "a group's samples come from the run's quorum (rg.sample_ids), so that none is "
-            "skipped or repeated when a group leaves",
     "plan": "plan unequal nodes with `ray-mesh plan JOB.yaml --per-node 2,2,1`",
 }
 
@@ -56,6 +63,7 @@ class ReplicaGroupsSection:
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     max_group_failures: int = 20
+    data_from: str = "files"
 
     def __post_init__(self) -> None:
         read_int("replica_groups.steps", self.steps, 1, error=JobError)
@@ -66,6 +74,8 @@ class ReplicaGroupsSection:
         read_str("replica_groups.checkpoint_dir", self.checkpoint_dir, none_ok=True,
                  error=JobError, hint=" (a bucket URI or a directory every node reaches; "
                  "leave it out for the run's storage)")
+        read_str("replica_groups.data_from", self.data_from, choices=DATA_FROM,
+                 error=JobError)
         if self.shares not in SHARES:
             raise JobError(f"replica_groups.shares: {self.shares!r}; use one of "
                            f"{', '.join(SHARES)} (speed sizes each group's batch to its "
@@ -83,6 +93,14 @@ class ReplicaGroupsSection:
                 "shares": self.shares, "checkpoint_every": self.checkpoint_every,
                 "checkpoint_dir": self.checkpoint_dir,
                 "max_group_failures": self.max_group_failures}
+
+    def dp_sizes(self) -> list[int] | None:
+        """Each listed group's data-parallel size (``dp_shard``: its ``cp`` and ``tp`` peers
+        read the same samples); None for ``auto``."""
+        if self.groups == "auto":
+            return None
+        return [s.mesh.get("dp_shard", 1)
+                for s in group_specs(self.groups, self.workers_per_group)]
 
     def workers(self) -> int | None:
         """Workers of all groups together (None for ``auto``: what the cluster has)."""
@@ -122,4 +140,43 @@ def check_alongside(top: dict[str, Any]) -> None:
                        "group's restart budget: keep one of them.")
 
 
-__all__ = ["KEYS", "NOT_WITH_GROUPS", "ReplicaGroupsSection", "check_alongside"]
+BATCH_KEYS = ("batch_size", "batch_tokens")
+
+
+def parse_group_data(section: Any, groups: ReplicaGroupsSection, base_dir: Path,
+                     config: Mapping[str, Any]) -> Any:
+    """The job's ``data:`` for a run of replica groups, checked as for one mesh (files,
+    split, ``seq_len`` against the model) with one group's step as the batch: returns the
+    ``DataSpec`` (its ``batch_size`` is ``segment_samples``), or None without a section."""
+    from ray_mesh.data.spec import DataSpecError, parse_job_data
+
+    if section is None:
+        return None
+    given = [k for k in BATCH_KEYS if isinstance(section, Mapping) and k in section]
+    if given:
+        raise JobError(f"data.{given[0]} does not go with replica_groups: a group's batch is "
+                       f"replica_groups.segment_samples (sequences per group per step). "
+                       f"Remove it.")
+    for i, dp in enumerate(groups.dp_sizes() or []):
+        if groups.segment_samples % dp:
+            good = dp * max(1, groups.segment_samples // dp)
+            raise JobError(f"replica_groups.segment_samples={groups.segment_samples} does not "
+                           f"split over group {i}'s {dp} data-parallel ranks (dp_shard={dp}): "
+                           f"use a multiple of {dp}, e.g. {good}.")
+    if isinstance(section, Mapping):
+        section = {**section, "batch_size": groups.segment_samples}
+    try:
+        spec = parse_job_data(section, base_dir, config=config)
+    except DataSpecError as exc:
+        raise JobError(str(exc).replace("one global batch", "one group's step")) from exc
+    need = (spec.seq_len + 1) * groups.segment_samples
+    if spec.max_tokens is not None and spec.max_tokens < need:
+        raise JobError(f"data.max_tokens={spec.max_tokens} holds no group's step of "
+                       f"{groups.segment_samples} rows of {spec.seq_len + 1} tokens: raise it "
+                       f"to at least {need}, or lower seq_len or replica_groups."
+                       f"segment_samples.")
+    return spec
+
+
+__all__ = ["DATA_FROM", "KEYS", "NOT_WITH_GROUPS", "ReplicaGroupsSection", "check_alongside",
+           "parse_group_data"]

@@ -8,6 +8,10 @@ byte-level corpus.
   split by dp rank under ``MeshConfig``), which ``ray-mesh run`` passes to ``TorchTrainer``
   for any job with a ``data:`` section; :func:`load_split` the same rows in memory (torchrun,
   validation).
+* :class:`TokenSamples` (:mod:`.indexed`): the training rows as a map-style dataset, sample
+  ``i`` the same on every node, indices past the end wrapping to the next epoch, for replica
+  groups (``rg.sample_ids``); :func:`group_samples` in their train function;
+  :func:`from_ray_dataset` (:mod:`.indexed_ray`) materializes a Ray Data dataset for it.
 
 Why in the package and not in ``examples/``: the ``data:`` section is part of the job file
 format (``ray-mesh run`` checks it and wires it for every train function, not for one
@@ -17,8 +21,10 @@ package's reference workload for benchmarks and tests of the parallel layouts on
 Ray-free; :func:`ray_dataset` imports Ray Data when called.
 """
 
+from ray_mesh.data.indexed import TokenSamples, group_samples
+from ray_mesh.data.indexed_ray import from_ray_dataset
 from ray_mesh.data.spec import DataSpec, DataSpecError
 from ray_mesh.data.text import load_split, pack, ray_dataset, ray_datasets, unigram_entropy
 
-__all__ = ["DataSpec", "DataSpecError", "load_split", "pack", "ray_dataset", "ray_datasets",
-           "unigram_entropy"]
+__all__ = ["DataSpec", "DataSpecError", "TokenSamples", "from_ray_dataset", "group_samples",
+           "load_split", "pack", "ray_dataset", "ray_datasets", "unigram_entropy"]

@@ -161,13 +161,16 @@ def files_holding(files: list[Path], cap: int, seq_len: int) -> list[Path]:
     return files
 
 
-def ray_dataset(spec: DataSpec, split: str = "train", *, files_per_batch: int = 16) -> Any:
+def ray_dataset(spec: DataSpec, split: str = "train", *, files_per_batch: int = 16,
+                resources: dict[str, float] | None = None) -> Any:
     """A streaming Ray Data dataset of packed rows ``{"tokens": int64[seq_len + 1]}``.
 
     Files are read by Ray Data's read tasks (wherever they run: the paths must exist on every
-    node, as the standard library does) and packed in ``map_batches``; nothing is
-    materialised on the driver. The file order is shuffled by ``shuffle_seed``; of text
-    files, only the prefix that holds the split's token cap is read (:func:`files_holding`).
+    node, as the standard library does; ``resources`` go to the read and pack tasks, e.g. a
+    node's ``node:<address>`` that keeps them where the files are) and packed in
+    ``map_batches``; nothing is materialised on the driver. The file order is shuffled by
+    ``shuffle_seed``; of text files, only the prefix that holds the split's token cap is read
+    (:func:`files_holding`).
     """
     import ray.data
 
@@ -181,11 +184,11 @@ def ray_dataset(spec: DataSpec, split: str = "train", *, files_per_batch: int = 
     cap = spec.max_tokens if split == "train" else spec.val_tokens
     if cap is not None and spec.format == "text":
         files = files_holding(files, cap, spec.seq_len)
-    ds = ray.data.read_binary_files([str(p) for p in files])
+    ds = ray.data.read_binary_files([str(p) for p in files], resources=resources)
     ds = ds.map_batches(
         functools.partial(pack_batch, seq_len=spec.seq_len, fmt=spec.format,
                           text_key=spec.text_key),
-        batch_format="numpy", batch_size=files_per_batch)
+        batch_format="numpy", batch_size=files_per_batch, resources=resources)
     if cap is not None:
         ds = ds.limit(max(1, cap // (spec.seq_len + 1)))
     return ds

@@ -49,6 +49,12 @@ SHORT: dict[str, dict] = {
                        "check_peer_batches": 1},
             "data": {"seq_len": 32, "batch_size": 8, "max_tokens": 60_000,
                      "val_tokens": 4096}},
+    # replica groups of 2 and 1 workers reading the LM's text by sample index
+    # (test_llm_groups_console_... below); steps are replica_groups.steps
+    "llm_groups": {"config": {"model": {"preset": "tiny", "max_seq_len": 64},
+                              "report_every": 2, "eval_every": 6, "warmup": 2},
+                   "data": {"seq_len": 32, "max_tokens": 60_000, "val_tokens": 4096},
+                   "replica_groups": {"steps": 6, "segment_samples": 4}},
 }
 DRIVER_STEPS = 6
 # Examples whose full run is already a test that checks its console with the same checker:
@@ -93,7 +99,7 @@ def _short_job(name: str, tmp: Path) -> Path:
     job = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
     short = SHORT[name]
     job["config"] = {**(job.get("config") or {}), **short.get("config", {})}
-    for section in ("data", "replicate"):
+    for section in ("data", "replicate", "replica_groups"):
         if section in short:
             job[section] = {**(job.get(section) or {}), **short[section]}
     file, _, fn = job["train"].partition(":")
@@ -150,7 +156,7 @@ def _run_example(name: str, ray_local, tmp_path: Path) -> str:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", sorted(set(SHORT) - {"llm"}))
+@pytest.mark.parametrize("name", sorted(set(SHORT) - {"llm", "llm_groups"}))
 def test_example_console_is_clean(name, ray_local, tmp_path):
     _run_example(name, ray_local, tmp_path)
 
@@ -167,6 +173,38 @@ def test_llm_console_is_clean_and_tp_peers_read_the_same_rows(ray_local, tmp_pat
     assert "(dp 2 x tp 2)" in out, out[-3000:]
     check_run(out, name="llm", steps=steps, report=SHORT["llm"]["config"]["report_every"],
               storage=tmp_path / "results")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("data_from", ["files", "ray_data"])
+def test_llm_groups_console_is_clean_and_shows_tokens_per_s(data_from, ray_local, tmp_path):
+    """``ray-mesh run examples/llm_groups.yaml``: the LM as replica groups of 2 and 1
+    workers, each reading the standard library's text by sample index (``files``: each
+    group from its node's files, checked against the driver's manifest; ``ray_data``: from
+    the rows the driver read once into the object store). A clean console, each group's
+    progress line with tokens/s, both groups' evaluation, the summary's tokens/s."""
+    path = _short_job("llm_groups", tmp_path)
+    job = yaml.safe_load(path.read_text())
+    job["replica_groups"]["data_from"] = data_from
+    path.write_text(yaml.safe_dump(job))
+    gcs = ray_local.get_runtime_context().gcs_address
+    out = _run([sys.executable, "-m", "ray_mesh.cli.main", "run", "--address", gcs,
+                str(path)], timeout=840)
+    steps = SHORT["llm_groups"]["replica_groups"]["steps"]
+    assert f"ray-mesh: run 'llm_groups' finished: {steps} steps of 2 replica group(s)" in out, \
+        out[-3000:]
+    bad = problems(out)
+    assert not bad, "unexpected console lines:\n" + "\n".join(bad[:40])
+    shown = lines(out)
+    for gid in (0, 1):
+        assert any(re.match(rf"llm_groups-g{gid}: step {steps}/{steps} loss .*tokens/s", x)
+                   for x in shown), "\n".join(shown[-60:])
+        assert any(x.startswith(f"  group {gid} (dp_shard={2 - gid}): ") and "tokens/s" in x
+                   for x in shown), "\n".join(shown[-20:])
+    assert sum(f"llm: eval at step {steps}: val loss" in x for x in shown) >= 2, shown[-60:]
+    assert any(x.startswith("  throughput:  ") and "tokens/s" in x for x in shown), shown[-20:]
+    read = "training rows read into the object store"
+    assert (read in out) == (data_from == "ray_data"), out[-3000:]
 
 
 @pytest.mark.timeout(900)

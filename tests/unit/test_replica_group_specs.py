@@ -86,7 +86,7 @@ def test_the_job_file_takes_a_replica_groups_section():
 
 @pytest.mark.parametrize(("extra", "section", "why"), [
     ({"mesh": {"dp_shard": 2}}, {}, "mesh: does not go with replica_groups"),
-    ({"data": {"paths": ["stdlib"]}}, {}, "samples come from the run's quorum"),
+    ({"layout": "fsdp"}, {}, "layout: does not go with replica_groups"),
     ({"scaling": {"num_workers": 4}}, {}, "each group's size is its layout"),
     ({"run": {"min_workers": 1}}, {}, "groups leave and rejoin on their own"),
     ({}, {"shares": "fast"}, "replica_groups.shares: 'fast'"),

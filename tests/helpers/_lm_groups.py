@@ -1,0 +1,116 @@
+"""One LM replica group under torchrun, for tests/dist/test_lm_groups.py (no Ray).
+
+argv: GROUP LAYOUT COORDINATOR_PORT STEPS OUT_DIR. LAYOUT: ``fsdp`` (``dp_shard`` over the
+group's ranks) or ``plain`` (one rank). The group runs ``examples/llm.py``'s own
+replica-group loop (``train_as_group``) on the job's ``data:`` read by index (each group
+builds its ``TokenSamples`` from this machine's files), with a ``ReplicaGroup`` on the
+test's local quorum (``local_quorum.py``) instead of Ray's coordinator. Its commit is
+wrapped: rank 0 appends one line per committed step to ``g<GROUP>.jsonl`` (the sample
+ranges behind its contribution, the groups present, when) and writes ``g<GROUP>.pt`` (the
+final full parameters) and ``g<GROUP>.json`` (the loop's summary).
+
+``DIE_AT_STEP`` set: when the group holds that step, its rank 1 exits before meeting the
+others; rank 0 then fails in the boundary, reports it to the coordinator as ray_mesh's Ray
+glue does, and exits (rank 0 ignores torchrun's SIGTERM meanwhile). ``ALONE_STEP_S``: a
+step's floor while fewer than ``WAIT_GROUPS`` groups take part (a rejoining group finds
+steps left). ``MANIFEST``: the test's manifest of the data, which each group's own reading of
+the files must give. ``DILOCO_EVERY``: DiLoCo groups (``config.diloco``), that many inner
+steps a round.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_quorum import connect  # noqa: E402
+
+import ray_mesh  # noqa: E402
+from ray_mesh.replicas import ReplicaGroup  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = {"model": {"preset": "tiny", "max_seq_len": 64}, "lr": 0.003, "warmup": 2,
+          "report_every": 5, "eval_every": 10_000, "grad_clip": 1.0,
+          "data": {"paths": ["stdlib"], "seq_len": 32, "batch_size": 8, "validation": 0.05,
+                   "max_tokens": 60_000, "val_tokens": 4096}}
+SEGMENT = 8
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("llm_example", ROOT / "examples" / "llm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    gid, layout, port, steps, out = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
+                                     int(sys.argv[4]), Path(sys.argv[5]))
+    ray_mesh.init_mesh(ray_mesh.MeshSpec.from_dict({"dp_shard": -1}))
+    rank = dist.get_rank()
+    size = dist.get_world_size()
+    die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
+    alone_s, wait = float(os.environ.get("ALONE_STEP_S", "0")), int(os.environ.get(
+        "WAIT_GROUPS", "0"))
+    if die_at >= 0:  # rank 0 outlives torchrun's SIGTERM long enough to report (see above)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    client = connect(port)
+    config = {**CONFIG, "data_index": {"manifest": os.environ.get("MANIFEST") or None}}
+    if os.environ.get("DILOCO_EVERY"):  # DiLoCo groups: AdamW inner steps, commit = outer
+        config["diloco"] = {"every": int(os.environ["DILOCO_EVERY"]), "outer_lr": 0.7,
+                            "outer_momentum": 0.9}
+    box: dict = {}
+
+    def make_group(model, optim, **kwargs) -> ReplicaGroup:
+        rg = ReplicaGroup(model, optim, client=client, group_id=gid, total_steps=steps,
+                          segment_samples=SEGMENT, exchange="full", layout=f"{layout}={size}",
+                          timeout_s=20, **kwargs)
+        inner = rg.commit
+
+        def commit() -> bool:
+            held, before = list(rg.ranges), rg.step
+            if rg.last is not None and len(rg.last.members) < wait:
+                time.sleep(alone_s)
+            if rg.step == die_at and rank == 1:  # its step computed, not yet met
+                os._exit(3)
+            try:
+                stepped = inner()
+            except RuntimeError as exc:
+                if die_at < 0:
+                    raise
+                client.failed(gid, str(exc)[:200], rank, rg.incarnation)
+                print(f"FAILED group {gid} rank {rank} at step {rg.step}", flush=True)
+                os._exit(3)
+            if rank == 0 and stepped and rg.last.contributes and rg.step > before:
+                with (out / f"g{gid}.jsonl").open("a") as f:
+                    f.write(json.dumps({"step": rg.step, "ranges": held, "t": time.time(),
+                                        "groups": len(rg.last.members),
+                                        "attempt": rg.incarnation}) + "\n")
+            return stepped
+
+        rg.commit = commit
+        box["model"] = model
+        return rg
+
+    summary = _example().train_as_group(config, make_group)
+    full = [p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            for p in box["model"].parameters()]
+    if rank == 0:
+        torch.save([t.clone() for t in full], out / f"g{gid}.pt")
+        (out / f"g{gid}.json").write_text(json.dumps(summary))
+        print(f"DONE group {gid} step {summary['step']}", flush=True)
+    ray_mesh.shutdown_mesh()
+
+
+if __name__ == "__main__":
+    main()
