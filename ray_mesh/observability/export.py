@@ -9,6 +9,7 @@ Ray is imported lazily, inside functions: a torchrun job never loads it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -238,7 +239,14 @@ class Exporter:
         self.checked_endpoint = True
 
         def run() -> None:
-            problem = check_endpoint()
+            where = None
+            with contextlib.suppress(Exception):  # check_endpoint says why itself
+                where = metrics_endpoint()
+            if where is not None and where[1] <= 0:  # an install choice, not a fault
+                if self.loud:
+                    logger.info("ray_mesh metrics: %s", no_agent(where[0]))
+                return
+            problem = check_endpoint(where=where)
             if problem:
                 self.warn_once(problem + "; training goes on, metrics will not reach "
                                "Prometheus or the dashboard.")
@@ -285,6 +293,13 @@ def metrics_endpoint() -> tuple[str, int] | None:
     return None
 
 
+def no_agent(ip: str) -> str:
+    """What a node without Ray's metrics agent means (``ray[train]`` alone has none)."""
+    return (f"Ray on node {ip} runs without its metrics agent (ray[train] alone has none), so "
+            "ray_mesh's metrics stay in the run's reports; for Prometheus and the dashboard, "
+            "pip install 'ray[default]' on every node")
+
+
 def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None) -> str | None:
     """None when the Prometheus endpoint answers with Ray metrics, else why not.
 
@@ -298,8 +313,8 @@ def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None)
     if where is None:
         return "Ray is not initialized in this process"
     ip, port = where
-    if not port:
-        return f"Ray reports no metrics export port for node {ip}"
+    if port <= 0:  # Ray says -1 where the node runs no metrics agent
+        return no_agent(ip)
     url = f"http://{host_port(ip, port)}/metrics"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - our node
@@ -316,5 +331,5 @@ def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None)
 
 
 __all__ = ["DIM_TAG_KEYS", "METRICS", "METRICS_BY_NAME", "TAG_KEYS", "Exporter", "MetricDef",
-           "WindowExporter", "check_endpoint", "mesh_tags", "metrics_endpoint", "run_name",
-           "train_context"]
+           "WindowExporter", "check_endpoint", "mesh_tags", "metrics_endpoint", "no_agent",
+           "run_name", "train_context"]

@@ -180,6 +180,30 @@ def test_check_endpoint_names_what_is_wrong_with_the_metrics_port():
         ray_like.shutdown()
 
 
+def test_a_node_without_a_metrics_agent_is_one_info_line_with_the_right_fix(caplog,
+                                                                          monkeypatch):
+    """Ray reports port -1 where the node runs no metrics agent (``ray[train]`` without
+    ``ray[default]``, e.g. the README's embedded main job): not a fault, and no `ray start`
+    to give a port to. Before: a WARNING naming http://<ip>:-1/metrics and that hint."""
+    import time
+
+    from ray_mesh.observability import export
+
+    msg = check_endpoint(2, ("192.0.2.2", -1))
+    assert "without its metrics agent" in msg and "ray[default]" in msg, msg
+    assert ":-1" not in msg and "ray start" not in msg, msg
+    monkeypatch.setattr(export, "metrics_endpoint", lambda: ("192.0.2.2", -1))
+    exporter = Exporter(loud=True)
+    with caplog.at_level("DEBUG", logger="ray_mesh.observability.export"):
+        exporter.check_endpoint_async()
+        deadline = time.monotonic() + 10
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.05)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(said) == 1 and said[0][0] == "INFO", said
+    assert "without its metrics agent" in said[0][1] and not exporter.warned, said
+
+
 def test_a_failing_metric_record_warns_once_and_disables_export(caplog):
     """Ray itself rejects the record (a tag is missing): training must not see it."""
     exporter = Exporter(loud=True)
