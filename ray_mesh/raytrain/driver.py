@@ -116,6 +116,42 @@ def cluster_worker_setup() -> None:
     # something a user can fix; printed on the driver's console by log_to_driver.
     warnings.filterwarnings("ignore", message=r".*ExecutionOptions.exclude_resources.* is "
                             r"deprecated")
+    cleaner = logging.getLogger(CLEANER_LOGGER)
+    if not any(isinstance(f, SaidOnce) for f in cleaner.filters):
+        cleaner.addFilter(SaidOnce(CLEANER_NO_STATE_API, CLEANER_ONCE))
+
+
+# Ray Train 2.60 starts a placement-group cleaner for every run; it asks Ray's state API
+# (the dashboard, ray[default] on the head) whether the controller lives, and on a cluster
+# without one logs this WARNING at every check: ~45 lines in a short run. Said once instead.
+CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+CLEANER_NO_STATE_API = "Failed to query Ray Train Controller actor state"
+CLEANER_ONCE = ("Ray Train's placement-group cleaner cannot reach Ray's state API (no "
+                "dashboard on this cluster: ray[default] on the head serves it); it keeps "
+                "watching and removes the run's placement group when the run ends. Said once.")
+
+
+class SaidOnce(logging.Filter):
+    """Lets the first record whose message starts with ``prefix`` through as ``once`` (one
+    line, no traceback) and drops the later ones; every other record passes unchanged.
+    Never raises and never blocks: a logging filter runs inside whatever Ray was doing."""
+
+    def __init__(self, prefix: str, once: str) -> None:
+        super().__init__()
+        self.prefix, self.once, self.seen = prefix, once, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            if not str(record.msg).startswith(self.prefix):
+                return True
+            self.seen += 1
+            if self.seen > 1:
+                return False
+            record.msg, record.args = self.once, ()
+            record.exc_info, record.exc_text = None, None
+            return True
+        except Exception:  # noqa: BLE001 - a filter must never break the caller's logging
+            return True
 
 
 def embedded_worker_setup() -> None:
@@ -151,6 +187,6 @@ def _above_info(record: logging.LogRecord) -> bool:
     return record.levelno > logging.INFO
 
 
-__all__ = ["CLI_ENV", "EMBEDDED_ENV", "cluster_worker_setup", "embedded_worker_setup",
-           "enable_state_tracking", "quiet_report_lines", "state_api_available",
-           "warm_controller_actors"]
+__all__ = ["CLEANER_LOGGER", "CLI_ENV", "EMBEDDED_ENV", "SaidOnce", "cluster_worker_setup",
+           "embedded_worker_setup", "enable_state_tracking", "quiet_report_lines",
+           "state_api_available", "warm_controller_actors"]
