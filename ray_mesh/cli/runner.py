@@ -81,14 +81,35 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
     # this process's environment; an unprivileged worker could not lower it later.
     # A new local Ray writes ~/.ray/auth_token with the umask (0644): create it first, 0600.
     secure_token_file(create=True)
+    began = time.monotonic()
     with env_defaults({RAY_NICENESS_ENV: "0"}):
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)),
-                 runtime_env={"worker_process_setup_hook":
-                              "ray_mesh.raytrain.driver.embedded_worker_setup"})
+        try:
+            ray.init(address="local",
+                     num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)),
+                     runtime_env={"worker_process_setup_hook":
+                                  "ray_mesh.raytrain.driver.embedded_worker_setup"})
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
+            raise BringUpError(_embedded_start_failed(exc, time.monotonic() - began)) from exc
     secure_token_file(create=False)
     # This driver's own state-API calls go to this instance too (see driver.py).
     os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     return True
+
+
+def _embedded_start_failed(exc: BaseException, waited_s: float) -> str:
+    """The one line for an embedded Ray that did not start: what Ray said and the way on.
+    Seen: "The current node timed out during startup" after 6 minutes on a 2-core machine
+    running a test suite and two CPU hogs, as a traceback."""
+    said = " ".join(str(exc).split())[:300]
+    line = (f"the embedded local Ray did not start after {waited_s:.0f} s "
+            f"({type(exc).__name__}: {said}).")
+    if "timed out" in said.lower():
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        return (f"{line} This machine's load average is {load:.1f} on {os.cpu_count() or 1} "
+                f"cores: run again when it is less busy, or start Ray once yourself (ray "
+                f"start --head) and pass --address 127.0.0.1:6379")
+    return (f"{line} Fix what Ray names (its temp dir is RAY_TMPDIR or /tmp/ray), or start "
+            f"Ray yourself (ray start --head) and pass --address 127.0.0.1:6379")
 
 
 @contextmanager
