@@ -17,6 +17,8 @@ import ray_mesh
 # "drop", a root child first becomes nobody (setuid drops every capability, CAP_SYS_NICE too).
 CHILD = textwrap.dedent("""
     import json, os, sys, threading
+    if os.geteuid() == 0:  # from 0, whatever the runner's own niceness (the unit stream's 10),
+        os.setpriority(os.PRIO_PROCESS, 0, 0)  # before the import starts threads
     from ray_mesh.core import priority
 
     start, target, drop = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "drop"
@@ -28,11 +30,11 @@ CHILD = textwrap.dedent("""
                        for t in os.listdir("/proc/self/task")})
 
     stop = threading.Event()
-    early = threading.Thread(target=stop.wait)
+    early = threading.Thread(target=stop.wait, daemon=True)  # an error must not hang the child
     early.start()  # created at the parent's niceness, then raised below like Ray's workers
     for t in os.listdir("/proc/self/task"):
         os.setpriority(os.PRIO_PROCESS, int(t), start)
-    late = threading.Thread(target=stop.wait)
+    late = threading.Thread(target=stop.wait, daemon=True)
     late.start()  # inherits START from the main thread
     raised = every_thread()
     res = priority.set_niceness(target)
