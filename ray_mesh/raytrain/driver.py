@@ -116,6 +116,12 @@ def cluster_worker_setup() -> None:
     # something a user can fix; printed on the driver's console by log_to_driver.
     warnings.filterwarnings("ignore", message=r".*ExecutionOptions.exclude_resources.* is "
                             r"deprecated")
+    quiet_cleaner()
+
+
+def quiet_cleaner() -> None:
+    """Ray Train's placement-group cleaner says "no state API" once (see below), not at
+    every check; installed once per process."""
     cleaner = logging.getLogger(CLEANER_LOGGER)
     if not any(isinstance(f, SaidOnce) for f in cleaner.filters):
         cleaner.addFilter(SaidOnce(CLEANER_NO_STATE_API, CLEANER_ONCE))
@@ -189,4 +195,4 @@ def _above_info(record: logging.LogRecord) -> bool:
 
 __all__ = ["CLEANER_LOGGER", "CLI_ENV", "EMBEDDED_ENV", "SaidOnce", "cluster_worker_setup",
            "embedded_worker_setup", "enable_state_tracking", "quiet_report_lines",
-           "state_api_available", "warm_controller_actors"]
+           "quiet_cleaner", "state_api_available", "warm_controller_actors"]
