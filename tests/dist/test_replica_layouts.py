@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from local_quorum import LocalCoordinator
 from ports import free_port
 
 from ray_mesh.replicas.quorum import Quorum
@@ -33,44 +34,6 @@ from ray_mesh.replicas.quorum import Quorum
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "helpers" / "_replica_layouts.py"
 AUTHKEY = b"replica-layouts"
-
-
-class _Coordinator:
-    """The ``Coordinator`` protocol of ray_mesh.replicas.group over a local Quorum."""
-
-    def __init__(self, quorum: Quorum, store_address: tuple[str, int, str]) -> None:
-        self.quorum, self.address = quorum, store_address
-        self.layouts: dict[int, str] = {}
-
-    def register(self, gid, incarnation, ranks, layout=""):
-        self.layouts[gid] = layout
-        self.quorum.register(gid, incarnation, ranks)
-
-    def beat(self, gid, incarnation, rank):
-        return self.quorum.beat(gid, incarnation, rank)
-
-    def arrive(self, gid, incarnation, step, holding, fresh_link, busy_s=None, fixed_s=None,
-               wait_s=None):
-        return self.quorum.arrive(gid, incarnation, step, holding, fresh_link, busy_s=busy_s,
-                                  fixed_s=fixed_s, wait_s=wait_s)
-
-    def await_decision(self, gid, incarnation, wait_s):
-        return self.quorum.await_decision(gid, incarnation, wait_s)
-
-    def checkpoint_started(self, step):
-        self.quorum.checkpoint_started(step)
-
-    def checkpointed(self, step, path):
-        self.quorum.checkpointed(step, path)
-
-    def checkpoint_failed(self, gid, step, error):
-        self.quorum.checkpoint_failed(gid, step, error)
-
-    def failed(self, gid, error, rank=0, incarnation=None):
-        self.quorum.failed(gid, error, rank, incarnation)
-
-    def store_address(self):
-        return self.address
 
 
 class _Served:
@@ -83,7 +46,7 @@ class _Served:
         self.quorum = Quorum(segment_samples=8, total_steps=steps, dead_after_s=10.0,
                              arrive_timeout_s=60.0, expected_groups=expected_groups,
                              start_timeout_s=60.0)
-        self.coordinator = _Coordinator(self.quorum, address)
+        self.coordinator = LocalCoordinator(self.quorum, address)
 
         class Manager(BaseManager):
             pass

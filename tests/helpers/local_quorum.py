@@ -3,8 +3,8 @@
 Each group is its own torchrun world (a helper script); this process serves the quorum
 through a ``multiprocessing`` manager (the ``Coordinator`` protocol of
 ``ray_mesh.replicas.coordinator``, as the Ray coordinator actor serves it) and the TCP
-store the cross-group links meet on. ``tests/dist/test_lm_groups.py`` uses it (the same
-shape as ``test_replica_layouts.py``'s own copy).
+store the cross-group links meet on. ``tests/dist/test_lm_groups.py`` uses it;
+``tests/dist/test_replica_layouts.py`` uses its :class:`LocalCoordinator`.
 """
 
 from __future__ import annotations
@@ -40,8 +40,14 @@ class LocalCoordinator:
     def await_decision(self, gid, incarnation, wait_s):
         return self.quorum.await_decision(gid, incarnation, wait_s)
 
+    def checkpoint_started(self, step):
+        self.quorum.checkpoint_started(step)
+
     def checkpointed(self, step, path):
         self.quorum.checkpointed(step, path)
+
+    def checkpoint_failed(self, gid, step, error):
+        self.quorum.checkpoint_failed(gid, step, error)
 
     def failed(self, gid, error, rank=0, incarnation=None):
         self.quorum.failed(gid, error, rank, incarnation)
