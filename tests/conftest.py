@@ -85,8 +85,9 @@ def pytest_configure(config):
     reports file (taken out of the environment, so no test's own pytest child writes there)."""
     os.environ.setdefault(heavy.JOURNAL_ENV, os.path.join(
         tempfile.mkdtemp(prefix="ray_mesh_heavy_"), "journal.jsonl"))
-    reports = os.environ.pop(streams.STREAM_ENV, "")
-    if reports and reports != "0":
+    reports = os.environ.get(streams.STREAM_ENV, "")
+    if reports and reports != "0":  # "0" stays: the user's opt-out, read at collection
+        del os.environ[streams.STREAM_ENV]
         config.pluginmanager.register(streams.ReportWriter(config, reports))
 
 
