@@ -170,12 +170,7 @@ def _check_overlaps(config) -> None:
     message = (f"{len(pairs)} pair(s) of heavy tests (dist, netns, ray) overlapped in time; "
                "they must run one at a time (run the suite as README.md says: one "
                "`python -m pytest`, no -n):\n" + heavy.describe(pairs))
-    hook = config.hook
-    hook.pytest_runtest_logstart(nodeid=nodeid, location=location)
-    hook.pytest_runtest_logreport(report=pytest.TestReport(
-        nodeid=nodeid, location=location, keywords={}, outcome="failed", longrepr=message,
-        when="call"))
-    hook.pytest_runtest_logfinish(nodeid=nodeid, location=location)
+    streams.log_failure(config, nodeid, location, message)
 
 
 def pytest_terminal_summary(terminalreporter):

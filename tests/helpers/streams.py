@@ -116,13 +116,21 @@ class UnitStream:
             self.proc.wait()
 
     def _fail(self, item: pytest.Item, message: str) -> None:
-        hook = self.config.hook
-        if item.nodeid not in self._open:
-            hook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        report = pytest.TestReport(nodeid=item.nodeid, location=item.location, keywords={},
-                                   outcome="failed", longrepr=message, when="call")
-        hook.pytest_runtest_logreport(report=report)
-        hook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        log_failure(self.config, item.nodeid, item.location, message,
+                    started=item.nodeid in self._open)
+
+
+def log_failure(config: pytest.Config, nodeid: str, location: tuple, message: str,
+                started: bool = False) -> None:
+    """Log a failed test this process did not run (a unit test the child never reported,
+    the heavy tests' overlap check) into the session, as its own tests are logged."""
+    hook = config.hook
+    if not started:
+        hook.pytest_runtest_logstart(nodeid=nodeid, location=location)
+    hook.pytest_runtest_logreport(report=pytest.TestReport(
+        nodeid=nodeid, location=location, keywords={}, outcome="failed", longrepr=message,
+        when="call"))
+    hook.pytest_runtest_logfinish(nodeid=nodeid, location=location)
 
 
 class ReportWriter:
