@@ -57,7 +57,10 @@ def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("CI", "RAY_MESH_REQUIRE_ALL", "RAY_MESH_HEAVY_JOURNAL",
                         "RAY_MESH_UNIT_STREAM", "PYTEST_ADDOPTS")}
-    return {**env, **extra}
+    # A lock of its own (beside PIDS): the machine-wide one is held by the outer suite's heavy
+    # test while this unit test runs beside it, and the copy's heavy tests would wait 900 s.
+    lock = str(Path(extra["PIDS"]).parent / "heavy.lock")
+    return {**env, "RAY_MESH_HEAVY_LOCK": lock, **extra}
 
 
 def test_the_unit_stream_joins_one_console_one_closing_line_and_one_exit_code(tmp_path):
