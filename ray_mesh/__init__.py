@@ -40,7 +40,7 @@ def __getattr__(name: str):
 
         return MeshDataConfig
     if name == "check_cluster":
-        from ray_mesh.cli.runner import check_cluster
+        from ray_mesh.raytrain.launch import check_cluster
 
         return check_cluster
     if name in ("Checkpointer", "check_storage"):  # Ray imports: lazy as well

@@ -127,7 +127,8 @@ def _check_nodes_uri(path: str, endpoint: str | None, timeout_s: float,
 
 
 def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 60.0,
-                  name: str | None = None, endpoint: str | None = None) -> str:
+                  name: str | None = None, endpoint: str | None = None,
+                  nodes: bool = True) -> str:
     """The storage_path to give RunConfig, checked; raises :class:`StorageError`.
 
     * ``name``: the RunConfig name, when given, must be one safe path component
@@ -143,21 +144,22 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
       failure is one :class:`~ray_mesh.errors.ObjectStoreError` line saying what to fix.
       With ``ray.init`` called, every alive node repeats the probe with its own credentials
       and route, and a node that fails is named.
+
+    ``nodes=False``: the driver's probe only, even with Ray up (``ray-mesh run`` probes
+    before Ray starts, then asks the nodes once Ray is up: :func:`check_storage_nodes`).
     """
     if name is not None:
         check_run_name(name)
     path = str(storage_path) if storage_path is not None else default_storage_path()
     check_location(path, endpoint)
     if _is_uri(path):
-        nodes = [n for n in ray.nodes() if n.get("Alive")] if ray.is_initialized() else []
-        refuse_loopback(path, endpoint, len(nodes))  # before the driver's probe: it passes
+        alive = _alive_nodes() if nodes else []
+        refuse_loopback(path, endpoint, len(alive))  # before the driver's probe: it passes
         check_object_storage(path, endpoint, timeout_s=timeout_s)
-        if nodes:
-            _check_nodes_uri(path, endpoint, timeout_s, nodes)
+        if alive:
+            _check_nodes_uri(path, endpoint, timeout_s, alive)
         return path
-    if path.startswith("file://"):
-        path = path[len("file://"):]
-    local = Path(path).expanduser().absolute()
+    local = Path(absolute_storage_path(path))
     token = uuid.uuid4().hex
     probe = local / f"{PROBE_PREFIX}{token}"
     try:
@@ -170,11 +172,51 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
             f"(on a cluster: a shared filesystem mounted on every node, or a cloud URI)."
         ) from exc
     try:
-        if ray.is_initialized():
+        if nodes and ray.is_initialized():
             _check_nodes(probe, token, timeout_s)
     finally:
         probe.unlink(missing_ok=True)
     return str(local)
+
+
+def absolute_storage_path(storage_path: str | os.PathLike | None) -> str:
+    """What :func:`check_storage` returns for a path, without probing it: a URI as given,
+    a local path (``file://`` or not) absolute, None Ray Train's default."""
+    path = str(storage_path) if storage_path is not None else default_storage_path()
+    if _is_uri(path):
+        return path
+    return str(Path(path.removeprefix("file://")).expanduser().absolute())
+
+
+def _alive_nodes() -> list[dict]:
+    return [n for n in ray.nodes() if n.get("Alive")] if ray.is_initialized() else []
+
+
+def check_storage_nodes(storage_path: str, *, endpoint: str | None = None,
+                        timeout_s: float = 60.0) -> None:
+    """The nodes' half of :func:`check_storage`, for a path the driver already probed (its
+    return value): every alive node probes a bucket itself, and on a cluster of several
+    nodes each must see a file the driver writes into a local path. Needs ``ray.init``."""
+    if _is_uri(storage_path):
+        alive = _alive_nodes()
+        refuse_loopback(storage_path, endpoint, len(alive))
+        if alive:
+            _check_nodes_uri(storage_path, endpoint, timeout_s, alive)
+        return
+    if len(_alive_nodes()) < 2:  # one node: the driver's probe was on it
+        return
+    token = uuid.uuid4().hex
+    probe = Path(storage_path) / f"{PROBE_PREFIX}{token}"
+    try:
+        probe.write_text(token)
+    except OSError as exc:
+        raise StorageError(f"storage_path {storage_path!r} is no longer writable: "
+                           f"{type(exc).__name__}: {exc}. Pick a directory this user can "
+                           f"write (a shared filesystem on every node, or a cloud URI).") from exc
+    try:
+        _check_nodes(probe, token, timeout_s)
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def check_seen_by_all_ranks(directory: str | os.PathLike, group: Any = None) -> None:
@@ -218,5 +260,6 @@ def check_seen_by_all_ranks(directory: str | os.PathLike, group: Any = None) -> 
             f"every node (NFS, a cluster filesystem), or a cloud URI (s3://bucket/path).")
 
 
-__all__ = ["StorageError", "check_run_name", "check_seen_by_all_ranks", "check_storage",
+__all__ = ["StorageError", "absolute_storage_path", "check_run_name",
+           "check_seen_by_all_ranks", "check_storage", "check_storage_nodes",
            "default_storage_path", "run_name_problem"]

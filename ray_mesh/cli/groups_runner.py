@@ -1,14 +1,15 @@
 """``ray-mesh run`` for a job with a ``replica_groups:`` section: one Ray Train run per group.
 
 The same connection, pre-Ray checks and environment as a one-mesh job
-(:mod:`ray_mesh.cli.runner`); then :func:`~ray_mesh.raytrain.replica_groups.fit_replica_groups`
-with the section's groups, the job's ``network:`` settings for every group's mesh, its
-``scaling.resources_per_worker``/``use_gpu``, and its ``run:`` storage (``storage_path``,
-``storage_endpoint``: each group's run and the fallback checkpoints), ``num_to_keep`` (the
-fallback checkpoints kept) and ``max_failures`` (each group's restarts, resolved into the
-section by :mod:`ray_mesh.cli.job_groups`). The console shows each group's layout at the
-start, one line per membership event, and a summary per group at the end (with its
-samples/s and tokens/s, and the groups' sum).
+(:mod:`ray_mesh.cli.runner`), and the same launch layer (:mod:`ray_mesh.raytrain.launch`)
+putting the run together: the section's groups, the job's ``network:`` settings for every
+group's mesh, its ``scaling.resources_per_worker``/``use_gpu``, and its ``run:`` storage
+(``storage_path``, ``storage_endpoint``: each group's run and the fallback checkpoints),
+``num_to_keep`` (the fallback checkpoints kept) and ``max_failures`` (each group's
+restarts, resolved into the section by :mod:`ray_mesh.cli.job_groups`), handed to
+:func:`~ray_mesh.raytrain.replica_groups.fit_replica_groups`. The console shows each
+group's layout at the start, one line per membership event, and a summary per group at
+the end (with its samples/s and tokens/s, and the groups' sum).
 
 A ``data:`` section reaches each group's train function as for one mesh (``config["data"]``),
 plus how to read its samples by index (``config["data_index"]``, read with
@@ -19,13 +20,9 @@ into Ray's object store.
 
 from __future__ import annotations
 
-import importlib
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
-
-import ray
 
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.cli.preray import check_before_ray
@@ -46,53 +43,22 @@ class GroupsOutcome:
     tokens_per_sample: int | None = None  # data.seq_len with a data: section
 
 
-def _use_gpu(job: Job, cluster: dict[str, float], workers: int | None) -> bool:
-    use_gpu = job.scaling.use_gpu
-    if use_gpu == "auto":
-        return cluster.get("GPU", 0) >= (workers or 1)
-    return bool(use_gpu)
+def _say(line: str) -> None:
+    print(f"ray-mesh: {line}", flush=True)
 
 
 def group_config(job: Job, verbose: bool = False) -> dict[str, Any]:
-    """The groups' train function config: the job's, with its ``data:`` section and how
-    to read it by index (see the module docstring). Reads through Ray Data when the
-    section says ``data_from: ray_data`` (inside the Ray session; Ray Data's own log lines
-    on this console only with ``verbose``: one ray-mesh line says what was read)."""
-    if job.data is None:
-        return job.config
-    from ray_mesh.data.indexed import INDEX_KEY, manifest
+    """The groups' train function config (:func:`ray_mesh.raytrain.launch.groups_config`),
+    its line on what was read printed here."""
+    from ray_mesh.raytrain.launch import groups_config
 
-    if job.replica_groups.data_from == "ray_data":
-        from ray_mesh.data.indexed_ray import ray_samples
-
-        node = ray.get_runtime_context().get_node_id()
-        cpus = next((n.get("Resources", {}).get("CPU", 0) for n in ray.nodes()
-                     if n.get("NodeID") == node), 0)
-        if cpus < 1:
-            raise JobError("replica_groups.data_from: ray_data reads the data on the driver's "
-                           "node, which has no CPU for Ray Data's tasks. Run the driver on a "
-                           "node with a CPU, or use data_from: files.")
-        importlib.import_module("ray.data")  # it sets its loggers' levels on import: first
-        t0 = time.monotonic()
-        quiet = logging.getLogger("ray.data")
-        level = quiet.level
-        if not verbose:  # its execution plan and a warning that progress bars are off
-            quiet.setLevel(logging.ERROR)
-        try:
-            index = {"samples": ray_samples(job.data)}
-        finally:
-            quiet.setLevel(level)
-        print(f"ray-mesh: data: {len(index['samples'])} training rows read into the object "
-              f"store in {time.monotonic() - t0:.1f} s (data_from: ray_data)", flush=True)
-    else:
-        index = {"manifest": manifest(job.data)}
-    return {**job.config, "data": job.data.to_dict(), INDEX_KEY: index}
+    return groups_config(job, verbose, say=_say)
 
 
 def run_groups_outcome(job: Job, address: str | None = None,
                        verbose: bool = False) -> GroupsOutcome:
     """Check the job, connect to Ray and run its replica groups to the end."""
-    from ray_mesh.raytrain.backend import MeshConfig
+    from ray_mesh.raytrain.launch import run_parts
     from ray_mesh.raytrain.replica_groups import describe, fit_replica_groups
 
     section = job.replica_groups
@@ -101,21 +67,16 @@ def run_groups_outcome(job: Job, address: str | None = None,
     workers = section.workers()
     cpus = (workers or EMBEDDED_WORKERS) * float(per_worker.get("CPU", 1))
     cpus += DATA_CPUS if job.data is not None and section.data_from == "ray_data" else 0
-    check_before_ray(job, will_embed(address), workers=workers or EMBEDDED_WORKERS)
+    # The storage (the driver's one probe), size, interfaces: before Ray starts.
+    storage_path = check_before_ray(job, will_embed(address),
+                                    workers=workers or EMBEDDED_WORKERS)
     with ray_session(address, cpus):
-        config = group_config(job, verbose)
-        use_gpu = _use_gpu(job, ray.cluster_resources(), workers)
-        mesh = MeshConfig(mesh={"dp_shard": -1}, verbose=verbose,
-                          total_steps=section.steps, **job.network.mesh_config_kwargs())
+        parts = run_parts(job, storage_path, train_fn=train_fn, verbose=verbose, say=_say)
         t0 = time.monotonic()
         try:
             result = fit_replica_groups(
-                train_fn, **section.fit_kwargs(), mesh_config=mesh, config=config,
-                name=job.name, storage_path=job.run.storage_path,
-                storage_endpoint=job.run.storage_endpoint, num_to_keep=job.run.num_to_keep,
-                resources_per_worker=per_worker or None, use_gpu=use_gpu,
-                on_event=lambda e: print(f"ray-mesh: {describe(e)}", flush=True),
-                on_groups=lambda line: print(f"ray-mesh: {line}", flush=True))
+                parts.train_fn, **parts.groups_kwargs(),
+                on_event=lambda e: _say(describe(e)), on_groups=_say)
         except (GroupLayoutError, GroupsFailed) as exc:
             raise JobError(str(exc)) from None
         return GroupsOutcome(result, time.monotonic() - t0,

@@ -201,6 +201,22 @@ NETWORK_KEYS = _keys(NetworkSection)
 RUN_KEYS = _keys(RunSection)
 
 
+def _overridden(source: Any, num_workers: int | None, storage_path: str | None,
+                endpoint: str | None) -> Any:
+    """A job file's mapping with the given overrides in its ``scaling:``/``run:`` (``source``
+    itself when none is given, or it is no mapping: its own check names that)."""
+    out = source
+    for section, changes in (("scaling", {"num_workers": num_workers}),
+                             ("run", {"storage_path": storage_path,
+                                      "storage_endpoint": endpoint})):
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if changes and isinstance(source, dict):
+            given = source.get(section)
+            out = {**out, section: {**given, **changes} if isinstance(given, dict)
+                   else changes}
+    return out
+
+
 @dataclass(frozen=True)
 class Job:
     """A parsed job file. Frozen: the runner derives what it needs instead of editing it."""
@@ -322,33 +338,49 @@ class Job:
         )
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> Job:
+    def from_yaml(cls, path: str | Path, *, num_workers: int | None = None,
+                  storage_path: str | None = None, storage_endpoint: str | None = None) -> Job:
+        """The job file at ``path``, parsed once, with ``ray-mesh run``'s overrides (where
+        not None) put in before its checks: ``--num-workers`` (``scaling.num_workers``),
+        ``--storage-path``/``--storage-endpoint`` (``run.storage_path``/``storage_endpoint``).
+        An override the checks refuse is named (the file without it is parsed again then,
+        to tell the two apart)."""
         path = Path(path).expanduser()
-        return cls.from_dict(load_yaml(path, error=JobError), base_dir=path.resolve().parent)
+        source = load_yaml(path, error=JobError)
+        base_dir = path.resolve().parent
+        given = _overridden(source, num_workers, storage_path, storage_endpoint)
+        if given is source:
+            return cls.from_dict(source, base_dir=base_dir)
+        try:
+            return cls.from_dict(given, base_dir=base_dir)
+        except JobError as exc:
+            if num_workers is None:
+                raise
+            try:  # the file with the other overrides: does it pass without --num-workers?
+                cls.from_dict(_overridden(source, None, storage_path, storage_endpoint),
+                              base_dir=base_dir)
+            except JobError:
+                raise exc from None
+            raise JobError(f"--num-workers {num_workers}: {exc}") from exc
 
     def with_storage(self, storage_path: str | None, endpoint: str | None) -> Job:
-        """This job with ``run.storage_path``/``run.storage_endpoint`` replaced where given
-        (``ray-mesh run --storage-path/--storage-endpoint``), re-checked."""
-        changes = {k: v for k, v in (("storage_path", storage_path),
-                                     ("storage_endpoint", endpoint)) if v is not None}
+        """This job with ``run.storage_path``/``run.storage_endpoint`` replaced where given,
+        re-checked (a job file's run is given them in :meth:`from_yaml`, parsed once)."""
         if self.source is None:
+            changes = {k: v for k, v in (("storage_path", storage_path),
+                                         ("storage_endpoint", endpoint)) if v is not None}
             return replace(self, run=replace(self.run, **changes))
-        run = self.source.get("run")
-        run = {**run, **changes} if isinstance(run, dict) else changes
-        return Job.from_dict({**self.source, "run": run}, base_dir=self.base_dir)
+        return Job.from_dict(_overridden(self.source, None, storage_path, endpoint),
+                             base_dir=self.base_dir)
 
     def with_num_workers(self, num_workers: int) -> Job:
-        """This job on ``num_workers`` workers (``ray-mesh run --num-workers``), re-checked.
-
-        A job parsed from a file is parsed again with the new count, so the override goes
-        through every check the file's own value does (mesh, data batch vs dp, min_workers).
-        """
+        """This job on ``num_workers`` workers, re-checked: a job parsed from a file is
+        parsed again with the new count, so it goes through every check the file's own
+        value does (mesh, data batch vs dp, min_workers)."""
         if self.source is None:
             return replace(self, scaling=replace(self.scaling, num_workers=num_workers))
-        scaling = self.source.get("scaling")
-        scaling = {**scaling, "num_workers": num_workers} if isinstance(scaling, dict) else {
-            "num_workers": num_workers}
-        return Job.from_dict({**self.source, "scaling": scaling}, base_dir=self.base_dir)
+        return Job.from_dict(_overridden(self.source, num_workers, None, None),
+                             base_dir=self.base_dir)
 
     # ------------------------------------------------------------------ train function
     def load_train_fn(self) -> Callable[..., Any]:

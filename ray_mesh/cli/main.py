@@ -26,7 +26,7 @@ from ray_mesh.cli.flags import (
     status_address_flag,
     storage_flag,
 )
-from ray_mesh.cli.job import MAX_WORKERS, Job, JobError
+from ray_mesh.cli.job import MAX_WORKERS, Job
 from ray_mesh.core.safe import safe_text
 from ray_mesh.errors import exit_code
 
@@ -60,14 +60,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", PROGRESS_LINES)  # never folded
     from ray_mesh.cli.runner import run_job_outcome
 
-    job = Job.from_yaml(args.job)
-    if args.num_workers is not None:  # the file's checks again, with the new count
-        try:
-            job = job.with_num_workers(args.num_workers)
-        except JobError as exc:
-            raise JobError(f"--num-workers {args.num_workers}: {exc}") from exc
-    if args.storage_path is not None or args.storage_endpoint is not None:
-        job = job.with_storage(args.storage_path, args.storage_endpoint)
+    # Parsed once, the flags in: they go through the file's own checks.
+    job = Job.from_yaml(args.job, num_workers=args.num_workers, storage_path=args.storage_path,
+                        storage_endpoint=args.storage_endpoint)
     if job.replica_groups is not None:  # one Ray Train run per group
         from ray_mesh.cli.groups_runner import groups_summary, run_groups_outcome
 

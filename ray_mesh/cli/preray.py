@@ -41,17 +41,17 @@ def embedded_capacity_problem(num_workers: int, total_bytes: int) -> str | None:
             f"cluster with --address <head>:6379.")
 
 
-def check_before_ray(job: Job, embedded: bool, workers: int | None = None) -> None:
+def check_before_ray(job: Job, embedded: bool, workers: int | None = None) -> str:
     """Driver-side checks that need no Ray; raise JobError/StorageError/NetworkError.
     ``workers``: the run's worker count when it is not ``scaling.num_workers`` (replica
-    groups)."""
-    from ray_mesh.checkpointing.storage import check_storage
+    groups). Returns the checked storage path (the nodes probe it once Ray is up)."""
+    from ray_mesh.raytrain.launch import probe_storage
 
     # A local path, or a bucket (endpoint, bucket, credentials, a write probe): each failure
-    # is one line here, before Ray or any worker starts.
-    check_storage(job.run.storage_path, name=job.name, endpoint=job.run.storage_endpoint)
+    # is one line here, before Ray or any worker starts. The driver's only probe of it.
+    storage_path = probe_storage(job)
     if not embedded:
-        return
+        return storage_path
     import psutil
 
     why = embedded_capacity_problem(workers or job.scaling.num_workers,
@@ -69,6 +69,7 @@ def check_before_ray(job: Job, embedded: bool, workers: int | None = None) -> No
     problems = user_ifname_problems(dict(os.environ), table, nccl=nccl)
     if problems:
         raise NetworkError(f"On this machine (the embedded Ray's node): {problems[0]}")
+    return storage_path
 
 
 def _inner(exc: BaseException) -> Iterator[BaseException]:

@@ -1,9 +1,10 @@
 """Run a :class:`~ray_mesh.cli.job.Job` on Ray: embedded local Ray, or a cluster by address.
 
-The engine of ``ray-mesh run``: it connects, checks the job against the cluster, builds the
-``TorchTrainer`` from the job's sections and shows our own error out of Ray's wrappers. It
-speaks the job file's and the command line's terms (``--address``, ``scaling.num_workers``),
-so it lives with them in ``cli``, above the Ray glue it drives (``ray_mesh.raytrain``).
+The engine of ``ray-mesh run``: it connects (an embedded Ray or a cluster's), has the launch
+layer (:mod:`ray_mesh.raytrain.launch`) check the job against the cluster and put its run
+together, and shows our own error out of Ray's wrappers. It speaks the job file's and the
+command line's terms (``--address``, ``scaling.num_workers``), so it lives with them in
+``cli``, above the Ray glue it drives (``ray_mesh.raytrain``).
 """
 
 from __future__ import annotations
@@ -18,23 +19,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.train import CheckpointConfig, LoggingConfig, Result, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train import Result
 
 import ray_mesh.private_apis as private_apis
-from ray_mesh.checkpointing.storage import check_run_name, check_storage
 from ray_mesh.cli.flags import address_problem
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.cli.preray import check_before_ray, user_error_inside
-from ray_mesh.core.object_store import run_storage
 from ray_mesh.core.priority import RAY_NICENESS_ENV
-from ray_mesh.core.spec import NODES
 from ray_mesh.errors import ConfigurationError, UserInputError
 from ray_mesh.network.interfaces import NetworkError, host_port, split_host_port
 from ray_mesh.raytrain.auth import secure_token_file
-from ray_mesh.raytrain.backend import BringUpError, MeshConfig
+from ray_mesh.raytrain.backend import BringUpError
 from ray_mesh.raytrain.driver import CLI_ENV, EMBEDDED_ENV
-from ray_mesh.raytrain.elastic import check_elastic_mesh, explain_startup_failure, failure_config
+from ray_mesh.raytrain.elastic import explain_startup_failure
+from ray_mesh.raytrain.launch import (  # the launch layer; these names were first here
+    check_cluster,
+    check_data_resources,
+    check_resources,
+    mesh_config,
+    run_parts,
+    scaling_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -203,125 +208,6 @@ def _sends_token() -> bool:
     return os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "token"
 
 
-def scaling_for(job: Job, cluster: dict[str, float]) -> ScalingConfig:
-    """ScalingConfig from the job, with use_gpu 'auto' meaning "if the cluster has enough"."""
-    s = job.scaling
-    use_gpu = s.use_gpu
-    if use_gpu == "auto":
-        use_gpu = cluster.get("GPU", 0) >= s.num_workers
-    resources = dict(s.resources_per_worker or {})
-    if not use_gpu:
-        resources.setdefault("CPU", 1)
-    kwargs: dict[str, Any] = {}
-    if s.placement_strategy is not None:
-        kwargs["placement_strategy"] = s.placement_strategy
-    # run.min_workers makes the run elastic: Ray Train restarts it on (min..max) workers.
-    min_workers = job.run.min_workers
-    return ScalingConfig(num_workers=(min_workers, s.num_workers) if min_workers
-                         else s.num_workers,
-                         use_gpu=bool(use_gpu), resources_per_worker=resources or None, **kwargs)
-
-
-def check_resources(scaling: ScalingConfig, cluster: dict[str, float]) -> None:
-    """Fail now, not after a silent wait for resources that will never come."""
-    per_worker = dict(scaling.resources_per_worker or {})
-    if scaling.use_gpu:
-        per_worker.setdefault("GPU", 1)
-    for name, amount in per_worker.items():
-        need = amount * scaling.min_workers
-        have = cluster.get(name, 0)
-        if need > have:
-            fix = ("set scaling.use_gpu: false (or auto) to train on CPU"
-                   if name == "GPU" else f"lower scaling.num_workers or resources_per_worker."
-                   f"{name}, or add nodes that have {name!r}")
-            raise JobError(
-                f"The job asks for {name}: {need:g} ({scaling.min_workers} workers x {amount:g}) "
-                f"but the cluster has {name}: {have:g}. {fix[0].upper() + fix[1:]}."
-            )
-
-
-def check_cluster(scaling: ScalingConfig, torch_config: MeshConfig | None = None,
-                  storage_path: str | None = None, *, check_store: bool = False,
-                  name: str | None = None, storage_endpoint: str | None = None) -> str | None:
-    """Driver-side checks before ``fit()``; ``ray-mesh run`` makes the same ones.
-
-    Ray Train 2.60 waits forever ("worker group startup timed out", retried) when a
-    ScalingConfig asks for resources the cluster does not have, e.g. GPUs on a CPU-only
-    cluster, and no backend hook runs before that wait: these checks need the
-    ScalingConfig and RunConfig, which a ``BackendConfig`` never sees on the driver.
-
-    Checks ``scaling`` against the connected cluster's resources; with ``torch_config``, that
-    its mesh can be laid out on the worker count (elastic ranges included); with
-    ``check_store`` (or a ``storage_path``), that the storage path is writable and shared by
-    every node (and ``name``, the run name, that it stays inside it); ``storage_endpoint``:
-    the S3-compatible server of an ``s3://`` storage path. Returns the checked storage path.
-    """
-    check_resources(scaling, ray.cluster_resources())
-    if torch_config is not None and torch_config.mesh != "auto":  # auto: planned at bring-up
-        if scaling.elasticity_enabled:
-            check_elastic_mesh(torch_config.mesh, scaling.min_workers, scaling.max_workers)
-        elif NODES not in torch_config.mesh.shape:
-            torch_config.mesh.resolve(scaling.num_workers)
-    if check_store or storage_path is not None:
-        return check_storage(storage_path, name=name, endpoint=storage_endpoint)
-    return storage_path
-
-
-def check_data_resources(job: Job, scaling: ScalingConfig, cluster: dict[str, float]) -> None:
-    """A ``data:`` job streams through Ray Data tasks, which need CPUs the workers leave free:
-    without one the read waits for resources forever and the first step never comes."""
-    if job.data is None:
-        return
-    per = dict(scaling.resources_per_worker or {}).get("CPU", 0 if scaling.use_gpu else 1)
-    free = cluster.get("CPU", 0) - per * scaling.max_workers
-    if free < 1:
-        raise JobError(
-            f"The job's data: section streams through Ray Data, whose read tasks need a free "
-            f"CPU, but the {scaling.max_workers} workers take {per * scaling.max_workers:g} of "
-            f"the cluster's {cluster.get('CPU', 0):g} CPUs. Lower scaling.resources_per_worker"
-            f".CPU (e.g. 0.5) or num_workers, or add a node with CPUs.")
-
-
-def mesh_config(job: Job, verbose: bool = False) -> MeshConfig:
-    """The job's ``mesh``/``layout`` and ``network`` sections as a :class:`MeshConfig`; the
-    job's ``config.steps`` (when a whole number) sizes the progress line's ``step i/N`` and ETA."""
-    where = ({"mesh": "auto", "replicate": job.replicate} if job.layout is None
-             else {"layout": job.layout})
-    steps = (job.config or {}).get("steps")
-    total = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 \
-        else None
-    return MeshConfig(plan=job.plan, verbose=verbose, total_steps=total, **where,
-                      **job.network.mesh_config_kwargs())
-
-
-def build_trainer(job: Job, scaling: ScalingConfig, storage_path: str | None = None,
-                  verbose: bool = False) -> TorchTrainer:
-    """The trainer for ``job``; ``storage_path`` is the checked one (default: the job's)."""
-    run = job.run
-    run_config = RunConfig(
-        name=check_run_name(job.name),
-        # With run.storage_endpoint: RunConfig's storage_filesystem (an S3FileSystem at that
-        # endpoint, no credentials in it) and the path inside it.
-        **run_storage(storage_path if storage_path is not None else run.storage_path,
-                      run.storage_endpoint),
-        failure_config=failure_config(run.max_failures, run.startup_retries),
-        checkpoint_config=CheckpointConfig(num_to_keep=run.num_to_keep),
-        # Ray Train's own INFO lines (state transitions, every report) only with -v.
-        logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING"),
-    )
-    # A data: section: its Ray Data datasets stream to the workers, and the train function
-    # finds the checked spec in its config under "data" (the job's own business).
-    datasets, config = job.trainer_inputs()
-    return TorchTrainer(
-        job.load_train_fn(),
-        train_loop_config=config,
-        datasets=datasets,
-        scaling_config=scaling,
-        torch_config=mesh_config(job, verbose),
-        run_config=run_config,
-    )
-
-
 @dataclass
 class RunOutcome:
     """A finished run and what the console summary says about it."""
@@ -357,28 +243,24 @@ def run_job(job: Job, address: str | None = None, verbose: bool = False) -> Resu
 
 def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False) -> RunOutcome:
     """:func:`run_job`, with the wall time and where the metrics were served."""
-    job.load_train_fn()  # a train function that cannot be imported fails before Ray starts
+    train_fn = job.load_train_fn()  # a train function that cannot be imported fails before Ray
     cpus = job.scaling.num_workers * float(
         (job.scaling.resources_per_worker or {}).get("CPU", 1))
     cpus += DATA_CPUS if job.data is not None else 0  # room for Ray Data's tasks
-    check_before_ray(job, will_embed(address))  # storage, size, interfaces: before Ray starts
+    # The storage (probed here, once), size, interfaces: before Ray starts.
+    storage_path = check_before_ray(job, will_embed(address))
     with ray_session(address, cpus) as started:
-        cluster = ray.cluster_resources()
-        scaling = scaling_for(job, cluster)
-        check_data_resources(job, scaling, cluster)
-        # Resources, the mesh against the worker count, and a storage_path that is not
-        # writable or node-local on a multi-node cluster: all fail here, not later.
-        storage_path = check_cluster(scaling, mesh_config(job), job.run.storage_path,
-                                     check_store=True, name=job.name,
-                                     storage_endpoint=job.run.storage_endpoint)
-        trainer = build_trainer(job, scaling, storage_path, verbose)
+        # Resources, the mesh against the worker count, a storage_path that some node cannot
+        # see or write: all fail here, before the run's parts are put together.
+        parts = run_parts(job, storage_path, train_fn=train_fn, verbose=verbose)
+        trainer = parts.trainer()
         url = metrics_url()
         t0 = time.monotonic()
         try:
             result = trainer.fit()
         except Exception as exc:
             # A group that cannot start again (a node lost, a fixed-size run) -> say so.
-            why = explain_startup_failure(exc, scaling.num_workers)
+            why = explain_startup_failure(exc, parts.scaling.num_workers)
             if why:
                 raise JobError(why) from exc
             # Our own error (a failed pre-flight, a bad mesh) inside Ray's wrappers.
@@ -387,3 +269,9 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
                 raise ours from None
             raise
         return RunOutcome(result, time.monotonic() - t0, url, started)
+
+
+__all__ = ["DATA_CPUS", "RunOutcome", "check_cluster", "check_data_resources",
+           "check_reachable", "check_resources", "connect", "mesh_config", "metrics_url",
+           "node_metrics_url", "ray_session", "run_job", "run_job_outcome", "scaling_for",
+           "will_embed"]

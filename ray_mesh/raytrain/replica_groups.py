@@ -138,7 +138,8 @@ def fit_replica_groups(train_fn: Any, *,
                        num_to_keep: int | None = None, upload_timeout_s: float = 600.0,
                        dead_after_s: float = 5.0, arrive_timeout_s: float = 300.0,
                        timeout_s: float = 30.0, poll_s: float = 0.5, shares: str = "equal",
-                       on_event: Any = None, on_groups: Any = None) -> ReplicaGroupsResult:
+                       on_event: Any = None, on_groups: Any = None,
+                       storage_probed: bool = False) -> ReplicaGroupsResult:
     """Train ``train_fn`` as ``groups`` replica groups of ``workers_per_group`` workers, or
     as one group per entry of a list of group layouts (unequal boxes:
     :func:`~ray_mesh.replicas.layouts.group_specs`, e.g. ``[{"dp_shard": 2}, {"mesh":
@@ -164,12 +165,13 @@ def fit_replica_groups(train_fn: Any, *,
     written locally and uploaded in the background (:mod:`ray_mesh.replicas.fallback`;
     ``upload_timeout_s`` bounds one upload), the ``num_to_keep`` newest kept (None: all).
     The storage is probed from the driver and every alive node before anything starts
-    (:mod:`ray_mesh.raytrain.replica_storage`). ``max_group_failures``: restarts of one
-    group (-1: no limit).
+    (:mod:`ray_mesh.raytrain.replica_storage`; ``storage_probed``: this process probed it
+    before Ray started, as ``ray-mesh run`` does, so only the nodes probe it now).
+    ``max_group_failures``: restarts of one group (-1: no limit).
     """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, ScalingConfig
 
-    from ray_mesh.core.object_store import run_storage
+    from ray_mesh.raytrain.launch import run_config
 
     check_settings(checkpoint_every=checkpoint_every, num_to_keep=num_to_keep,
                    max_group_failures=max_group_failures, upload_timeout_s=upload_timeout_s)
@@ -177,7 +179,8 @@ def fit_replica_groups(train_fn: Any, *,
         group_specs(groups, workers_per_group)  # the layouts' text first: nothing contacted
     location, location_endpoint = check_groups_storage(  # before any actor or group starts
         storage_path=storage_path, storage_endpoint=storage_endpoint, name=name,
-        checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir)
+        checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
+        where="nodes" if storage_probed else "all")
     if groups == "auto":  # one group per alive node, as many workers as it has room for
         specs = _groups_of_this_cluster(resources_per_worker, use_gpu)
     else:
@@ -211,11 +214,9 @@ def fit_replica_groups(train_fn: Any, *,
                                             placement_strategy="STRICT_PACK",
                                             resources_per_worker=per_worker or None),
             "torch_config": _group_mesh_config(mesh_config, spec, groups),
-            "run_config": RunConfig(name=f"{name}-g{gid}",
-                                    **run_storage(storage_path, storage_endpoint),
-                                    failure_config=FailureConfig(
-                                        max_failures=max_group_failures),
-                                    checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep)),
+            "run_config": run_config(f"{name}-g{gid}", storage_path, storage_endpoint,
+                                     failure=FailureConfig(max_failures=max_group_failures),
+                                     num_to_keep=num_to_keep),
         }
         runners[gid] = _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
         refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs)

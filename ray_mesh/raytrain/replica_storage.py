@@ -66,27 +66,46 @@ def check_settings(*, checkpoint_every: int, num_to_keep: int | None,
 
 def check_groups_storage(*, storage_path: str | None, storage_endpoint: str | None, name: str,
                          checkpoint_every: int, checkpoint_dir: str | None,
-                         timeout_s: float = 60.0) -> tuple[str | None, str | None]:
+                         timeout_s: float = 60.0, where: str = "all"
+                         ) -> tuple[str | None, str | None]:
     """Probe the run's storage (and the fallback's, when elsewhere) from the driver and
     every alive node; ``(fallback location, its endpoint)``, or ``(None, None)`` without
     fallback checkpoints. Raises what
     :func:`~ray_mesh.checkpointing.storage.check_storage` raises (``StorageURIError``,
-    ``ObjectStoreError``, ``StorageError``), naming the node that failed."""
-    from ray_mesh.checkpointing.storage import check_run_name, check_storage
+    ``ObjectStoreError``, ``StorageError``), naming the node that failed.
+
+    ``where``: ``"all"`` (the driver, then the nodes), ``"here"`` (the driver only, before
+    Ray starts: the run's storage whatever its kind, as for one mesh) or ``"nodes"`` (the
+    nodes only: the driver probed before Ray started). A run probes each place once."""
+    from ray_mesh.checkpointing.storage import (
+        absolute_storage_path,
+        check_run_name,
+        check_storage,
+        check_storage_nodes,
+    )
 
     check_run_name(name)
     run_storage(storage_path, storage_endpoint)  # the text: an endpoint needs an s3:// path
+
+    def probe(location: str | None, endpoint: str | None) -> str:
+        if where == "nodes":
+            location = absolute_storage_path(location)
+            check_storage_nodes(location, endpoint=endpoint, timeout_s=timeout_s)
+            return location
+        return check_storage(location, endpoint=endpoint, timeout_s=timeout_s,
+                             nodes=where == "all")
+
     checked = []
-    if storage_path is not None and is_uri(storage_path):  # Ray Train's runs write there
-        check_storage(storage_path, endpoint=storage_endpoint, timeout_s=timeout_s)
-        checked.append(storage_path)
+    if where == "here" or (storage_path is not None and is_uri(storage_path)):
+        # Ray Train's runs write there; a local one is each group's node's own business
+        checked.append(probe(storage_path, storage_endpoint))
     if not checkpoint_every:
         return None, None
     location = fallback_location(storage_path, name, checkpoint_dir)
     endpoint = _endpoint_for(location, storage_endpoint)
     if checkpoint_dir or not any(same_location(location, c) or location.startswith(
-            c.split("?", 1)[0].rstrip("/") + "/") for c in checked):
-        location = check_storage(location, endpoint=endpoint, timeout_s=timeout_s)
+            c.split("?", 1)[0].rstrip("/") + "/") for c in checked if is_uri(c)):
+        location = probe(location, endpoint)
     return location, endpoint
 
 

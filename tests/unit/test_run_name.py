@@ -1,7 +1,7 @@
 """Run names are one path component: a name never puts the run directory outside storage_path.
 
-Checked in the YAML job (``name:``), in ``check_storage(name=...)`` and where the runner builds
-``RunConfig``; nothing is created outside the storage path.
+Checked in the YAML job (``name:``), in ``check_storage(name=...)`` and where the launch layer
+puts a run together (``run_parts``); nothing is created outside the storage path.
 """
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ray.train import ScalingConfig
 
 from ray_mesh.checkpointing.storage import StorageError, check_run_name, check_storage
 from ray_mesh.cli.job import Job, JobError
-from ray_mesh.cli.runner import build_trainer
+from ray_mesh.raytrain.launch import run_parts
 
 TRAIN = str(Path(__file__).resolve().parents[2] / "harness" / "ckpt_train.py") + ":train_loop"
 BAD = ["../escaped_run", "..", ".", "a/b", "/abs/run", "a\\b", "~root", "x\0y", "tab\there",
@@ -32,8 +31,8 @@ def test_bad_names_are_refused_everywhere(tmp_path, name):
         with pytest.raises(JobError, match=r"cannot be a run name.*one plain path component"):
             Job.from_dict({"name": name, "train": TRAIN})
     job = Job(name=name, train=TRAIN)  # built in Python, past the YAML checks
-    with pytest.raises(StorageError, match="not allowed"):
-        build_trainer(job, ScalingConfig(num_workers=1))
+    with pytest.raises(StorageError, match="not allowed"):  # where a run is put together
+        run_parts(job, str(storage), connected=False, cluster={"CPU": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing created anywhere
 
 
