@@ -4,11 +4,11 @@ file through ``ray-mesh run``).
 
 Fallback: two DiLoCo replica groups (one worker each, an outer step every 3 inner steps,
 outer momentum 0.5: at 0.9 this tiny problem diverges over so few inner steps), a checkpoint
-of the group state every 4 outer steps, and both groups' workers SIGKILLed at step 10. With no
-live group left to heal from, the restart waits for both groups; the first restores the newest
-checkpoint from storage (outer state included), the second heals from it over the network,
-and the run finishes. The same with the fallback in an S3 bucket (a moto server, no
-``checkpoint_dir``: the run's storage), uploaded in the background. The kill-and-rejoin of
+of the group state every 4 outer steps into the run's storage, an S3 bucket (a moto server,
+no ``checkpoint_dir``), uploaded in the background, and both groups' workers SIGKILLed at
+step 11. With no live group left to heal from, the restart waits for both groups; the first
+restores the newest checkpoint from the bucket (outer state included), the second heals from
+it over the network, and the run finishes. The kill-and-rejoin of
 one group while the others train on, on unequal nodes, is
 tests/netns/test_replica_groups_netns.py.
 """
@@ -30,59 +30,17 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.mark.timeout(300)
-def test_every_group_gone_restores_from_storage_and_the_run_finishes(ray_local, tmp_path):
-    from ray_mesh.cli.job import load_function
-    from ray_mesh.raytrain.replica_groups import describe, fit_replica_groups
-
-    logs_dir = tmp_path / "logs"
-    logs_dir.mkdir()
-    config = {"log_dir": str(logs_dir), "step_s": 0.2,
-              "diloco": {"every": 3, "outer_momentum": 0.5},
-              "kill": {"group": "all", "rank": 0, "at_step": 10,
-                       "marker": str(tmp_path / "killed")}}
-    lines: list[str] = []
-    result = fit_replica_groups(
-        load_function("harness/replica_train.py:train_loop"), groups=2, workers_per_group=1,
-        total_steps=16, segment_samples=12, config=config, storage_path=str(tmp_path / "runs"),
-        resources_per_worker={"CPU": 1}, checkpoint_every=4,
-        checkpoint_dir=str(tmp_path / "ckpt"), name="rg-fallback",
-        on_event=lambda e: lines.append(describe(e)))
-    print("\n".join(lines))
-    kinds = [(e["kind"], e["group"]) for e in result.events]
-    assert ("left", 0) in kinds and ("left", 1) in kinds, lines
-    restore = [e for e in result.events if e["kind"] == "restore"]
-    assert len(restore) == 1 and restore[0]["step"] == 8, lines
-    assert "ckpt/checkpoint_00000008_" in restore[0]["detail"], restore
-    healed = [e for e in result.events if e["kind"] == "healed"]
-    assert healed and {e["step"] for e in healed} == {8}, lines
-    assert kinds.count(("joined", 0)) == 2 and kinds.count(("joined", 1)) == 2, lines
-    assert result.status["step"] == 16 and result.status["finished"], result.status
-
-    logs = rc.read(logs_dir)
-    # steps 9 and 10 were taken, lost with every group, and taken again after the restore
-    for gid, rows in logs.items():
-        steps = [r["step"] for r in rows]
-        assert steps[-1] == 16 or gid != restore[0]["group"], (gid, steps)
-    twice, skipped = rc.sample_use(logs)
-    assert skipped == [], skipped
-    redone = {i for rows in logs.values() for r in rows if r["step"] > 8
-              for s, n in r["ranges"] for i in range(s, s + n)}
-    assert set(twice) <= redone, (twice, sorted(redone))
-    # both groups end with the same model (the second one healed from the restored one)
-    finals = rc.finals(logs_dir)
-    last = [rows[-1] for rows in finals.values()]
-    assert len(last) == 2 and all(r["step"] == 16 for r in last), finals
-    assert abs(last[0]["eval_loss"] - last[1]["eval_loss"]) < 1e-6, last
-    assert last[0]["eval_loss"] < 0.5, last  # it trained (0.65 untrained)
-
-
-@pytest.mark.timeout(300)
 def test_every_group_gone_restores_from_the_bucket_of_the_runs_storage(ray_local, tmp_path):
     """No shared filesystem: storage_path is a bucket at an endpoint, the fallback goes to
     ``<storage_path>/<name>-fallback`` there (written locally, uploaded in the background,
-    recorded once whole), and the restart after every group died restores it from there."""
+    recorded once whole), and the restart after every group died restores it from there:
+    the first group back restores checkpoint 8, the other heals from it over the network,
+    steps lost with every group are taken again and no sample is skipped. (A local
+    ``checkpoint_dir`` takes the same path through ``replicas.fallback``, with a local
+    filesystem: tests/dist/test_replica_layouts.py restores one without Ray.)"""
     from moto_s3 import S3Server
 
+    from ray_mesh.checkpointing.upload import complete
     from ray_mesh.cli.job import load_function
     from ray_mesh.raytrain.replica_groups import describe, fit_replica_groups
 
@@ -98,23 +56,36 @@ def test_every_group_gone_restores_from_the_bucket_of_the_runs_storage(ray_local
         lines: list[str] = []
         result = fit_replica_groups(
             load_function("harness/replica_train.py:train_loop"), groups=2,
-            workers_per_group=1, total_steps=14, segment_samples=12, config=config,
+            workers_per_group=1, total_steps=16, segment_samples=12, config=config,
             storage_path=s3.uri("runs"), storage_endpoint=s3.endpoint,
             resources_per_worker={"CPU": 1}, checkpoint_every=4, num_to_keep=1,
             name="rg-bucket", on_event=lambda e: lines.append(describe(e)))
         print("\n".join(lines))
+        kinds = [(e["kind"], e["group"]) for e in result.events]
+        assert ("left", 0) in kinds and ("left", 1) in kinds, lines
         restore = [e for e in result.events if e["kind"] == "restore"]
         assert len(restore) == 1 and restore[0]["step"] == 8, lines
         assert s3.uri("runs/rg-bucket-fallback/checkpoint_00000008_") in restore[0]["detail"]
+        healed = [e for e in result.events if e["kind"] == "healed"]
+        assert healed and {e["step"] for e in healed} == {8}, lines
+        assert kinds.count(("joined", 0)) == 2 and kinds.count(("joined", 1)) == 2, lines
         assert not [e for e in result.events if e["kind"] == "unsaved"], lines
-        assert result.status["step"] == 14 and result.status["finished"], result.status
+        assert result.status["step"] == 16 and result.status["finished"], result.status
+
+        logs = rc.read(logs_dir)
+        # steps 9 to 11 were taken, lost with every group, and taken again after the restore
+        twice, skipped = rc.sample_use(logs)
+        assert skipped == [], skipped
+        redone = {i for rows in logs.values() for r in rows if r["step"] > 8
+                  for s, n in r["ranges"] for i in range(s, s + n)}
+        assert set(twice) <= redone, (twice, sorted(redone))
+        # both groups end with the same model (the second one healed from the restored one)
         finals = rc.finals(logs_dir)
         last = [rows[-1] for rows in finals.values()]
-        assert len(last) == 2 and all(r["step"] == 14 for r in last), finals
+        assert len(last) == 2 and all(r["step"] == 16 for r in last), finals
         assert abs(last[0]["eval_loss"] - last[1]["eval_loss"]) < 1e-6, last
+        assert last[0]["eval_loss"] < 0.5, last  # it trained (0.65 untrained)
         # num_to_keep=1: only the newest complete fallback is left in the bucket
-        from ray_mesh.checkpointing.upload import complete
-
         kept = complete(s3.uri("runs/rg-bucket-fallback"), s3.endpoint)
         assert len(kept) == 1 and kept[0][0] >= 12, kept
     finally:

@@ -129,6 +129,32 @@ def test_the_fallback_is_recorded_only_once_its_upload_is_whole_and_restores(
     assert quorum.status()["checkpoint"][0] == 8 and not fallback.errors
 
 
+def test_a_local_checkpoint_dir_is_recorded_and_restores(tmp_path):
+    """``checkpoint_dir`` on a filesystem every node mounts (no endpoint): the same path
+    through :class:`Fallback` as a bucket, DCP shards and manifest in the directory; the
+    run's restore of it under Ray is tests/ray/test_replica_groups_ray.py's, from a bucket."""
+    quorum = Quorum(segment_samples=4, total_steps=100)
+    client = _Client(quorum)
+    location = str(tmp_path / "ckpt")
+    fallback = Fallback(location, client, 0, every=2, keep=1)
+    state, likes = _group_state()
+    for step in (2, 4):
+        assert fallback.save(step, state, likes)
+        fallback.close(timeout_s=60)
+    step, uri = quorum.status()["checkpoint"]
+    assert step == 4 and uri.startswith(f"{location}/checkpoint_00000004_"), uri
+    assert [s for s, _ in upload.complete(location, None)] == [4]  # num_to_keep=1
+    files = json.loads((tmp_path / "ckpt" / uri.rsplit("/", 1)[1] / MANIFEST).read_text())
+    assert {".metadata", "__0_0.distcp"} <= set(files["files"]), files
+    saved = [t.clone() for t in state]
+    for t in state:
+        t.zero_()
+    fallback.restore(uri, state, likes)
+    for a, b in zip(saved, state, strict=True):
+        assert torch.equal(a, b)
+    assert not fallback.errors
+
+
 def test_a_restore_refuses_a_checkpoint_changed_in_the_bucket(s3, signed):
     quorum = Quorum(segment_samples=4, total_steps=100)
     fallback = Fallback(s3.uri("runs/rg-tamper"), _Client(quorum), 0, every=1,
