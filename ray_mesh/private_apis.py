@@ -156,9 +156,10 @@ def v2_worker_group_type() -> type | None:
     return WorkerGroup
 
 
-def warm_autoscaling_coordinator(timeout_s: float) -> bool:
-    """Start Ray's autoscaling coordinator actor now, on this node, and wait (bounded) until
-    it answers; False when it did not in ``timeout_s`` or this Ray has none.
+def start_autoscaling_coordinator() -> Any:
+    """Start Ray's autoscaling coordinator actor now, on this node; returns the reference its
+    ``__ray_ready__`` answers on (the caller waits, bounded), or None where this Ray has none
+    or no Ray is connected.
 
     Why: Ray Train 2.60's controller, on the driver's node, creates that actor on its first
     resource request and gives the request a 5 s ``ray.get``. On a busy machine starting a
@@ -175,17 +176,15 @@ def warm_autoscaling_coordinator(timeout_s: float) -> bool:
             get_or_create_autoscaling_coordinator,
         )
     except ImportError:
-        return False
+        return None
     import ray
 
     if not ray.is_initialized():  # its remote() would start a Ray of its own
-        return False
+        return None
     try:
-        actor = get_or_create_autoscaling_coordinator()
-        ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        return get_or_create_autoscaling_coordinator().__ray_ready__.remote()
     except Exception:  # noqa: BLE001 - a warm-up: Ray Train makes the actor itself anyway
-        return False
-    return True
+        return None
 
 
 def startup_timeout_error_type() -> type:
@@ -387,5 +386,5 @@ __all__ = [
     "set_mesh_group",
     "startup_timeout_error_type",
     "v2_worker_group_type",
-    "warm_autoscaling_coordinator",
+    "start_autoscaling_coordinator",
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import warnings
 
 from ray_mesh.raytrain import state_api
@@ -84,19 +85,37 @@ def enable_state_tracking() -> bool:
 
 
 WARM_TIMEOUT_S = 60.0  # the autoscaling coordinator's start on a busy driver node
+# After the warm-up, how long the nodes' ray_mesh import probes may still take (a probe
+# pending past it is left to the run's own bounded start-up).
+NODE_PROBE_WAIT_S = 10.0
 
 
 def warm_controller_actors() -> None:
     """Before ``fit()``: start the actor Ray Train's controller asks for resources
-    (``private_apis.warm_autoscaling_coordinator``: made on first use, its start on a busy
-    machine outlasts the controller's 5 s wait and prints a traceback). Bounded; a
+    (``private_apis.start_autoscaling_coordinator``: made on first use, its start on a busy
+    machine outlasts the controller's 5 s wait and prints a traceback), and meanwhile ask
+    every node whether its workers can import ray_mesh (``node_install``: a node that
+    cannot is refused here, in a second, instead of a minute of restarts). Bounded; a
     coordinator that does not answer in time is said once, in one line."""
-    from ray_mesh.private_apis import warm_autoscaling_coordinator
+    import ray
 
-    if not warm_autoscaling_coordinator(WARM_TIMEOUT_S):
+    from ray_mesh.private_apis import start_autoscaling_coordinator
+    from ray_mesh.raytrain.node_install import NodeImportProbe
+
+    if not ray.is_initialized():
+        return
+    probe = NodeImportProbe()
+    ready = start_autoscaling_coordinator()
+    deadline = time.monotonic() + WARM_TIMEOUT_S
+    while ready is not None and time.monotonic() < deadline:
+        probe.check()
+        if ray.wait([ready], timeout=min(1.0, max(0.0, deadline - time.monotonic())))[0]:
+            ready = None
+    if ready is not None:
         logger.info("Ray's autoscaling coordinator did not start within %.0f s (a busy head "
                     "node?): Ray Train may log a resource-request timeout; it retries on "
                     "its own", WARM_TIMEOUT_S)
+    probe.check(timeout_s=NODE_PROBE_WAIT_S)
 
 
 def cluster_worker_setup() -> None:

@@ -285,10 +285,10 @@ def test_is_head_node():
     assert not pa.is_head_node({"CPU": 2.0, "node:10.0.0.2": 1.0})
 
 
-def test_warm_autoscaling_coordinator():
+def test_start_autoscaling_coordinator():
     """What it relies on in Ray 2.60: the coordinator is made on first use, named, detached
     and got-if-exists on its creator's node, and Ray Train's controller asks it with a 5 s
-    get (the wait the warm-up spares a busy machine). Without a Ray it says False. The
+    get (the wait the warm-up spares a busy machine). Without a Ray it gives None. The
     warm-up on a live Ray is tests/ray/test_console_examples.py's console under load."""
     from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as dac
     from ray.train.v2._internal.execution.scaling_policy import autoscaling_coordinator_client
@@ -297,4 +297,4 @@ def test_warm_autoscaling_coordinator():
     for part in ("get_if_exists=True", 'lifetime="detached"', "get_node_id()"):
         assert part in source, f"{UPGRADE}: get_or_create_autoscaling_coordinator lost {part}"
     assert autoscaling_coordinator_client.AUTOSCALING_REQUESTS_GET_TIMEOUT_S == 5
-    assert pa.warm_autoscaling_coordinator(0.1) is False  # no Ray here: nothing to warm
+    assert pa.start_autoscaling_coordinator() is None  # no Ray here: nothing to warm

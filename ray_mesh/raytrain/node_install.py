@@ -1,0 +1,74 @@
+"""Before a run on a cluster: can Ray's workers on every node import ray_mesh?
+
+A node whose Python lacks ray_mesh (installed on the head only, or ``ray start`` run from
+another virtualenv) cannot run any of the run's processes. Under ``ray-mesh run --address``
+each of them dies in the job's ``worker_process_setup_hook`` (a ray_mesh function) before it
+runs anything; Ray restarts the autoscaling coordinator and the Train controller over and
+over, prints the same traceback every ~5 s, and the run ends a minute later in an
+``ActorDiedError`` traceback (seen, 65 s). Through the Python API the workers fail to
+unpickle ``MeshConfig`` instead. One 0-CPU task per node, not retried, finds either in about
+a second, beside the controller warm-up (``driver.warm_controller_actors``), and the run
+stops with one line that names the node and the fix.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_mesh.errors import ClusterError
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _import_ray_mesh() -> str:
+    import ray_mesh  # noqa: F401 - what every process of the run imports
+
+    return sys.executable
+
+
+class NodeImportProbe:
+    """The probes in flight, one per alive node; :meth:`check` raises on the first bad one."""
+
+    def __init__(self) -> None:
+        self.refs: dict[Any, str] = {}
+        for node in ray.nodes():
+            if node.get("Alive"):
+                ref = _import_ray_mesh.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node["NodeID"], soft=False)).remote()
+                self.refs[ref] = node.get("NodeManagerAddress", node["NodeID"][:12])
+
+    def check(self, timeout_s: float = 0.0) -> None:
+        """Raise :class:`ClusterError` for every probe that failed within ``timeout_s``.
+        A probe still pending at the bound is left alone: a busy node starts a worker late,
+        and the run's own bounded start-up names a node that never does."""
+        deadline = time.monotonic() + timeout_s
+        bad: list[str] = []
+        while self.refs:
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(self.refs), num_returns=1, timeout=left)
+            if not ready:
+                break
+            node = self.refs.pop(ready[0])
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.WorkerCrashedError:
+                bad.append(f"{node} (its worker process died before running anything: Ray's "
+                           f"message above says why, 'Failed to execute the setup hook' when "
+                           f"ray_mesh is missing there)")
+            except Exception as exc:  # noqa: BLE001 - the import's own error, named
+                cause = getattr(exc, "cause", None) or exc
+                bad.append(f"{node} ({type(cause).__name__}: {' '.join(str(cause).split())[:160]})")
+        if bad:
+            raise ClusterError(
+                f"Ray's workers cannot import ray_mesh on node(s) {'; '.join(bad)}. Install "
+                f"ray_mesh in the Python environment `ray start` runs on each of them (the "
+                f"same version as this machine's: `pip install ray_mesh`, or `pip install -e` "
+                f"of the same checkout), then restart Ray there (`ray stop`, then its `ray "
+                f"start` line again).")
+
+
+__all__ = ["NodeImportProbe"]

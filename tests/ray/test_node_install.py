@@ -1,0 +1,63 @@
+"""A node whose workers cannot import ray_mesh is refused in seconds, by name.
+
+Seen: ``ray-mesh run --address`` on a cluster whose nodes lack ray_mesh printed the same
+setup-hook traceback every ~5 s for a minute, then an ``ActorDiedError`` traceback. Here a
+driver joins the session's Ray with a job environment whose workers find a broken
+``ray_mesh`` first on their path (a package that fails to import, as a missing or broken
+install does), and the job's setup hook ``ray-mesh run`` gives every job. The warm-up that
+runs before every ``fit()`` (``driver.warm_controller_actors``) must stop it with one
+``ClusterError`` naming the node and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.ray
+
+DRIVER = """
+import sys, ray
+sys.path.insert(0, {root!r})
+ray.init(address={address!r}, log_to_driver=False, runtime_env={{
+    "worker_process_setup_hook": "ray_mesh.raytrain.driver.cluster_worker_setup",
+    "env_vars": {{"PYTHONPATH": {shadow!r}}}}})
+from ray_mesh.errors import ClusterError
+from ray_mesh.raytrain.driver import warm_controller_actors
+try:
+    warm_controller_actors()
+except ClusterError as exc:
+    print("REFUSED", exc)
+else:
+    print("NOT REFUSED")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_node_that_cannot_import_ray_mesh_is_named_within_seconds(ray_local, tmp_path):
+    shadow = tmp_path / "shadow"
+    (shadow / "ray_mesh").mkdir(parents=True)
+    (shadow / "ray_mesh" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'ray_mesh'\")\n")
+    context = ray_local.get_runtime_context()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", DRIVER.format(
+        root=str(ROOT), address=context.gcs_address, shadow=str(shadow))],
+        capture_output=True, text=True, timeout=150, env=env)
+    took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    refused = [x for x in proc.stdout.splitlines() if x.startswith("REFUSED ")]
+    assert refused, out[-3000:]
+    print(refused[0], f"({took:.1f} s)")
+    node_ip = ray_local.util.get_node_ip_address()
+    assert f"cannot import ray_mesh on node(s) {node_ip} (" in refused[0], refused[0]
+    assert "Install ray_mesh in the Python environment `ray start` runs" in refused[0]
+    assert took < 60, (took, out[-3000:])  # the warm-up's own bound is 60 s
