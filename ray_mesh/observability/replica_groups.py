@@ -3,9 +3,10 @@ share of a step's samples and its measured speed, and each group leaving, joinin
 healing with the step at which it happened.
 
 The driver of a replica-group run (:func:`ray_mesh.raytrain.replica_groups.fit_replica_groups`)
-writes ``ray_mesh_replica_groups.json`` into every group's run directory as the coordinator
-records events; ``ray-mesh status`` reads it next to the layout file, from storage the
-viewer named, and checks every field (:func:`parse`) before showing it.
+writes ``ray_mesh_replica_groups.json`` into every group's run directory (a local or shared
+directory, or the run's bucket) as the coordinator records events; ``ray-mesh status``
+reads it next to the layout file, from storage the viewer named, and checks every field
+(:func:`parse`) before showing it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_mesh.core.files import write_atomic
+from ray_mesh.core.object_store import filesystem, is_uri
 from ray_mesh.errors import Malformed
 from ray_mesh.observability import status_input as si
 from ray_mesh.observability.fetch import SourceError
@@ -25,6 +27,7 @@ GROUPS_JSON = "ray_mesh_replica_groups.json"
 MAX_EVENTS = 50  # the newest; a long run's history is in the driver's console
 MAX_GROUPS = 1024
 MAX_STEP = 2**62
+WRITE_TIMEOUT_S = 5.0  # each request of a write to a bucket (the driver's loop waits on it)
 
 
 def document(status: dict[str, Any]) -> dict[str, Any]:
@@ -37,8 +40,16 @@ def document(status: dict[str, Any]) -> dict[str, Any]:
                        for e in status["events"][-MAX_EVENTS:]]}
 
 
-def write(run_dir: str | os.PathLike, status: dict[str, Any]) -> None:
-    """Write the file into a (local) run directory, whole or not at all."""
+def write(run_dir: str | os.PathLike, status: dict[str, Any], endpoint: str | None = None,
+          timeout_s: float = WRITE_TIMEOUT_S) -> None:
+    """Write the file into a run directory, whole or not at all: a local (or shared) path,
+    or a URI (an ``s3://`` bucket at ``endpoint``: one object, each request bounded by
+    ``timeout_s``; a home lab's tailnet has no shared directory)."""
+    if is_uri(str(run_dir)):
+        fs, root = filesystem(str(run_dir), endpoint, timeout_s=timeout_s, retries=0)
+        with fs.open_output_stream(f"{root}/{GROUPS_JSON}") as out:  # one PUT: whole or none
+            out.write(json.dumps(document(status)).encode())
+        return
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
     write_atomic(path / GROUPS_JSON, json.dumps(document(status)))

@@ -241,13 +241,14 @@ def fit_replica_groups(train_fn: Any, *,
             elif event["kind"] in ("joined", "healed"):
                 fails.pop(event["group"], None)
         if len(status["events"]) != seen or time.monotonic() - written > STATUS_EVERY_S:
-            _write_status(storage_path, name, groups, status)  # events, shares and speeds
+            # events, shares and speeds
+            _write_status(storage_path, name, groups, status, storage_endpoint)
             written = time.monotonic()
         seen = len(status["events"])
         stuck = {g: f for g, f in fails.items()
                  if len(f) >= MAX_FAILS_IN_A_ROW or (len(f) >= 2 and f[-1] == f[-2])}
         if stuck:
-            _write_status(storage_path, name, groups, status)
+            _write_status(storage_path, name, groups, status, storage_endpoint)
             for r in runners.values():
                 ray.kill(r)
             ray.kill(coordinator)
@@ -265,7 +266,7 @@ def fit_replica_groups(train_fn: Any, *,
                 results[gid] = {"metrics": None, "error": "ended: the run finished while "
                                 "this group was still waiting for a node"}
     status = ray.get(coordinator.status.remote(), timeout=60)
-    _write_status(storage_path, name, groups, status)
+    _write_status(storage_path, name, groups, status, storage_endpoint)
     for r in runners.values():
         ray.kill(r)
     ray.kill(coordinator)
@@ -312,18 +313,18 @@ def _group_mesh_config(given: Any, spec: GroupSpec, groups: Any) -> Any:
 
 
 def _write_status(storage_path: str | None, name: str, groups: int,
-                  status: dict[str, Any]) -> None:
-    """The groups' events into each group's run directory, for ``ray-mesh status`` (local
-    storage only: a bucket's run directory is written by Ray Train alone)."""
-    if storage_path is None or "://" in storage_path:
+                  status: dict[str, Any], endpoint: str | None = None) -> None:
+    """The groups' events into each group's run directory, for ``ray-mesh status``: a local
+    or shared directory, or the run's bucket (at ``endpoint``; each request bounded)."""
+    if storage_path is None:
         return
     from ray_mesh.observability import replica_groups as groups_file
 
     for gid in range(groups):
         try:
-            groups_file.write(f"{storage_path}/{name}-g{gid}", status)
-        except OSError as exc:  # a full disk must not stop training: say it once
-            logger.warning("replica groups: status file not written (%s)", exc)
+            groups_file.write(f"{storage_path.rstrip('/')}/{name}-g{gid}", status, endpoint)
+        except (OSError, ValueError) as exc:  # a full disk or a bucket away must not stop
+            logger.warning("replica groups: status file not written (%s)", exc)  # training
             return
 
 

@@ -90,3 +90,39 @@ def test_hostile_numbers_and_nesting_are_malformed_in_one_short_message(text):
     with pytest.raises(Malformed) as err:
         rgf.parse(text.encode(), "f")
     assert len(str(err.value)) < 300, str(err.value)[:400]
+
+
+def test_a_run_in_a_bucket_gets_its_groups_file_there_and_status_reads_it(monkeypatch):
+    """A home lab's tailnet has no shared directory: the run's storage is a bucket, and the
+    driver's groups file goes there (it was written to local storage only, so
+    ``ray-mesh status --storage s3://...`` showed no groups for such a run)."""
+    from moto_s3 import S3Server
+
+    from ray_mesh.observability.layout import read_run_file
+    from ray_mesh.raytrain.replica_groups import _write_status
+
+    s3 = S3Server(bucket="groups-status")
+    try:
+        for k, v in s3.credentials.items():
+            monkeypatch.setenv(k, v)
+        _write_status(s3.uri("lab"), "lab", 2, _status(), s3.endpoint)
+        for gid in (0, 1):
+            got = read_run_file(s3.uri("lab"), f"lab-g{gid}", rgf.GROUPS_JSON, rgf.parse,
+                                10.0, 1 << 20, s3.endpoint)
+            assert rgf.lines(got)[0] == "Replica groups: live 0, 2 at step 41", got
+    finally:
+        s3.stop()
+
+
+def test_a_bucket_out_of_reach_costs_the_driver_one_bounded_try_and_a_warning(caplog):
+    import time
+
+    from ports import free_port
+
+    from ray_mesh.raytrain.replica_groups import _write_status
+
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="ray_mesh.raytrain.replica_groups"):
+        _write_status("s3://gone/lab", "lab", 3, _status(), f"http://127.0.0.1:{free_port()}")
+    assert time.monotonic() - t0 < 3 * rgf.WRITE_TIMEOUT_S
+    assert [r.message for r in caplog.records if "status file not written" in r.message]
