@@ -36,6 +36,7 @@ from ray.train import CheckpointConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_mesh.checkpointing.storage import (
+    absolute_storage_path,
     check_run_name,
     check_storage,
     check_storage_nodes,
@@ -112,8 +113,6 @@ def probe_storage(job: Any) -> str:
                              storage_endpoint=job.run.storage_endpoint, name=job.name,
                              checkpoint_every=section.checkpoint_every,
                              checkpoint_dir=section.checkpoint_dir, where="here")
-        from ray_mesh.checkpointing.storage import absolute_storage_path
-
         return absolute_storage_path(job.run.storage_path)
     return check_storage(job.run.storage_path, name=job.name,
                          endpoint=job.run.storage_endpoint, nodes=False)
