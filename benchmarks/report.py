@@ -223,6 +223,10 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
                 f"{lm[v]['bring_up_s']:.1f}")
         add("i llm", f"ray_mesh / torchrun tokens/s, {PAIRED}",
             _paired(lm["ray_mesh_vs_torchrun"]), ">= 0.95")
+    if "user_job" in results:
+        from benchmarks.user_job_md import rows as user_job_rows
+
+        rows += user_job_rows(results["user_job"])
     s = results.get("slow")
     if s and not status_only("j slow", s):
         for key, what, target in (

@@ -32,6 +32,9 @@ Sections (``--only`` picks some):
              replica group per node, segments equal vs sized by measured speed, against
              each box alone and leaving the odd node out (benchmarks/mixed_nodes.py;
              single runs).
+  user_job   (k) the user's whole job (docs/lab_job.md) on the lab cluster: tokens/s against
+             each box alone, the laptop dropped, goodput against one mesh with
+             checkpoint-restart (benchmarks/user_job.py; single runs; --quick: sync only).
   llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
              runs alternating (llm.py); target ray_mesh >= 0.95x torchrun.
 
@@ -63,7 +66,7 @@ from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
             "slowlinks", "wireguard", "rendezvous", "diloco", "slow", "llm", "replica_groups",
-            "mixed_nodes")
+            "mixed_nodes", "user_job")
 RAY_SECTIONS = {"bringup", "steps", "metrics", "scaling", "recovery", "llm"}
 OUT = REPO / "benchmarks" / "results.json"
 QUICK_OUT = REPO / "benchmarks" / "results_quick.json"
@@ -391,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
             log("mixed_nodes: 2+2+1 slots under CPU quotas, shares equal vs by speed")
             results["mixed_nodes"] = _section("mixed_nodes", mixed_nodes.measure,
                                               **cfg.get("mixed_nodes", {}))
+        if "user_job" in selected:
+            from benchmarks import user_job
+
+            results["user_job"] = _section("user_job", user_job.locked_measure,
+                                           user_job.merged(user_job.SETTINGS, cfg["user_job"]))
         if "slow" in selected:
             results["slow"] = _section("slow", section_slow, cfg)
             if "status" not in results["slow"]:  # the figures also live under observability

@@ -23,7 +23,10 @@ def config(quick: bool) -> dict:
                 "diloco": {"rates": [20], "steps": 12, "every": 4, "streaming": 2, "overlap": 1,
                            "model": {"max_tokens": 200_000, "warmup": 2}},
                 "slow": {"rounds": 3, "steps": 10, "detect_too": False},
-                "llm": {"pairs": 1, "steps": 8, "warmup": 3, "workers": 4, "timeout_s": 600}}
+                "llm": {"pairs": 1, "steps": 8, "warmup": 3, "workers": 4, "timeout_s": 600},
+                # over benchmarks/user_job.py's SETTINGS: sync throughput only (~3 min)
+                "user_job": {"modes": ["sync"], "sync": {"steps": 20, "alone_counted": 8},
+                             "warmup": 3, "drops": None, "goodput": False}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],
@@ -45,4 +48,5 @@ def config(quick: bool) -> dict:
                        "outer_lr": 0.7, "outer_momentum": 0.5, "val_batches": 16,
                        "model": {"batch_size": 8}, "timeout_s": 2400},
             "slow": {"rounds": 10, "steps": 30, "detect_too": True},
-            "llm": {"pairs": 5, "steps": 30, "warmup": 5, "workers": 4, "timeout_s": 900}}
+            "llm": {"pairs": 5, "steps": 30, "warmup": 5, "workers": 4, "timeout_s": 900},
+            "user_job": {}}  # benchmarks/user_job.py's SETTINGS as they are

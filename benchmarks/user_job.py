@@ -1,0 +1,311 @@
+"""The user's whole job (issue 43, item 5): ``results.json["user_job"]``.
+
+The job of ``docs/lab_job.md`` (the LM's small preset as replica groups, ``shares: speed``,
+its data read on each box from its own disk, checkpoints in a moto bucket on the head's
+tailnet address) on the page's virtual cluster (``harness/lab_job.py``'s :class:`Lab`:
+three namespace boxes over real WireGuard with private filesystems, 2 + 2 + 1 CPU workers,
+the slower box under the CPU quota the Lab gives it (``box_quotas_cores``), the laptop the
+one whose lid closes), side by side in one run:
+
+1. **throughput_of_sum**, per mode (``sync``: the page's job; ``diloco``: the same with
+   ``config.diloco.every`` inner steps per round): the whole job's tokens/s against the sum
+   of each box alone (one group pinned to that box, at the batch it trains in the whole
+   job; the three alone runs at the same time, so that a box alone does not borrow the
+   others' share of the machine's two cores; ``benchmarks/mixed_nodes.py`` says why).
+   tokens/s: committed steps' tokens over their commit times, the whole job's after the
+   first ``warmup`` steps, each box alone's in the window all three trained in (their
+   bring-ups differ by tens of seconds; each is stopped once it committed
+   ``alone_counted`` steps in that window).
+2. **the laptop dropped** (the same sync job; the laptop's every process killed
+   ``first_s`` after the run's first committed step and then every ``every_s``, Ray started
+   on it again ``down_s`` later with the page's step 4): ``survivor_max_step_gap_s`` (the
+   longest wait
+   between two committed steps of the other groups around any drop), ``survivor_steps_lost``,
+   ``rejoin_s`` (the first drop to the laptop group's first step of its next attempt),
+   samples used twice / skipped, ``final_loss_rel_diff`` (its held-out loss against the
+   uninterrupted sync run of 1, the same job);
+3. **goodput_vs_restart**: useful tokens per hour of run 2 against the same job as one mesh
+   (``examples/llm.py:train_loop`` through ``benchmarks/_user_job_mesh.py``, FSDP over the
+   5 workers, a checkpoint every ``checkpoint_every`` steps into the bucket, Ray Train's
+   ``max_failures``) under the same drops; "useful" is defined in
+   ``benchmarks/user_job_figures.py``. The one mesh is cut at ``cut_s`` if it has not
+   finished; its goodput is then an upper bound and the ratio a lower bound.
+
+Drops every ``every_s`` (a minute here, the first 20 s into training) stand in for "a node
+drops every few minutes": the runs are 1-2 minutes long, and the whole benchmark is meant to
+take about 8 minutes on a quiet 2-core machine (many more under load). What scales: the
+one mesh loses, per drop, the restart (the box's absence, Ray Train's new worker group, the
+bring-up) plus on average half a checkpoint interval of steps; the groups lose the laptop's
+share while it is away and the survivors' pause. Both losses are per drop, so goodput at
+an interval T is about (1 - loss_per_drop / T) of the failure-free rate: ``goodput_model``
+gives that from the measured parts for longer intervals (a model, not a measurement).
+
+Every run records its load (``user_job_figures.LoadSampler``); a figure whose runs ran
+while other processes loaded the machine above 2 is kept in ``recorded`` and published as
+None (``invalid`` says why). Statistic: single runs, no repeats.
+
+    python -m benchmarks.user_job [--quick] [--out FILE] [--results-md FILE]
+
+takes the machine-wide heavy-test lock (``tests/helpers/heavy.py``) for its whole run,
+writes ``results.json["user_job"]`` and replaces the user-job section of RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import user_job_figures as uf  # noqa: E402
+from benchmarks import user_job_runs as ur  # noqa: E402
+from benchmarks.common import REPO  # noqa: E402
+
+SETTINGS: dict[str, Any] = {
+    "modes": ["sync", "diloco"], "warmup": 5,
+    # alone_counted: steps each box alone commits while all three train (then stopped)
+    "sync": {"steps": 60, "alone_counted": 15},
+    "diloco": {"every": 4, "rounds": 16, "segment_samples": 32, "alone_counted": 5},
+    # from the run's first committed step; both shapes get the same schedule
+    "drops": {"first_s": 20.0, "every_s": 60.0, "down_s": 10.0},
+    "mesh": {"checkpoint_every": 10, "batch_size": 25, "max_failures": 50, "cut_s": 240.0},
+    "goodput": True, "timeout_s": 420.0, "quiet_wait_s": 120.0, "lock_wait_s": 3600.0,
+}
+
+
+# ----------------------------------------------------------------------------- figures
+def read_groups(run: dict, seq_len: int, warmup: int) -> dict:
+    from harness import replica_check as rc
+
+    logs, finals = rc.read(run["steps_dir"]), rc.finals(run["steps_dir"])
+    tps, counted = uf.tokens_per_s(logs, seq_len, warmup)
+    losses = {g: rows[-1].get("eval_loss") for g, rows in finals.items() if rows}
+    losses = {g: v for g, v in losses.items() if v is not None}
+    # the driver's line "replica groups: group 0: dp_shard=2 on 100.x.y.1; group 1: ..."
+    line = re.search(r"replica groups: (.*)", Path(run["console"]).read_text())
+    layouts = {int(g): {"layout": lay, "node": node} for g, lay, node in re.findall(
+        r"group (\d+): (\S+?)(?: on ([\d.]+))?(?:;|$)", line.group(1) if line else "")}
+    return {**run, "tokens_per_s": tps, "steps_counted": counted,
+            "eval_loss": sum(losses.values()) / len(losses) if losses else None,
+            "eval_losses": losses, "shares": uf.mean_shares(logs, warmup),
+            "layouts": layouts, "last_t": max(r["t"] for rows in logs.values() for r in rows),
+            "useful_tokens": uf.groups_useful_tokens(logs, seq_len)}
+
+
+def group_on(run: dict, ip: str) -> int:
+    """The group of ``run`` that ran on the node at ``ip`` (the driver's groups line)."""
+    for gid, lay in run["layouts"].items():
+        if lay["node"] == ip:
+            return gid
+    raise RuntimeError(f"no group on {ip} in the run's groups line: {run['layouts']}; "
+                       f"its console: {run['console']}")
+
+
+def throughput(lab, cfg: dict, mode: str, seq_len: int) -> dict:
+    """Run 1 of the module docstring for one mode."""
+    from harness import replica_check as rc
+
+    w = cfg["warmup"]
+    ur.log(f"{mode}: the whole job")
+    tag = f"{mode}-whole"
+    ran = ur.run_all(lab, {tag: ur.groups_job(lab, tag, cfg, mode)}, cfg["timeout_s"])
+    whole = read_groups(ran[tag], seq_len, w)
+    jobs = {}
+    for i, dp in enumerate(ur.BOX_DP):  # long enough for all three to overlap, then stopped
+        ip = lab.cluster.nodes[i].ip
+        seg = uf.alone_batch(whole["shares"][group_on(whole, ip)], dp)
+        spec = [{"mesh": {"dp_shard": dp}, "node": ip}]
+        jobs[f"{mode}-alone{i}"] = ur.groups_job(lab, f"{mode}-alone{i}", cfg, mode, spec,
+                                                 seg, steps_factor=5)
+    ur.log(f"{mode}: each box alone, the three side by side")
+    ran = ur.run_all(lab, jobs, cfg["timeout_s"],
+                     stop_when=ur.overlapped(cfg[mode]["alone_counted"], w))
+    logs = {t: rc.read(r["steps_dir"]) for t, r in ran.items()}
+    t0, t1 = uf.common_window(list(logs.values()), w)
+    alone = {}
+    for t, r in ran.items():
+        tps, n = uf.window_tokens_per_s(logs[t], seq_len, t0, t1)
+        alone[t] = {**r, "tokens_per_s": tps, "steps_counted": n, "window_s": t1 - t0,
+                    "tokens_per_s_own_steps": uf.tokens_per_s(logs[t], seq_len, w)[0],
+                    "segment_samples": jobs[t][0]["replica_groups"]["segment_samples"]}
+    total = sum(a["tokens_per_s"] for a in alone.values())
+    return {"runs": {f"{mode}-whole": whole, **alone},
+            "figures": {f"throughput_of_sum_{mode}": whole["tokens_per_s"] / total},
+            "sides": {f"throughput_of_sum_{mode}": [f"{mode}-whole", *alone]}}
+
+
+def dropped(lab, cfg: dict, seq_len: int, clean: dict) -> dict:
+    """Runs 2 and 3 of the module docstring: both shapes under the same drops."""
+    from harness import replica_check as rc
+    from harness.lab_job import LAPTOP
+
+    drops = cfg["drops"]
+    ur.log(f"replica groups, the laptop dropped at {drops['first_s']:g} s and every "
+           f"{drops['every_s']:g} s, {drops['down_s']:g} s down")
+    ran = ur.run_all(lab, {"groups-drops": ur.groups_job(lab, "groups-drops", cfg, "sync")},
+                     cfg["timeout_s"], drops)
+    g = read_groups(ran["groups-drops"], seq_len, cfg["warmup"])
+    logs, events = rc.read(g["steps_dir"]), g["drops"]
+    if not events:
+        raise RuntimeError("the replica-group run ended before the first drop: raise "
+                           "sync.steps or lower drops.first_s")
+    killed = group_on(g, lab.cluster.nodes[LAPTOP].ip)
+    twice, skipped = rc.sample_use(logs)
+    figures = {
+        "survivor_max_step_gap_s": max(rc.survivor_gaps(logs, killed, e["t_kill"])
+                                       for e in events),
+        "survivor_steps_lost": rc.steps_lost(logs, killed),
+        "rejoin_s": uf.rejoin_after(logs, killed, events[0]["t_kill"]),
+        "final_loss_rel_diff": abs(g["eval_loss"] - clean["eval_loss"]) / clean["eval_loss"],
+    }
+    g.update(killed_group=killed, restarted_group=uf.killed_group(logs, events[0]["t_kill"]),
+             samples_twice=len(twice), samples_skipped=len(skipped),
+             rejoins_s=[uf.rejoin_after(logs, killed, e["t_kill"]) for e in events])
+    out = {"runs": {"groups-drops": g}, "figures": figures,
+           "sides": {k: ["groups-drops"] for k in figures}}
+    out["sides"]["final_loss_rel_diff"].append("sync-whole")
+    if not cfg["goodput"]:
+        return out
+    ur.log("one mesh with checkpoint-restart, the same drops")
+    m = ur.run_all(lab, {"mesh-drops": ur.mesh_job(lab, "mesh-drops", cfg)},
+                   cfg["timeout_s"], drops, cut_s=cfg["mesh"]["cut_s"])["mesh-drops"]
+    path = Path(m["steps_dir"]) / "mesh.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+    if not any("step" in r for r in rows):
+        raise RuntimeError(f"the one mesh took no step:\n{Path(m['console']).read_text()[-4000:]}")
+    lineage = uf.mesh_lineage(rows)
+    per_step = cfg["mesh"]["batch_size"] * seq_len
+    m.update(lineage, useful_tokens=lineage["final_step"] * per_step,
+             last_t=max(r["t"] for r in rows if "step" in r),
+             resumes_s=uf.mesh_resumes(rows, [e["t_kill"] for e in m["drops"]]))
+    g["goodput_tokens_per_h"] = uf.goodput_per_hour(g["useful_tokens"], g["t_launch"],
+                                                    g["last_t"])
+    m["goodput_tokens_per_h"] = uf.goodput_per_hour(m["useful_tokens"], m["t_launch"],
+                                                    m["last_t"] if not m["cut"]
+                                                    else m["t_launch"] + cfg["mesh"]["cut_s"])
+    figures["goodput_vs_restart"] = g["goodput_tokens_per_h"] / m["goodput_tokens_per_h"]
+    out["runs"]["mesh-drops"] = m
+    out["sides"]["goodput_vs_restart"] = ["groups-drops", "mesh-drops"]
+    if m["cut"]:
+        out["goodput_vs_restart_is_lower_bound"] = True
+    # the model for longer intervals (module docstring): rates and losses per drop
+    step_s, share = uf.mesh_step_s(rows), clean["shares"].get(killed, 0.0)
+    if step_s and figures["rejoin_s"] is not None and all(m["resumes_s"]):
+        frac = share / max(1e-9, sum(clean["shares"].values()))
+        out["goodput_model"] = {
+            "loss_per_drop_groups_s": frac * figures["rejoin_s"]
+            + figures["survivor_max_step_gap_s"],
+            "loss_per_drop_mesh_s": sorted(m["resumes_s"])[len(m["resumes_s"]) // 2]
+            + cfg["mesh"]["checkpoint_every"] / 2 * step_s,
+            "tokens_per_s_groups": clean["tokens_per_s"], "tokens_per_s_mesh": per_step / step_s}
+        gm = out["goodput_model"]
+        gm["ratio"] = uf.goodput_model(gm["tokens_per_s_groups"], gm["loss_per_drop_groups_s"],
+                                       gm["tokens_per_s_mesh"], gm["loss_per_drop_mesh_s"])
+    return out
+
+
+def measure(settings: dict | None = None) -> dict:
+    """Every run of the module docstring, in one virtual cluster: ``results.json``'s
+    ``user_job`` (see :func:`locked_measure`)."""
+    from harness.lab_job import Lab
+    from harness.netns.cpu import cpu_quota_unavailable_reason
+    from harness.netns_cluster import netns_unavailable_reason
+
+    cfg = copy.deepcopy(settings or SETTINGS)
+    if reason := netns_unavailable_reason() or cpu_quota_unavailable_reason():
+        return {"status": f"not run: {reason}"}
+    start_load = uf.wait_quiet(cfg["quiet_wait_s"], say=ur.log)
+    out: dict[str, Any] = {"settings": cfg, "loadavg_1m_at_start": start_load,
+                           "statistic": "single run of each configuration (no repeats, no "
+                                        "spread); tokens/s over the committed steps after "
+                                        f"the first {cfg['warmup']}",
+                           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    t0 = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="rmbench_user_job_"))
+    runs: dict[str, dict] = {}
+    figures: dict[str, Any] = {}
+    sides: dict[str, list[str]] = {}
+    with Lab(work) as lab:
+        lab.start()
+        out["cluster_s"] = lab.timings.get("cluster_s")
+        out["box_quotas_cores"] = {k: v for k, v in vars(lab).items() if k.endswith("_cores")}
+        seq_len = int(lab.page.job["data"]["seq_len"])
+        clean = None
+        for mode in cfg["modes"]:
+            part = throughput(lab, cfg, mode, seq_len)
+            runs.update(part["runs"])
+            figures.update(part["figures"])
+            sides.update(part["sides"])
+            clean = clean or (runs["sync-whole"] if mode == "sync" else None)
+        if clean is not None and cfg.get("drops"):
+            part = dropped(lab, cfg, seq_len, clean)
+            runs.update(part["runs"])
+            figures.update(part["figures"])
+            sides.update(part["sides"])
+            for key in ("goodput_vs_restart_is_lower_bound", "goodput_model"):
+                if key in part:
+                    out[key] = part[key]
+    out.update(uf.publish(figures, sides, runs, start_load))
+    out.update(runs=runs, sides=sides, wall_s=time.monotonic() - t0, work=str(work),
+               status="ok")
+    return out
+
+
+def merged(*layers: dict) -> dict:
+    """``SETTINGS``-like dicts merged left to right, nested dicts key by key."""
+    out: dict = {}
+    for layer in layers:
+        for k, v in layer.items():
+            out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k),
+                                                                             dict) else v
+    return out
+
+
+def locked_measure(settings: dict) -> dict:
+    """:func:`measure` holding the machine-wide heavy-test lock (tests/helpers/heavy.py),
+    or, when another holds it past ``lock_wait_s``, a ``not run`` status."""
+    try:
+        with ur.heavy_lock(settings.get("lock_wait_s", 3600.0)):
+            return measure(settings)
+    except TimeoutError as exc:
+        return {"status": f"not run: {exc}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from benchmarks import settings, user_job_md
+
+    p = argparse.ArgumentParser(description="the user's whole job: results.json['user_job']")
+    p.add_argument("--quick", action="store_true", help="a smoke run (sync only, 20 steps)")
+    p.add_argument("--out", help="default benchmarks/results.json (--quick: "
+                                 "results_quick.json, the committed figures stay)")
+    p.add_argument("--results-md", help="default benchmarks/RESULTS.md (--quick: none)")
+    p.add_argument("--set", default="{}", help="JSON merged over the settings")
+    args = p.parse_args(argv)
+    bench = REPO / "benchmarks"
+    args.out = args.out or str(bench / ("results_quick.json" if args.quick else "results.json"))
+    if not args.quick:
+        args.results_md = args.results_md or str(bench / "RESULTS.md")
+    cfg = merged(SETTINGS, settings.config(args.quick)["user_job"], json.loads(args.set))
+    result = locked_measure(cfg)
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results["user_job"] = result
+    out.write_text(json.dumps(results, indent=1, default=str))
+    print(user_job_md.summary(result))
+    print(f"wrote {out} ['user_job']")
+    if args.results_md:
+        user_job_md.write_section(args.results_md, result)
+        print(f"wrote the user-job section of {args.results_md}")
+    return 0 if result.get("status") == "ok" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""How ``results.json["user_job"]`` reads: its rows in ``benchmarks/run.py``'s table, its
+section of RESULTS.md (replaced in place below the hand-written notes mark, or added at the
+end), and the summary ``python -m benchmarks.user_job`` prints. A figure the load rule
+refused (``benchmarks/user_job_figures.py``) shows as ``invalid`` with its reason, never as
+a number."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+HEADING = "## The user's whole job (`benchmarks/user_job.py`)"
+TARGETS = {"throughput_of_sum_sync": ">= 0.85", "throughput_of_sum_diloco": ">= 0.92",
+           "survivor_max_step_gap_s": "< 10", "survivor_steps_lost": "0",
+           "rejoin_s": "report", "final_loss_rel_diff": "<= 0.03",
+           "goodput_vs_restart": ">= 1.3"}
+WHAT = {
+    "throughput_of_sum_sync": "sync: whole job tokens/s / sum of each box alone",
+    "throughput_of_sum_diloco": "diloco: whole job tokens/s / sum of each box alone",
+    "survivor_max_step_gap_s": "laptop dropped: survivors' longest step gap, s",
+    "survivor_steps_lost": "laptop dropped: survivor steps lost",
+    "rejoin_s": "laptop dropped: first drop -> its group's next step, s (Ray back included)",
+    "final_loss_rel_diff": "laptop dropped: held-out loss vs the uninterrupted run, rel.",
+    "goodput_vs_restart": "useful tokens/h, replica groups / one mesh with checkpoint-restart",
+}
+
+
+def value(u: dict, name: str) -> str:
+    if name in u.get("invalid", {}):
+        return f"invalid ({u['invalid'][name][:160]})"
+    v = u.get(name)
+    if v is None:
+        return "-"
+    if name == "goodput_vs_restart" and u.get("goodput_vs_restart_is_lower_bound"):
+        return f">= {v:.3g} (the one mesh did not finish)"
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def rows(u: dict) -> list[tuple[str, str, str, str]]:
+    """``(section, figure, value, target)`` rows for ``benchmarks/report.table``."""
+    if u.get("status", "ok") != "ok":
+        return [("k user job", "status", str(u["status"])[:300], "")]
+    stat = " (single run)"
+    return [("k user job", WHAT[n] + stat, value(u, n), TARGETS[n]) for n in WHAT
+            if n in u or n in u.get("invalid", {})]
+
+
+def _load(run: dict) -> str:
+    ld = run.get("load", {})
+    others = ld.get("others_runnable_mean")
+    return (f"{ld.get('loadavg_1m_start', 0):.1f} / {ld.get('loadavg_1m_end', 0):.1f} / "
+            f"{ld.get('loadavg_1m_max', 0):.1f}; "
+            + ("-" if others is None else f"{others:.2f}"))
+
+
+def _f(v: Any, spec: str = ".4g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _list(values: list) -> str:
+    return "[" + ", ".join(_f(v, ".1f") for v in values) + "]"
+
+
+def markdown(u: dict) -> str:
+    if u.get("status", "ok") != "ok":
+        return f"{HEADING}\n\nNot measured: {u['status'][:500]}\n"
+    s = u["settings"]
+    d = s.get("drops") or {}
+    lines = [HEADING, "",
+             f"`python -m benchmarks.user_job` ({u['started']}, {u['wall_s']:.0f} s in all; "
+             f"every run in `results.json[\"user_job\"][\"runs\"]`). The job of "
+             f"`docs/lab_job.md` on its virtual cluster (3 boxes over WireGuard, 2 + 2 + 1 "
+             f"CPU workers, CPU quotas {u.get('box_quotas_cores')}, a moto bucket on the "
+             f"head). Statistic: {u['statistic']}. The laptop dropped {d.get('first_s', '-')} "
+             f"s after the run's first step and every {d.get('every_s', '-')} s, down "
+             f"{d.get('down_s', '-')} s each (a scaled-down \"every few minutes\"; "
+             "`goodput_model` below scales it).", "",
+             f"1-minute load average when the benchmark started: "
+             f"{u['loadavg_1m_at_start']:.2f}. A figure is published only if no run behind "
+             "it had other processes' load above 2 (see `benchmarks/user_job_figures.py`).",
+             "", "| figure | value | target |", "|---|---|---|"]
+    lines += [f"| {WHAT[n]} | {value(u, n)} | {TARGETS[n]} |" for n in WHAT
+              if n in u or n in u.get("invalid", {})]
+    lines += ["", "| run | tokens/s | held-out loss | mean samples per step per group | "
+              "useful tokens | drops | 1-min load start / end / max; others' runnable mean |",
+              "|---|---|---|---|---|---|---|"]
+    for tag, r in u["runs"].items():
+        shares = ", ".join(f"g{g}: {v:.1f}" for g, v in (r.get("shares") or {}).items())
+        lines.append(f"| `{tag}` | {_f(r.get('tokens_per_s'), '.0f')} | "
+                     f"{_f(r.get('eval_loss'))} | {shares or '-'} | "
+                     f"{_f(r.get('useful_tokens'), ',')} | {len(r.get('drops', []))} | "
+                     f"{_load(r)} |")
+    lines += ["", "tokens/s: the whole runs over their steps after the warm-up; the boxes "
+              "alone over the window all three trained in (`window_s`), at the batch each "
+              "trained in the whole job (`segment_samples`)."]
+    runs = u["runs"]
+    if g := runs.get("groups-drops"):
+        lines += ["", f"Laptop dropped (replica groups): group {g['killed_group']} (the "
+                  f"laptop's); rejoins after each drop {_list(g['rejoins_s'])} s; samples "
+                  f"used twice {g['samples_twice']}, skipped {g['samples_skipped']}; "
+                  f"goodput {_f(g.get('goodput_tokens_per_h'), ',.0f')} useful tokens/h."]
+    if m := runs.get("mesh-drops"):
+        lines += ["", f"One mesh, the same drops: attempts (start step, highest step) "
+                  f"{m['attempts']}, {m['wasted_steps']} steps redone, kill -> first step "
+                  f"of the next attempt {_list(m['resumes_s'])} s, "
+                  + ("cut before it finished" if m["cut"] else "finished")
+                  + f"; goodput {_f(m.get('goodput_tokens_per_h'), ',.0f')} useful tokens/h."]
+    if gm := u.get("goodput_model"):
+        lines += ["", "`goodput_model` (a model from the measured parts, not a measurement): "
+                  f"loss per drop {gm['loss_per_drop_groups_s']:.1f} s of the groups' rate "
+                  f"({gm['tokens_per_s_groups']:.0f} tokens/s) against "
+                  f"{gm['loss_per_drop_mesh_s']:.1f} s of the one mesh's "
+                  f"({gm['tokens_per_s_mesh']:.0f} tokens/s); goodput ratio "
+                  + ", ".join(f"{k.replace('_', ' ')}: {v:.2f}" for k, v in gm["ratio"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: str | Path, u: dict) -> None:
+    """Replace this section of RESULTS.md (from its heading to the next ``## ``), or add it
+    at the end of the file (the hand-written part, which ``run.py --results-md`` keeps)."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    section = markdown(u)
+    if HEADING in text:
+        a = text.index(HEADING)
+        b = text.find("\n## ", a + len(HEADING))
+        text = text[:a] + section + (text[b + 1:] if b >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def summary(u: dict) -> str:
+    return "\n".join(f"{f}: {v}" + (f"  (target {t})" if t else "")
+                     for _, f, v, t in rows(u))

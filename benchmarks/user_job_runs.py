@@ -1,0 +1,240 @@
+"""The user-job benchmark's runs on the lab (``benchmarks/user_job.py``): its jobs, each a
+``ray-mesh run`` from the desktop as ``docs/lab_job.md`` runs it, launched in the background
+(several at once when boxes are measured side by side), the laptop dropped on a schedule
+while they go, and the load sampled around them."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks import user_job_figures as uf
+from benchmarks.common import REPO
+
+MESH_TRAIN = f"{REPO / 'benchmarks' / '_user_job_mesh.py'}:train_loop"
+BOX_DP = (2, 2, 1)  # desktop, tower, laptop: workers (one CPU each)
+
+
+@contextlib.contextmanager
+def heavy_lock(wait_s: float, name: str = "benchmarks/user_job.py",
+               lock: Path | None = None) -> Iterator[None]:
+    """Hold the machine-wide lock heavy tests hold (``tests/helpers/heavy.py``; ``lock``
+    another file), waiting at most ``wait_s`` for it; unlike a test, a benchmark does not
+    run beside another: past the wait it raises ``TimeoutError`` naming the holder."""
+    from tests.helpers.heavy import LOCK_PATH, holder
+
+    path = lock or LOCK_PATH
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    deadline, told = time.monotonic() + wait_s, False
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the heavy-test lock {path} was still held by "
+                                       f"{holder(path)} after {wait_s:.0f} s") from None
+                if not told:
+                    log(f"waiting for {holder(path)} (heavy-test lock, at most "
+                        f"{wait_s:.0f} s)")
+                    told = True
+                time.sleep(0.5)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}: {name}".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def log(msg: str) -> None:
+    print(f"[user_job {time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {msg}",
+          file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- jobs
+def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
+               segment: int | None = None, steps_factor: int = 1) -> tuple[dict, Path]:
+    """The page's job (its replica groups) for one run: its own name and step log."""
+    over: dict[str, Any] = {"name": f"lab-{tag}", "replica_groups": {}}
+    if mode == "diloco":
+        d = cfg["diloco"]
+        over["config"] = {"diloco": {"every": d["every"]}}
+        over["replica_groups"].update(steps=d["rounds"] * steps_factor,
+                                      segment_samples=d["segment_samples"])
+    else:
+        over["replica_groups"]["steps"] = cfg["sync"]["steps"] * steps_factor
+    if groups is not None:
+        over["replica_groups"].update(groups=groups, shares="equal", segment_samples=segment)
+    job = lab.job(over)
+    steps_dir = lab.work / f"{tag}.steps"
+    job["config"]["step_log"] = str(steps_dir)
+    return job, steps_dir
+
+
+def mesh_job(lab, tag: str, cfg: dict) -> tuple[dict, Path]:
+    """The same job as one mesh: FSDP over every worker, rows from each box's disk by step,
+    checkpoints into the bucket, Ray Train's restarts."""
+    from harness.lab_job import EXAMPLE_HEAD
+
+    job = copy.deepcopy(lab.page.job)
+    job.pop("replica_groups", None)
+    m, steps_dir = cfg["mesh"], lab.work / f"{tag}.steps"
+    data = {**job.pop("data"), "batch_size": m["batch_size"]}
+    job.update(name=f"lab-{tag}", train=MESH_TRAIN, mesh={"dp_shard": -1},
+               scaling={"num_workers": sum(BOX_DP), "resources_per_worker": {"CPU": 1}})
+    job["config"] = {**job["config"], "data": data, "steps": cfg["sync"]["steps"],
+                     "checkpoint_every": m["checkpoint_every"], "check_peer_batches": 0,
+                     "step_log": str(steps_dir)}
+    job["run"] = {**job["run"], "max_failures": m["max_failures"]}
+    return json.loads(json.dumps(job).replace(EXAMPLE_HEAD, lab.head_ip)), steps_dir
+
+
+# ----------------------------------------------------------------------------- running
+class Running:
+    """One ``ray-mesh run`` of ``job`` from the desktop, as the page runs it, in the
+    background (its console in ``work/<tag>.out``)."""
+
+    def __init__(self, lab, tag: str, job: dict, steps_dir: Path) -> None:
+        import yaml
+
+        self.tag, self.steps_dir = tag, steps_dir
+        steps_dir.mkdir(parents=True, exist_ok=True)
+        steps_dir.chmod(0o777)
+        path = lab.work / f"{tag}.yaml"
+        path.write_text(yaml.safe_dump(job))
+        block, line = lab.page.find("ray-mesh run")
+        page_file = line.split()[2]
+        lines = [x.replace(f"ray-mesh run {page_file}", f"ray-mesh run {path.name}")
+                 for x in lab.page.lines(block, "desktop")]
+        cmd, env = lab._command(0, lines, lab.work)  # the page's run line, on the desktop
+        self.out = lab.work / f"{tag}.out"
+        self.t_launch = time.time()
+        with self.out.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def done(self) -> bool:
+        return self.proc.poll() is not None
+
+    def steps(self) -> list[dict]:
+        """The step rows logged so far (every group's, or the one mesh's)."""
+        rows = []
+        for f in self.steps_dir.glob("*.jsonl"):
+            for line in f.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # a line being written
+                    row = json.loads(line)
+                    if "step" in row:
+                        rows.append(row)
+        return rows
+
+    def stop(self) -> None:
+        if not self.done():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+    def console(self, tail: int = 4000) -> str:
+        return self.out.read_text(errors="replace")[-tail:]
+
+
+def wait(running: dict[str, Running], t: float, stop_when=None) -> bool:
+    """Wait until ``t`` (unix time); False as soon as every run ended or ``stop_when()``."""
+    while time.time() < t:
+        if all(r.done() for r in running.values()) or (stop_when and stop_when()):
+            return False
+        time.sleep(0.3)
+    return True
+
+
+def drive(lab, run: Running, drops: dict, until: float) -> list[dict]:
+    """Drop the laptop on ``drops``' schedule (from the run's first committed step) while
+    ``run`` goes, until it ends or ``until``, each time starting Ray on it again
+    ``down_s`` later (the page's step 4)."""
+    from harness.lab_job import BOXES, LAPTOP
+
+    events: list[dict] = []
+    alone = {run.tag: run}
+    while not run.steps():  # the schedule starts at the first committed step
+        if run.done() or time.time() >= until:
+            return events
+        time.sleep(0.5)
+    t_first = min(r["t"] for r in run.steps())
+    block, _ = lab.page.find("ray-mesh run")
+    wake = [x for b, part in lab.page.blocks[block + 1] for x in part if b == "laptop"]
+    for k, t in enumerate(uf.drop_times(t_first, drops["first_s"], drops["every_s"], until)):
+        if not wait(alone, t):
+            break
+        ev = {"t_kill": time.time(), "t_first_step": t_first}
+        lab.cluster.kill_node(LAPTOP)
+        ev["kill_took_s"] = time.time() - ev["t_kill"]
+        time.sleep(max(0.0, ev["t_kill"] + drops["down_s"] - time.time()))
+        ev["t_back"] = time.time()
+        lab.sh(LAPTOP, wake, f"{run.tag}.{BOXES[LAPTOP]}.wake{k}.log", 240)
+        ev["t_started"] = time.time()
+        events.append(ev)
+    return events
+
+
+def run_all(lab, jobs: dict[str, tuple[dict, Path]], timeout_s: float,
+            drops: dict | None = None, cut_s: float | None = None,
+            stop_when=None) -> dict[str, dict]:
+    """Launch every job at once, drop the laptop on ``drops``' schedule, wait for all (at
+    most ``cut_s`` or, as an error, ``timeout_s``), or until ``stop_when(running)``; a run
+    stopped by ``cut_s`` or ``stop_when`` is ``cut``."""
+    lab.cluster.wait_for_nodes(3, timeout_s=180)
+    sampler = uf.LoadSampler([n.ns for n in lab.cluster.nodes])
+    out: dict[str, dict] = {}
+    events: list[dict] = []
+    with sampler:
+        running = {tag: Running(lab, tag, job, d) for tag, (job, d) in jobs.items()}
+        until = min(r.t_launch for r in running.values()) + (cut_s or timeout_s)
+        try:
+            if drops:
+                events = drive(lab, next(iter(running.values())), drops, until)
+            stopped = not wait(running, until, stop_when and (lambda: stop_when(running)))
+        finally:
+            for r in running.values():
+                r.stop()
+    load = sampler.summary()
+    for tag, r in running.items():
+        cut = r.proc.returncode is not None and r.proc.returncode < 0
+        if r.proc.returncode != 0 and not (cut and (cut_s or (stop_when and stopped))):
+            raise RuntimeError(f"{tag}: ray-mesh run ended with rc {r.proc.returncode}:\n"
+                               f"{r.console()}")
+        out[tag] = {"t_launch": r.t_launch, "t_end": time.time(), "rc": r.proc.returncode,
+                    "cut": cut, "drops": events, "load": load, "steps_dir": str(r.steps_dir),
+                    "console": str(r.out)}
+        log(f"{tag}: rc {r.proc.returncode}{' (cut)' if cut else ''}, others' load "
+            f"{load['others_runnable_mean']}, 1-min load max {load['loadavg_1m_max']:.1f}")
+    return out
+
+
+def overlapped(k: int, warmup: int):
+    """``stop_when`` for runs side by side: each has ``k`` steps committed after the last of
+    them committed its step ``warmup + 1`` (the window every one of them trained in)."""
+    def check(running: dict[str, Running]) -> bool:
+        rows = {tag: r.steps() for tag, r in running.items()}
+        starts = [min((x["t"] for x in v if x["step"] == warmup + 1), default=None)
+                  for v in rows.values()]
+        if None in starts:
+            return False
+        return all(len({x["step"] for x in v if x["t"] > max(starts)}) >= k
+                   for v in rows.values())
+    return check
+

@@ -1,0 +1,174 @@
+"""The user-job benchmark's accounting (benchmarks/user_job_figures.py) and how its section
+reads (benchmarks/user_job_md.py): tokens/s and useful tokens from step logs, the one mesh's
+lineage under restarts, and the load rule that keeps a busy machine's figure unpublished."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import user_job_figures as uf  # noqa: E402
+from benchmarks import user_job_md as md  # noqa: E402
+
+
+def _row(step, t, ranges, attempt=0):
+    return {"step": step, "t": t, "ranges": ranges, "attempt": attempt}
+
+
+def test_tokens_per_s_counts_the_steps_after_warmup_over_their_commit_times():
+    # two groups, 8 + 4 samples a step, a step a second from t=10; step 1 slow (bring-up)
+    logs = {0: [_row(s, 10.0 + s, [[12 * s, 8]]) for s in range(1, 7)],
+            1: [_row(s, 10.0 + s - 0.1, [[12 * s + 8, 4]]) for s in range(1, 7)]}
+    logs[0][0]["t"] = 0.0
+    tps, counted = uf.tokens_per_s(logs, tokens_per_sample=64, warmup=2)
+    # steps 3..6 counted from step 3's commit: 3 steps of 12 samples in 3 s
+    assert counted == 3
+    assert tps == pytest.approx(12 * 64)
+    assert uf.mean_shares(logs, 2) == {0: 8.0, 1: 4.0}
+    with pytest.raises(ValueError):
+        uf.tokens_per_s(logs, 64, warmup=6)
+
+
+def test_useful_tokens_of_groups_count_each_committed_sample_once():
+    logs = {0: [_row(1, 1.0, [[0, 8]]), _row(2, 2.0, [[16, 8]])],
+            1: [_row(1, 1.0, [[8, 8]]), _row(2, 2.0, [[24, 4], [28, 4]])]}
+    assert uf.groups_useful_tokens(logs, 64) == 32 * 64
+
+
+def test_mesh_lineage_keeps_the_last_attempt_and_counts_the_redone_steps():
+    rows = [{"start": 0, "t": 0}] + [{"step": s, "t": s} for s in range(1, 15)]
+    rows += [{"start": 10, "t": 40}] + [{"step": s, "t": 30 + s} for s in range(11, 31)]
+    got = uf.mesh_lineage(rows)
+    assert got["final_step"] == 30
+    assert got["wasted_steps"] == 4  # steps 11..14 of the first attempt
+    assert got["attempts"] == [(0, 14), (10, 30)]
+    assert uf.mesh_resumes(rows, [20.0]) == [41 - 20.0]
+    assert uf.mesh_step_s(rows) == pytest.approx(1.0)
+
+
+def test_goodput_and_the_drop_schedule():
+    assert uf.goodput_per_hour(1000, 100.0, 200.0) == pytest.approx(36_000)
+    with pytest.raises(ValueError):
+        uf.goodput_per_hour(1000, 100.0, 100.0)
+    assert uf.drop_times(0.0, 40, 60, 200) == [40, 100, 160]
+    # equal rates; the groups lose 5 s a drop, the mesh 65 s: at 300 s, 0.983 / 0.783
+    ratio = uf.goodput_model(100.0, 5.0, 100.0, 65.0, (300.0,))["every_300s"]
+    assert ratio == pytest.approx((1 - 5 / 300) / (1 - 65 / 300))
+    assert uf.alone_batch(13.6, 2) == 14 and uf.alone_batch(0.4, 2) == 2
+
+
+def test_the_killed_group_and_its_rejoin():
+    logs = {0: [_row(s, float(s), [[0, 1]]) for s in range(1, 30)],
+            2: [_row(s, float(s), [[0, 1]]) for s in range(1, 11)]
+            + [_row(s, float(s), [[0, 1]], attempt=1) for s in range(25, 30)]}
+    assert uf.killed_group(logs, 10.5) == 2
+    assert uf.rejoin_after(logs, 2, 10.5) == pytest.approx(25 - 10.5)
+    # a step of the old attempt committed just after the kill is not the rejoin
+    logs[2].insert(10, _row(11, 11.0, [[0, 1]]))
+    assert uf.rejoin_after(logs, 2, 10.5) == pytest.approx(25 - 10.5)
+    never = {0: logs[0], 2: logs[2][:10]}
+    assert uf.killed_group(never, 10.5) == 2 and uf.rejoin_after(never, 2, 10.5) is None
+
+
+def test_a_figure_with_a_side_at_load_above_2_is_recorded_not_published():
+    quiet = {"load": {"others_runnable_mean": 0.4, "loadavg_1m_max": 6.0}}
+    busy = {"load": {"others_runnable_mean": 3.1, "loadavg_1m_max": 9.0}}
+    runs = {"whole": quiet, "alone": busy, "drops": quiet, "mesh": quiet}
+    figs = {"throughput_of_sum_sync": 0.9, "goodput_vs_restart": 1.5}
+    sides = {"throughput_of_sum_sync": ["whole", "alone"], "goodput_vs_restart": ["drops",
+                                                                                 "mesh"]}
+    out = uf.publish(figs, sides, runs, start_load=1.2)
+    assert out["throughput_of_sum_sync"] is None
+    assert out["recorded"] == {"throughput_of_sum_sync": 0.9}
+    assert "alone" in out["invalid"]["throughput_of_sum_sync"]
+    assert out["goodput_vs_restart"] == 1.5 and "goodput_vs_restart" not in out["invalid"]
+    # a busy machine at the start voids everything; a side that did not run too
+    out = uf.publish(figs, {**sides, "goodput_vs_restart": ["drops", "gone"]}, runs, 2.5)
+    assert out["goodput_vs_restart"] is None and "gone: not run" in out["invalid"][
+        "goodput_vs_restart"]
+    assert "when the benchmark started" in out["invalid"]["goodput_vs_restart"]
+    # the section shows the reason, never the number
+    u = {**out, "status": "ok"}
+    assert md.value(u, "throughput_of_sum_sync").startswith("invalid (")
+    assert all("0.9" not in r[2] for r in md.rows(u))
+
+
+def test_the_results_section_is_replaced_in_place(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# results\n\n## Other\n\ntext\n")
+    u = {"status": "not run: no namespaces"}
+    md.write_section(path, u)
+    md.write_section(path, {"status": "not run: again"})
+    text = path.read_text()
+    assert text.count(md.HEADING) == 1 and "again" in text and "## Other\n\ntext" in text
+    path.write_text(text + "\n## Later\n\nkept\n")
+    md.write_section(path, u)
+    assert "## Later\n\nkept" in path.read_text() and "again" not in path.read_text()
+
+
+def test_the_load_sampler_tells_its_own_processes_from_others():
+    sampler = uf.LoadSampler([])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    # a daemon (its parent gone, adopted by init) is another's
+    orphan = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(30)' >/dev/null 2>&1 & "
+         "echo $!"], capture_output=True, text=True, timeout=10)
+    other = int(orphan.stdout.split()[0])
+    try:
+        time.sleep(0.3)
+        parents = {}
+        for pid in (child.pid, other, os.getpid()):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        assert sampler._ours(child.pid, parents)
+        assert not sampler._ours(other, parents)
+        assert isinstance(sampler.sample(), int)
+    finally:
+        child.kill()
+        os.kill(other, 9)
+        child.wait(timeout=10)
+
+
+def test_boxes_side_by_side_are_timed_over_the_window_all_of_them_trained_in():
+    # box a starts at t=0 and ends at 20, box b starts at 10 and ends at 30 (a step a second)
+    a = {0: [_row(s, float(s), [[s * 10, 4]], attempt="x") for s in range(0, 21)]}
+    b = {0: [_row(s, 10.0 + s, [[s * 10, 2]], attempt="y") for s in range(0, 21)]}
+    t0, t1 = uf.common_window([a, b], warmup=2)
+    assert (t0, t1) == (13.0, 20.0)  # b's step 3 .. a's last step
+    assert uf.window_tokens_per_s(a, 1, t0, t1) == (pytest.approx(4.0), 7)
+    assert uf.window_tokens_per_s(b, 1, t0, t1) == (pytest.approx(2.0), 7)
+    with pytest.raises(ValueError):
+        uf.common_window([a, {0: a[0][:3]}], warmup=5)
+    # attempts are ids: the rejoin is the first step of another id after the kill
+    logs = {2: [_row(1, 1.0, [[0, 1]], "b7"), _row(2, 2.0, [[1, 1]], "b7"),
+                _row(3, 9.0, [[2, 1]], "a1")]}
+    assert uf.rejoin_after(logs, 2, 1.5) == pytest.approx(7.5)
+
+
+def test_the_benchmark_waits_for_the_heavy_lock_and_refuses_past_the_bound(tmp_path):
+    import fcntl
+
+    from benchmarks.user_job_runs import heavy_lock
+
+    lock = tmp_path / "heavy.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"pid 1: another heavy test")
+    try:
+        with pytest.raises(TimeoutError, match="another heavy test"), heavy_lock(0.6,
+                                                                               lock=lock):
+            pass
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    with heavy_lock(0.6, lock=lock):
+        assert lock.read_text().endswith("benchmarks/user_job.py")
+    assert lock.read_text() == ""
