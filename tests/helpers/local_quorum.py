@@ -4,7 +4,8 @@ Each group is its own torchrun world (a helper script); this process serves the 
 through a ``multiprocessing`` manager (the ``Coordinator`` protocol of
 ``ray_mesh.replicas.coordinator``, as the Ray coordinator actor serves it) and the TCP
 store the cross-group links meet on. ``tests/dist/test_lm_groups.py`` uses it;
-``tests/dist/test_replica_layouts.py`` uses its :class:`LocalCoordinator`.
+``tests/dist/test_replica_layouts.py`` uses its :class:`LocalCoordinator`
+(``harness/local_coordinator.py``, which the lab job's reference run uses too).
 """
 
 from __future__ import annotations
@@ -13,47 +14,10 @@ import threading
 from multiprocessing.managers import BaseManager
 from typing import Any
 
+from harness.local_coordinator import LocalCoordinator
 from ray_mesh.replicas.quorum import Quorum
 
 AUTHKEY = b"local-quorum"
-
-
-class LocalCoordinator:
-    """The ``Coordinator`` protocol over a local :class:`Quorum`."""
-
-    def __init__(self, quorum: Quorum, store_address: tuple[str, int, str]) -> None:
-        self.quorum, self.address = quorum, store_address
-        self.layouts: dict[int, str] = {}
-
-    def register(self, gid, incarnation, ranks, layout=""):
-        self.layouts[gid] = layout
-        self.quorum.register(gid, incarnation, ranks)
-
-    def beat(self, gid, incarnation, rank):
-        return self.quorum.beat(gid, incarnation, rank)
-
-    def arrive(self, gid, incarnation, step, holding, fresh_link, busy_s=None, fixed_s=None,
-               wait_s=None):
-        return self.quorum.arrive(gid, incarnation, step, holding, fresh_link, busy_s=busy_s,
-                                  fixed_s=fixed_s, wait_s=wait_s)
-
-    def await_decision(self, gid, incarnation, wait_s):
-        return self.quorum.await_decision(gid, incarnation, wait_s)
-
-    def checkpoint_started(self, step):
-        self.quorum.checkpoint_started(step)
-
-    def checkpointed(self, step, path):
-        self.quorum.checkpointed(step, path)
-
-    def checkpoint_failed(self, gid, step, error):
-        self.quorum.checkpoint_failed(gid, step, error)
-
-    def failed(self, gid, error, rank=0, incarnation=None):
-        self.quorum.failed(gid, error, rank, incarnation)
-
-    def store_address(self):
-        return self.address
 
 
 class LocalQuorum:
