@@ -259,6 +259,7 @@ def init_process_group(
     # failed to connect ("Connection refused") after its retries.
     round_ = rendezvous_store.join_round(store, rank, world_size)
     store = dist.PrefixStore(f"ray_mesh/{round_}", store)
+    teardown.bind_world_defaults()  # before the world group exists: see core/teardown.py
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)
 

@@ -23,6 +23,14 @@ of its groups. Releasing the last reference from Python runs ``~ProcessGroupGloo
 GIL released (c10d's no-GIL holder); it waits for the queue, stops the workers and joins
 them, each finishing its Work first. A group something else still holds (a live FSDP model,
 a kept ``mesh.get_group()``) cannot be freed: a warning names its dims and what to drop.
+
+One holder is torch's own: ``torch.distributed.nn.functional`` binds ``group.WORLD`` as the
+default argument of its collectives *when it is imported*, and ``torch.distributed.fsdp``
+imports it. Imported after the world group exists (under Ray always: the train function's
+module, and with it FSDP, is loaded after the mesh came up), every such function keeps the
+world group, the ``dp`` group of a mesh whose dp dims span the world, alive for good: the
+README's main job warned on every rank. :func:`bind_world_defaults` imports it first, so
+those defaults are None (the default group at call time, as torch means them).
 """
 
 from __future__ import annotations
@@ -39,6 +47,12 @@ import ray_mesh.private_apis as private_apis
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS
 
 logger = logging.getLogger(__name__)
+
+
+def bind_world_defaults() -> None:
+    """Import the torch modules that bind the world group at import time, before there is
+    one (see the module docstring); called before ``init_process_group``."""
+    import torch.distributed.nn.functional  # noqa: F401 - its defaults: group=group.WORLD
 
 
 def real_groups(mesh: Any) -> dict[str, weakref.ref]:

@@ -70,6 +70,10 @@ SHUTDOWN_SCRIPT = textwrap.dedent("""
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("ray_mesh").addHandler(handler)
     mesh = ray_mesh.init_mesh({"dp_replicate": 2, "dp_shard": -1})
+    # What a Ray worker does: the train function's module imports FSDP after the mesh is
+    # up, and torch.distributed.nn.functional (imported by it) binds group.WORLD -- the dp
+    # group here -- as a default argument at import (ray_mesh.core.teardown).
+    import torch.distributed.fsdp
     rank = dist.get_rank()
     for d in ("dp_replicate", "dp_shard", "dp"):
         dist.all_reduce(torch.ones(1), group=mesh.get_group(d))
@@ -87,7 +91,8 @@ SHUTDOWN_SCRIPT = textwrap.dedent("""
 def test_shutdown_mesh_frees_every_group(tmp_path):
     """No gloo thread outlives shutdown_mesh() while the script still holds its mesh: one
     left to interpreter exit could abort the rank (SIGABRT) after its last line (see
-    ray_mesh.core.teardown). A group the script itself keeps is named in a warning."""
+    ray_mesh.core.teardown), nor while torch's module defaults bound at import hold the
+    world group. A group the script itself keeps is named in a warning."""
     script = tmp_path / "script.py"
     script.write_text(SHUTDOWN_SCRIPT)
     proc = torchrun(script, str(tmp_path), nproc=4, timeout=240)

@@ -123,3 +123,15 @@ def test_wait_sampler_skips_a_group_that_has_no_name_yet():
     exec(code, scope)  # a real frame of a file named like torch's distributed_c10d.py
     sampler = WaitSampler({}, interval_s=0.02, window_s=1.0)
     assert sampler.classify(scope["frame"]) is None
+
+
+def test_console_checker_flags_the_shutdown_warning_of_a_ray_worker():
+    """A Ray worker prints ray_mesh's WARNING records without their level: the README's
+    main job showed this line on every rank and the checker let it through."""
+    from console import problems
+
+    line = ("\x1b[36m(RayTrainWorker pid=5296)\x1b[0m ray_mesh.shutdown_mesh(): the process "
+            "group(s) of dp=dp_cp are still referenced (by a model wrapped with FSDP, a kept "
+            "mesh.get_group(...), ...), so not freed: ... Drop those references (del model) "
+            "before shutdown_mesh().\x1b[32m [repeated 3x across cluster]\x1b[0m")
+    assert len(problems(line)) == 3
