@@ -151,9 +151,10 @@ def goodput_per_hour(useful_tokens: float, t_launch: float, t_last: float) -> fl
     return useful_tokens * 3600.0 / (t_last - t_launch)
 
 
-def drop_times(t_launch: float, first_s: float, every_s: float, until: float) -> list[float]:
-    """When the box goes down: ``first_s`` after the launch, then every ``every_s``."""
-    out, t = [], t_launch + first_s
+def drop_times(t0: float, first_s: float, every_s: float, until: float) -> list[float]:
+    """When the box goes down: ``first_s`` after ``t0`` (the run's first committed step),
+    then every ``every_s``, before ``until``."""
+    out, t = [], t0 + first_s
     while t < until:
         out.append(t)
         t += every_s

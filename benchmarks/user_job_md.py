@@ -25,9 +25,12 @@ WHAT = {
 }
 
 
-def value(u: dict, name: str) -> str:
+def value(u: dict, name: str, full: bool = False) -> str:
+    """A figure as shown: a refused one as ``invalid (why)``, the first reason only unless
+    ``full``."""
     if name in u.get("invalid", {}):
-        return f"invalid ({u['invalid'][name][:160]})"
+        why = u["invalid"][name]
+        return f"invalid ({why if full else why.split('; ')[0]})"
     v = u.get(name)
     if v is None:
         return "-"
@@ -38,11 +41,11 @@ def value(u: dict, name: str) -> str:
 
 def rows(u: dict) -> list[tuple[str, str, str, str]]:
     """``(section, figure, value, target)`` rows for ``benchmarks/report.table``."""
+    out = []
     if u.get("status", "ok") != "ok":
-        return [("k user job", "status", str(u["status"])[:300], "")]
-    stat = " (single run)"
-    return [("k user job", WHAT[n] + stat, value(u, n), TARGETS[n]) for n in WHAT
-            if n in u or n in u.get("invalid", {})]
+        out.append(("k user job", "status", str(u["status"])[:300], ""))
+    return out + [("k user job", WHAT[n] + " (single run)", value(u, n), TARGETS[n])
+                  for n in WHAT if n in u or n in u.get("invalid", {})]
 
 
 def _load(run: dict) -> str:
@@ -62,7 +65,7 @@ def _list(values: list) -> str:
 
 
 def markdown(u: dict) -> str:
-    if u.get("status", "ok") != "ok":
+    if "runs" not in u:
         return f"{HEADING}\n\nNot measured: {u['status'][:500]}\n"
     s = u["settings"]
     d = s.get("drops") or {}
@@ -79,7 +82,9 @@ def markdown(u: dict) -> str:
              f"{u['loadavg_1m_at_start']:.2f}. A figure is published only if no run behind "
              "it had other processes' load above 2 (see `benchmarks/user_job_figures.py`).",
              "", "| figure | value | target |", "|---|---|---|"]
-    lines += [f"| {WHAT[n]} | {value(u, n)} | {TARGETS[n]} |" for n in WHAT
+    if u.get("status", "ok") != "ok":
+        lines[-2:-2] = [f"Parts that failed (their figures are missing): {u['status'][:600]}", ""]
+    lines += [f"| {WHAT[n]} | {value(u, n, full=True)} | {TARGETS[n]} |" for n in WHAT
               if n in u or n in u.get("invalid", {})]
     lines += ["", "| run | tokens/s | held-out loss | mean samples per step per group | "
               "useful tokens | drops | 1-min load start / end / max; others' runnable mean |",

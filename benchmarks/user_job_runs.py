@@ -87,8 +87,10 @@ def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
 
 
 def mesh_job(lab, tag: str, cfg: dict) -> tuple[dict, Path]:
-    """The same job as one mesh: FSDP over every worker, rows from each box's disk by step,
-    checkpoints into the bucket, Ray Train's restarts."""
+    """The same job as one mesh: FSDP over one worker per box (ray_mesh refuses a mesh over
+    2 + 2 + 1 workers, "the same number on every node", and names this fix:
+    ``STRICT_SPREAD``, one worker per node), rows from each box's disk by step, checkpoints
+    into the bucket, Ray Train's restarts."""
     from harness.lab_job import EXAMPLE_HEAD
 
     job = copy.deepcopy(lab.page.job)
@@ -96,7 +98,8 @@ def mesh_job(lab, tag: str, cfg: dict) -> tuple[dict, Path]:
     m, steps_dir = cfg["mesh"], lab.work / f"{tag}.steps"
     data = {**job.pop("data"), "batch_size": m["batch_size"]}
     job.update(name=f"lab-{tag}", train=MESH_TRAIN, mesh={"dp_shard": -1},
-               scaling={"num_workers": sum(BOX_DP), "resources_per_worker": {"CPU": 1}})
+               scaling={"num_workers": len(BOX_DP), "resources_per_worker": {"CPU": 1},
+                        "placement_strategy": "STRICT_SPREAD"})
     job["config"] = {**job["config"], "data": data, "steps": cfg["sync"]["steps"],
                      "checkpoint_every": m["checkpoint_every"], "check_peer_batches": 0,
                      "step_log": str(steps_dir)}
@@ -191,6 +194,17 @@ def drive(lab, run: Running, drops: dict, until: float) -> list[dict]:
     return events
 
 
+def train_workers(lab) -> list[int]:
+    """The Ray Train worker processes alive on any box."""
+    out = []
+    for node in lab.cluster.nodes:
+        for pid in node.work_pids():
+            with contextlib.suppress(OSError):
+                if b"RayTrainWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    out.append(pid)
+    return out
+
+
 def run_all(lab, jobs: dict[str, tuple[dict, Path]], timeout_s: float,
             drops: dict | None = None, cut_s: float | None = None,
             stop_when=None) -> dict[str, dict]:
@@ -198,6 +212,9 @@ def run_all(lab, jobs: dict[str, tuple[dict, Path]], timeout_s: float,
     most ``cut_s`` or, as an error, ``timeout_s``), or until ``stop_when(running)``; a run
     stopped by ``cut_s`` or ``stop_when`` is ``cut``."""
     lab.cluster.wait_for_nodes(3, timeout_s=180)
+    deadline = time.monotonic() + 90  # a stopped run's workers gone (their CPUs free)
+    while train_workers(lab) and time.monotonic() < deadline:
+        time.sleep(1)
     sampler = uf.LoadSampler([n.ns for n in lab.cluster.nodes])
     out: dict[str, dict] = {}
     events: list[dict] = []
