@@ -172,3 +172,34 @@ def test_the_benchmark_waits_for_the_heavy_lock_and_refuses_past_the_bound(tmp_p
     with heavy_lock(0.6, lock=lock):
         assert lock.read_text().endswith("benchmarks/user_job.py")
     assert lock.read_text() == ""
+
+
+def test_the_section_shows_every_figure_and_the_runs_behind_it(tmp_path):
+    load = {"loadavg_1m_start": 0.5, "loadavg_1m_end": 6.0, "loadavg_1m_max": 6.2,
+            "others_runnable_mean": 0.3}
+    runs = {"sync-whole": {"tokens_per_s": 900.0, "eval_loss": 2.7, "shares": {0: 8.0},
+                           "useful_tokens": 4096, "drops": [], "load": load},
+            "groups-drops": {"tokens_per_s": 800.0, "eval_loss": 2.72, "shares": {},
+                             "useful_tokens": 3000, "drops": [{}, {}], "load": load,
+                             "killed_group": 2, "rejoins_s": [30.5, None],
+                             "samples_twice": 0, "samples_skipped": 0,
+                             "goodput_tokens_per_h": 7e5},
+            "mesh-drops": {"useful_tokens": 1000, "drops": [{}], "load": load,
+                           "attempts": [(0, 8), (5, 12)], "wasted_steps": 3,
+                           "resumes_s": [39.6], "cut": False, "goodput_tokens_per_h": 3e5}}
+    figs = {"throughput_of_sum_sync": 0.91, "survivor_max_step_gap_s": 5.1,
+            "survivor_steps_lost": 0, "rejoin_s": 30.5, "final_loss_rel_diff": 0.007,
+            "goodput_vs_restart": 2.3}
+    sides = {k: ["sync-whole", "groups-drops", "mesh-drops"] for k in figs}
+    u = {**uf.publish(figs, sides, runs, start_load=0.4), "status": "ok", "runs": runs,
+         "settings": {"drops": {"first_s": 15, "every_s": 45, "down_s": 10}},
+         "started": "2026-11-27T06:00:00Z", "wall_s": 480.0, "statistic": "single run",
+         "loadavg_1m_at_start": 0.4, "box_quotas_cores": {"tower_cores": 0.4},
+         "goodput_model": {"loss_per_drop_groups_s": 12.0, "loss_per_drop_mesh_s": 60.0,
+                           "tokens_per_s_groups": 900.0, "tokens_per_s_mesh": 400.0,
+                           "ratio": {"every_300s": 2.7}}}
+    text = md.markdown(u)
+    for shown in ("| 0.91 | >= 0.85 |", "| 2.3 | >= 1.3 |", "`mesh-drops`", "[30.5, -]",
+                  "every 300s: 2.70", "3 steps redone"):
+        assert shown in text, shown
+    assert len(md.rows(u)) == 6 and "invalid" not in text
