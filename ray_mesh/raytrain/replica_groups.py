@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,10 +96,11 @@ class _GroupRunner:
     """Runs one group's ``TorchTrainer.fit`` (its controller and workers are this actor's
     children, so killing the runner ends them)."""
 
-    def fit(self, train_fn: Any, config: dict[str, Any], trainer_kwargs: dict[str, Any]
-            ) -> dict[str, Any]:
+    def fit(self, train_fn: Any, config: dict[str, Any], trainer_kwargs: dict[str, Any],
+            train_env: dict[str, str] | None = None) -> dict[str, Any]:
         from ray.train.torch import TorchTrainer
 
+        os.environ.update(train_env or {})  # before fit() reads them: see _train_env
         result = TorchTrainer(train_fn, train_loop_config=config, **trainer_kwargs).fit()
         # Ray Train keeps a report's metrics in Result only with a checkpoint: the last
         # report is also in the summary ray_mesh saves in the run's directory.
@@ -117,6 +119,17 @@ class ReplicaGroupsResult:
     groups: dict[int, dict[str, Any]]   # per group: its last reported metrics, or why it ended
     status: dict[str, Any]              # the coordinator's books: events, step, samples used
     events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _train_env() -> dict[str, str]:
+    """The driver's Ray Train settings (``RAY_TRAIN_*``; ``ray-mesh run`` sets
+    ``driver.CLI_ENV``), for each group's ``fit()``. Ray Train hands them from the process
+    that calls ``fit()`` to its controller and workers; a group's ``fit()`` runs in a runner
+    actor, whose environment on a cluster is its raylet's (``ray start``'s), not the
+    driver's. Without them the print patch stayed on in the groups' workers (every line a
+    train function printed reached the console twice) and reports waited for the 2 s
+    health check. An embedded Ray inherits the driver's environment, so it had them."""
+    return {k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")}
 
 
 def _pinned_here() -> Any:
@@ -219,7 +232,8 @@ def fit_replica_groups(train_fn: Any, *,
                                      num_to_keep=num_to_keep),
         }
         runners[gid] = _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
-        refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs)
+        refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs,
+                                            _train_env())
     results: dict[int, dict[str, Any]] = {}
     groups = len(specs)
     seen, ended_at, written = 0, None, time.monotonic()

@@ -2,8 +2,9 @@
 
 A line is a problem when it carries a warning (``Warning``, ``WARNING``, torch's ``W1125 ...``
 log lines), a traceback, an ``Error``, a metrics address on port -1, the wait sampler's
-"ProcessGroup name not set", or ray_mesh's own shutdown warning of groups "still referenced"
-(a Ray worker prints a library's WARNING record without its level), unless an entry of
+"ProcessGroup name not set", ray_mesh's own shutdown warning of groups "still referenced" or
+Ray Train's "Failed to query" (a Ray worker prints a library's WARNING record without its
+level), unless an entry of
 :data:`EXPECTED` (each with its reason) says it is expected. Ray's "[repeated 3x across
 cluster]" counts as 3 lines.
 """
@@ -17,7 +18,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PREFIX = re.compile(r"^\(\w+ pid=\d+(?:, ip=[^)]*)?\)\s?")
 REPEATED = re.compile(r"\[repeated (\d+)x across cluster\]")
 PROBLEM = re.compile(r"Warning|WARNING|^\[rank\d+\]:W\d{4} |^W\d{4} |Traceback|Error|"
-                     r":-1/|port -1|ProcessGroup name not set|are still referenced")
+                     r":-1/|port -1|ProcessGroup name not set|are still referenced|"
+                     r"Failed to query")
 
 
 @dataclass(frozen=True)
@@ -70,4 +72,4 @@ def warnings_count(out: str) -> int:
                if re.search(r"Warning|WARNING|^\[rank\d+\]:W\d{4} |^W\d{4} ", line))
 
 
-__all__ = ["EXPECTED", "Expected", "lines", "problems", "warnings_count"]
+__all__ = ["ANSI", "EXPECTED", "Expected", "lines", "problems", "warnings_count"]
