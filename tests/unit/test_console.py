@@ -135,3 +135,17 @@ def test_console_checker_flags_the_shutdown_warning_of_a_ray_worker():
             "mesh.get_group(...), ...), so not freed: ... Drop those references (del model) "
             "before shutdown_mesh().\x1b[32m [repeated 3x across cluster]\x1b[0m")
     assert len(problems(line)) == 3
+
+
+def test_console_checker_flags_the_cleaners_state_api_warning_but_not_its_once_line():
+    """Ray Train's placement-group cleaner on a cluster without a dashboard: its WARNING
+    (printed without the level) at every check is a problem; the one line the job's worker
+    hook says instead (ray_mesh.raytrain.driver.CLEANER_ONCE) is not."""
+    from console import problems
+
+    from ray_mesh.raytrain.driver import CLEANER_ONCE
+
+    raw = ("(PlacementGroupCleaner pid=27947) Failed to query Ray Train Controller actor "
+           "state. State API may be temporarily unavailable. Continuing to monitor.")
+    assert len(problems(raw)) == 1
+    assert problems(f"(PlacementGroupCleaner pid=27947) {CLEANER_ONCE}") == []
