@@ -21,8 +21,9 @@ from the kill on (``survivor_max_step_gap_s``), survivor steps taken twice
 held-out loss against the clean run (``final_loss_rel_diff``). The kill time is this
 process's ``time.time()`` just before the kill (one clock for every namespace).
 
-``run_on_cluster`` is shared with ``tests/netns/test_replica_groups_netns.py`` (which kills a
-worker with the train function's ``kill`` hook instead of a node).
+``run_on_cluster`` also takes a ``kill`` hook in the train config (a worker that kills
+itself at a step) for runs without a node kill. The user's job (the LM on the page's
+cluster, a box's lid closed) is ``harness/lab_job.py``, run by ``tests/netns/test_lab_job.py``.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ no ``checkpoint_dir``), uploaded in the background, and both groups' workers SIG
 step 11. With no live group left to heal from, the restart waits for both groups; the first
 restores the newest checkpoint from the bucket (outer state included), the second heals from
 it over the network, and the run finishes. The kill-and-rejoin of
-one group while the others train on, on unequal nodes, is
-tests/netns/test_replica_groups_netns.py.
+one group while the others train on, on unequal nodes, is tests/netns/test_lab_job.py
+(the LM job of docs/lab_job.md, a box's every process killed).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_the_replica_groups_example_runs_groups_of_unequal_size_with_a_clean_con
     Ray with --address): a group of 2 workers (``dp_shard=2``) and one of 1, so every
     exchange is of full tensors, shares by speed; the job's ``replica_groups:`` section and
     the CLI's summary. (A slowed group getting the smaller share, on a real CPU quota:
-    tests/netns/test_replica_groups_netns.py.)"""
+    tests/netns/test_lab_job.py.)"""
     import yaml
     from console import lines, problems
 

@@ -1,0 +1,326 @@
+"""The "Your lab's job" page (docs/lab_job.md), run on a virtual cluster: its runner.
+
+The page's ``bash`` blocks are split at their box headings (``# desktop``, ``# tower``,
+``# laptop``; text after a colon is a comment) and its ``yaml`` block is the job. A
+:class:`Lab` builds three namespace nodes joined by real WireGuard, each with its own disk
+(``NetnsCluster(start_ray=False)``: no Ray but what the page starts), the laptop (node 2)
+under a CPU quota, and runs the page on them with ``100.101.102.103`` replaced by the
+head's tailnet address:
+
+* :meth:`Lab.start`: step 1, each box's lines on that box (the laptop's inside its quota);
+* :meth:`Lab.plan`: step 2;
+* :meth:`Lab.run_job`: step 3, the page's ``ray-mesh run`` in the head's namespace in the
+  background, the job written where the page says to save it with two changes for the
+  measurement (``train:`` names ``harness/lab_train.py``, the same loop with a step log, and
+  ``config.step_log``; ``overrides`` for a benchmark's longer run), and while it runs, the
+  lid: every process of the laptop killed once a group committed ``kill_step``, and step
+  4's lines run on it ``down_s`` later. ``kill="all"``: every group at once instead (the
+  tower's and laptop's processes, and the desktop's group workers; the driver and the
+  bucket stay), both boxes started again ``down_s`` later;
+* :meth:`Lab.status`: step 5.
+
+:func:`figures` reads the run's step log (``harness/replica_check.py``) into the figures
+a test checks and a benchmark records. The driver, ``ray-mesh run``, prints what a user
+sees; the console is kept in ``run.out``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.netns.cpu import CPU_ROOT, make_cgroup, remove_cgroup
+from harness.netns_cluster import REPO, NetnsCluster
+
+PAGE = REPO / "docs" / "lab_job.md"
+EXAMPLE_HEAD = "100.101.102.103"
+BOXES = ("desktop", "tower", "laptop")  # nodes 0, 1, 2
+TOWER, LAPTOP = 1, 2
+TRAIN = f"{REPO / 'harness' / 'lab_train.py'}:train_groups"
+READY = "ray-mesh storage: serving"
+
+
+@dataclass
+class Page:
+    """The page's commands: ``blocks[i]`` is the i-th bash block as (box, lines) parts."""
+
+    blocks: list[list[tuple[str, list[str]]]]
+    job: dict[str, Any]
+
+    def lines(self, block: int, box: str) -> list[str]:
+        return [x for b, part in self.blocks[block] for x in part if b == box]
+
+    def find(self, prefix: str) -> tuple[int, str]:
+        """(block, line) of the first command that starts with ``prefix``."""
+        for i, block in enumerate(self.blocks):
+            for _, part in block:
+                for line in part:
+                    if line.startswith(prefix):
+                        return i, line
+        raise LookupError(f"docs/lab_job.md has no command starting with {prefix!r}")
+
+
+def read_page(path: Path = PAGE) -> Page:
+    text = path.read_text()
+    blocks = []
+    for body in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        parts: list[tuple[str, list[str]]] = []
+        for line in body.replace("\\\n", " ").splitlines():
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                box = re.split(r"[:(]", stripped.lstrip("# "))[0].strip()
+                if box not in BOXES:
+                    raise ValueError(f"{path.name}: a bash block's heading {stripped!r} names "
+                                     f"no box of {BOXES}")
+                parts.append((box, []))
+                continue
+            command = re.sub(r"\s+#.*$", "", stripped)
+            if command:
+                if not parts:
+                    raise ValueError(f"{path.name}: {command!r} comes before any box heading")
+                parts[-1][1].append(re.sub(r"\s+", " ", command))
+        blocks.append(parts)
+    (job_text,) = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    return Page(blocks, yaml.safe_load(job_text))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@dataclass
+class Lab:
+    """Three boxes of the page on a virtual cluster (see the module docstring)."""
+
+    work: Path
+    tower_cores: float = 0.4
+    page: Page = field(default_factory=read_page)
+    cluster: NetnsCluster | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __enter__(self) -> Lab:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.work.chmod(0o777)
+        self.cluster = NetnsCluster([{}, {}, {}], start_ray=False)
+        self.cluster.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cluster is not None:
+            if exc[0] is not None:
+                self.keep_ray_logs()
+            self.cluster.stop()
+            remove_cgroup(CPU_ROOT / self.cluster.nodes[TOWER].ns)
+
+    def keep_ray_logs(self) -> None:
+        """Each box's Ray logs' tails into ``work`` (the boxes' disks go with the cluster)."""
+        for box in range(len(BOXES)):
+            with contextlib.suppress(Exception):
+                got = self.cluster.run_in(box, ["sh", "-c", (
+                    "cd /tmp/ray-mesh-node/tmp/ray/session_latest/logs && for f in "
+                    "gcs_server.out raylet.out raylet.err dashboard_agent.log; do "
+                    "[ -f $f ] && echo \"== $f\" && tail -n 40 $f; done")], timeout=20)
+                (self.work / f"{BOXES[box]}.ray_logs.txt").write_text(got.stdout + got.stderr)
+
+    def throttle(self) -> None:
+        """The tower is the older box: its Ray processes (and all they start) under a CPU
+        quota of ``tower_cores`` (``harness/netns/cpu.py``), set once its Ray is up, so that
+        its ``ray start`` does not take the test's time."""
+        group = make_cgroup(self.cluster.nodes[TOWER].ns, self.tower_cores)
+        for pid in self.cluster.nodes[TOWER].work_pids():
+            with contextlib.suppress(OSError):
+                (group / "cgroup.procs").write_text(str(pid))
+
+    # ------------------------------------------------------------------ the boxes
+    @property
+    def head_ip(self) -> str:
+        return self.cluster.head.ip
+
+    def _command(self, box: int, lines: list[str], cwd: Path) -> tuple[list[str], dict]:
+        node = self.cluster.nodes[box]
+        script = "set -euo pipefail\ncd " + str(cwd) + "\n" + "\n".join(
+            x.replace(EXAMPLE_HEAD, self.head_ip) for x in lines) + "\n"
+        cmd = [*node.exec_prefix(), "bash", "-c", script]
+        env = {**self.cluster.node_env(node), "PYTHONPATH": str(REPO),
+               "PYTHONUNBUFFERED": "1"}
+        return cmd, env
+
+    def sh(self, box: int, lines: list[str], log: str, timeout: float,
+           cwd: Path = REPO) -> str:
+        """Run ``lines`` as one bash script on ``box``; output to ``work/log`` (a line that
+        leaves a server in the background keeps its output open)."""
+        cmd, env = self._command(box, lines, cwd)
+        path = self.work / log
+        with path.open("w") as out:
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                  timeout=timeout)
+        text = path.read_text()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{BOXES[box]} (rc {proc.returncode}), {lines}:\n{text[-5000:]}")
+        return text
+
+    @staticmethod
+    def each(boxes: list[int], fn: Any) -> None:
+        """``fn(box)`` for every box at once, as each box's owner runs its own lines (one
+        thread each; the first error raised after all ended)."""
+        with ThreadPoolExecutor(len(boxes)) as pool:
+            for future in [pool.submit(fn, box) for box in boxes]:
+                future.result()
+
+    def start(self, timeout_s: float = 240.0) -> None:
+        """Step 1 of the page on each box; the bucket serving; all three nodes alive."""
+        t0 = time.monotonic()
+        self.sh(0, self.page.lines(0, "desktop"), "desktop.log", timeout_s)
+        deadline = time.monotonic() + 60
+        while READY not in (self.work / "desktop.log").read_text():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the bucket's server did not serve within 60 s:\n"
+                                   + (self.work / "desktop.log").read_text()[-3000:])
+            time.sleep(0.3)
+        self.each([1, 2], lambda box: self.sh(box, self.page.lines(0, BOXES[box]),
+                                              f"{BOXES[box]}.log", timeout_s))
+        self.cluster.wait_for_nodes(3, timeout_s=120)
+        self.throttle()
+        self.timings["cluster_s"] = time.monotonic() - t0
+
+    def plan(self, timeout_s: float = 180.0) -> str:
+        block, _ = self.page.find("ray-mesh plan")
+        t0 = time.monotonic()
+        out = self.sh(0, self.page.lines(block, "desktop"), "plan.log", timeout_s)
+        self.timings["plan_s"] = time.monotonic() - t0
+        return out
+
+    def status(self, timeout_s: float = 120.0) -> str:
+        block, _ = self.page.find("ray-mesh status")
+        return self.sh(0, self.page.lines(block, "desktop"), "status.log", timeout_s)
+
+    def fallbacks(self) -> list[int]:
+        """The steps of the complete fallback checkpoints in the run's bucket (asked from
+        the desktop, with the bucket's key, as the run's own processes ask)."""
+        run = self.page.job["run"]
+        uri = f"{run['storage_path'].rstrip('/')}/{self.page.job['name']}-fallback"
+        code = ("import sys; from ray_mesh.checkpointing.upload import complete; "
+                "print('STEPS', *[s for s, _ in complete(sys.argv[1], sys.argv[2])])")
+        out = self.sh(0, [". ~/.ray_mesh/storage.env", f"python -c '{code}' {uri} "
+                          f"{run['storage_endpoint']}"], "fallbacks.log", 60)
+        line = next((x for x in out.splitlines() if x.startswith("STEPS")), "STEPS")
+        return sorted(int(s) for s in line.split()[1:])
+
+    # ------------------------------------------------------------------ the job
+    def job(self, overrides: dict | None = None) -> dict[str, Any]:
+        """The page's job as the run gets it (see the module docstring)."""
+        job = _merge(self.page.job, overrides or {})
+        job["train"] = TRAIN
+        job["config"] = {**job.get("config", {}), "step_log": str(self.work / "steps")}
+        return json.loads(json.dumps(job).replace(EXAMPLE_HEAD, self.head_ip))
+
+    def run_job(self, *, kill: str | None = "laptop", kill_step: int = 10,
+                down_s: float = 10.0, overrides: dict | None = None,
+                timeout_s: float = 400.0, fallback_step: int | None = None) -> dict[str, Any]:
+        """Step 3 (and 4): the job to its end; the lid closed at ``kill_step`` (and, with
+        ``fallback_step``, once the fallback checkpoint of that step is whole in the
+        bucket)."""
+        block, line = self.page.find("ray-mesh run")
+        name = line.split()[2]  # ray-mesh run lab.yaml ...
+        steps_dir = self.work / "steps"
+        steps_dir.mkdir(exist_ok=True)
+        steps_dir.chmod(0o777)
+        (self.work / name).write_text(yaml.safe_dump(self.job(overrides)))
+        cmd, env = self._command(0, self.page.lines(block, "desktop"), self.work)
+        out_path = self.work / "run.out"
+        extra: dict[str, Any] = {}
+        t0 = time.monotonic()
+        with out_path.open("w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+            deadline = time.monotonic() + timeout_s
+            try:
+                if kill is not None:
+                    extra = self._close_lid(proc, kill, kill_step, down_s, deadline,
+                                            fallback_step)
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except BaseException as exc:
+                _end(proc)
+                raise RuntimeError(f"the lab job: {exc!r}; its console:\n"
+                                   f"{out_path.read_text()[-6000:]}") from exc
+        console = out_path.read_text()
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray-mesh run failed (rc {proc.returncode}):\n{console[-6000:]}")
+        return {"console": console, "wall_s": time.monotonic() - t0, **extra}
+
+    def _close_lid(self, proc: subprocess.Popen, kill: str, kill_step: int, down_s: float,
+                   deadline: float, fallback_step: int | None) -> dict[str, Any]:
+        steps_dir = self.work / "steps"
+        while top_step(steps_dir) < kill_step or (
+                fallback_step is not None and self.fallbacks()[-1:] < [fallback_step]):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the run ended or stalled before step {kill_step}"
+                                   + (f" and its fallback of step {fallback_step}"
+                                      if fallback_step is not None else ""))
+            time.sleep(0.2 if fallback_step is None else 1.0)
+        got = {"killed_at_step": top_step(steps_dir), "t_kill": time.time()}
+        boxes = [LAPTOP] if kill == "laptop" else [1, 2]
+        for box in boxes:
+            self.cluster.kill_node(box)
+        if kill == "all":  # the desktop's group: its Ray Train workers (the driver stays)
+            _kill_train_workers(self.cluster.head)
+        time.sleep(max(0.0, got["t_kill"] + down_s - time.time()))
+        got["t_back"] = time.time()
+        block, _ = self.page.find("ray-mesh run")
+        wake = self.page.blocks[block + 1]  # step 4: the laptop's lines
+        self.each(boxes, lambda box: self.sh(
+            box, [x for b, part in wake for x in part if b == "laptop"] if box == LAPTOP
+            else self.page.lines(0, BOXES[box]), f"{BOXES[box]}.restart.log", 240))
+        if TOWER in boxes:
+            self.throttle()
+        got["t_started"] = time.time()
+        return got
+
+
+def _kill_train_workers(node: Any) -> list[int]:
+    """SIGKILL the node's Ray Train worker processes (a group's ranks), nothing else."""
+    killed = []
+    for pid in node.work_pids():
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"RayTrainWorker" in title:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
+def _end(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def top_step(steps_dir: Path) -> int:
+    top = 0
+    for f in steps_dir.glob("g*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                top = max(top, json.loads(line)["step"])
+            except (ValueError, KeyError):
+                continue  # a line being written
+    return top
+
+
+__all__ = ["BOXES", "EXAMPLE_HEAD", "LAPTOP", "PAGE", "Lab", "Page", "read_page", "top_step"]

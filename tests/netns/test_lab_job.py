@@ -1,0 +1,171 @@
+"""The user's whole job, as docs/lab_job.md ("Your lab's job") tells it, on a virtual lab.
+
+Three namespace nodes joined by real WireGuard, each with its own disk (no shared
+filesystem), no Ray but what the page starts: every ``bash`` line of the page runs on its box
+(``harness/lab_job.py``), with the page's head address replaced by node 0's tailnet address.
+Step 1 starts Ray on the desktop, the tower and the laptop (``--num-cpus=1``: 2 + 2 + 1
+workers) and ``ray-mesh storage serve`` (moto) on the head's tailnet address; the tower is
+the older box, its Ray processes under a CPU quota of 0.4 cores (0.2 per worker). Step 2's
+``ray-mesh plan --calibrate`` must propose one group per box with its layout and time the
+tower's devices at under 0.7 of the others'. Step 3 runs the page's job (the LM's small
+preset on the standard library's text, ``groups: auto``, ``shares: speed``, storage and
+fallback checkpoints in the bucket) with ``ray-mesh run`` from the desktop; the job is the
+page's YAML with ``train:`` pointing at ``harness/lab_train.py`` (the same loop, plus a log
+of each committed step's samples). Once a group committed step ``KILL_AT``, the laptop's
+lid closes: every process of that box is killed, and step 4's lines run on it 10 s later.
+
+Checks: the survivors never pause 10 s or more and take no step twice; the laptop's group
+leaves, comes back, heals from a live group and trains on (its steps after the kill); no
+sample is used twice or skipped; every group ends at the last step with the same model; the
+final held-out loss is within 3% of the uninterrupted run (``harness/lab_reference.py``:
+the same loop, model, data order and schedule as one group of one process holding every
+group's samples, no Ray; run after the cluster is gone, ~10 s; its docstring says why it is
+a fair reference); the tower's group gets the smallest share per worker and a step with all
+three groups uses 3 x ``segment_samples``; the console names each group's layout and box;
+step 5's ``ray-mesh status`` reads the groups from the bucket.
+
+This replaced tests/netns/test_replica_groups_netns.py (a synthetic model on bare veth, a
+worker killing itself): the same checks, on the user's job. The slow tier kills every group
+at once (the tower's and laptop's processes, the desktop's workers) and the run resumes from
+the fallback checkpoint in the bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from harness import replica_check as rc
+from harness.lab_figures import console_groups, figures, mean_share, totals_by_step
+from harness.lab_job import BOXES, LAPTOP, TOWER, Lab, read_page
+from harness.netns.cpu import cpu_quota_unavailable_reason
+from harness.netns_cluster import netns_unavailable_reason
+
+pytestmark = [pytest.mark.ray, pytest.mark.netns]
+
+KILL_AT = 8  # the step after which the laptop's lid closes
+
+
+def _lab(tmp_path) -> Lab:
+    if reason := netns_unavailable_reason() or cpu_quota_unavailable_reason():
+        pytest.skip(f"virtual cluster unavailable: {reason}")
+    return Lab(tmp_path / "lab")
+
+
+def test_the_page_has_every_step():
+    page = read_page()
+    assert [b for b, _ in page.blocks[0]] == list(BOXES), page.blocks[0]
+    assert page.lines(0, "desktop")[0] == "ray-mesh storage key"
+    assert any(x.startswith("ray-mesh storage serve --host") for x in page.lines(0, "desktop"))
+    assert any("--num-cpus=1" in x for x in page.lines(0, "laptop"))
+    for prefix in ("ray-mesh plan", "ray-mesh run lab.yaml", "ray-mesh status --address"):
+        page.find(prefix)
+    run_block, _ = page.find("ray-mesh run")
+    assert [b for b, _ in page.blocks[run_block + 1]] == ["laptop"]  # step 4: the lid
+    job = page.job
+    assert job["replica_groups"]["groups"] == "auto" and job["replica_groups"]["shares"] == \
+        "speed" and job["run"]["storage_path"].startswith("s3://"), job
+
+
+@pytest.mark.timeout(900)
+def test_the_lab_job_survives_a_closed_laptop_lid(tmp_path):
+    from harness.lab_reference import reference
+
+    t0 = time.monotonic()
+    with _lab(tmp_path) as lab:
+        lab.start()
+        plan = lab.plan()
+        res = lab.run_job(kill="laptop", kill_step=KILL_AT, timeout_s=600)
+        status = lab.status()
+        job, ips = lab.job(), [n.ip for n in lab.cluster.nodes]
+    t_ref = time.monotonic()
+    ref = reference(job, groups=3)
+    console = res["console"]
+    groups = {gid: ips.index(node) for gid, (_, node) in console_groups(console).items()}
+    killed = next(g for g, box in groups.items() if box == LAPTOP)
+    got = figures(lab.work / "steps", console, killed=killed, t_kill=res["t_kill"],
+                  reference_loss=ref["val_loss"])
+    print({k: v for k, v in got.items() if k != "events"}, f"wall {time.monotonic() - t0:.0f} s"
+          f" (cluster {lab.timings['cluster_s']:.0f} s, plan {lab.timings['plan_s']:.0f} s, "
+          f"run {res['wall_s']:.0f} s, reference {time.monotonic() - t_ref:.0f} s), load "
+          f"{os.getloadavg()}")
+
+    # step 2: one group per box, with its layout; the tower timed slower per device
+    for box, layout in ((0, "dp_shard=2"), (TOWER, "dp_shard=2"), (LAPTOP, "dp_shard=1")):
+        assert re.search(rf"node {re.escape(ips[box])}, \d worker\(s\), layout {layout}",
+                         plan), plan[-3000:]
+    speed = re.search(rf"node {re.escape(ips[TOWER])}, 2 worker\(s\), layout dp_shard=2, "
+                      r"speed ([0-9.]+) per device", plan)
+    assert speed and float(speed[1]) < 0.7, plan[-3000:]
+
+    # the lid: the survivors train on, the laptop's group comes back and trains on
+    assert got["survivor_max_step_gap_s"] < 10, got
+    assert got["survivor_steps_lost"] == 0, got
+    events = [(g, kind) for g, kind, _ in got["events"]]
+    assert (killed, "left") in events and (killed, "healed") in events, console[-4000:]
+    assert got["rejoin_s"] is not None and got["steps_after_rejoin"] >= 3, got
+    assert got["killed_group_attempts"] == 2, got
+    # every sample once; every group to the end, with the same model
+    assert got["samples_twice"] == 0 and got["samples_skipped"] == 0, got
+    steps = job["replica_groups"]["steps"]
+    assert set(got["final_step"].values()) == {steps} and len(got["final_step"]) == 3, got
+    losses = list(got["final_eval_loss"].values())
+    assert max(losses) - min(losses) < 1e-6, losses
+    assert got["final_loss_rel_diff"] <= 0.03, got
+
+    # unequal boxes: each group its box's layout, the tower's the smallest share per worker
+    assert {gid: layout for gid, (layout, _) in got["groups"].items()} == {
+        gid: ("dp_shard=1" if box == LAPTOP else "dp_shard=2") for gid, box in groups.items()}
+    logs = rc.read(lab.work / "steps")
+    share = mean_share(logs, after_step=KILL_AT + 20)
+    per_worker = {g: share[g] / (1 if groups[g] == LAPTOP else 2) for g in share}
+    tower = next(g for g, box in groups.items() if box == TOWER)
+    assert per_worker[tower] < 0.8 * min(v for g, v in per_worker.items() if g != tower), share
+    segment = job["replica_groups"]["segment_samples"]
+    totals = totals_by_step(logs)
+    full = {s: n for s, (n, k) in totals.items() if k == 3}
+    assert len(full) > 10 and set(full.values()) == {3 * segment}, totals
+    # step 5: the groups, read back from the bucket
+    assert "Replica groups" in status and "dp_shard=1" in status, status[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_group_gone_at_once_resumes_from_the_fallback_in_the_bucket(tmp_path):
+    """Slow tier (the lid test covers a group's failure and rejoin; this one the fallback):
+    once the fallback checkpoint of step ``checkpoint_every`` is whole in the bucket and a
+    few steps later, every group dies at once (the tower's and the laptop's processes, the
+    desktop's group workers; the driver, its coordinator and the bucket stay), and both
+    boxes start again 10 s later. The first group back restores that checkpoint from the
+    bucket, the others heal from it, the steps since are taken again with their samples
+    handed out again, and the run finishes with every group on the same model, within 3%
+    of the uninterrupted run's held-out loss."""
+    from harness.lab_reference import reference
+
+    with _lab(tmp_path) as lab:
+        every = lab.page.job["replica_groups"]["checkpoint_every"]
+        lab.start()
+        res = lab.run_job(kill="all", kill_step=every + 4, fallback_step=every, timeout_s=600)
+        job = lab.job()
+    console = res["console"]
+    ref = reference(job, groups=3)
+    got = figures(lab.work / "steps", console, reference_loss=ref["val_loss"])
+    print({k: v for k, v in got.items() if k != "events"})
+    restores = [x for x in console.splitlines() if re.search(r"replica group \d+ restore at", x)]
+    assert len(restores) == 1 and f"step {every} from s3://ray-mesh/lab/lab-fallback/" \
+        f"checkpoint_{every:08d}_" in restores[0], console[-5000:]
+    steps = job["replica_groups"]["steps"]
+    assert set(got["final_step"].values()) == {steps} and len(got["final_step"]) == 3, got
+    losses = list(got["final_eval_loss"].values())
+    assert max(losses) - min(losses) < 1e-6, losses
+    assert got["final_loss_rel_diff"] <= 0.03, got
+    # none skipped; the only samples used twice are those of the steps after the restore's
+    logs = rc.read(lab.work / "steps")
+    twice, skipped = rc.sample_use(logs)
+    assert skipped == [], skipped
+    redone = {i for rows in logs.values() for r in rows if r["step"] > every
+              for s, n in r["ranges"] for i in range(s, s + n)}
+    assert set(twice) <= redone, (twice, sorted(redone))
