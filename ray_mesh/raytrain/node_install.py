@@ -25,8 +25,9 @@ from ray_mesh.errors import ClusterError
 
 @ray.remote(num_cpus=0, max_retries=0)
 def _import_ray_mesh() -> str:
-    import ray_mesh  # noqa: F401 - what every process of the run imports
-
+    """Its body is not the test: a worker runs it only after importing this module (Ray
+    sends the function by reference), which imports ``ray_mesh`` as every process of the
+    run does, and after the job's setup hook, which is ray_mesh's under ``ray-mesh run``."""
     return sys.executable
 
 
