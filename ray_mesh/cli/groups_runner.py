@@ -88,14 +88,18 @@ RATE_KEYS = ("steps_per_s", "samples_per_s", "tokens_per_s", "samples", "tokens"
 
 
 def _group_rates(metrics: dict[str, Any], share: dict[str, Any],
-                 tokens_per_sample: int | None) -> dict[str, float]:
-    """A group's samples/s and tokens/s: from its reports (``samples``/``tokens`` counts,
-    between its first and last report), else its compute rate as the quorum measured it
-    (times the tokens a sample holds, with a ``data:`` section)."""
-    samples = metrics.get("samples_per_s") or share.get("samples_per_s")
+                 tokens_per_sample: int | None) -> tuple[dict[str, float], bool]:
+    """A group's samples/s and tokens/s, and whether they are what it did: from its reports
+    (``samples``/``tokens`` counts, between its first and last report), else its pace as
+    the quorum measured it for ``shares`` (its compute and its own boundary work, waits
+    for the other groups excluded: how fast it would go alone, not what it did in the run;
+    a 1-rank group of a small model shows 1e4 samples/s where the run made 100)."""
+    reported = metrics.get("samples_per_s")
+    samples = reported or share.get("samples_per_s")
     tokens = metrics.get("tokens_per_s") or (samples * tokens_per_sample
                                              if samples and tokens_per_sample else None)
-    return {unit: float(v) for unit, v in (("samples/s", samples), ("tokens/s", tokens)) if v}
+    rates = {unit: float(v) for unit, v in (("samples/s", samples), ("tokens/s", tokens)) if v}
+    return rates, bool(reported)
 
 
 def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome
@@ -114,22 +118,28 @@ def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome
         metrics = {k: v for k, v in (got.get("metrics") or {}).items()
                    if isinstance(v, int | float) and not isinstance(v, bool)
                    and not k.startswith("replica_groups/")}
-        rates = _group_rates(metrics, shares.get(gid, {}), outcome.tokens_per_sample)
-        head = f"  group {gid} ({layouts.get(gid, '?')}): " + "".join(
+        rates, did = _group_rates(metrics, shares.get(gid, {}), outcome.tokens_per_sample)
+        head = f"  group {gid} ({layouts.get(gid, '?')}): " + ("" if did or not rates
+                                                             else "pace ") + "".join(
             f"{v:.4g} {unit}, " for unit, v in rates.items())
         if got.get("error"):
             ok = False
             lines.append(head + f"ended with {str(got['error'])[:300]}")
             continue
         for unit, v in rates.items():
-            totals[unit] += v
+            totals[unit] += v if did else 0.0
         shown = {k: v for k, v in metrics.items() if k not in RATE_KEYS}
         lines.append(head + (", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in shown.items()) or "no report"))
+    used = status.get("consumed", 0)
     if any(totals.values()):
         lines.append("  throughput:  " + ", ".join(
-            f"{v:.4g} {unit}" for unit, v in totals.items() if v) + " (the groups' rates "
-            f"summed, training steps only); {status.get('consumed', 0)} samples used")
+            f"{v:.4g} {unit}" for unit, v in totals.items() if v) + " (the reporting groups' "
+            f"rates summed, training steps only); {used} samples used")
+    elif used and outcome.wall_s > 0:
+        lines.append(f"  throughput:  {used} samples used in {outcome.wall_s:.1f} s, "
+                     f"{used / outcome.wall_s:.4g} samples/s (start-up included; a 'pace' "
+                     f"above is a group's own speed, waits for the others excluded)")
     events = res.events
     left = sum(e["kind"] == "left" for e in events)
     lines.append(f"  events:      {len(events)} ({left} left, "

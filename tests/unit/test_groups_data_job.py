@@ -106,7 +106,14 @@ def test_the_summary_shows_each_groups_tokens_per_s_and_their_sum():
     lines, ok = groups_summary("llm_groups", None, GroupsOutcome(result, 12.0, 32))
     text = "\n".join(lines)
     assert ok and "  group 0 (dp_shard=2): 8 samples/s, 256 tokens/s, step=5, loss=2.5" in text
-    assert "  group 1 (dp_shard=1): 4 samples/s, 128 tokens/s, step=5, loss=2.6" in text
-    assert "  throughput:  12 samples/s, 384 tokens/s (the groups' rates summed, training " \
-           "steps only); 72 samples used" in text
+    # no counts reported: its pace for shares, said as such, and not summed as throughput
+    assert "  group 1 (dp_shard=1): pace 4 samples/s, 128 tokens/s, step=5, loss=2.6" in text
+    assert "  throughput:  8 samples/s, 256 tokens/s (the reporting groups' rates summed, " \
+           "training steps only); 72 samples used" in text
     assert "tokens_per_s=" not in text and "replica_groups/" not in text
+    # no group reported counts (examples/replica_groups.py): what the run did, start-up in
+    result.groups = {0: {"metrics": {"step": 5}}, 1: {"metrics": {"step": 5}}}
+    lines, ok = groups_summary("rg", None, GroupsOutcome(result, 12.0, None))
+    text = "\n".join(lines)
+    assert "  group 1 (dp_shard=1): pace 4 samples/s, step=5" in text, text
+    assert "  throughput:  72 samples used in 12.0 s, 6 samples/s (start-up included" in text
