@@ -30,7 +30,7 @@ from typing import Any
 import ray
 
 from ray_mesh.errors import GroupsFailed
-from ray_mesh.raytrain.driver import warm_controller_actors
+from ray_mesh.raytrain.driver import enable_state_tracking, warm_controller_actors
 from ray_mesh.raytrain.replica_client import CoordinatorClient
 from ray_mesh.raytrain.replica_coordinator import Coordinator
 from ray_mesh.raytrain.replica_storage import check_groups_storage, check_settings
@@ -204,6 +204,9 @@ def fit_replica_groups(train_fn: Any, *,
     (on_groups or logger.info)(line)
     check_mode(shares)
     exchange = exchange_for(specs)
+    # Run-state tracking for `ray-mesh status`, decided here: MeshConfig decides it at fit(),
+    # which here runs in the runner actors (_train_env hands them the driver's choice).
+    enable_state_tracking()
     warm_controller_actors()  # the groups' controllers run on this node (_pinned_here)
     coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
         segment_samples, total_steps, dead_after_s, arrive_timeout_s, len(specs), name, shares)
