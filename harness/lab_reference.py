@@ -15,8 +15,8 @@ from the job run on three groups: gradient clipping applies to each group's grad
 the average there and to the whole step's here, and floating-point sums run in another
 order; both move the loss far less than the 3% the lab test allows (and a failure-free run
 on the cluster would differ from this one in the same ways). It costs one process's
-compute of the job, ~10 s here, against a second run of the job on the cluster (its
-bring-up alone is ~20 s).
+compute of the job (24-27 s measured at a load of 7-25), against a second run of the job
+on the cluster (~5 minutes at such a load).
 
 Run it as ``python -m harness.lab_reference JOB_JSON GROUPS [OUT_DIR]`` (a process of its
 own: it makes a torch.distributed world of one); :func:`reference` does that and returns

@@ -19,9 +19,10 @@ leaves, comes back, heals from a live group and trains on (its steps after the k
 sample is used twice or skipped; every group ends at the last step with the same model; the
 final held-out loss is within 3% of the uninterrupted run (``harness/lab_reference.py``:
 the same loop, model, data order and schedule as one group of one process holding every
-group's samples, no Ray; run after the cluster is gone, ~10 s; its docstring says why it is
-a fair reference); the tower's group gets the smallest share per worker and a step with all
-three groups uses 3 x ``segment_samples``; the console names each group's layout and box;
+group's samples, no Ray; run after the cluster is gone, 25-27 s at load 12-25; its
+docstring says why it is a fair reference); the tower's group gets the smallest share per
+worker and a step with all three groups uses 3 x ``segment_samples``; the console names each
+group's layout and box;
 step 5's ``ray-mesh status`` reads the groups from the bucket.
 
 This replaced tests/netns/test_replica_groups_netns.py (a synthetic model on bare veth, a
