@@ -214,7 +214,7 @@ class Lab:
         run = self.page.job["run"]
         uri = f"{run['storage_path'].rstrip('/')}/{self.page.job['name']}-fallback"
         code = ("import sys; from ray_mesh.checkpointing.upload import complete; "
-                "print('STEPS', *[s for s, _ in complete(sys.argv[1], sys.argv[2])])")
+                'print("STEPS", *[s for s, _ in complete(sys.argv[1], sys.argv[2])])')
         out = self.sh(0, [". ~/.ray_mesh/storage.env", f"python -c '{code}' {uri} "
                           f"{run['storage_endpoint']}"], "fallbacks.log", 60)
         line = next((x for x in out.splitlines() if x.startswith("STEPS")), "STEPS")
