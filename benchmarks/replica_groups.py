@@ -102,13 +102,15 @@ def run_on_cluster(cluster, args: dict, work: Path, *, timeout_s: float = 400,
         extra: dict = {}
         try:
             if kill_node is not None:
+                from harness import replica_check as rc
+
                 log_dir = Path(args["config"]["log_dir"])
-                while _top_step(log_dir) < kill_step:
+                while rc.top_step(log_dir) < kill_step:
                     if proc.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"the run ended or stalled before step {kill_step}:"
                                            f"\n{out_path.read_text()[-4000:]}")
                     time.sleep(0.2)
-                extra["killed_at_step"] = _top_step(log_dir)
+                extra["killed_at_step"] = rc.top_step(log_dir)
                 extra["t_kill"] = time.time()
                 cluster.kill_node(kill_node)
                 time.sleep(max(0.0, extra["t_kill"] + down_s - time.time()))
@@ -132,17 +134,6 @@ def _log_tails(args: dict) -> str:
     log_dir = Path(args["config"]["log_dir"])
     return "\n".join(f"{f.name}: " + " | ".join(f.read_text().splitlines()[-3:])
                      for f in sorted(log_dir.glob("g*"))) if log_dir.exists() else ""
-
-
-def _top_step(log_dir: Path) -> int:
-    top = 0
-    for f in log_dir.glob("g*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                top = max(top, json.loads(line)["step"])
-            except (ValueError, KeyError):
-                continue  # a line being written
-    return top
 
 
 # ----------------------------------------------------------------------------- figures

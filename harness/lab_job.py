@@ -40,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from harness import replica_check
 from harness.netns.cpu import CPU_ROOT, make_cgroup, remove_cgroup
 from harness.netns_cluster import REPO, NetnsCluster
 
@@ -265,14 +266,14 @@ class Lab:
     def _close_lid(self, proc: subprocess.Popen, kill: str, kill_step: int, down_s: float,
                    deadline: float, fallback_step: int | None) -> dict[str, Any]:
         steps_dir = self.work / "steps"
-        while top_step(steps_dir) < kill_step or (
+        while replica_check.top_step(steps_dir) < kill_step or (
                 fallback_step is not None and self.fallbacks()[-1:] < [fallback_step]):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the run ended or stalled before step {kill_step}"
                                    + (f" and its fallback of step {fallback_step}"
                                       if fallback_step is not None else ""))
             time.sleep(0.2 if fallback_step is None else 1.0)
-        got = {"killed_at_step": top_step(steps_dir), "t_kill": time.time()}
+        got = {"killed_at_step": replica_check.top_step(steps_dir), "t_kill": time.time()}
         boxes = [LAPTOP] if kill == "laptop" else [1, 2]
         for box in boxes:
             self.cluster.kill_node(box)
@@ -312,15 +313,4 @@ def _end(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def top_step(steps_dir: Path) -> int:
-    top = 0
-    for f in steps_dir.glob("g*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                top = max(top, json.loads(line)["step"])
-            except (ValueError, KeyError):
-                continue  # a line being written
-    return top
-
-
-__all__ = ["BOXES", "EXAMPLE_HEAD", "LAPTOP", "PAGE", "Lab", "Page", "read_page", "top_step"]
+__all__ = ["BOXES", "EXAMPLE_HEAD", "LAPTOP", "PAGE", "Lab", "Page", "read_page"]

@@ -17,6 +17,18 @@ def _per_group(log_dir: str | Path, pattern: str) -> dict[int, list[dict[str, An
     return out
 
 
+def top_step(log_dir: str | Path) -> int:
+    """The highest step any group logged so far (``g*.jsonl``), while the run writes them."""
+    top = 0
+    for f in Path(log_dir).glob("g*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                top = max(top, json.loads(line)["step"])
+            except (ValueError, KeyError):
+                continue  # a line being written
+    return top
+
+
 def read(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """Per group, its committed steps in the order they were logged."""
     return _per_group(log_dir, "g*.jsonl")
