@@ -75,6 +75,16 @@ def _group_state():
     return tensors_and_likes(model, optim, None, torch.tensor([2, 0, 0]))
 
 
+def _assert_restores(fallback: Fallback, uri: str, state, likes) -> None:
+    """Zero the state, restore ``uri`` into it: it comes back equal to what was saved."""
+    saved = [t.clone() for t in state]
+    for t in state:
+        t.zero_()
+    fallback.restore(uri, state, likes)
+    for a, b in zip(saved, state, strict=True):
+        assert torch.equal(a, b)
+
+
 def _read(s3: S3Server, uri: str, name: str) -> bytes:
     with s3.filesystem().open_input_stream(f"{uri[len('s3://'):]}/{name}") as f:
         return f.read()
@@ -115,12 +125,7 @@ def test_the_fallback_is_recorded_only_once_its_upload_is_whole_and_restores(
     assert {".metadata", "__0_0.distcp"} <= set(files), files  # DCP, with its manifest
     assert json.loads(_read(s3, uri, MARKER))["step"] == 2
 
-    saved = [t.clone() for t in state]
-    for t in state:
-        t.zero_()
-    fallback.restore(uri, state, likes)
-    for a, b in zip(saved, state, strict=True):
-        assert torch.equal(a, b)
+    _assert_restores(fallback, uri, state, likes)
 
     for step in (4, 6, 8):  # num_to_keep=2: the two newest stay in the bucket
         assert fallback.save(step, state, likes)
@@ -146,12 +151,7 @@ def test_a_local_checkpoint_dir_is_recorded_and_restores(tmp_path):
     assert [s for s, _ in upload.complete(location, None)] == [4]  # num_to_keep=1
     files = json.loads((tmp_path / "ckpt" / uri.rsplit("/", 1)[1] / MANIFEST).read_text())
     assert {".metadata", "__0_0.distcp"} <= set(files["files"]), files
-    saved = [t.clone() for t in state]
-    for t in state:
-        t.zero_()
-    fallback.restore(uri, state, likes)
-    for a, b in zip(saved, state, strict=True):
-        assert torch.equal(a, b)
+    _assert_restores(fallback, uri, state, likes)
     assert not fallback.errors
 
 
