@@ -152,7 +152,28 @@ def pytest_runtestloop(session):
         stream.finish(say=_say(config))
     if not hasattr(config, "workerinput"):
         _check_overlaps(config)
+    _check_warnings(config)
     return result
+
+
+_WARNED: list[str] = []  # this process's warnings (the unit stream's child has its own)
+
+
+def pytest_warning_recorded(warning_message, when, nodeid, location):
+    _WARNED.append(f"{nodeid or when}: {warning_message.category.__name__}: "
+                   f"{warning_message.message}")
+
+
+def _check_warnings(config) -> None:
+    """A warning on the suite's console is a defect (the product's or a test's): the run
+    fails, naming each, instead of leaving them in a summary nobody reads. A warning raised
+    inside a dependency that a user's console would not show is filtered in pyproject.toml
+    with the reason beside it."""
+    if not _WARNED:
+        return
+    location = ("tests/conftest.py", None, "no warnings")
+    streams.log_failure(config, "tests/conftest.py::no_warnings", location,
+                        f"{len(_WARNED)} warning(s) during the run:\n" + "\n".join(_WARNED))
 
 
 def _say(config):

@@ -26,8 +26,11 @@ missing one with an internal message.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +123,21 @@ def _our_error(exc: CheckpointException) -> CheckpointError | None:
     return None
 
 
+@contextlib.contextmanager
+def single_process_ok() -> Iterator[None]:
+    """DCP in one process without a process group, on purpose (a group of one worker
+    outside Ray Train, a restore on the driver): without this, DCP warns on every save and
+    load that it is "assuming the intent is to save/load in a single process". Only that
+    warning is silenced, only while no process group exists."""
+    if dist.is_available() and dist.is_initialized():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, "
+                                "unavailable or uninitialized", category=UserWarning)
+        yield
+
+
 def load_state(path: str | os.PathLike, state: dict[str, Any], metadata: Metadata,
                group: dist.ProcessGroup | None = None, *, verified: bool = False) -> None:
     """``dcp.load(state)`` from ``path`` with ``metadata`` (from
@@ -135,8 +153,9 @@ def load_state(path: str | os.PathLike, state: dict[str, Any], metadata: Metadat
     """
     path = Path(path)
     try:
-        dcp.load(state, storage_reader=_CheckedMetadataReader(path, metadata),
-                 planner=_PlainDataPlanner(path), process_group=group)
+        with single_process_ok():
+            dcp.load(state, storage_reader=_CheckedMetadataReader(path, metadata),
+                     planner=_PlainDataPlanner(path), process_group=group)
     except CheckpointException as exc:  # a BaseException subclass: caught by name only
         ours = _our_error(exc)
         if ours is not None:

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from ray_mesh.checkpointing import remote, sharded, upload
-from ray_mesh.checkpointing.safe_load import load_state
+from ray_mesh.checkpointing.safe_load import load_state, single_process_ok
 from ray_mesh.core import object_store
 from ray_mesh.core.safe import safe_text
 from ray_mesh.errors import CheckpointError, CheckpointMismatchError
@@ -119,9 +119,10 @@ class Fallback:
             return False
         staging, tag = plan
         path = sharded.prepare_dir(Path(staging) / sharded.dir_name(step, tag), self.group)
-        dcp.save(as_state_dict(state, likes), process_group=self.group,
-                 storage_writer=FileSystemWriter(path, sync_files=False),
-                 no_dist=not dist.is_initialized())  # staging: uploaded, not kept
+        with single_process_ok():  # staging: uploaded, not kept
+            dcp.save(as_state_dict(state, likes), process_group=self.group,
+                     storage_writer=FileSystemWriter(path, sync_files=False),
+                     no_dist=not dist.is_initialized())
         sharded.mark_complete(path, sharded.Progress(step=step), group=self.group,
                               mesh={"replica_group": self.gid, "ranks": _group(self.group)})
         self.held_s = time.perf_counter() - t0

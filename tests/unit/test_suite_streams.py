@@ -99,3 +99,23 @@ def test_two_sessions_whose_heavy_tests_overlap_fail_naming_them(tmp_path):
     assert "overlapped in time" in joined and "tests/dist/test_h" in joined, joined
     assert "running anyway" in joined, joined
     assert 1 in (first.returncode, second.returncode), joined
+
+
+def test_a_warning_in_either_process_fails_the_run_naming_it(tmp_path):
+    """A warning is a defect (tests/conftest.py): one raised by a unit test (in the unit
+    stream's child) and one by a heavy test (in the parent) each fail the run by name."""
+    root = _tree(tmp_path)
+    (root / "tests" / "unit" / "test_b.py").write_text(
+        "import warnings\n\ndef test_b():\n    warnings.warn('unit stream warning')\n")
+    heavy = root / "tests" / "dist" / "test_h2.py"
+    heavy.write_text(heavy.read_text() + "    import warnings\n"
+                     "    warnings.warn('heavy warning', DeprecationWarning)\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
+                          cwd=root, capture_output=True, text=True, timeout=180,
+                          env=_env(PIDS=str(tmp_path / "pids")))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    failed = [x for x in out.splitlines() if x.startswith("FAILED tests/conftest.py::no_warn")]
+    assert len(failed) == 2, out
+    assert "test_b.py::test_b: UserWarning: unit stream warning" in out, out
+    assert "test_h2.py::test_heavy_2: DeprecationWarning: heavy warning" in out, out
