@@ -4,18 +4,27 @@ The job of ``docs/lab_job.md`` (the LM's small preset as replica groups, ``share
 its data read on each box from its own disk, checkpoints in a moto bucket on the head's
 tailnet address) on the page's virtual cluster (``harness/lab_job.py``'s :class:`Lab`:
 three namespace boxes over real WireGuard with private filesystems, 2 + 2 + 1 CPU workers,
-the slower box under the CPU quota the Lab gives it (``box_quotas_cores``), the laptop the
-one whose lid closes), side by side in one run:
+the laptop the one whose lid closes), all in one run. Every box's Ray processes run under
+a CPU quota of their own (``box_quotas_cores``: cores per box, the tower the slower box at
+0.2 a worker, the others at 0.4), set by the Lab once Ray is up on a box and again when a
+box is started anew, in every run below alike. The quotas sum to less than the machine's
+cores (refused otherwise, before anything starts), leaving room for what runs outside
+them: the driver, the head's GCS and bucket, wireguard-go. A quota is a cap: a box does at
+most its share of work, in the whole job or alone, so a box alone cannot borrow the idle
+boxes' share of the machine's two cores.
 
 1. **throughput_of_sum**, per mode (``sync``: the page's job; ``diloco``: the same with
    ``config.diloco.every`` inner steps per round): the whole job's tokens/s against the sum
    of each box alone (one group pinned to that box, at the batch it trains in the whole
-   job; the three alone runs at the same time, so that a box alone does not borrow the
-   others' share of the machine's two cores; ``benchmarks/mixed_nodes.py`` says why).
-   tokens/s: committed steps' tokens over their commit times, the whole job's after the
-   first ``warmup`` steps, each box alone's in the window all three trained in (their
-   bring-ups differ by tens of seconds; each is stopped once it committed
-   ``alone_counted`` steps in that window).
+   job). With every box capped, the three alone runs go one after another (box 0, 1, 2),
+   each stopped once it committed ``alone_counted`` steps after its warm-up. (Side by
+   side, the way ``benchmarks/mixed_nodes.py`` keeps a box alone from borrowing, three
+   bring-ups and runs at once took 7 minutes at a 1-minute load of 68 on two cores: all
+   three cut, the figure refused by the load rule.) What a quota does not hold (the
+   uncapped processes, caches, memory) a box alone may still gain a little of, so the sum
+   leans high and the figure low. tokens/s: committed steps' tokens over their commit
+   times after the first ``warmup`` steps, the whole job's and each box alone's over its
+   own steps.
 2. **the laptop dropped** (the same sync job; the laptop's every process killed
    ``first_s`` after the run's first committed step and then every ``every_s``, Ray started
    on it again ``down_s`` later with the page's step 4): ``survivor_max_step_gap_s`` (the
@@ -34,15 +43,17 @@ one whose lid closes), side by side in one run:
    the layout's gain too: ``goodput_model`` shows the failure-free rates beside it.
 
 Drops every ``every_s`` (45 s here, the first 15 s into training) stand in for "a node
-drops every few minutes": the runs are 1-2 minutes long, and the whole benchmark is meant to
-take about 8 minutes on a quiet 2-core machine (many more under load). What scales: the
-one mesh loses, per drop, the restart (the box's absence, Ray Train's new worker group, the
-bring-up) plus on average half a checkpoint interval of steps; the groups lose the laptop's
-share while it is away and the survivors' pause. Both losses are per drop, so goodput at
+drops every few minutes": the runs are 1-2 minutes long, and the whole benchmark was meant
+to take about 8 minutes on a quiet 2-core machine (many more under load; the alone runs in
+turn, three bring-ups a mode, are not timed yet). What scales: the one mesh loses, per
+drop, the restart (the box's absence, Ray Train's new worker group, the bring-up) plus on
+average half a checkpoint interval of steps; the groups lose the laptop's share while it
+is away and the survivors' pause. Both losses are per drop, so goodput at
 an interval T is about (1 - loss_per_drop / T) of the failure-free rate: ``goodput_model``
 gives that from the measured parts for longer intervals (a model, not a measurement).
 
-Every run records its load (``user_job_figures.LoadSampler``); a figure whose runs ran
+Every run records the quotas it ran under (``box_quotas_cores``) and its load
+(``user_job_figures.LoadSampler``); a figure whose runs ran
 while other processes loaded the machine above 2 is kept in ``recorded`` and published as
 None (``invalid`` says why). Statistic: single runs, no repeats.
 
@@ -73,7 +84,9 @@ from benchmarks.common import REPO  # noqa: E402
 
 SETTINGS: dict[str, Any] = {
     "modes": ["sync", "diloco"], "warmup": 5,
-    # alone_counted: steps each box alone commits while all three train (then stopped)
+    # every box's Ray processes, in every run: cores (their sum below the machine's)
+    "box_quotas_cores": {"desktop": 0.8, "tower": 0.4, "laptop": 0.4},
+    # alone_counted: steps each box alone commits after its warm-up (then stopped)
     "sync": {"steps": 40, "alone_counted": 12},
     "diloco": {"every": 4, "rounds": 10, "segment_samples": 32, "alone_counted": 4},
     # from the run's first committed step; both shapes get the same schedule
@@ -114,33 +127,30 @@ def group_on(run: dict, ip: str) -> int:
 def throughput(lab, cfg: dict, mode: str, seq_len: int) -> dict:
     """Run 1 of the module docstring for one mode."""
     from harness import replica_check as rc
+    from harness.lab_job import BOXES
 
     w = cfg["warmup"]
     ur.log(f"{mode}: the whole job")
     tag = f"{mode}-whole"
     ran = ur.run_all(lab, {tag: ur.groups_job(lab, tag, cfg, mode)}, cfg["timeout_s"])
     whole = read_groups(ran[tag], seq_len, w)
-    jobs = {}
-    for i, dp in enumerate(ur.BOX_DP):  # long enough for all three to overlap, then stopped
-        ip = lab.cluster.nodes[i].ip
-        seg = uf.alone_batch(whole["shares"][group_on(whole, ip)], dp)
-        spec = [{"mesh": {"dp_shard": dp}, "node": ip}]
-        jobs[f"{mode}-alone{i}"] = ur.groups_job(lab, f"{mode}-alone{i}", cfg, mode, spec,
-                                                 seg, steps_factor=100)  # (indices wrap)
-    ur.log(f"{mode}: each box alone, the three side by side")
-    ran = ur.run_all(lab, jobs, cfg["timeout_s"],
-                     stop_when=ur.overlapped(cfg[mode]["alone_counted"], w))
-    logs = {t: rc.read(r["steps_dir"]) for t, r in ran.items()}
-    t0, t1 = uf.common_window(list(logs.values()), w)
     alone = {}
-    for t, r in ran.items():
-        tps, n = uf.window_tokens_per_s(logs[t], seq_len, t0, t1)
-        alone[t] = {**r, "tokens_per_s": tps, "steps_counted": n, "window_s": t1 - t0,
-                    "tokens_per_s_own_steps": uf.tokens_per_s(logs[t], seq_len, w)[0],
-                    "segment_samples": jobs[t][0]["replica_groups"]["segment_samples"]}
-    total = sum(a["tokens_per_s"] for a in alone.values())
+    for i, dp in enumerate(ur.BOX_DP):  # one after another, each under its box's quota
+        ip, t = lab.cluster.nodes[i].ip, f"{mode}-alone{i}"
+        seg = uf.alone_batch(whole["shares"][group_on(whole, ip)], dp)
+        job = ur.groups_job(lab, t, cfg, mode, [{"mesh": {"dp_shard": dp}, "node": ip}],
+                            seg, steps_factor=100)  # (indices wrap) stopped when counted
+        ur.log(f"{mode}: box {i} ({BOXES[i]}) alone")
+        ran = ur.run_all(lab, {t: job}, cfg["timeout_s"],
+                         stop_when=ur.counted(cfg[mode]["alone_counted"], w))
+        alone[t] = {**ran[t], "segment_samples": seg}
+    ratio, rates = uf.throughput_of_sum(
+        whole["tokens_per_s"], {t: rc.read(r["steps_dir"]) for t, r in alone.items()},
+        seq_len, w)
+    for t, r in alone.items():
+        r.update(rates[t])
     return {"runs": {f"{mode}-whole": whole, **alone},
-            "figures": {f"throughput_of_sum_{mode}": whole["tokens_per_s"] / total},
+            "figures": {f"throughput_of_sum_{mode}": ratio},
             "sides": {f"throughput_of_sum_{mode}": [f"{mode}-whole", *alone]}}
 
 
@@ -237,10 +247,10 @@ def measure(settings: dict | None = None) -> dict:
     figures: dict[str, Any] = {}
     sides: dict[str, list[str]] = {}
     failed: dict[str, str] = {}
-    with Lab(work) as lab:
+    with Lab(work, quotas=cfg.get("box_quotas_cores")) as lab:
         lab.start()
         out["cluster_s"] = lab.timings.get("cluster_s")
-        out["box_quotas_cores"] = {k: v for k, v in vars(lab).items() if k.endswith("_cores")}
+        out["box_quotas_cores"] = lab.box_quotas
         seq_len = int(lab.page.job["data"]["seq_len"])
         parts = [(mode, lambda m=mode: throughput(lab, cfg, m, seq_len))
                  for mode in cfg["modes"]]
@@ -276,7 +286,12 @@ def merged(*layers: dict) -> dict:
 
 def locked_measure(settings: dict) -> dict:
     """:func:`measure` holding the machine-wide heavy-test lock (tests/helpers/heavy.py),
-    or, when another holds it past ``lock_wait_s``, a ``not run`` status."""
+    or, when another holds it past ``lock_wait_s``, a ``not run`` status. Quotas that name
+    no box or sum to the machine's cores or more are refused first (``ValueError``)."""
+    from harness.lab_job import check_quotas, machine_cores
+
+    if settings.get("box_quotas_cores") is not None:
+        check_quotas(settings["box_quotas_cores"], machine_cores())
     try:
         with ur.heavy_lock(settings.get("lock_wait_s", 3600.0)):
             return measure(settings)

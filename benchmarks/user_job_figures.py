@@ -56,40 +56,35 @@ def tokens_per_s(logs: dict[int, list[dict[str, Any]]], tokens_per_sample: int,
     tokens of steps ``warmup + 2 ..`` over the time from step ``warmup + 1``'s commit to the
     last step's (bring-up and the first steps left out)."""
     per = step_samples(logs)
-    return _rate(per, sorted(s for s in per if s > warmup), tokens_per_sample,
-                 f"after the first {warmup}")
-
-
-def window_tokens_per_s(logs: dict[int, list[dict[str, Any]]], tokens_per_sample: int,
-                        t0: float, t1: float) -> tuple[float, int]:
-    """As :func:`tokens_per_s`, over the steps committed between ``t0`` and ``t1``."""
-    per = step_samples(logs)
-    return _rate(per, sorted(s for s in per if t0 <= per[s][0] <= t1), tokens_per_sample,
-                 f"between {t0:.1f} and {t1:.1f}")
-
-
-def _rate(per: dict[int, tuple[float, int]], steps: list[int], tokens_per_sample: int,
-          where: str) -> tuple[float, int]:
+    steps = sorted(s for s in per if s > warmup)
     if len(steps) < 2:
-        raise ValueError(f"only {len(steps)} committed steps {where}")
+        raise ValueError(f"only {len(steps)} committed steps after the first {warmup}")
     span = per[steps[-1]][0] - per[steps[0]][0]
     if span <= 0:
         raise ValueError("the counted steps took no time")
     return sum(per[s][1] for s in steps[1:]) * tokens_per_sample / span, len(steps) - 1
 
 
-def common_window(runs_logs: list[dict[int, list[dict[str, Any]]]], warmup: int
-                  ) -> tuple[float, float]:
-    """The time every one of several runs side by side trained in: from the last of their
-    steps ``warmup + 1`` to the first of their last steps."""
-    firsts, lasts = [], []
-    for logs in runs_logs:
-        per = step_samples(logs)
-        if warmup + 1 not in per:
-            raise ValueError(f"a run side by side never committed step {warmup + 1}")
-        firsts.append(per[warmup + 1][0])
-        lasts.append(max(t for t, _ in per.values()))
-    return max(firsts), min(lasts)
+def steps_after_warmup(rows: list[dict[str, Any]], warmup: int) -> int:
+    """How many steps :func:`tokens_per_s` would count in ``rows`` (a run's step rows, any
+    group's): its committed steps after ``warmup`` less the first, from whose commit the
+    time is taken."""
+    return max(0, len({r["step"] for r in rows if r["step"] > warmup}) - 1)
+
+
+def throughput_of_sum(whole_tokens_per_s: float,
+                      alone_logs: dict[str, dict[int, list[dict[str, Any]]]],
+                      tokens_per_sample: int, warmup: int
+                      ) -> tuple[float, dict[str, dict[str, float]]]:
+    """The whole job's tokens/s over the sum of each box alone's, and per alone run (its
+    step log in ``alone_logs``) its ``tokens_per_s`` and ``steps_counted``: each over its
+    own committed steps after ``warmup`` (the runs went one after another, each under its
+    box's CPU quota; no time in common is needed)."""
+    rates = {}
+    for tag, logs in alone_logs.items():
+        tps, n = tokens_per_s(logs, tokens_per_sample, warmup)
+        rates[tag] = {"tokens_per_s": tps, "steps_counted": n}
+    return whole_tokens_per_s / sum(r["tokens_per_s"] for r in rates.values()), rates
 
 
 def mean_shares(logs: dict[int, list[dict[str, Any]]], warmup: int) -> dict[int, float]:

@@ -73,7 +73,8 @@ def markdown(u: dict) -> str:
              f"`python -m benchmarks.user_job` ({u['started']}, {u['wall_s']:.0f} s in all; "
              f"every run in `results.json[\"user_job\"][\"runs\"]`). The job of "
              f"`docs/lab_job.md` on its virtual cluster (3 boxes over WireGuard, 2 + 2 + 1 "
-             f"CPU workers, CPU quotas {u.get('box_quotas_cores')}, a moto bucket on the "
+             f"CPU workers, Ray processes under CPU quotas in every run, cores per box "
+             f"{u.get('box_quotas_cores')}; a moto bucket on the "
              f"head). Statistic: {u['statistic']}. The laptop dropped {d.get('first_s', '-')} "
              f"s after the run's first step and every {d.get('every_s', '-')} s, down "
              f"{d.get('down_s', '-')} s each (a scaled-down \"every few minutes\"; "
@@ -95,9 +96,10 @@ def markdown(u: dict) -> str:
                      f"{_f(r.get('eval_loss'))} | {shares or '-'} | "
                      f"{_f(r.get('useful_tokens'), ',')} | {len(r.get('drops', []))} | "
                      f"{_load(r)} |")
-    lines += ["", "tokens/s: the whole runs over their steps after the warm-up; the boxes "
-              "alone over the window all three trained in (`window_s`), at the batch each "
-              "trained in the whole job (`segment_samples`)."]
+    lines += ["", "tokens/s: every run over its own committed steps after the warm-up. "
+              "The boxes alone ran one after another, each under its quota (so none "
+              "borrowed the idle boxes' share) and at the batch it trained in the whole job "
+              "(`segment_samples`), stopped once it counted `alone_counted` steps (settings)."]
     runs = u["runs"]
     if g := runs.get("groups-drops"):
         lines += ["", f"Laptop dropped (replica groups): group {g['killed_group']} (the "

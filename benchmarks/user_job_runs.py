@@ -1,7 +1,7 @@
 """The user-job benchmark's runs on the lab (``benchmarks/user_job.py``): its jobs, each a
 ``ray-mesh run`` from the desktop as ``docs/lab_job.md`` runs it, launched in the background
-(several at once when boxes are measured side by side), the laptop dropped on a schedule
-while they go, and the load sampled around them."""
+under the boxes' CPU quotas (the lab's ``box_quotas``, set again on a box Ray is started on
+anew), the laptop dropped on a schedule while they go, and the load sampled around them."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def wait(running: dict[str, Running], t: float, stop_when=None) -> bool:
 def drive(lab, run: Running, drops: dict, until: float) -> list[dict]:
     """Drop the laptop on ``drops``' schedule (from the run's first committed step) while
     ``run`` goes, until it ends or ``until``, each time starting Ray on it again
-    ``down_s`` later (the page's step 4)."""
+    ``down_s`` later (the page's step 4) and its CPU quota set again, if it has one."""
     from harness.lab_job import BOXES, LAPTOP
 
     events: list[dict] = []
@@ -202,6 +202,7 @@ def drive(lab, run: Running, drops: dict, until: float) -> list[dict]:
         time.sleep(max(0.0, ev["t_kill"] + drops["down_s"] - time.time()))
         ev["t_back"] = time.time()
         lab.sh(LAPTOP, wake, f"{run.tag}.{BOXES[LAPTOP]}.wake{k}.log", 240)
+        lab.throttle([LAPTOP])
         ev["t_started"] = time.time()
         events.append(ev)
     return events
@@ -223,7 +224,8 @@ def run_all(lab, jobs: dict[str, tuple[dict, Path]], timeout_s: float,
             stop_when=None) -> dict[str, dict]:
     """Launch every job at once, drop the laptop on ``drops``' schedule, wait for all (at
     most ``cut_s`` or, as an error, ``timeout_s``), or until ``stop_when(running)``; a run
-    stopped by ``cut_s`` or ``stop_when`` is ``cut``."""
+    stopped by ``cut_s`` or ``stop_when`` is ``cut``. Each run's entry records the CPU
+    quotas it ran under (``box_quotas_cores``)."""
     lab.cluster.wait_for_nodes(3, timeout_s=180)
     deadline = time.monotonic() + 90  # a stopped run's workers gone (their CPUs free)
     while train_workers(lab) and time.monotonic() < deadline:
@@ -249,22 +251,15 @@ def run_all(lab, jobs: dict[str, tuple[dict, Path]], timeout_s: float,
                                f"{r.console()}")
         out[tag] = {"t_launch": r.t_launch, "t_end": time.time(), "rc": r.proc.returncode,
                     "cut": cut, "drops": events, "load": load, "steps_dir": str(r.steps_dir),
-                    "console": str(r.out)}
+                    "console": str(r.out), "box_quotas_cores": lab.box_quotas}
         log(f"{tag}: rc {r.proc.returncode}{' (cut)' if cut else ''}, others' load "
             f"{load['others_runnable_mean']}, 1-min load max {load['loadavg_1m_max']:.1f}")
     return out
 
 
-def overlapped(k: int, warmup: int):
-    """``stop_when`` for runs side by side: each has ``k`` steps committed after the last of
-    them committed its step ``warmup + 1`` (the window every one of them trained in)."""
+def counted(k: int, warmup: int):
+    """``stop_when`` for a box alone: it has committed ``k`` steps after its warm-up (the
+    steps :func:`user_job_figures.tokens_per_s` counts)."""
     def check(running: dict[str, Running]) -> bool:
-        rows = {tag: r.steps() for tag, r in running.items()}
-        starts = [min((x["t"] for x in v if x["step"] == warmup + 1), default=None)
-                  for v in rows.values()]
-        if None in starts:
-            return False
-        return all(len({x["step"] for x in v if x["t"] > max(starts)}) >= k
-                   for v in rows.values())
+        return all(uf.steps_after_warmup(r.steps(), warmup) >= k for r in running.values())
     return check
-

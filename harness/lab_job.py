@@ -3,11 +3,12 @@
 The page's ``bash`` blocks are split at their box headings (``# desktop``, ``# tower``,
 ``# laptop``; text after a colon is a comment) and its ``yaml`` block is the job. A
 :class:`Lab` builds three namespace nodes joined by real WireGuard, each with its own disk
-(``NetnsCluster(start_ray=False)``: no Ray but what the page starts), the laptop (node 2)
-under a CPU quota, and runs the page on them with ``100.101.102.103`` replaced by the
-head's tailnet address:
+(``NetnsCluster(start_ray=False)``: no Ray but what the page starts), boxes' Ray processes
+under CPU quotas (``quotas``, cores per box; by default the tower, node 1, the older box, at
+``tower_cores`` and the others free; see :meth:`Lab.throttle`), and runs the page on them
+with ``100.101.102.103`` replaced by the head's tailnet address:
 
-* :meth:`Lab.start`: step 1, each box's lines on that box (the laptop's inside its quota);
+* :meth:`Lab.start`: step 1, each box's lines on that box (then its quota, if it has one);
 * :meth:`Lab.plan`: step 2;
 * :meth:`Lab.run_job`: step 3, the page's ``ray-mesh run`` in the head's namespace in the
   background, the job written where the page says to save it with two changes for the
@@ -33,6 +34,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +98,47 @@ def read_page(path: Path = PAGE) -> Page:
     return Page(blocks, yaml.safe_load(job_text))
 
 
+def machine_cores() -> int:
+    """The CPUs this process may run on (the machine's, unless pinned)."""
+    return len(os.sched_getaffinity(0))
+
+
+def check_quotas(quotas: Mapping[str, float], cores: float) -> dict[str, float]:
+    """``quotas`` (CPU cores per box name) as a :class:`Lab` applies them, or a
+    ``ValueError`` that says what is wrong: a name that is no box, a quota that is no number
+    of at least 0.01 cores, or quotas that sum to the machine's ``cores`` or more (nothing
+    would be left for what runs outside every quota: the driver, the head's GCS and bucket,
+    wireguard-go)."""
+    unknown = sorted(set(quotas) - set(BOXES))
+    if unknown:
+        raise ValueError(f"CPU quotas name {unknown}, which are no box: the boxes are "
+                         f"{list(BOXES)}")
+    bad = {b: c for b, c in quotas.items()
+           if isinstance(c, bool) or not isinstance(c, int | float) or not c >= 0.01}
+    if bad:
+        raise ValueError(f"CPU quotas {bad}: each must be a number of cores, at least 0.01")
+    total = sum(quotas.values())
+    if total >= cores:
+        raise ValueError(f"CPU quotas {dict(quotas)} sum to {total:g} cores, not below the "
+                         f"machine's {cores:g}: nothing would be left for the driver, the "
+                         "GCS, the bucket and wireguard-go outside them")
+    return dict(quotas)
+
+
+def _under_raylet(pids: list[int]) -> list[int]:
+    """Of ``pids``, the raylets' and every process under them (parents from /proc)."""
+    parent, keep = {}, set()
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+            parent[pid] = int(tail.split()[1])
+            if head.split("(", 1)[1] == "raylet":
+                keep.add(pid)
+    while more := {p for p, pp in parent.items() if pp in keep} - keep:
+        keep |= more
+    return sorted(keep)
+
+
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
@@ -109,9 +152,19 @@ class Lab:
 
     work: Path
     tower_cores: float = 0.4
+    # CPU cores per box name (``BOXES``); None: the tower at ``tower_cores``, no other quota
+    quotas: Mapping[str, float] | None = None
     page: Page = field(default_factory=read_page)
     cluster: NetnsCluster | None = None
     timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_quotas(self.box_quotas, machine_cores())
+
+    @property
+    def box_quotas(self) -> dict[str, float]:
+        """The CPU quota of each box that has one, in cores, by box name."""
+        return dict(self.quotas) if self.quotas is not None else {"tower": self.tower_cores}
 
     def __enter__(self) -> Lab:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -125,7 +178,8 @@ class Lab:
             if exc[0] is not None:
                 self.keep_ray_logs()
             self.cluster.stop()
-            remove_cgroup(CPU_ROOT / self.cluster.nodes[TOWER].ns)
+            for box in self._quota_boxes():
+                remove_cgroup(CPU_ROOT / self.cluster.nodes[box].ns)
 
     def keep_ray_logs(self) -> None:
         """Each box's Ray logs' tails into ``work`` (the boxes' disks go with the cluster)."""
@@ -137,14 +191,38 @@ class Lab:
                     "[ -f $f ] && echo \"== $f\" && tail -n 40 $f; done")], timeout=20)
                 (self.work / f"{BOXES[box]}.ray_logs.txt").write_text(got.stdout + got.stderr)
 
-    def throttle(self) -> None:
-        """The tower is the older box: its Ray processes (and all they start) under a CPU
-        quota of ``tower_cores`` (``harness/netns/cpu.py``), set once its Ray is up, so that
-        its ``ray start`` does not take the test's time."""
-        group = make_cgroup(self.cluster.nodes[TOWER].ns, self.tower_cores)
-        for pid in self.cluster.nodes[TOWER].work_pids():
-            with contextlib.suppress(OSError):
-                (group / "cgroup.procs").write_text(str(pid))
+    def _quota_boxes(self, boxes: Iterable[int] | None = None) -> list[int]:
+        quotas = self.box_quotas
+        return [b for b in (range(len(BOXES)) if boxes is None else boxes)
+                if BOXES[b] in quotas]
+
+    def quota_plan(self, boxes: Iterable[int] | None = None
+                   ) -> list[tuple[int, float, list[int]]]:
+        """(box, cores, its Ray processes now) for each of ``boxes`` (default: all) that has
+        a quota: what :meth:`throttle` sets. A box's Ray processes are all of its processes
+        but its machinery, except on the head (the desktop), where the GCS, the dashboard
+        and the bucket serve every box and stay outside the quota, as the driver does:
+        there, the raylet and every process under it (its workers)."""
+        plan = []
+        for box in self._quota_boxes(boxes):
+            node = self.cluster.nodes[box]
+            pids = (_under_raylet(node.work_pids()) if node is self.cluster.head
+                    else node.work_pids())
+            if not pids:
+                raise RuntimeError(f"{BOXES[box]}: no Ray process to put under its CPU quota")
+            plan.append((box, self.box_quotas[BOXES[box]], pids))
+        return plan
+
+    def throttle(self, boxes: Iterable[int] | None = None) -> None:
+        """Each of ``boxes`` (default: all) that has a quota (``box_quotas``; by default the
+        tower, the older box): its Ray processes (and all they start) under that CPU quota
+        (``harness/netns/cpu.py``; :meth:`quota_plan`), set once its Ray is up, so that its
+        ``ray start`` does not take the test's time, and again when it is started anew."""
+        for box, cores, pids in self.quota_plan(boxes):
+            group = make_cgroup(self.cluster.nodes[box].ns, cores)
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    (group / "cgroup.procs").write_text(str(pid))
 
     # ------------------------------------------------------------------ the boxes
     @property
@@ -286,8 +364,7 @@ class Lab:
         self.each(boxes, lambda box: self.sh(
             box, [x for b, part in wake for x in part if b == "laptop"] if box == LAPTOP
             else self.page.lines(0, BOXES[box]), f"{BOXES[box]}.restart.log", 240))
-        if TOWER in boxes:
-            self.throttle()
+        self.throttle(boxes)
         got["t_started"] = time.time()
         return got
 
@@ -313,4 +390,5 @@ def _end(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-__all__ = ["BOXES", "EXAMPLE_HEAD", "LAPTOP", "PAGE", "Lab", "Page", "read_page"]
+__all__ = ["BOXES", "EXAMPLE_HEAD", "LAPTOP", "PAGE", "Lab", "Page", "check_quotas",
+           "machine_cores", "read_page"]

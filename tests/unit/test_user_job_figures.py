@@ -4,6 +4,7 @@ lineage under restarts, and the load rule that keeps a busy machine's figure unp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import user_job_figures as uf  # noqa: E402
 from benchmarks import user_job_md as md  # noqa: E402
+from benchmarks import user_job_runs as ur  # noqa: E402
 
 
 def _row(step, t, ranges, attempt=0):
@@ -137,20 +139,100 @@ def test_the_load_sampler_tells_its_own_processes_from_others():
         child.wait(timeout=10)
 
 
-def test_boxes_side_by_side_are_timed_over_the_window_all_of_them_trained_in():
-    # box a starts at t=0 and ends at 20, box b starts at 10 and ends at 30 (a step a second)
-    a = {0: [_row(s, float(s), [[s * 10, 4]], attempt="x") for s in range(0, 21)]}
-    b = {0: [_row(s, 10.0 + s, [[s * 10, 2]], attempt="y") for s in range(0, 21)]}
-    t0, t1 = uf.common_window([a, b], warmup=2)
-    assert (t0, t1) == (13.0, 20.0)  # b's step 3 .. a's last step
-    assert uf.window_tokens_per_s(a, 1, t0, t1) == (pytest.approx(4.0), 7)
-    assert uf.window_tokens_per_s(b, 1, t0, t1) == (pytest.approx(2.0), 7)
-    with pytest.raises(ValueError):
-        uf.common_window([a, {0: a[0][:3]}], warmup=5)
+def test_each_box_alone_is_timed_over_its_own_steps_and_stopped_once_counted():
+    # the boxes alone ran one after another: a from t=0, b from t=100 (a step a second),
+    # c from t=300 at a step every 2 s; no time in common
+    a = {0: [_row(s, float(s), [[s * 10, 4]], attempt="x") for s in range(1, 21)]}
+    b = {0: [_row(s, 100.0 + s, [[s * 10, 2]], attempt="y") for s in range(1, 11)]}
+    c = {0: [_row(s, 300.0 + 2 * s, [[s * 10, 2]], attempt="z") for s in range(1, 31)]}
+    ratio, rates = uf.throughput_of_sum(7.0, {"a": a, "b": b, "c": c}, 1, warmup=2)
+    assert rates == {"a": {"tokens_per_s": pytest.approx(4.0), "steps_counted": 17},
+                     "b": {"tokens_per_s": pytest.approx(2.0), "steps_counted": 7},
+                     "c": {"tokens_per_s": pytest.approx(1.0), "steps_counted": 27}}
+    assert ratio == pytest.approx(7.0 / (4 + 2 + 1))
+    with pytest.raises(ValueError, match="after the first 9"):  # b never counted 2 steps
+        uf.throughput_of_sum(7.0, {"a": a, "b": b}, 1, warmup=9)
+    # the stop rule counts what tokens_per_s counts: steps after the warm-up less the first
+    assert uf.steps_after_warmup(b[0], 2) == rates["b"]["steps_counted"]
+    assert uf.steps_after_warmup(b[0][:3], 2) == 0 and uf.steps_after_warmup([], 2) == 0
+
+    class Run:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def steps(self):
+            return self.rows
+
+    stop = ur.counted(7, warmup=2)
+    assert stop({"b": Run(b[0])}) and not stop({"b": Run(b[0][:-1])})
     # attempts are ids: the rejoin is the first step of another id after the kill
     logs = {2: [_row(1, 1.0, [[0, 1]], "b7"), _row(2, 2.0, [[1, 1]], "b7"),
                 _row(3, 9.0, [[2, 1]], "a1")]}
     assert uf.rejoin_after(logs, 2, 1.5) == pytest.approx(7.5)
+
+
+def test_box_quotas_are_checked_and_the_lab_quotas_only_the_tower_by_default(tmp_path,
+                                                                           monkeypatch):
+    from benchmarks import user_job
+    from harness.lab_job import Lab, check_quotas
+
+    assert check_quotas(user_job.SETTINGS["box_quotas_cores"], 2) == {
+        "desktop": 0.8, "tower": 0.4, "laptop": 0.4}
+    with pytest.raises(ValueError, match=r"\['attic'\], which are no box"):
+        check_quotas({"desktop": 0.5, "attic": 0.2}, 2)
+    with pytest.raises(ValueError, match="sum to 2 cores, not below the machine's 2"):
+        check_quotas({"desktop": 1.0, "tower": 0.5, "laptop": 0.5}, 2)
+    for bad in (0, -1, "0.4", None, True):
+        with pytest.raises(ValueError, match="a number of cores"):
+            check_quotas({"tower": bad}, 2)
+    # the benchmark refuses them before it waits for the heavy-test lock (or measures)
+    monkeypatch.setattr(user_job.ur, "heavy_lock", lambda *a, **k: pytest.fail("locked"))
+    monkeypatch.setattr(user_job, "measure", lambda *a, **k: pytest.fail("measured"))
+    with pytest.raises(ValueError, match="which are no box"):
+        user_job.locked_measure({**user_job.SETTINGS, "box_quotas_cores": {"attic": 0.1}})
+    with pytest.raises(ValueError, match="which are no box"):
+        Lab(tmp_path, quotas={"attic": 0.1})
+    assert Lab(tmp_path).box_quotas == {"tower": 0.4}  # as tests/netns/test_lab_job.py has it
+    assert Lab(tmp_path, tower_cores=0.3).box_quotas == {"tower": 0.3}
+
+
+def test_the_lab_quotas_each_box_that_has_one_and_on_the_head_only_the_raylets_tree(
+        tmp_path):
+    from types import SimpleNamespace
+
+    from harness.lab_job import Lab
+
+    # a "raylet" (a shell under that name) with a child, beside a process that is not
+    # under it (the head's GCS or bucket)
+    raylet = tmp_path / "raylet"
+    raylet.write_bytes(Path("/bin/sh").read_bytes())
+    raylet.chmod(0o755)
+    tree = subprocess.Popen([str(raylet), "-c", "sleep 30 & echo $!; wait"],
+                            stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen(["sleep", "30"])
+    child = -1
+    try:
+        child = int(tree.stdout.readline())
+        head = SimpleNamespace(ns="d", work_pids=lambda: [other.pid, tree.pid, child])
+        nodes = [head] + [SimpleNamespace(ns=n, work_pids=lambda: [11, 12]) for n in "tl"]
+        lab = Lab(tmp_path)
+        lab.cluster = SimpleNamespace(nodes=nodes, head=head)
+        assert lab.quota_plan() == [(1, 0.4, [11, 12])]
+        assert lab.quota_plan([2]) == []  # the laptop started anew: no quota by default
+        lab = Lab(tmp_path, quotas={"desktop": 0.8, "tower": 0.4, "laptop": 0.4})
+        lab.cluster = SimpleNamespace(nodes=nodes, head=head)
+        assert lab.quota_plan() == [(0, 0.8, sorted([tree.pid, child])), (1, 0.4, [11, 12]),
+                                    (2, 0.4, [11, 12])]
+        assert lab.quota_plan([2]) == [(2, 0.4, [11, 12])]
+        head.work_pids = lambda: [other.pid]
+        with pytest.raises(RuntimeError, match="desktop: no Ray process"):
+            lab.quota_plan([0])
+    finally:
+        with contextlib.suppress(ValueError, ProcessLookupError):  # the raylet's child
+            os.kill(child, 9)
+        for proc in (tree, other):
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def test_the_benchmark_waits_for_the_heavy_lock_and_refuses_past_the_bound(tmp_path):
@@ -194,12 +276,13 @@ def test_the_section_shows_every_figure_and_the_runs_behind_it(tmp_path):
     u = {**uf.publish(figs, sides, runs, start_load=0.4), "status": "ok", "runs": runs,
          "settings": {"drops": {"first_s": 15, "every_s": 45, "down_s": 10}},
          "started": "2026-11-27T06:00:00Z", "wall_s": 480.0, "statistic": "single run",
-         "loadavg_1m_at_start": 0.4, "box_quotas_cores": {"tower_cores": 0.4},
+         "loadavg_1m_at_start": 0.4, "box_quotas_cores": {"desktop": 0.8, "tower": 0.4},
          "goodput_model": {"loss_per_drop_groups_s": 12.0, "loss_per_drop_mesh_s": 60.0,
                            "tokens_per_s_groups": 900.0, "tokens_per_s_mesh": 400.0,
                            "ratio": {"every_300s": 2.7}}}
     text = md.markdown(u)
     for shown in ("| 0.91 | >= 0.85 |", "| 2.3 | >= 1.3 |", "`mesh-drops`", "[30.5, -]",
-                  "every 300s: 2.70", "3 steps redone"):
+                  "every 300s: 2.70", "3 steps redone", "{'desktop': 0.8, 'tower': 0.4}",
+                  "boxes alone ran one after another"):
         assert shown in text, shown
     assert len(md.rows(u)) == 6 and "invalid" not in text
