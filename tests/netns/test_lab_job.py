@@ -1,18 +1,19 @@
 """The user's whole job, as docs/lab_job.md ("Your lab's job") tells it, on a virtual lab.
 
 Three namespace nodes joined by real WireGuard, each with its own disk (no shared
-filesystem), no Ray but what the page starts: every ``bash`` line of the page runs on its box
-(``harness/lab_job.py``), with the page's head address replaced by node 0's tailnet address.
-Step 1 starts Ray on the desktop, the tower and the laptop (``--num-cpus=1``: 2 + 2 + 1
-workers) and ``ray-mesh storage serve`` (moto) on the head's tailnet address; the tower is
-the older box, its Ray processes under a CPU quota of 0.4 cores (0.2 per worker). Step 2's
-``ray-mesh plan --calibrate`` must propose one group per box with its layout and time the
-tower's devices at under 0.7 of the others'. Step 3 runs the page's job (the LM's small
+filesystem), no Ray but what the page starts: every ``bash`` line of the page runs on its
+box (``harness/lab_job.py``), with the page's head address replaced by node 0's tailnet
+address. Step 1 starts Ray on the desktop, the tower and the laptop (``--num-cpus=1``: 2 + 2
++ 1 workers) and ``ray-mesh storage serve`` (moto) on the head's tailnet address; the tower
+is the older box, its Ray processes under a CPU quota of 0.4 cores (0.2 per worker). Step
+2's ``ray-mesh plan --calibrate`` must propose one group per box with its layout and time
+the tower's devices at under 0.7 of the others'. Step 3 runs the page's job (the LM's small
 preset on the standard library's text, ``groups: auto``, ``shares: speed``, storage and
-fallback checkpoints in the bucket) with ``ray-mesh run`` from the desktop; the job is the
-page's YAML with ``train:`` pointing at ``harness/lab_train.py`` (the same loop, plus a log
-of each committed step's samples). Once a group committed step ``KILL_AT``, the laptop's
-lid closes: every process of that box is killed, and step 4's lines run on it 10 s later.
+fallback checkpoints in the bucket; 45 of its 90 steps, see ``STEPS``) with ``ray-mesh run``
+from the desktop; the job is the page's YAML with ``train:`` pointing at
+``harness/lab_train.py`` (the same loop, plus a log of each committed step's samples). Once
+a group committed step ``KILL_AT``, the laptop's lid closes: every process of that box is
+killed, and step 4's lines run on it 10 s later.
 
 Checks: the survivors never pause 10 s or more and take no step twice; the laptop's group
 leaves, comes back, heals from a live group and trains on (its steps after the kill); no
@@ -48,6 +49,13 @@ from harness.netns_cluster import netns_unavailable_reason
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
 KILL_AT = 8  # the step after which the laptop's lid closes
+# The page's job runs 90 steps; the test runs 45, which every check below still has room
+# in: the laptop is back ~10-13 steps after its lid closed (a step takes ~3 s here), so it
+# trains ~20 steps after its rejoin,
+# the fallback checkpoint of step 30 goes to the bucket, and the shares are read over the
+# 17 steps after step 28. Each step less is ~3 s less of the suite's longest test.
+STEPS = 45
+SHORT = {"replica_groups": {"steps": STEPS}}
 
 
 def _lab(tmp_path) -> Lab:
@@ -79,9 +87,9 @@ def test_the_lab_job_survives_a_closed_laptop_lid(tmp_path):
     with _lab(tmp_path) as lab:
         lab.start()
         plan = lab.plan()
-        res = lab.run_job(kill="laptop", kill_step=KILL_AT, timeout_s=600)
+        res = lab.run_job(kill="laptop", kill_step=KILL_AT, overrides=SHORT, timeout_s=600)
         status = lab.status()
-        job, ips = lab.job(), [n.ip for n in lab.cluster.nodes]
+        job, ips = lab.job(SHORT), [n.ip for n in lab.cluster.nodes]
     t_ref = time.monotonic()
     ref = reference(job, groups=3)
     console = res["console"]
@@ -111,8 +119,8 @@ def test_the_lab_job_survives_a_closed_laptop_lid(tmp_path):
     assert got["killed_group_attempts"] == 2, got
     # every sample once; every group to the end, with the same model
     assert got["samples_twice"] == 0 and got["samples_skipped"] == 0, got
-    steps = job["replica_groups"]["steps"]
-    assert set(got["final_step"].values()) == {steps} and len(got["final_step"]) == 3, got
+    assert job["replica_groups"]["steps"] == STEPS
+    assert set(got["final_step"].values()) == {STEPS} and len(got["final_step"]) == 3, got
     losses = list(got["final_eval_loss"].values())
     assert max(losses) - min(losses) < 1e-6, losses
     assert got["final_loss_rel_diff"] <= 0.03, got
