@@ -42,7 +42,12 @@ SPEC = MeshSpec(dp_replicate=2, dp_shard=2)
 PROBED = ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp")
 START_TIMEOUT_S = 120
 METRICS_TIMEOUT_S = 240
-GAUGE_EXPIRY_S = 30  # Ray 2.60 drops a gauge after 2 report intervals (20 s): a margin
+# Ray exports metrics every RAY_metrics_report_interval_ms (10 s by default) and drops a gauge
+# not set again within 2 intervals (ray/_private/telemetry/open_telemetry_metric_recorder.py,
+# Ray 2.60). This cluster reports every 2 s: the series show up and a gauge would expire 5x
+# sooner, so the checks below wait ~25 s less for the same thing.
+REPORT_INTERVAL_MS = 2000
+GAUGE_EXPIRY_S = 2 * REPORT_INTERVAL_MS / 1000 + 4  # 4 s of margin
 
 
 def _ports(*flags: str) -> list[str]:
@@ -109,7 +114,8 @@ class Cluster:
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="rm6_", dir="/tmp"))  # short: socket paths
         self.env = {**os.environ, "RAY_AUTH_MODE": "token",
-                    "RAY_TRAIN_ENABLE_STATE_TRACKING": "1", "PYTHONUNBUFFERED": "1"}
+                    "RAY_TRAIN_ENABLE_STATE_TRACKING": "1", "PYTHONUNBUFFERED": "1",
+                    "RAY_metrics_report_interval_ms": str(REPORT_INTERVAL_MS)}
         self.gcs, self.dash, self.metrics = free_port(), free_port(), free_port()
         self.storage = self.tmp / "results"
         self.stop_file = self.tmp / "stop"
@@ -231,7 +237,7 @@ def _first_reported(c: Cluster) -> float:
 
 def _reported_past_gauge_expiry(c: Cluster) -> list:
     """Every rank's series, GAUGE_EXPIRY_S after they were first seen: Ray's agent drops a
-    gauge not set again within 20 s, and probe_dims sets its gauges once (the exporter
+    gauge not set again within 2 report intervals, and probe_dims sets its gauges once (the exporter
     holds them; without that these series vanished mid-run)."""
     time.sleep(max(0.0, _first_reported(c) + GAUGE_EXPIRY_S - time.monotonic()))
     return _wait(lambda: _all_ranks_reported(c), 10, "ray_mesh series (the probe_dims "
