@@ -142,7 +142,7 @@ def summarize(log_dir: Path, killed: int | None, t_kill: float | None) -> dict:
     from harness import replica_check as rc
 
     logs, finals = rc.read(log_dir), rc.finals(log_dir)
-    twice, skipped = rc.sample_use(logs)
+    twice, skipped = rc.sample_use(rc.read_used(log_dir))
     last = {g: rows[-1] for g, rows in finals.items() if rows}
     out = {"final_eval_loss": {str(g): r["eval_loss"] for g, r in last.items()},
            "final_step": {str(g): r["step"] for g, r in last.items()},

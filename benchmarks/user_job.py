@@ -170,7 +170,7 @@ def dropped(lab, cfg: dict, seq_len: int, clean: dict) -> dict:
         raise RuntimeError("the replica-group run ended before the first drop: raise "
                            "sync.steps or lower drops.first_s")
     killed = group_on(g, lab.cluster.nodes[LAPTOP].ip)
-    twice, skipped = rc.sample_use(logs)
+    twice, skipped = rc.sample_use(rc.read_used(g["steps_dir"]))
     figures = {
         "survivor_max_step_gap_s": max(rc.survivor_gaps(logs, killed, e["t_kill"])
                                        for e in events),

@@ -55,7 +55,7 @@ def figures(steps_dir: Path, console: str, *, killed: int | None = None,
     """The run's figures (``killed``/``t_kill``: the group on the box that was killed and
     when; None for a run without a failure)."""
     logs, finals = rc.read(steps_dir), rc.finals(steps_dir)
-    twice, skipped = rc.sample_use(logs)
+    twice, skipped = rc.sample_use(rc.read_used(steps_dir))
     last = {g: rows[-1] for g, rows in finals.items() if rows}
     losses = {g: r["eval_loss"] for g, r in last.items()}
     out: dict[str, Any] = {

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from harness import replica_check
+
 LLM = Path(__file__).resolve().parents[1] / "examples" / "llm.py"
 
 
@@ -43,11 +45,14 @@ def logged(rg: Any, log_dir: Path | None) -> Any:
 
     def commit() -> bool:
         held, before = list(rg.ranges), rg.step
+        if rank == 0 and held:
+            replica_check.write_held(log_dir, rg.gid, before + 1, held, rg.incarnation)
         stepped = inner()
         if rank == 0 and stepped and rg.last.contributes and rg.step > before:
             with (log_dir / f"g{rg.gid}.jsonl").open("a") as f:
                 f.write(json.dumps({"step": rg.step, "ranges": held, "t": time.time(),
                                     "groups": len(rg.last.members),
+                                    "contributors": len(rg.last.contributors),
                                     "waited_s": rg.last.waited_s,
                                     "attempt": rg.incarnation}) + "\n")
         return stepped

@@ -34,6 +34,39 @@ def read(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     return _per_group(log_dir, "g*.jsonl")
 
 
+def write_held(log_dir: str | Path, gid: int, step: int, ranges: list, attempt: str) -> None:
+    """Before a group's commit of ``step``: the samples it holds (``g<i>.held.jsonl``). A
+    group killed after the average took its contribution but before it logged the step
+    leaves only this line; :func:`read_used` credits it from the survivors' rows."""
+    with (Path(log_dir) / f"g{gid}.held.jsonl").open("a") as f:
+        f.write(json.dumps({"step": step, "ranges": ranges, "attempt": attempt}) + "\n")
+
+
+def read_used(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """:func:`read`, plus the held samples (:func:`write_held`) of each group that the
+    survivors' commit of a step counted among its contributors (their rows'
+    ``contributors``) but that logged no committed row of that step: it died between the
+    average and its own log line, its samples trained the model. Credited rows carry
+    ``"credited": True``; a step whose missing contributors cannot be told apart (more
+    candidate groups than missing ones) credits none, so nothing is hidden."""
+    logs = read(log_dir)
+    held = _per_group(log_dir, "g*.held.jsonl")
+    by_step: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for gid, rows in logs.items():
+        for row in rows:
+            by_step.setdefault(row["step"], []).append((gid, row))
+    out = {gid: list(rows) for gid, rows in logs.items()}
+    for step, rows in by_step.items():
+        logged = {gid for gid, _ in rows}
+        counted = max(row.get("contributors", 0) for _, row in rows)
+        candidates = [(gid, h) for gid, hs in held.items() if gid not in logged
+                      for h in hs if h["step"] == step]
+        if 0 < counted - len(logged) == len(candidates):
+            for gid, h in candidates:
+                out.setdefault(gid, []).append({**h, "credited": True})
+    return out
+
+
 def finals(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """Per group, the final line of each attempt that finished."""
     return _per_group(log_dir, "g*.final.json")

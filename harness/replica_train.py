@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ray_mesh
+from harness import replica_check
 from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.parallel import parallelize
 from ray_mesh.raytrain.replica_groups import CONFIG_KEY, replica_group
@@ -117,12 +118,15 @@ def train_loop(config: dict) -> None:
         before = rg.step
         _maybe_kill(config, gid, before + 1)
         t1 = time.monotonic()
+        if log and rank == 0 and held:
+            replica_check.write_held(log.parent, gid, before + 1, held, rg.incarnation)
         contributes = rg.commit()
         t2 = time.monotonic()
         if log and rank == 0 and contributes and rg.last.contributes and rg.step > before:
             with log.open("a") as f:
                 f.write(json.dumps({"step": rg.step, "ranges": held, "loss": float(loss.detach()),
                                     "groups": len(rg.last.members), "t": time.time(),
+                                    "contributors": len(rg.last.contributors),
                                     "compute_s": t1 - t0, "commit_s": t2 - t1,
                                     "waited_s": rg.last.waited_s,
                                     "attempt": rg.incarnation}) + "\n")
