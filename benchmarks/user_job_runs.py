@@ -91,6 +91,8 @@ def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
                                       segment_samples=d["segment_samples"])
     else:
         over["replica_groups"]["steps"] = cfg["sync"]["steps"] * steps_factor
+        if "segment_samples" in cfg["sync"]:  # the page's 8 unless a run sets its own
+            over["replica_groups"]["segment_samples"] = cfg["sync"]["segment_samples"]
     if groups is not None:
         over["replica_groups"].update(groups=groups, shares="equal", segment_samples=segment)
     job = lab.job(over)

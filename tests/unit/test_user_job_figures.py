@@ -286,3 +286,23 @@ def test_the_section_shows_every_figure_and_the_runs_behind_it(tmp_path):
                   "boxes alone ran one after another"):
         assert shown in text, shown
     assert len(md.rows(u)) == 6 and "invalid" not in text
+
+
+def test_a_sync_run_takes_the_settings_segment_samples_or_the_pages(tmp_path):
+    """``sync.segment_samples`` (e.g. ``--set '{"sync": {"segment_samples": 32}}'``) sizes the
+    whole job's steps; without it the page's job keeps its own."""
+    from benchmarks.user_job import SETTINGS, merged
+    from harness.lab_job import Lab
+
+    class Page:  # the Lab's job() without a cluster: the page's job and the head's address
+        job = {"name": "lab", "config": {}, "replica_groups": {"segment_samples": 8}}
+
+    lab = Lab.__new__(Lab)
+    lab.work, lab.page = tmp_path, Page()
+    lab.cluster = type("C", (), {"head": type("H", (), {"ip": "100.64.0.1"})()})()
+    job, _ = ur.groups_job(lab, "w", SETTINGS, "sync")
+    assert job["replica_groups"]["segment_samples"] == 8
+    bigger = merged(SETTINGS, {"sync": {"segment_samples": 32}})
+    job, _ = ur.groups_job(lab, "w", bigger, "sync")
+    assert job["replica_groups"]["segment_samples"] == 32
+    assert job["replica_groups"]["steps"] == SETTINGS["sync"]["steps"]
