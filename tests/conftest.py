@@ -24,6 +24,7 @@ HELPERS_DIR = TESTS_DIR / "helpers"
 # clusters must not share the 2 cores with an idle local Ray.
 KINDS = ("unit", "dist", "netns", "ray")
 HEAVY = KINDS[1:]  # one at a time (tests/helpers/heavy.py), the unit tests beside them
+HEAVY_FILES_SHOWN = 20  # the heavy files named in the summary, longest first
 sys.path.insert(0, str(HELPERS_DIR))  # the tests' own drivers, train functions and fixtures
 # harness/ (what tests and benchmarks share) and benchmarks/ import from the repository root,
 # as under `python -m pytest` there; this makes a plain `pytest` (or another cwd) alike.
@@ -195,17 +196,26 @@ def _check_overlaps(config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Where the time went, by kind: the sum of each test's setup, call and teardown."""
+    """Where the time went, by kind and by heavy file: the sum of each test's setup, call
+    and teardown (CI's log keeps only this summary: the heavy files are the suite's wall)."""
     spent: dict[str, float] = {}
+    files: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             if isinstance(report, pytest.TestReport):
                 kind = Path(report.location[0]).parent.name
                 spent[kind] = spent.get(kind, 0.0) + report.duration
+                if kind in HEAVY:
+                    name = report.location[0].removeprefix("tests/")
+                    files[name] = files.get(name, 0.0) + report.duration
     if spent:
         parts = ", ".join(f"{kind} {spent[kind]:.0f} s" for kind in
                           sorted(spent, key=lambda k: KINDS.index(k) if k in KINDS else 9))
         terminalreporter.write_line(f"time by kind (setup + call + teardown): {parts}")
+    if files:
+        top = sorted(files.items(), key=lambda kv: -kv[1])[:HEAVY_FILES_SHOWN]
+        terminalreporter.write_line("heavy files by time: " + ", ".join(
+            f"{name} {t:.0f} s" for name, t in top))
 
 
 @pytest.fixture(scope="session")

@@ -87,18 +87,20 @@ class RunParts:
 
 
 def run_config(name: str, storage_path: str | None, storage_endpoint: str | None, *,
-               failure: Any, num_to_keep: int | None, verbose: bool | None = None
-               ) -> RunConfig:
+               failure: Any, num_to_keep: int | None, verbose: bool | None = None,
+               callbacks: list[Any] | None = None) -> RunConfig:
     """A run's ``RunConfig``: its storage (with ``storage_endpoint``: an ``S3FileSystem``
     at that endpoint, no credentials in it, and the path inside it), ``failure`` (a
     ``FailureConfig``), the ``num_to_keep`` newest checkpoints; ``verbose`` not None: Ray
-    Train's own INFO lines (state transitions, every report) only when True. ``name`` is
-    checked by the caller (:func:`~ray_mesh.checkpointing.storage.check_run_name`)."""
+    Train's own INFO lines (state transitions, every report) only when True; ``callbacks``:
+    ``ray.train.UserCallback``s for its controller. ``name`` is checked by the caller
+    (:func:`~ray_mesh.checkpointing.storage.check_run_name`)."""
     extra = {} if verbose is None else {
         "logging_config": LoggingConfig(log_level="INFO" if verbose else "WARNING")}
     return RunConfig(name=name, **run_storage(storage_path, storage_endpoint),
                      failure_config=failure,
-                     checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep), **extra)
+                     checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep),
+                     callbacks=callbacks, **extra)
 
 
 def probe_storage(job: Any) -> str:

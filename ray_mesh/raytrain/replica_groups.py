@@ -32,7 +32,7 @@ import ray
 from ray_mesh.errors import GroupsFailed
 from ray_mesh.raytrain.driver import enable_state_tracking, warm_controller_actors
 from ray_mesh.raytrain.replica_client import CoordinatorClient
-from ray_mesh.raytrain.replica_coordinator import Coordinator
+from ray_mesh.raytrain.replica_coordinator import AttemptWatch, Coordinator
 from ray_mesh.raytrain.replica_storage import check_groups_storage, check_settings
 from ray_mesh.replicas.layouts import GroupSpec, exchange_for, group_specs
 from ray_mesh.replicas.shares import check_mode
@@ -232,7 +232,8 @@ def fit_replica_groups(train_fn: Any, *,
             "torch_config": _group_mesh_config(mesh_config, spec, groups),
             "run_config": run_config(f"{name}-g{gid}", storage_path, storage_endpoint,
                                      failure=FailureConfig(max_failures=max_group_failures),
-                                     num_to_keep=num_to_keep),
+                                     num_to_keep=num_to_keep,
+                                     callbacks=[AttemptWatch(coordinator, gid)]),
         }
         runners[gid] = _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
         refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs,

@@ -20,12 +20,11 @@ closes a DiLoCo round. There the quorum
 With ``shares="speed"`` a boundary's samples are split by each group's measured speed
 (unequal boxes: :mod:`.shares`).
 
-Why a step boundary: a group's contribution (gradients, or a round's inner work) is only
-worth something once every member agrees to average it. A failed collective leaves each
-survivor's contribution intact (it arrives again with the same samples); the dead group's
-samples are handed out again. When some members committed a step and others did not (a
-peer died half-way through the collective), the ones behind heal from the ones ahead and
-their samples count as used (they were in the average).
+Why a step boundary: a group's contribution (gradients, or a round's inner work) counts
+once every member agrees to average it. A failed collective leaves each survivor's
+contribution intact (it arrives again with the same samples); the dead group's are handed
+out again. Members left behind by a peer that died half-way through the collective heal
+from the ones ahead, and their samples count as used (they were in the average).
 
 Ray-free and clock-injectable: the unit tests drive it with threads and a fake clock.
 """
@@ -77,8 +76,7 @@ class Quorum:
                              "sample per segment")
         check_mode(shares)
         self.segment_samples, self.shares = segment_samples, shares
-        self.total_steps = total_steps
-        self.dead_after_s = dead_after_s
+        self.total_steps, self.dead_after_s = total_steps, dead_after_s
         self.arrive_timeout_s = arrive_timeout_s
         self.expected_groups, self.start_timeout_s = expected_groups, start_timeout_s
         self.clock = clock
@@ -88,11 +86,9 @@ class Quorum:
         self._last: tuple[int, frozenset[int]] | None = None  # (step, members) last formed
         self._epoch = 0
         self._broken = 0  # the newest epoch that lost a member after it formed
-        self._formed = 0
-        self._max_step_seen = 0
+        self._formed = self._max_step_seen = 0
         self._checkpoint: tuple[int, str] | None = None
-        self._finished = False
-        self._all_gone = False
+        self._finished = self._all_gone = False
         self._left: set[int] = set()  # dropped while members: "joined" when back
         self._changed = False  # a member left, or a group restarted, since the last quorum
         self._fail_ranks: dict[int, set[int]] = {}  # ranks that reported a group's last error
@@ -316,12 +312,9 @@ class Quorum:
     # ------------------------------------------------------------------ the rest
     def failed(self, gid: int, error: str, rank: int = 0, incarnation: str | None = None
                ) -> None:
-        """Rank ``rank`` of group ``gid`` raised in its train function. Every rank of an
-        attempt may report the same error: one event per attempt, where a second report
-        from a rank that already reported (with no rejoin between) is the next attempt.
-        Given the attempt's ``incarnation``, that attempt leaves the quorum at once: Ray
-        Train starts the group again as a new one, and the others need not wait
-        ``dead_after_s`` for its heartbeats to stop."""
+        """Rank ``rank`` of group ``gid`` raised in its train function: one event per
+        attempt (a second report from a rank that already reported, with no rejoin between,
+        is the next attempt). Given the attempt's ``incarnation``, it leaves at once."""
         with self._cv:
             seen = self._fail_ranks.get(gid)
             last = next((e for e in reversed(self.events) if e["group"] == gid
@@ -335,6 +328,14 @@ class Quorum:
             g = self._groups.get(gid)
             if incarnation is not None and g is not None and g.incarnation == incarnation:
                 self._drop(gid, f"its rank {rank} failed (the error above)")
+
+    def attempt_ended(self, gid: int, why: str) -> None:
+        """Ray Train saw group ``gid``'s attempt end (a worker raised, or died: its health
+        check failed): it leaves now, not ``dead_after_s`` after its last heartbeat. Ray
+        Train starts the next attempt after this call (it registers anew)."""
+        with self._cv:
+            if gid in self._groups and not self._finished:
+                self._drop(gid, why)
 
     def checkpoint_started(self, step: int) -> None:
         """``step``'s checkpoint is written and uploading: its sample books are taken now

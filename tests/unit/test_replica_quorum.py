@@ -268,6 +268,36 @@ def test_a_failed_attempt_leaves_at_once_and_a_stale_report_drops_nothing():
     assert q.status()["registered"] == [0, 1]
 
 
+def test_an_attempt_ray_train_saw_end_leaves_at_once_without_a_failed_event():
+    """Ray Train's controller saw group 1's attempt end (its worker died: no rank could
+    report an error): the group waiting at the boundary goes on at once, with no clock
+    advance, and the event says why; no "failed" event (a node coming and going is not
+    the code failing, :data:`ray_mesh.raytrain.replica_groups.MAX_FAILS_IN_A_ROW`). The
+    next attempt registers and rejoins; a finished run ignores the news."""
+    q, _ = make(groups=2)
+    d = boundary(q, {0: (0, []), 1: (0, [])})
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(d0=q.arrive(0, "a0", 0, d[0].ranges,
+                                                                    False, 10)))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()
+    q.attempt_ended(1, "its attempt ended (rank 0: A worker health check failed.)")
+    t.join(5)
+    assert not t.is_alive() and box["d0"].members == [0]
+    assert [(e["kind"], e["group"], e["detail"]) for e in q.events[-1:]] == [
+        ("left", 1, "its attempt ended (rank 0: A worker health check failed.)")]
+    assert not [e for e in q.events if e["kind"] == "failed"]
+    q.attempt_ended(1, "a second poll")  # already gone: nothing more
+    assert len([e for e in q.events if e["kind"] == "left"]) == 1
+    q.register(1, "b1", 1)
+    assert q.status()["registered"] == [0, 1]
+    done, _ = make(groups=2, total_steps=1)
+    assert all(d.done for d in boundary(done, {0: (1, []), 1: (1, [])}).values())
+    done.attempt_ended(0, "after the end")
+    assert done.status()["registered"] == [0, 1]
+
+
 def test_the_beats_name_an_epoch_that_lost_a_member_after_it_formed():
     """Members already on the link of an epoch cannot hear from the quorum through
     ``arrive``: their heartbeats carry the newest epoch that lost a member (0: none), so
