@@ -229,6 +229,10 @@ def ray_local(tmp_path_factory):
     # each step is not held to ~0.5 steps/s and its end is seen at once. Ray Train hands it
     # from the driver (this process) to each run's controller.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    # Ray's workers at niceness 0, as `ray-mesh run`'s embedded Ray and the deploy scripts'
+    # `ray start` run them (ray_mesh.core.priority): at Ray's 15, beside two busy processes
+    # a worker gets ~1/30 of their CPU share and its start-up outlasts Ray Train's bound.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # Checkpoints in a bucket (tests/ray/test_checkpoint_s3_ray.py, a moto server): every Ray
     # process resolves AWS credentials from its environment, inherited from here. moto checks
     # none, but without any pyarrow uploads anonymously and moto stores the chunk framing.

@@ -30,10 +30,19 @@ class Coordinator:
 
     def __init__(self, segment_samples: int, total_steps: int, dead_after_s: float,
                  arrive_timeout_s: float, expected_groups: int, run: str,
-                 shares: str = "equal") -> None:
+                 shares: str = "equal", niceness: int | None = 0) -> None:
         from ray.util.metrics import Gauge
 
+        from ray_mesh.core.priority import current_niceness, set_niceness
         from ray_mesh.replicas.link_store import serve_store
+
+        # Every group waits on this actor at each step and sends it heartbeats: at Ray's
+        # worker niceness (15) beside busy processes it answers late and the quorum drops
+        # live groups as silent. It runs at the training workers' niceness (MeshConfig's
+        # worker_niceness), where it is allowed to (root or CAP_SYS_NICE; the workers'
+        # bring-up already warns when it is not).
+        if niceness is not None and current_niceness() > niceness:
+            set_niceness(niceness)
 
         self.quorum = Quorum(segment_samples=segment_samples, total_steps=total_steps,
                              dead_after_s=dead_after_s, arrive_timeout_s=arrive_timeout_s,

@@ -209,7 +209,8 @@ def fit_replica_groups(train_fn: Any, *,
     enable_state_tracking()
     warm_controller_actors()  # the groups' controllers run on this node (_pinned_here)
     coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
-        segment_samples, total_steps, dead_after_s, arrive_timeout_s, len(specs), name, shares)
+        segment_samples, total_steps, dead_after_s, arrive_timeout_s, len(specs), name, shares,
+        getattr(mesh_config, "worker_niceness", 0))
     ray.get(coordinator.store_address.remote(), timeout=60)
     emit = on_event or (lambda e: logger.info("%s", describe(e)))
     runners, refs = {}, {}

@@ -116,8 +116,8 @@ def test_the_lab_job_survives_a_closed_laptop_lid(tmp_path):
     assert got["survivor_steps_lost"] == 0, got
     events = [(g, kind) for g, kind, _ in got["events"]]
     assert (killed, "left") in events and (killed, "healed") in events, console[-4000:]
-    # its processes died: Ray Train's health check of its worker said so (every 2 s), not
-    # the end of its heartbeats (5 s or more after the last)
+    # its processes died: Ray Train's health check of its worker said so (every 0.2 s under
+    # `ray-mesh run`), not the end of its heartbeats (5 s or more after the last)
     assert re.search(rf"replica group {killed} left at step \d+: its attempt ended \(rank 0: "
                      r"A worker health check failed", console), console[-4000:]
     assert got["rejoin_s"] is not None and got["steps_after_rejoin"] >= 3, got
