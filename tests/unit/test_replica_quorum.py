@@ -243,12 +243,9 @@ def test_a_failure_is_one_event_per_attempt_whatever_the_ranks_report():
         ["ValueError: bad", "ValueError: bad", "KeyError: other"]
 
 
-def test_a_failed_attempt_leaves_at_once_and_a_stale_report_drops_nothing():
-    """A rank that reports its error with its attempt's id takes that attempt out of the
-    quorum at once: the group waiting at the boundary goes on without it, with no clock
-    advance (no ``dead_after_s`` wait for heartbeats), and its samples are handed out again.
-    A late report from an older attempt leaves the new one alone."""
-    q, _ = make(groups=2)
+def waiting_then_gone(q: Quorum, leave) -> tuple[dict, object]:
+    """Groups 0 and 1 pass a boundary; group 0 then waits at the next for group 1 (alive,
+    not there yet) until ``leave()`` takes group 1 out. (first decisions, group 0's next)"""
     d = boundary(q, {0: (0, []), 1: (0, [])})
     box: dict = {}
     t = threading.Thread(target=lambda: box.update(d0=q.arrive(0, "a0", 0, d[0].ranges,
@@ -256,13 +253,24 @@ def test_a_failed_attempt_leaves_at_once_and_a_stale_report_drops_nothing():
     t.start()
     t.join(0.5)
     assert t.is_alive()  # group 1 is alive and not there yet: group 0 waits for it
-    q.failed(1, "RuntimeError: Connection reset by peer", 1, incarnation="a1")
-    t.join(5)
+    leave()
+    t.join(5)  # no clock advance: no dead_after_s wait for heartbeats
     assert not t.is_alive() and box["d0"].members == [0]
+    return d, box["d0"]
+
+
+def test_a_failed_attempt_leaves_at_once_and_a_stale_report_drops_nothing():
+    """A rank that reports its error with its attempt's id takes that attempt out of the
+    quorum at once: the group waiting at the boundary goes on without it, with no clock
+    advance (no ``dead_after_s`` wait for heartbeats), and its samples are handed out again.
+    A late report from an older attempt leaves the new one alone."""
+    q, _ = make(groups=2)
+    d, d0 = waiting_then_gone(q, lambda: q.failed(
+        1, "RuntimeError: Connection reset by peer", 1, incarnation="a1"))
     left = [e for e in q.events if e["kind"] == "left"]
     assert [(e["group"], e["detail"]) for e in left] == [(1, "its rank 1 failed (the error "
                                                           "above)")]
-    assert set(ids(d[1].ranges)) <= set(ids(q.data_state()["queue"])) | set(ids(box["d0"].ranges))
+    assert set(ids(d[1].ranges)) <= set(ids(q.data_state()["queue"])) | set(ids(d0.ranges))
     q.register(1, "b1", 1)  # the next attempt
     q.failed(1, "RuntimeError: old", 0, incarnation="a1")
     assert q.status()["registered"] == [0, 1]
@@ -275,16 +283,8 @@ def test_an_attempt_ray_train_saw_end_leaves_at_once_without_a_failed_event():
     the code failing, :data:`ray_mesh.raytrain.replica_groups.MAX_FAILS_IN_A_ROW`). The
     next attempt registers and rejoins; a finished run ignores the news."""
     q, _ = make(groups=2)
-    d = boundary(q, {0: (0, []), 1: (0, [])})
-    box: dict = {}
-    t = threading.Thread(target=lambda: box.update(d0=q.arrive(0, "a0", 0, d[0].ranges,
-                                                                    False, 10)))
-    t.start()
-    t.join(0.5)
-    assert t.is_alive()
-    q.attempt_ended(1, "its attempt ended (rank 0: A worker health check failed.)")
-    t.join(5)
-    assert not t.is_alive() and box["d0"].members == [0]
+    waiting_then_gone(q, lambda: q.attempt_ended(
+        1, "its attempt ended (rank 0: A worker health check failed.)"))
     assert [(e["kind"], e["group"], e["detail"]) for e in q.events[-1:]] == [
         ("left", 1, "its attempt ended (rank 0: A worker health check failed.)")]
     assert not [e for e in q.events if e["kind"] == "failed"]
