@@ -13,12 +13,10 @@ closes a DiLoCo round. There the quorum
 * picks a donor (the lowest group holding the newest step) and the groups to heal from it
   over the network: a group that joins or returns, or one left behind by a failed step;
 * hands each member the samples of its next segment (``segment_samples`` sample indices per
-  group per boundary on average, as ``(start, length)`` ranges), and keeps the books so that
-  no sample is skipped or repeated: the samples of a group that died before its
-  contribution counted go back to a queue that the next assignments drain first.
-
-With ``shares="speed"`` a boundary's samples are split by each group's measured speed
-(unequal boxes: :mod:`.shares`).
+  group per boundary on average, as ``(start, length)`` ranges; by measured speed with
+  ``shares="speed"``, :mod:`.shares`), and keeps the books so that no sample is skipped or
+  repeated: the samples of a group that died before its contribution counted go back to a
+  queue that the next assignments drain first.
 
 Why a step boundary: a group's contribution (gradients, or a round's inner work) counts
 once every member agrees to average it. A failed collective leaves each survivor's
@@ -31,6 +29,7 @@ Ray-free and clock-injectable: the unit tests drive it with threads and a fake c
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +41,8 @@ from ray_mesh.replicas.books import Books
 from ray_mesh.replicas.coordinator import Decision, Range
 from ray_mesh.replicas.liveness import Beats
 from ray_mesh.replicas.shares import Pace, check_mode, split_samples
+
+SWEEP_S = 0.1  # seconds between sweeps for silent groups (reads all): scale_quorum.py
 
 
 @dataclass
@@ -77,19 +78,18 @@ class Quorum:
         check_mode(shares)
         self.segment_samples, self.shares = segment_samples, shares
         self.total_steps, self.dead_after_s = total_steps, dead_after_s
-        self.arrive_timeout_s = arrive_timeout_s
+        self.arrive_timeout_s, self.clock = arrive_timeout_s, clock
         self.expected_groups, self.start_timeout_s = expected_groups, start_timeout_s
-        self.clock = clock
         self._cv = threading.Condition()
         self._groups: dict[int, _Group] = {}
         self.books = Books()  # the sample books (:mod:`.books`)
         self._last: tuple[int, frozenset[int]] | None = None  # (step, members) last formed
-        self._epoch = 0
-        self._broken = 0  # the newest epoch that lost a member after it formed
+        self._epoch = self._broken = 0  # the newest, and the newest that lost a member
         self._formed = self._max_step_seen = 0
         self._checkpoint: tuple[int, str] | None = None
         self._finished = self._all_gone = False
         self._left: set[int] = set()  # dropped while members: "joined" when back
+        self._swept = -math.inf  # when _drop_dead last read every group
         self._changed = False  # a member left, or a group restarted, since the last quorum
         self._fail_ranks: dict[int, set[int]] = {}  # ranks that reported a group's last error
         self.events: list[dict[str, Any]] = []
@@ -117,13 +117,17 @@ class Quorum:
             if g is None or g.incarnation != incarnation:
                 return None
             g.beats.beat(rank, self.clock())
-            self._drop_dead()  # the beats of the groups left drive it while none arrives
+            self._sweep()  # the beats of the groups left drive it while none arrives
             return self._broken
+
+    def _sweep(self) -> None:  # run at every beat, arrival and poll: once per SWEEP_S
+        if self.clock() - self._swept >= SWEEP_S:
+            self._drop_dead()
 
     def _drop_dead(self) -> None:
         if self._finished:  # the groups stop beating as they end: not a departure
             return
-        now = self.clock()
+        now = self._swept = self.clock()
         for gid, g in list(self._groups.items()):
             if not g.beats.alive(now, self.dead_after_s):
                 self._drop(gid, "stopped beating (a worker or its node is gone)")
@@ -204,7 +208,7 @@ class Quorum:
         return g
 
     def _try_form(self) -> None:
-        self._drop_dead()
+        self._sweep()
         ready = {gid: g for gid, g in self._groups.items() if g.ready}
         arrived = {gid: g for gid, g in ready.items() if g.arrival is not None}
         if not arrived:
@@ -265,7 +269,8 @@ class Quorum:
             self._event("healed", gid, f"state of step {top} from group {donor_gid}", step=top)
         finished = top >= self.total_steps
         idx = {gid: i for i, gid in enumerate(members)}
-        now = self.clock()
+        now, heal_idx, contrib_idx = self.clock(), [idx[h] for h in healers], [
+            idx[c] for c in contributors]  # one list for every decision: O(groups), not squared
         shares = split_samples(self.segment_samples, {gid: (
             arrived[gid].beats.ranks, arrived[gid].pace.rate, arrived[gid].pace.fixed_s)
             for gid in members}, self.shares)
@@ -276,7 +281,7 @@ class Quorum:
             g.decision = Decision(
                 epoch=self._epoch, step=top, members=members, index=idx[gid],
                 donor=idx[donor_gid] if (healers or restore) else None,
-                healers=[idx[h] for h in healers], contributors=[idx[c] for c in contributors],
+                healers=heal_idx, contributors=contrib_idx,
                 ranges=list(g.assigned), restore=restore if gid == donor_gid else None,
                 done=finished, waited_s=max(0.0, now - g.arrival["since"]))
             g.arrival = None
@@ -366,11 +371,6 @@ class Quorum:
     def _books_at(self, step: int) -> tuple[bool, list[Range]]:
         open_ranges = [r for g in self._groups.values() for r in g.assigned]
         return self._last is not None and self._last[0] == step - 1, open_ranges
-
-    @property
-    def consumed(self) -> int:
-        """Samples whose contribution entered a committed average."""
-        return self.books.consumed
 
     def data_state(self) -> dict[str, Any]:
         """The sample books, to save with a checkpoint (and to check in tests)."""

@@ -89,7 +89,7 @@ def test_a_group_that_dies_mid_step_hands_its_samples_to_the_next_assignment():
     assert [e["kind"] for e in q.events if e["group"] == 1] == ["joined", "left"]
     # the contributions of 0 and 2 count once the next boundary moves past step 0
     boundary(q, {0: (1, d2[0].ranges), 2: (1, d2[2].ranges)})
-    assert q.consumed == 2 * SEG  # the first boundary had nothing to count
+    assert q.books.consumed == 2 * SEG  # the first boundary had nothing to count
 
 
 def test_a_failed_collective_keeps_the_contributions_and_rebuilds_the_link():
@@ -367,6 +367,32 @@ def test_a_starved_box_whose_beats_come_late_stays_in_and_a_silent_one_still_lea
     for _ in range(16):  # now it goes silent: gone once 15 s (3 x dead_after_s) have passed
         beat_all(q, clock, [0])
     assert q.beat(1, "a1", 0) is None
+
+
+def test_beats_sweep_for_silent_groups_at_most_once_per_sweep_s():
+    """Every beat used to read every group (the sweep for silent ones): at 512 groups of 2
+    ranks that was most of a core (benchmarks/scale_quorum.py). Beats within SWEEP_S of
+    the last sweep do not sweep; the first one after does, so a silent group still leaves
+    within SWEEP_S of its bound."""
+    from ray_mesh.replicas import quorum as qm
+
+    q, clock = make(3, dead_after_s=5)
+    sweeps = []
+    real = q._drop_dead
+    q._drop_dead = lambda: (sweeps.append(clock.now), real())[1]
+    for _ in range(50):  # 50 beats of groups 0 and 1 at one instant: one sweep
+        q.beat(0, "a0", 0)
+        q.beat(1, "a1", 0)
+    assert len(sweeps) == 1
+    clock.now += qm.SWEEP_S / 2
+    q.beat(0, "a0", 0)
+    assert len(sweeps) == 1
+    clock.now = 4.0
+    beat_all(q, clock, [0, 1], dt=0)
+    assert len(sweeps) == 2
+    clock.now = 5.0 + qm.SWEEP_S  # group 2 is silent past its bound: the next beat sweeps
+    q.beat(0, "a0", 0)
+    assert len(sweeps) == 3 and q.status()["registered"] == [0, 1]  # (status sweeps too)
 
 
 def test_an_arrival_counts_as_a_beat_of_every_rank_of_the_group():
