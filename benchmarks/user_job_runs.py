@@ -153,6 +153,8 @@ class Running:
         """The step rows logged so far (every group's, or the one mesh's)."""
         rows = []
         for f in self.steps_dir.glob("*.jsonl"):
+            if f.name.endswith(".held.jsonl"):  # samples held before a commit: no step yet
+                continue
             for line in f.read_text().splitlines():
                 with contextlib.suppress(ValueError):  # a line being written
                     row = json.loads(line)

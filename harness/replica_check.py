@@ -9,18 +9,26 @@ from pathlib import Path
 from typing import Any
 
 
-def _per_group(log_dir: str | Path, pattern: str) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
-    for f in sorted(Path(log_dir).glob(pattern)):
-        gid = int(f.name[1:].split(".")[0])
-        out[gid] = [json.loads(line) for line in f.read_text().splitlines() if line]
+def _files(log_dir: str | Path, suffix: str) -> dict[int, Path]:
+    """Group id -> its ``g<id><suffix>`` file: ``.jsonl`` (committed steps) is not
+    ``.held.jsonl`` (held samples), which a ``g*.jsonl`` glob also matches."""
+    out = {}
+    for f in sorted(Path(log_dir).glob(f"g*{suffix}")):
+        if (gid := f.name[1:-len(suffix)]).isdigit():
+            out[int(gid)] = f
     return out
 
 
+def _per_group(log_dir: str | Path, suffix: str) -> dict[int, list[dict[str, Any]]]:
+    return {gid: [json.loads(line) for line in f.read_text().splitlines() if line]
+            for gid, f in _files(log_dir, suffix).items()}
+
+
 def top_step(log_dir: str | Path) -> int:
-    """The highest step any group logged so far (``g*.jsonl``), while the run writes them."""
+    """The highest step any group committed so far (``g<i>.jsonl``), while the run writes
+    them."""
     top = 0
-    for f in Path(log_dir).glob("g*.jsonl"):
+    for f in _files(log_dir, ".jsonl").values():
         for line in f.read_text().splitlines():
             try:
                 top = max(top, json.loads(line)["step"])
@@ -31,7 +39,7 @@ def top_step(log_dir: str | Path) -> int:
 
 def read(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """Per group, its committed steps in the order they were logged."""
-    return _per_group(log_dir, "g*.jsonl")
+    return _per_group(log_dir, ".jsonl")
 
 
 def write_held(log_dir: str | Path, gid: int, step: int, ranges: list, attempt: str) -> None:
@@ -50,7 +58,7 @@ def read_used(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     ``"credited": True``; a step whose missing contributors cannot be told apart (more
     candidate groups than missing ones) credits none, so nothing is hidden."""
     logs = read(log_dir)
-    held = _per_group(log_dir, "g*.held.jsonl")
+    held = _per_group(log_dir, ".held.jsonl")
     by_step: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     for gid, rows in logs.items():
         for row in rows:
@@ -69,7 +77,7 @@ def read_used(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
 
 def finals(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     """Per group, the final line of each attempt that finished."""
-    return _per_group(log_dir, "g*.final.json")
+    return _per_group(log_dir, ".final.json")
 
 
 def sample_use(logs: dict[int, list[dict[str, Any]]]) -> tuple[list[int], list[int]]:

@@ -44,3 +44,15 @@ def test_a_group_the_survivors_did_not_count_is_not_credited(tmp_path):
     used = rc.read_used(_run(tmp_path, contributors=2))
     assert not any(r.get("credited") for rows in used.values() for r in rows)
     assert rc.sample_use(used) == ([], [46, 47])
+
+
+def test_the_held_log_is_not_read_as_committed_steps(tmp_path):
+    """``g2.held.jsonl`` matches a ``g*.jsonl`` glob: read as committed steps it moved the
+    lab's kill before the step it names (top_step saw step 5 held, not committed) and broke
+    the user-job benchmark's drop schedule (its rows have no time: KeyError 't')."""
+    log = _run(tmp_path, contributors=3)
+    assert rc.top_step(log) == 6  # group 0's step 6; group 2 held 5 and committed 4
+    assert [r["step"] for r in rc.read(log)[2]] == [4]
+    (log / "g3.held.jsonl").write_text(json.dumps({"step": 9, "ranges": [], "attempt": "b"})
+                                       + "\n")  # a group that never committed a step
+    assert rc.top_step(log) == 6 and 3 not in rc.read(log)
