@@ -232,7 +232,9 @@ def ray_local(tmp_path_factory):
     # Ray's workers at niceness 0, as `ray-mesh run`'s embedded Ray and the deploy scripts'
     # `ray start` run them (ray_mesh.core.priority): at Ray's 15, beside two busy processes
     # a worker gets ~1/30 of their CPU share and its start-up outlasts Ray Train's bound.
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    from ray_mesh.core.priority import RAY_NICENESS_ENV
+
+    os.environ.setdefault(RAY_NICENESS_ENV, "0")
     # Checkpoints in a bucket (tests/ray/test_checkpoint_s3_ray.py, a moto server): every Ray
     # process resolves AWS credentials from its environment, inherited from here. moto checks
     # none, but without any pyarrow uploads anonymously and moto stores the chunk framing.
