@@ -43,13 +43,13 @@ from ray_mesh.cli.job_checks import (
     check_train_ref,
     load_function,
 )
+from ray_mesh.core.diloco_config import check_mesh as check_replicate_mesh
 from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.object_store import check_location
 from ray_mesh.core.options import OPTION_DEFAULTS, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
 from ray_mesh.core.values import MAX_SECONDS, brief, describe, read_bool, read_int, read_str
 from ray_mesh.errors import LayoutError, ParallelError, StorageURIError
-from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
 from ray_mesh.raytrain.elastic import STARTUP_RETRIES
 
 

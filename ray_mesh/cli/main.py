@@ -58,11 +58,12 @@ PROGRESS_LINES = r"[\w.-]+: step \d+/\d+ "
 
 def _cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", PROGRESS_LINES)  # never folded
-    from ray_mesh.cli.runner import run_job_outcome
-
-    # Parsed once, the flags in: they go through the file's own checks.
+    # Parsed once, the flags in: they go through the file's own checks, before Ray and torch
+    # are imported (~3 s of CPU), so a job with a mistake is refused at once.
     job = Job.from_yaml(args.job, num_workers=args.num_workers, storage_path=args.storage_path,
                         storage_endpoint=args.storage_endpoint)
+    from ray_mesh.cli.runner import run_job_outcome
+
     if job.replica_groups is not None:  # one Ray Train run per group
         from ray_mesh.cli.groups_runner import groups_summary, run_groups_outcome
 

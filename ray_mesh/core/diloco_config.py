@@ -72,4 +72,15 @@ class DiLoCoConfig:
         return cls(**{k: v for k, v in data.items() if k != "mode"})
 
 
-__all__ = ["COMPRESS_MODES", "DiLoCoConfig"]
+def check_mesh(config: DiLoCoConfig | None, dp_replicate: Any) -> None:
+    """Driver-side: DiLoCo needs a replicate dim to sync over (>= 2, 'nodes' or -1)."""
+    if config is None:
+        return
+    if isinstance(dp_replicate, int) and 0 <= dp_replicate < 2:
+        raise ParallelError(
+            f"replicate.mode=diloco syncs replicas over dp_replicate, but the mesh has "
+            f"dp_replicate={dp_replicate}: set mesh.dp_replicate: nodes (one replica per node) "
+            f"or a size >= 2, or use replicate.mode: sync")
+
+
+__all__ = ["COMPRESS_MODES", "DiLoCoConfig", "check_mesh"]

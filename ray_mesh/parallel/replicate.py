@@ -28,32 +28,20 @@ replicate mode, or pass ``config=`` to :func:`wrap`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_mesh.core.bootstrap import get_mesh
-from ray_mesh.core.diloco_config import DiLoCoConfig
+from ray_mesh.core.diloco_config import DiLoCoConfig, check_mesh
 from ray_mesh.core.layout import parse_replicate
-from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.picked import layout_of
 
 if TYPE_CHECKING:
     from ray_mesh.parallel.diloco import DiLoCo
 
 MODES = ("sync", "diloco")
-
-
-def check_mesh(config: DiLoCoConfig | None, dp_replicate: Any) -> None:
-    """Driver-side: DiLoCo needs a replicate dim to sync over (>= 2, 'nodes' or -1)."""
-    if config is None:
-        return
-    if isinstance(dp_replicate, int) and 0 <= dp_replicate < 2:
-        raise ParallelError(
-            f"replicate.mode=diloco syncs replicas over dp_replicate, but the mesh has "
-            f"dp_replicate={dp_replicate}: set mesh.dp_replicate: nodes (one replica per node) "
-            f"or a size >= 2, or use replicate.mode: sync")
 
 
 def replicate_config(mesh: DeviceMesh | None = None) -> DiLoCoConfig | None:

@@ -22,6 +22,7 @@ from ray.train.torch import TorchConfig
 
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core import bootstrap, priority
+from ray_mesh.core.diloco_config import check_mesh as check_replicate_mesh
 from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.options import MeshOptions
 from ray_mesh.core.spec import MeshSpec
@@ -39,7 +40,6 @@ from ray_mesh.network.interfaces import (
 from ray_mesh.network.probe import node_versions
 from ray_mesh.observability import active
 from ray_mesh.observability.layout import layout_table, node_lines
-from ray_mesh.parallel.replicate import check_mesh as check_replicate_mesh
 from ray_mesh.planning.inputs import PlanInputs
 from ray_mesh.raytrain.bounded import BringUpError, wait_bounded
 from ray_mesh.raytrain.data import install_mesh_data_config

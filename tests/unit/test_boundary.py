@@ -125,6 +125,29 @@ def test_the_lazy_parallel_names_are_the_public_ones_and_resolve():
         assert getattr(parallel, name) is not None, name
 
 
+def test_the_cli_starts_and_refuses_a_bad_job_without_torch_or_ray(tmp_path):
+    """``import ray_mesh``, its checkpointing package and the CLI load neither torch nor Ray
+    (~3 s of CPU on a 2-core machine, paid by every ``ray-mesh`` command and by every Ray
+    worker that only needs a spec): ``--help``, ``status``'s parser and a job refused on the
+    driver answer at once. Every public name still resolves, on first use."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntrain: a.py:f\nmesh: {dp_shard: 2}\nbogus: 1\n")
+    code = ("import json, sys\nimport ray_mesh, ray_mesh.checkpointing\n"
+            "from ray_mesh.cli.main import build_parser, main\nbuild_parser()\n"
+            "rc = main(['run', sys.argv[1]])\n"
+            "print(json.dumps([rc, sorted(m for m in ('torch', 'ray') if m in sys.modules)]))\n"
+            "[getattr(ray_mesh, n) for n in ray_mesh.__all__]\n"
+            "[getattr(ray_mesh.checkpointing, n) for n in ray_mesh.checkpointing.__all__]\n"
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, str(bad)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = proc.stdout.strip().splitlines()[-2:]
+    assert json.loads(before) == [2, []], (before, proc.stderr[-2000:])
+    assert "Unknown key 'bogus'" in proc.stderr, proc.stderr[-2000:]
+    assert after == "True"  # the lazy names resolve
+
+
 def test_ray_glue_modules_import():
     code = "import importlib, json, sys\n[importlib.import_module(m) for m in " \
            "json.loads(sys.argv[1])]\nprint('ray' in sys.modules)"
