@@ -115,6 +115,9 @@ def run_in_cluster(cluster, config: dict, deadline_s: float, timeout: float = 70
     env = cluster.node_env(node)
     env.update(RAY_ADDRESS=cluster.address, PYTHONUNBUFFERED="1",
                RAY_TRAIN_ENABLE_STATE_TRACKING="1",
+               # Ray Train's controller looks at the workers every 2 s by default: the fit's
+               # start and its end (after the stop file) would wait for it.
+               RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2",
                PYTHONPATH=str(here.parent))  # the repository: `harness` importable
     config = {"dashboard": f"http://{node.ip}:8265", "deadline_s": deadline_s, "width": 256,
               **config}

@@ -5,7 +5,7 @@ Each prints one line ``RESULT <json>`` that the test parses; everything else on 
 
     python tests/helpers/_multinode_driver.py fits  STORAGE_DIR
     python tests/helpers/_multinode_driver.py cli   UNREACHABLE_ADDRESS
-    python tests/helpers/_multinode_driver.py linkcut GO_FILE
+    python tests/helpers/_multinode_driver.py linkcut GO_FILE [CUT_BOUND_S]
 """
 
 from __future__ import annotations
@@ -157,7 +157,10 @@ def cli(unreachable: str) -> None:
 
 
 # ----------------------------------------------------------------------------- link cut
-def linkcut(go_file: str) -> None:
+def linkcut(go_file: str, cut_bound_s: str = "20") -> None:
+    """The pre-flight while every link is up (the default 20 s bound), then, after the test
+    cut node 1's link, one bounded by ``cut_bound_s`` (the cut node never answers: the
+    pre-flight returns when that bound fires)."""
     import ray
 
     from ray_mesh.raytrain.cluster import NodeAgents, live_nodes
@@ -173,7 +176,7 @@ def linkcut(go_file: str) -> None:
         time.sleep(0.1)
     # ... then the test cuts node 1's link and the pre-flight must fail within its bound.
     start = time.monotonic()
-    report = agents.preflight(timeout_s=20)
+    report = agents.preflight(timeout_s=float(cut_bound_s))
     elapsed = time.monotonic() - start
     _result({"before_ok": report_before.ok, "before": report_before.format(),
              "ok": report.ok, "elapsed": elapsed,

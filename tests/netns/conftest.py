@@ -4,10 +4,12 @@ Starting a NetnsCluster with Ray costs ~15 s on a 2-core machine. Modules whose 
 same kind of cluster, and leave it as they found it, share one:
 
 * ``dashboard_cluster``: 2 nodes x ``slot: 2`` with the head's dashboard (and ``uneq`` 3 vs 1
-  for the planner's unequal-placement check), for tests/netns/test_exposure.py (first,
-  before any job ran on it: it lists the listeners), tests/netns/test_slow_netns.py (which
-  shapes the links for its runs and unshapes them after) and tests/netns/test_multinode.py
-  (last: its link-cut test breaks node 1 for good);
+  for the planner's unequal-placement check) and a bucket key (:data:`BUCKET_CREDENTIALS`) in
+  every node's environment, for tests/netns/test_exposure.py (first, before any job ran on
+  it: it lists the listeners), tests/netns/test_slow_netns.py (which shapes the links for
+  its runs and unshapes them after), tests/netns/test_checkpoint_netns.py's default tier
+  (which serves its bucket with that key on the head while it runs) and
+  tests/netns/test_multinode.py (last: its link-cut test breaks node 1 for good);
 * ``plain_cluster``: 2 nodes x ``slot: 2``, no dashboard (its idle traffic would blur the
   DiLoCo test's byte counts), links shaped by each test itself, for
   tests/netns/test_diloco_netns.py, tests/netns/test_mesh_auto.py and
@@ -25,18 +27,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from moto_s3 import new_credentials
 
 from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+
+# The key of the checkpoint test's bucket server: in every node's environment before Ray
+# starts, as each real machine exports it.
+BUCKET_CREDENTIALS = new_credentials()
 
 # Fixture name -> NetnsCluster arguments.
 SHARED = {
     # A busy machine can push `ray start` past Ray's fixed 30 s raylet wait: more tries.
     "dashboard_cluster": dict(resources=[{"slot": 2, "uneq": 3}, {"slot": 2, "uneq": 1}],
-                              dashboard=True, start_attempts=4, ray_start_timeout_s=180),
+                              dashboard=True, start_attempts=4, ray_start_timeout_s=180,
+                              env=BUCKET_CREDENTIALS),
     "plain_cluster": dict(resources=[{"slot": 2}, {"slot": 2}]),
 }
 # The order of the modules that share a cluster (others: after these, in file order).
-ORDER = {"dashboard_cluster": ["test_exposure.py", "test_slow_netns.py", "test_multinode.py"],
+ORDER = {"dashboard_cluster": ["test_exposure.py", "test_slow_netns.py",
+                               "test_checkpoint_netns.py", "test_multinode.py"],
          "plain_cluster": ["test_diloco_netns.py", "test_mesh_auto.py",
                            "test_private_files.py"]}
 _live: dict[str, NetnsCluster] = {}

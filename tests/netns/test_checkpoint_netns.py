@@ -21,7 +21,9 @@ it.
 The runs store to an S3 bucket: a real moto server process (``ray-mesh storage serve``)
 inside the head's namespace, on its tailnet address, which the other node reaches through
 the WireGuard tunnel; the nodes share no storage. (The step log and final parameters are
-the test's own instrumentation, in pytest's ``tmp_path``.) The default-tier test:
+the test's own instrumentation, in pytest's ``tmp_path``.) The default-tier test, on the
+dashboard cluster of tests/netns/conftest.py (whose nodes have the bucket's key; the slow
+tier, which loses nodes, starts its own):
 a worker SIGKILLed mid-run resumes from the bucket bitwise equal to an uninterrupted run;
 a shard object flipped in the bucket is refused by the manifest check on what comes back;
 ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the per-rank layout the
@@ -42,7 +44,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from moto_s3 import S3Server, new_credentials
+from moto_s3 import KEY_NAMES, S3Server, new_credentials
+from require_all import SLOW_ENV
 
 from harness.ckpt_train import attempts, steps
 from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason
@@ -51,18 +54,17 @@ pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
 DRIVER = Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_elastic_driver.py"
 STEPS = 10  # as in the driver
-# The bucket server's key (ray-mesh storage serve answers signed requests only): in every
-# node's environment before Ray starts, as each real machine exports it.
-CREDENTIALS = new_credentials()
 
 
 
 def _launch(cluster: NetnsCluster, mode: str, work: Path) -> subprocess.Popen:
     env = cluster.node_env(cluster.head)
-    env.update(CREDENTIALS, RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO),
+    env.update(cluster.credentials, RAY_ADDRESS=cluster.address, PYTHONPATH=str(REPO),
                PYTHONUNBUFFERED="1",
                RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="20",
-               RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5")
+               # each checkpoint report, a start and a worker's death wait for the
+               # controller's poll (2 s by default): as `ray-mesh run` sets it
+               RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2")
     out = open(work / f"{mode}.out", "w")  # noqa: SIM115 - closed with the process
     s3: S3Server = cluster.s3  # type: ignore[attr-defined]
     return subprocess.Popen([*cluster.head.exec_prefix(), sys.executable, str(DRIVER), mode,
@@ -100,22 +102,36 @@ def _result(proc: subprocess.Popen, work: Path, mode: str, timeout_s: float = 50
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Two nodes (the head's dashboard on, for ``ray-mesh status``) and the bucket's server
-    in the head's namespace on its tailnet address. Every node has the server's key in its
-    environment, as each real machine has it."""
-    if reason := netns_unavailable_reason():
-        pytest.skip(f"virtual cluster unavailable: {reason}")
-    with NetnsCluster([{"slot": 2}, {"slot": 2}], env=CREDENTIALS, dashboard=True,
-                      start_attempts=4, ray_start_timeout_s=180) as c:
-        env = {**c.node_env(c.head), **CREDENTIALS}
-        c.s3 = S3Server(bucket="ckpt-netns", host=c.head.ip, prefix=c.head.exec_prefix(),
-                        env=env, credentials=CREDENTIALS)
-        try:
-            yield c
-        finally:
-            c.s3.stop()
+def _with_bucket(c: NetnsCluster):
+    """The bucket's server in the head's namespace on its tailnet address, with the key every
+    node of ``c`` got in its environment (``ray-mesh storage serve`` answers signed requests
+    only; each real machine exports the key before Ray starts)."""
+    c.credentials = {k: c.env[k] for k in (*KEY_NAMES, "AWS_EC2_METADATA_DISABLED")}
+    c.s3 = S3Server(bucket="ckpt-netns", host=c.head.ip, prefix=c.head.exec_prefix(),
+                    env=c.node_env(c.head), credentials=c.credentials)
+    try:
+        yield c
+    finally:
+        c.s3.stop()
+        del c.s3, c.credentials
+
+
+if os.environ.get(SLOW_ENV) == "1":
+    @pytest.fixture(scope="module")
+    def cluster():
+        """Slow tier (its tests kill node 1 and add nodes): two nodes of its own (the
+        head's dashboard on, for ``ray-mesh status``) and the bucket."""
+        if reason := netns_unavailable_reason():
+            pytest.skip(f"virtual cluster unavailable: {reason}")
+        with NetnsCluster([{"slot": 2}, {"slot": 2}], env=new_credentials(), dashboard=True,
+                          start_attempts=4, ray_start_timeout_s=180) as c:
+            yield from _with_bucket(c)
+else:
+    @pytest.fixture(scope="module")
+    def cluster(dashboard_cluster):
+        """Default tier (no node lost): the 2 x {slot: 2} dashboard cluster of
+        tests/netns/conftest.py, whose nodes have the bucket's key, and the bucket."""
+        yield from _with_bucket(dashboard_cluster)
 
 
 # Run in the head's namespace (the bucket's endpoint is on the tailnet): load checkpoint 8
@@ -183,7 +199,7 @@ def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster,
     script = tmp_path / "tamper.py"
     script.write_text(_TAMPER)
     out = cluster.run_in(0, [sys.executable, str(script), s3.uri("runs"), s3.endpoint],
-                         timeout=120, env={**CREDENTIALS, "PYTHONPATH": str(REPO)})
+                         timeout=120, env={**cluster.credentials, "PYTHONPATH": str(REPO)})
     text = out.stdout + out.stderr
     assert "CLEAN 8" in text, text[-3000:]
     refused = [x for x in text.splitlines() if x.startswith("REFUSED ")]
@@ -193,7 +209,7 @@ def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster,
                              "--address", f"http://{cluster.head.ip}:8265",
                              "--storage", s3.uri("runs"), "--storage-endpoint", s3.endpoint,
                              "--deadline", "60", "--timeout", "15"],
-                         timeout=120, env={**CREDENTIALS, "PYTHONPATH": str(REPO)})
+                         timeout=120, env={**cluster.credentials, "PYTHONPATH": str(REPO)})
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert "(layout from run dir)" in text, text[-4000:]

@@ -8,7 +8,8 @@
   a DERP relay among direct links; the doctor names that pair, and `tailscale ping`.
 
 The mechanisms run Ray-free through namespace agents (as the doctor's node agents do); the
-CLI test runs ``ray-mesh doctor`` on a three-node Ray cluster over the tunnel.
+CLI test, last, starts Ray on the same three nodes (the tests before it leave the links as
+they found them) and runs ``ray-mesh doctor`` on that cluster over the tunnel.
 """
 
 from __future__ import annotations
@@ -86,18 +87,25 @@ def test_one_slow_path_is_named_as_probably_relayed(tailnet):
     assert f"`tailscale ping {ip[2]}`" in hint and "`tailscale status`" in hint
 
 
-def test_doctor_cli_over_the_tunnel_names_the_relayed_pair_and_measures_mtu():
-    _skip_if_unavailable()
-    with NetnsCluster([{}, {}, {}]) as cluster:
-        ip = [n.ip for n in cluster.nodes]
-        cluster.shape_pair(1, 2, 2)
+def test_doctor_cli_over_the_tunnel_names_the_relayed_pair_and_measures_mtu(tailnet):
+    """Runs last: Ray on the module's tailnet (a cluster built and torn down less)."""
+    cluster, _ = tailnet
+    for i in range(len(cluster.nodes)):  # head first, then the workers join it
+        cluster.start_ray_node(i)
+    cluster.wait_for_nodes(len(cluster.nodes))
+    ip = [n.ip for n in cluster.nodes]
+    cluster.shape_pair(1, 2, 2)
+    try:
         proc = cluster.run_in(0, [sys.executable, "-m", "ray_mesh.cli", "doctor", "--address",
                                   cluster.address, "--json"], timeout=240,
                               env={"PYTHONPATH": str(REPO)})
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out = json.loads(proc.stdout[proc.stdout.index("{\n"):])
-        assert {(p["a"], p["b"]): p["mtu"] for p in out["path_mtu"]} == \
-            {(a, b): 1280 for a in ip for b in ip if a != b}, out
-        assert len(out["relayed"]) == 1, out
-        assert f"link {ip[1]} <-> {ip[2]}" in out["relayed"][0]
-        assert f"tailscale ping {ip[2]}" in out["relayed"][0]
+    finally:
+        cluster.unshape_link(1)
+        cluster.unshape_link(2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    assert {(p["a"], p["b"]): p["mtu"] for p in out["path_mtu"]} == \
+        {(a, b): 1280 for a in ip for b in ip if a != b}, out
+    assert len(out["relayed"]) == 1, out
+    assert f"link {ip[1]} <-> {ip[2]}" in out["relayed"][0]
+    assert f"tailscale ping {ip[2]}" in out["relayed"][0]

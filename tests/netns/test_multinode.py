@@ -202,6 +202,11 @@ def test_plan_doctor_and_unreachable_address(cluster):
     print("cli seconds:", {k: v["seconds"] for k, v in out.items()})
 
 
+# The pre-flight's bound after the cut (the driver's first pre-flight, links up, keeps the
+# default 20 s): the test waits it out, so a short one (the healthy head answers in < 1 s).
+CUT_BOUND_S = 8
+
+
 def test_zz_link_cut_after_join_fails_preflight_within_bound(cluster, tmp_path):
     """Runs last: node 1 stays cut off (Ray declares it dead soon after)."""
     go = tmp_path / "go"
@@ -210,8 +215,8 @@ def test_zz_link_cut_after_join_fails_preflight_within_bound(cluster, tmp_path):
     env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=f"{REPO}{os.pathsep}{DRIVER.parent}",
                PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([*node.exec_prefix(), sys.executable, str(DRIVER), "linkcut",
-                             str(go)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+                             str(go), str(CUT_BOUND_S)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     try:
         assert proc.stdout is not None
@@ -231,11 +236,13 @@ def test_zz_link_cut_after_join_fails_preflight_within_bound(cluster, tmp_path):
     res = json.loads(result_lines[-1][len("RESULT "):])
     assert res["before_ok"], res["before"]
     assert not res["ok"], res
-    # The cut node never answers, so the pre-flight returned because its 20 s deadline
-    # fired (the message names the bound); a missing deadline fails on communicate's timeout.
+    # The cut node never answers, so the pre-flight returned because its deadline
+    # (CUT_BOUND_S) fired (the message names the bound); a missing deadline fails on
+    # communicate's timeout.
     print("link-cut pre-flight took", res["elapsed"], "s")
     cut_ip = cluster.nodes[1].ip
     assert cut_ip in res["message"]
-    assert "did not answer within the 20 s pre-flight bound" in res["message"], res["message"]
+    assert f"did not answer within the {CUT_BOUND_S} s pre-flight bound" in res["message"], \
+        res["message"]
     assert any(cut_ip in p and "did not answer" in p for p in res["problems"]), res["problems"]
     assert os.path.exists(go)

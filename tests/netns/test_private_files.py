@@ -94,7 +94,9 @@ def test_python_api_run_on_node_local_storage_stops_before_the_first_step(plain_
     script.write_text(_FIT)
     proc = cluster.run_in(0, [sys.executable, str(script), str(log),
                               str(REPO / "harness" / "ckpt_train.py")], timeout=300,
-                          env={"RAY_ADDRESS": cluster.address, "PYTHONPATH": str(REPO)})
+                          env={"RAY_ADDRESS": cluster.address, "PYTHONPATH": str(REPO),
+                               # the controller sees the failed start in 0.2 s, not 2 s
+                               "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"})
     assert "RESULT " in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     error = json.loads(proc.stdout.split("RESULT ", 1)[1])["error"] or ""
     assert "is local to each node" in error, error[-3000:]

@@ -113,7 +113,14 @@ def test_deploy_readme_walkthrough_runs_on_the_tailnet(tmp_path):
     if reason := netns_unavailable_reason():
         pytest.fail(f"virtual Tailscale cluster unavailable: {reason}")
     parts = walkthrough()
+    t0 = time.monotonic()
+    took: dict[str, float] = {}  # seconds per phase, printed at the end
+
+    def lap(name: str) -> None:
+        took[name] = round(time.monotonic() - t0 - sum(took.values()), 1)
+
     with NetnsCluster([{}, {}], start_ray=False) as cluster:
+        lap("network")
         head, other = cluster.head.ip, cluster.nodes[1].ip
         up = _script(cluster, 0, parts["every"] + parts["head"], tmp_path / "head.log", 240)
         assert "Ray runtime started" in up, up[-3000:]
@@ -124,8 +131,10 @@ def test_deploy_readme_walkthrough_runs_on_the_tailnet(tmp_path):
             time.sleep(0.5)
         _script(cluster, 1, parts["every"] + parts["worker"], tmp_path / "worker.log", 240)
         cluster.wait_for_nodes(2)
+        lap("head and worker up")
         out = _script(cluster, 0, parts["every"] + parts["anywhere"], tmp_path / "any.log",
                       720)
+        lap("anywhere block")
         # doctor: both nodes on tailscale0 with their tailnet addresses, the path MTU found
         assert re.search(rf"{re.escape(head)}.*tailscale0", out), out[-6000:]
         assert re.search(rf"{re.escape(other)}.*tailscale0", out), out[-6000:]
@@ -147,19 +156,25 @@ def test_deploy_readme_walkthrough_runs_on_the_tailnet(tmp_path):
         # whose head's hostname resolves to the LAN. Ray takes the node IP from the route
         # to that address: the LAN's. `ray stop` on that box: its processes only (`ray stop`
         # would stop every Ray process it sees, and the virtual nodes share a process table).
+        lap("dashboard page")
         cluster.nodes[1].kill_work()
+        lap("node 1 stopped")
         lan, lan1 = cluster.head.lan_ip, cluster.nodes[1].lan_ip
         key = read_key_file(Path(DEFAULT_KEY_FILE).expanduser())  # the block's bucket key
         creds = {"AWS_ACCESS_KEY_ID": key[0], "AWS_SECRET_ACCESS_KEY": key[1]}  # as every box
         rejoin = cluster.run_in(1, ["ray", "start", f"--address={lan}:6379", "--num-cpus=2"],
                                 timeout=240, env=creds)
         assert rejoin.returncode == 0, rejoin.stdout + rejoin.stderr
+        lap("plain ray start")
         cluster.run_python(ALIVE.format(address=cluster.address, want=sorted([head, lan1])),
                            timeout=150)
+        lap("old node gone")
         run = [x for x in parts["anywhere"] if x.startswith("ray-mesh run")][0]
         proc = cluster.run_in(0, ["bash", "-c", "cd " + str(REPO) + " && "
                                   + run.replace(EXAMPLE_HEAD, head)], timeout=300,
                               env=creds)
+        lap("run refused")
+        print("walkthrough seconds:", took)
         text = proc.stdout + proc.stderr
         errors = [x for x in text.splitlines() if x.startswith("ray-mesh: error:")]
         assert proc.returncode == 2 and len(errors) == 1, text[-6000:]
