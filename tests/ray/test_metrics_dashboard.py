@@ -78,8 +78,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
     The head's group (``ray start --block`` and every Ray process under it) outlived a 20 s
     SIGTERM grace (21.5 s of teardown); the cluster is thrown away, its temp dir removed: a
-    short grace, then SIGKILL."""
-    for sig, grace_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+    short grace (1 s), then SIGKILL."""
+    for sig, grace_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -230,7 +230,7 @@ def _first_reported(c: Cluster) -> float:
     """When every rank's series (the once-set probe_dims ones too) was first seen."""
     if c.first_reported is None:
         _wait(lambda: _all_ranks_reported(c), METRICS_TIMEOUT_S,
-              "ray_mesh series of 4 ranks on the metrics endpoint", interval_s=3)
+              "ray_mesh series of 4 ranks on the metrics endpoint")
         c.first_reported = time.monotonic()
     return c.first_reported
 
@@ -276,7 +276,7 @@ def test_prometheus_series_carry_mesh_tags_and_plausible_values(cluster):
     total0 = _by(samples, "ray_mesh_steps_total")
     later = _wait(lambda: (lambda s: s if min(_by(s, "ray_mesh_steps_total").values())
                            > max(total0.values()) else None)(_samples(cluster)),
-                  60, "ray_mesh_steps_total to grow", interval_s=2)
+                  60, "ray_mesh_steps_total to grow")
     steps_total = _by(later, "ray_mesh_steps_total")
     time_total = _by(later, "ray_mesh_step_time_seconds_total")
     samples_total = _by(later, "ray_mesh_samples_total")
@@ -298,8 +298,7 @@ def test_numbers_passed_to_ray_train_report_become_mesh_tagged_series(cluster):
                 "ray_mesh_report_steps_per_second")
         return s if all(len(_by(s, n)) == 4 for n in want) else None
 
-    samples = _wait(ready, METRICS_TIMEOUT_S, "ray_mesh_report_* series of 4 ranks",
-                    interval_s=3)
+    samples = _wait(ready, METRICS_TIMEOUT_S, "ray_mesh_report_* series of 4 ranks")
     for name, labels, _ in samples:
         if name.startswith("ray_mesh_report_"):
             coord = SPEC.coordinate(int(labels["rank"]))
