@@ -5,6 +5,8 @@ Shared by the torchrun test (tests/dist/test_hang_torchrun.py), the Ray test
 ``dist.all_reduce`` on the tp group (seen only through torch's per-group counter) and a
 ``ray_mesh.observability.hang.all_reduce`` on dp (named by the helper). At ``skip_step``
 the rank ``skip_rank`` skips the dp one, writes the time the hang started, and sleeps.
+``pg_timeout_s`` (optional): the watched groups' process-group timeout when smaller than
+``hang_timeout_s`` + ``hang.END_GRACE_S`` (how soon the waiting ranks' collectives end).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def main() -> int:
     config = json.loads(sys.argv[1])
     mesh = ray_mesh.init_mesh({"dp_shard": 2, "tp": 2})
     try:
-        with watch_mesh(mesh, config["hang_timeout_s"]):
+        with watch_mesh(mesh, config["hang_timeout_s"],
+                        pg_timeout_s=config.get("pg_timeout_s")):
             _note_report(config["out_dir"])
             hang_loop(config)
     except hang.CollectiveHangError as exc:

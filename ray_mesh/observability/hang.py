@@ -116,7 +116,7 @@ class HangWatch:
 
     def __init__(self, groups: dict[str, dist.ProcessGroup], store: dist.Store, *, rank: int,
                  world_size: int, timeout_s: float, poll_s: float | None = None,
-                 reader: Any = None) -> None:
+                 reader: Any = None, end_s: float | None = None) -> None:
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"hang_timeout_s must be > 0 (or None to turn the watch off), "
                              f"got {timeout_s!r}.")
@@ -130,6 +130,8 @@ class HangWatch:
         self.wire = HangStore(store, rank, world_size, reader)  # reader: length first
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
         self.poll_s = poll_s or min(1.0, self.timeout_s / 10)
+        # the watched groups' process-group timeout, as the report states it
+        self.end_s = end_s or self.timeout_s + END_GRACE_S
         self.report: str | None = None
         self.report_ready = threading.Event()
         self.hang_seen = threading.Event()
@@ -266,8 +268,8 @@ class HangWatch:
         ranks = range(self.world_size)
         snaps, malformed = self.wire.snapshots(ranks)
         beats = {r: b for r, b in self.wire.beats(ranks).items() if b is not None}
-        report = format_report(snaps, beats, self.world_size, self.timeout_s,
-                               self.timeout_s + END_GRACE_S, malformed=malformed)
+        report = format_report(snaps, beats, self.world_size, self.timeout_s, self.end_s,
+                               malformed=malformed)
         self.wire.send_report(dim, report)
         print(report, file=sys.stderr, flush=True)
         self._take_report(report)
@@ -299,7 +301,7 @@ def start_watch(mesh: DeviceMesh, timeout_s: float, *, pg_timeout_s: float | Non
     if store is None:  # the job's own store: its values are read length first
         store, reader = connect_store(), connect_reader()
     return HangWatch(groups, store, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                     timeout_s=timeout_s, poll_s=poll_s, reader=reader).start()
+                     timeout_s=timeout_s, poll_s=poll_s, reader=reader, end_s=end).start()
 
 
 def current() -> HangWatch | None:

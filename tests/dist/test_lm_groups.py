@@ -71,10 +71,17 @@ def test_two_lm_groups_use_every_sample_once_across_a_group_dying_and_rejoining(
     alone = _launch(1, "plain", 1, served.port, steps, tmp_path, ALONE_STEP_S="1.5",
                     WAIT_GROUPS="2")
     dying = _launch(0, "fsdp", 2, served.port, steps, tmp_path, DIE_AT_STEP="3")
-    out_dying = _wait(dying, deadline, "the dying group")
-    assert dying.returncode != 0 and "FAILED group 0 rank 0 at step 3" in out_dying, \
-        out_dying[-4000:]
-    back = _launch(0, "fsdp", 2, served.port, steps, tmp_path)
+    # group 0 started again: launched now, it joins the run once the dying world is gone
+    gate = tmp_path / "rejoin"
+    back = _launch(0, "fsdp", 2, served.port, steps, tmp_path, JOIN_AFTER=str(gate))
+    try:
+        out_dying = _wait(dying, deadline, "the dying group")
+        assert dying.returncode != 0 and "FAILED group 0 rank 0 at step 3" in out_dying, \
+            out_dying[-4000:]
+    except BaseException:
+        back.kill()
+        raise
+    gate.touch()
     outs = [_wait(back, deadline, "the restarted group"), _wait(alone, deadline, "group 1")]
     for proc, out in zip((back, alone), outs, strict=True):
         assert proc.returncode == 0, out[-6000:]

@@ -8,9 +8,13 @@
   (the full state, resharded into its own layout), and both end with the same parameters.
 * DiLoCo groups (FSDP2 of 2, unsharded) end with the same model.
 * The run's fallback checkpoint in an S3 bucket (a real moto server): an FSDP2 group of 2
-  writes it every 3 steps and the whole group leaves at step 6; a ``tp=2`` group started
+  writes it every 3 steps and the whole group leaves at step 6; a ``tp=2`` group joining
   then restores step 6 from the bucket (another layout, through DCP) with its optimizer
   state, and ends where one model trained on the same samples does.
+
+A group that joins late is started with the others and let into the run (registered with
+the quorum) only when its turn comes (``JOIN_AFTER``): the quorum sees the same late
+arrival, and the test does not wait out a torchrun start in the middle.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.managers import BaseManager
 from pathlib import Path
 
@@ -91,6 +97,17 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
     return outs
 
 
+@contextmanager
+def _killed_on_failure(procs: list[subprocess.Popen]) -> Iterator[None]:
+    """Groups started ahead of their turn: killed if the test fails before it lets them in."""
+    try:
+        yield
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+
+
 def _rows(out: Path, gid: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"g{gid}.jsonl").read_text().splitlines()]
 
@@ -130,15 +147,22 @@ def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_tp_group_heals_from_an_unsharded_one_and_both_end_equal(tmp_path):
-    steps = 80  # 0.5 s a step until the joiner (~5-10 s to start) is in: 40 s to join
+    steps = 80  # 0.5 s a step until the joiner is in: 40 s for it to join once let in
     served = _Served(steps, expected_groups=1)
     first = _launch(1, "plain", 1, served.port, steps, tmp_path, step_s=0.5, wait_groups=2)
-    deadline = time.monotonic() + 90
-    log = tmp_path / "g1.jsonl"
-    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline and first.poll() is None, "group 1 did not start"
-        time.sleep(0.2)
-    joiner = _launch(0, "tp", 2, served.port, steps, tmp_path)
+    # started now, joins the run once group 1 has trained 3 steps alone
+    gate = tmp_path / "join"
+    joiner = _launch(0, "tp", 2, served.port, steps, tmp_path,
+                     extra_env={"JOIN_AFTER": str(gate)})
+    with _killed_on_failure([first, joiner]):
+        deadline = time.monotonic() + 90
+        log = tmp_path / "g1.jsonl"
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and first.poll() is None, \
+                "group 1 did not start"
+            assert joiner.poll() is None, joiner.communicate()[0][-3000:]
+            time.sleep(0.2)
+        gate.touch()
     outs = _finish([first, joiner], 200)
     assert "healed_bytes 0" not in outs[1] and f"step {steps}" in outs[1], outs[1][-3000:]
     kinds = [(e["kind"], e["group"]) for e in served.quorum.status()["events"]]
@@ -201,25 +225,48 @@ def test_a_group_waiting_longer_than_its_collective_bound_for_a_late_one_stays_i
     wait ended at the group's collective bound (MeshConfig's hang watch makes it 75 s) and
     failed the group (seen: four such failures at step 0, then GroupsFailed). The leader
     now meets the quorum in short calls and shares each answer, so a wait of any length is
-    many short collectives: here 2.3x the bound (an FSDP group whose process groups time
-    out after 7 s; the other group starts 16 s later)."""
+    many short collectives: here 1.6x the bound (an FSDP group whose process groups time
+    out after 7 s; the other group joins 11 s after it arrived, started meanwhile)."""
+    bound_s, late_s = 7.0, 11.0
     served = _Served(3, expected_groups=2)
-    early = _launch(0, "fsdp", 2, served.port, 3, tmp_path, pg_timeout_s=7.0)
-    time.sleep(16)
-    late = _launch(1, "plain", 1, served.port, 3, tmp_path)
+    arrived: list[float] = []  # when group 0 first met the quorum
+    arrive = served.coordinator.arrive
+
+    def noting_arrive(gid, *args, **kwargs):
+        if gid == 0 and not arrived:
+            arrived.append(time.time())
+        return arrive(gid, *args, **kwargs)
+
+    served.coordinator.arrive = noting_arrive
+    gate = tmp_path / "join"
+    early = _launch(0, "fsdp", 2, served.port, 3, tmp_path, pg_timeout_s=bound_s)
+    with _killed_on_failure([early]):
+        deadline = time.monotonic() + 90
+        while not arrived:
+            assert time.monotonic() < deadline and early.poll() is None, "group 0 did not start"
+            time.sleep(0.1)
+    # started while group 0 waits, let in late_s after its arrival
+    late = _launch(1, "plain", 1, served.port, 3, tmp_path, extra_env={"JOIN_AFTER": str(gate)})
+    with _killed_on_failure([early, late]):
+        time.sleep(max(0.0, arrived[0] + late_s - time.time()))
+        gate.touch()
     _finish([early, late], 120)
-    assert [r["step"] for r in _rows(tmp_path, 0)] == [1, 2, 3]
+    rows = _rows(tmp_path, 0)
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["step"] for r in _rows(tmp_path, 1)] == [1, 2, 3]
+    # group 0 waited at the first quorum longer than its collective bound, and stayed in
+    assert rows[0]["t"] - arrived[0] > 1.5 * bound_s, rows[0]["t"] - arrived[0]
 
 
 @pytest.mark.timeout(300)
 def test_a_group_of_another_layout_restores_the_fallback_from_a_bucket(tmp_path):
     """No shared filesystem: the fallback checkpoint goes to an S3 bucket (a real moto
     server, ``ray-mesh storage serve``). An FSDP2 group of 2 checkpoints every 3 steps and
-    leaves at step 6 (its upload done): every group is gone. A ``tp=2`` group then joins
-    the run: the quorum has it restore step 6 from the bucket (DCP shards by global shape,
-    checked against their manifest, loaded into the tp layout), parameters and momentum
-    equal to what the FSDP group held, and it trains on from there as one model would."""
+    leaves at step 6 (its upload done): every group is gone. A ``tp=2`` group (started
+    ahead) then joins the run: the quorum has it restore step 6 from the bucket (DCP shards
+    by global shape, checked against their manifest, loaded into the tp layout), parameters
+    and momentum equal to what the FSDP group held, and it trains on from there as one
+    model would."""
     import pyarrow.fs
     from moto_s3 import S3Server
 
@@ -231,17 +278,22 @@ def test_a_group_of_another_layout_restores_the_fallback_from_a_bucket(tmp_path)
                 "CKPT_ENDPOINT": s3.endpoint}
         first = _launch(0, "fsdp", 2, served.port, steps, tmp_path, step_s=0.3, wait_groups=2,
                         extra_env={**ckpt, "LEAVE_AT_STEP": "6"})
-        out = _finish([first], 150)[0]
-        assert "LEFT group 0 at step 6: {'step': 6" in out, out[-3000:]
-        status = served.quorum.status()
-        assert status["checkpoint"][0] == 6, status
-        uri = status["checkpoint"][1]
-        assert uri.startswith(s3.uri("runs/rg-fallback/checkpoint_00000006_")), uri
-        names = {i.base_name for i in s3.filesystem().get_file_info(
-            pyarrow.fs.FileSelector(uri[len("s3://"):], recursive=True))}
-        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "ray_mesh_manifest.json",
-                "ray_mesh_checkpoint.json"} <= names, names
-        second = _launch(1, "tp", 2, served.port, steps, tmp_path, extra_env=ckpt)
+        # started now, joins the run once group 0 is gone
+        gate = tmp_path / "join"
+        second = _launch(1, "tp", 2, served.port, steps, tmp_path,
+                         extra_env={**ckpt, "JOIN_AFTER": str(gate)})
+        with _killed_on_failure([second]):
+            out = _finish([first], 150)[0]
+            assert "LEFT group 0 at step 6: {'step': 6" in out, out[-3000:]
+            status = served.quorum.status()
+            assert status["checkpoint"][0] == 6, status
+            uri = status["checkpoint"][1]
+            assert uri.startswith(s3.uri("runs/rg-fallback/checkpoint_00000006_")), uri
+            names = {i.base_name for i in s3.filesystem().get_file_info(
+                pyarrow.fs.FileSelector(uri[len("s3://"):], recursive=True))}
+            assert {".metadata", "__0_0.distcp", "__1_0.distcp", "ray_mesh_manifest.json",
+                    "ray_mesh_checkpoint.json"} <= names, names
+            gate.touch()
         out = _finish([second], 200)[0]
         events = served.quorum.status()["events"]
         restore = [e for e in events if e["kind"] == "restore"]

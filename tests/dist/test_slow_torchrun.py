@@ -20,7 +20,7 @@ HELPER = Path(__file__).resolve().parents[2] / "harness" / "slow_train.py"
 
 
 def _run(tmp_path: Path, slow_rank: int | None, **extra) -> list[dict]:
-    config = {"out_dir": str(tmp_path), "duration_s": 10, "window_s": 3.0,
+    config = {"out_dir": str(tmp_path), "duration_s": 6, "window_s": 1.5,
               "slow_rank": slow_rank, "busy_s": 0.08, "width": 128, **extra}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(HELPER.parents[1]), os.environ.get("PYTHONPATH")) if p)}
@@ -66,7 +66,7 @@ def test_busy_rank_is_named(tmp_path):
 def test_fsdp2_async_waits_are_seen_and_the_busy_rank_named(tmp_path):
     # FSDP2 (HSDP) issues its collectives asynchronously and waits in work.wait(): the
     # sampler attributes those waits without any code of ours on the path.
-    times = _times(_run(tmp_path, slow_rank=1, fsdp=True, steps=80, busy_s=0.1))
+    times = _times(_run(tmp_path, slow_rank=1, fsdp=True, steps=50, busy_s=0.1))
     result = analyze(times)
     assert result.straggler == 1, (result.verdict, [(t.rank, t.wait_s, t.window_s)
                                                      for t in times])

@@ -15,7 +15,9 @@ glue does, and exits (rank 0 ignores torchrun's SIGTERM meanwhile). ``ALONE_STEP
 step's floor while fewer than ``WAIT_GROUPS`` groups take part (a rejoining group finds
 steps left). ``MANIFEST``: the test's manifest of the data, which each group's own reading of
 the files must give. ``DILOCO_EVERY``: DiLoCo groups (``config.diloco``), that many inner
-steps a round.
+steps a round. ``JOIN_AFTER`` (a path): the group starts (torch, its mesh, its data and
+model) but joins the run (makes its ``ReplicaGroup``) only once that file exists: the test
+starts a restarted group ahead and lets it in when the dead one is gone.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ def main() -> None:
     box: dict = {}
 
     def make_group(model, optim, **kwargs) -> ReplicaGroup:
+        gate, until = os.environ.get("JOIN_AFTER"), time.monotonic() + 300
+        while gate and not os.path.exists(gate):
+            if time.monotonic() > until:
+                raise TimeoutError(f"{gate} did not appear within 300 s")
+            time.sleep(0.05)
         rg = ReplicaGroup(model, optim, client=client, group_id=gid, total_steps=steps,
                           segment_samples=SEGMENT, exchange="full", layout=f"{layout}={size}",
                           timeout_s=20, **kwargs)

@@ -19,6 +19,11 @@ URI at ``CKPT_ENDPOINT``). ``LEAVE_AT_STEP`` set: once the group holds that step
 for its upload, rank 0 writes ``g<GROUP>.leave.pt`` (the full parameters and optimizer
 state) and the whole group exits without finishing: every group is gone. After its first
 commit (a restore, when the run is in that state), rank 0 writes ``g<GROUP>.first.pt``.
+
+``JOIN_AFTER`` set (a path): the group starts (torch, its process group, its model) but
+joins the run (registers with the coordinator) only once that file exists: a test starts a
+late or joining group ahead and lets it in when its turn comes, without waiting out its
+start then.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ def main() -> None:
     manager = Manager(address=("127.0.0.1", port), authkey=AUTHKEY)
     manager.connect()
     model = build(layout, size)
+    wait_for(os.environ.get("JOIN_AFTER"))
     every = int(os.environ.get("DILOCO_EVERY", "0"))
     diloco = DiLoCoConfig(every=every, outer_lr=0.7, outer_momentum=0.9) if every else None
     optim = (torch.optim.AdamW(model.parameters(), lr=0.01) if diloco else
@@ -148,6 +154,15 @@ def main() -> None:
     if rank == 0:
         (out / f"g{gid}.eval").write_text(str(loss))
     dist.destroy_process_group()
+
+
+def wait_for(path: str | None, timeout_s: float = 300.0) -> None:
+    """Until ``path`` exists (JOIN_AFTER); bounded, so a test that never opens it fails."""
+    deadline = time.monotonic() + timeout_s
+    while path and not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 def dump(model: nn.Module, optim: torch.optim.Optimizer, rank: int, path: Path) -> None:
