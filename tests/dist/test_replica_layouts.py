@@ -45,11 +45,11 @@ AUTHKEY = b"replica-layouts"
 class _Served:
     """A Quorum and a TCP store for the groups, served until closed."""
 
-    def __init__(self, steps: int, expected_groups: int) -> None:
+    def __init__(self, steps: int, expected_groups: int, dead_after_s: float = 10.0) -> None:
         from ray_mesh.replicas.link_store import serve_store
 
         self.store, address = serve_store("127.0.0.1")  # as the Ray coordinator serves it
-        self.quorum = Quorum(segment_samples=8, total_steps=steps, dead_after_s=10.0,
+        self.quorum = Quorum(segment_samples=8, total_steps=steps, dead_after_s=dead_after_s,
                              arrive_timeout_s=60.0, expected_groups=expected_groups,
                              start_timeout_s=60.0)
         self.coordinator = LocalCoordinator(self.quorum, address)
@@ -273,7 +273,9 @@ def test_a_group_of_another_layout_restores_the_fallback_from_a_bucket(tmp_path)
     s3 = S3Server(bucket="fallback-dist")
     try:
         steps = 8
-        served = _Served(steps, expected_groups=1)
+        # the group that leaves does not say so: the quorum drops it when its beats (every
+        # 0.5 s) have stopped for dead_after_s, and only then takes the joiner in
+        served = _Served(steps, expected_groups=1, dead_after_s=4.0)
         ckpt = {**s3.credentials, "CKPT_DIR": s3.uri("runs/rg-fallback"), "CKPT_EVERY": "3",
                 "CKPT_ENDPOINT": s3.endpoint}
         first = _launch(0, "fsdp", 2, served.port, steps, tmp_path, step_s=0.3, wait_groups=2,
