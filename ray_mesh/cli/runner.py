@@ -30,7 +30,7 @@ from ray_mesh.errors import ConfigurationError, UserInputError
 from ray_mesh.network.interfaces import NetworkError, host_port, split_host_port
 from ray_mesh.raytrain.auth import secure_token_file
 from ray_mesh.raytrain.backend import BringUpError
-from ray_mesh.raytrain.driver import CLI_ENV, EMBEDDED_ENV
+from ray_mesh.raytrain.driver import CLI_ENV
 from ray_mesh.raytrain.elastic import explain_startup_failure
 from ray_mesh.raytrain.launch import (  # the launch layer; these names were first here
     check_cluster,
@@ -131,12 +131,11 @@ def env_defaults(values: dict[str, str]) -> Iterator[None]:
 
 @contextmanager
 def ray_session(address: str | None, num_cpus_needed: float) -> Iterator[bool]:
-    """Ray for one job: the CLI's environment defaults (and the embedded ones when no
-    cluster is given), :func:`connect`, and on the way out an embedded Ray shut down and the
-    RAY_ADDRESS it set removed. Yields whether this job started Ray."""
-    embedded = will_embed(address)
+    """Ray for one job: the CLI's environment defaults, :func:`connect`, and on the way
+    out an embedded Ray shut down and the RAY_ADDRESS it set removed. Yields whether this
+    job started Ray."""
     saved_address = os.environ.get("RAY_ADDRESS")  # connect() sets it for an embedded Ray
-    with env_defaults({**CLI_ENV, **(EMBEDDED_ENV if embedded else {})}):
+    with env_defaults(CLI_ENV):
         started = connect(address, num_cpus_needed)
         try:
             yield started

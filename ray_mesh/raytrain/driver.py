@@ -36,11 +36,8 @@ EMBEDDED_QUIET_LOGGERS = (
     "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client",
     "ray.train.v2._internal.execution.controller.placement_group_cleaner",
 )
-# Ray Train settings for an embedded Ray (propagated by Ray Train to its controller and
-# workers): no preemption watcher on one machine (nothing drains it; its actor start logs a
-# core-worker error line about large constructor arguments).
-EMBEDDED_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
-# For every run of the CLI (a value the user set wins; Ray Train propagates both to its
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+# For every run of the CLI (a value the user set wins; Ray Train propagates them to its
 # controller and workers, on a cluster too):
 # * a train function's print shows once. With Ray 2.60's print patch on, a print in a Ray
 #   Train worker is both logged and echoed: two lines;
@@ -48,8 +45,15 @@ EMBEDDED_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 #   the controller has taken the previous one (a queue of one), so at Ray's default a run
 #   that reports every step makes at most ~0.5 steps/s, and a finished or failed run is seen
 #   up to 2 s late (docs/monitoring.md: 10 reports 18.2 s at 2 s, 1.7 s at 0.2 s). Each look
-#   is one small call per worker.
-CLI_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+#   is one small call per worker;
+# * no preemption watcher. Ray 2.60 starts one actor per worker-group start (~2 s of CPU
+#   importing Ray Train), whose start logs a core-worker error line ("has constructor
+#   arguments in the object store and max_restarts > 0") on every console; what it does, a
+#   log line and a flag a train function may read when a node is drained, nothing in
+#   ray_mesh reads: a node that goes is a restart of the run (FailureConfig) or a replica
+#   group leaving. RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1 brings it back.
+CLI_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+           PREEMPTION_WATCHER_ENV: "0"}
 
 
 def state_api_available(timeout_s: float = STATE_API_TIMEOUT_S) -> bool:
@@ -212,6 +216,7 @@ def _above_info(record: logging.LogRecord) -> bool:
     return record.levelno > logging.INFO
 
 
-__all__ = ["CLEANER_LOGGER", "CLI_ENV", "EMBEDDED_ENV", "SaidOnce", "cluster_worker_setup",
-           "embedded_worker_setup", "enable_state_tracking", "quiet_report_lines",
-           "quiet_cleaner", "state_api_available", "warm_controller_actors"]
+__all__ = ["CLEANER_LOGGER", "CLI_ENV", "PREEMPTION_WATCHER_ENV", "SaidOnce",
+           "cluster_worker_setup", "embedded_worker_setup", "enable_state_tracking",
+           "quiet_report_lines", "quiet_cleaner", "state_api_available",
+           "warm_controller_actors"]

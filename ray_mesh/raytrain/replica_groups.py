@@ -30,9 +30,14 @@ from typing import Any
 import ray
 
 from ray_mesh.errors import GroupsFailed
-from ray_mesh.raytrain.driver import enable_state_tracking, warm_controller_actors
+from ray_mesh.raytrain.attempt_watch import AttemptWatch
+from ray_mesh.raytrain.driver import (
+    PREEMPTION_WATCHER_ENV,
+    enable_state_tracking,
+    warm_controller_actors,
+)
 from ray_mesh.raytrain.replica_client import CoordinatorClient
-from ray_mesh.raytrain.replica_coordinator import AttemptWatch, Coordinator
+from ray_mesh.raytrain.replica_coordinator import Coordinator
 from ray_mesh.raytrain.replica_storage import check_groups_storage, check_settings
 from ray_mesh.replicas.layouts import GroupSpec, exchange_for, group_specs
 from ray_mesh.replicas.shares import check_mode
@@ -128,8 +133,15 @@ def _train_env() -> dict[str, str]:
     actor, whose environment on a cluster is its raylet's (``ray start``'s), not the
     driver's. Without them the print patch stayed on in the groups' workers (every line a
     train function printed reached the console twice) and reports waited for the 2 s
-    health check. An embedded Ray inherits the driver's environment, so it had them."""
-    return {k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")}
+    health check. An embedded Ray inherits the driver's environment, so it had them.
+
+    No preemption watcher, unless the user asked for one: a group's loss of a node is its
+    quorum's business (Ray Train skips the watcher for its own replica groups, TorchFT's, for
+    the same reason). Each watcher was one more actor per group start, importing Ray Train
+    (~2 s of CPU), whose start logged a core-worker error line about its constructor's
+    arguments on every console."""
+    return {PREEMPTION_WATCHER_ENV: "0",
+            **{k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")}}
 
 
 def _pinned_here() -> Any:
@@ -207,13 +219,22 @@ def fit_replica_groups(train_fn: Any, *,
     # Run-state tracking for `ray-mesh status`, decided here: MeshConfig decides it at fit(),
     # which here runs in the runner actors (_train_env hands them the driver's choice).
     enable_state_tracking()
-    warm_controller_actors()  # the groups' controllers run on this node (_pinned_here)
+    # The coordinator's and the runners' processes start while the nodes are checked (one
+    # after the other, each start is a few seconds of the run's start on a busy machine).
     coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
         segment_samples, total_steps, dead_after_s, arrive_timeout_s, len(specs), name, shares,
         getattr(mesh_config, "worker_niceness", 0))
-    ray.get(coordinator.store_address.remote(), timeout=60)
+    runners = {gid: _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
+               for gid in range(len(specs))}
+    try:
+        warm_controller_actors()  # the groups' controllers run on this node (_pinned_here)
+        ray.get(coordinator.store_address.remote(), timeout=60)
+    except BaseException:
+        for actor in (coordinator, *runners.values()):
+            ray.kill(actor)
+        raise
     emit = on_event or (lambda e: logger.info("%s", describe(e)))
-    runners, refs = {}, {}
+    refs = {}
     for gid, spec in enumerate(specs):
         run_cfg = {**(config or {}), CONFIG_KEY: {
             "coordinator": coordinator, "group_id": gid, "total_steps": total_steps,
@@ -236,7 +257,6 @@ def fit_replica_groups(train_fn: Any, *,
                                      num_to_keep=num_to_keep,
                                      callbacks=[AttemptWatch(coordinator, gid)]),
         }
-        runners[gid] = _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
         refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs,
                                             _train_env())
     results: dict[int, dict[str, Any]] = {}

@@ -16,7 +16,21 @@ The Ray glue (a coordinator actor, one Ray Train run per group) is
 :mod:`ray_mesh.raytrain.replica_groups`.
 """
 
-from ray_mesh.replicas.group import ReplicaGroup
+from typing import TYPE_CHECKING
+
 from ray_mesh.replicas.quorum import Decision, GroupDropped, Quorum
 
+if TYPE_CHECKING:  # what type checkers, editors and the API reference see
+    from ray_mesh.replicas.group import ReplicaGroup
+
 __all__ = ["Decision", "GroupDropped", "Quorum", "ReplicaGroup"]
+
+
+def __getattr__(name: str):
+    # ReplicaGroup imports torch and DCP (~1.5 s of CPU): loaded on first use, so that the
+    # coordinator actor, which needs only the quorum, starts without them.
+    if name == "ReplicaGroup":
+        from ray_mesh.replicas.group import ReplicaGroup
+
+        return ReplicaGroup
+    raise AttributeError(f"module 'ray_mesh.replicas' has no attribute {name!r}")
