@@ -9,7 +9,7 @@ is the older box, its Ray processes under a CPU quota of 0.4 cores (0.2 per work
 2's ``ray-mesh plan --calibrate`` must propose one group per box with its layout and time
 the tower's devices at under 0.7 of the others'. Step 3 runs the page's job (the LM's small
 preset on the standard library's text, ``groups: auto``, ``shares: speed``, storage and
-fallback checkpoints in the bucket; 45 of its 90 steps, see ``STEPS``) with ``ray-mesh run``
+fallback checkpoints in the bucket; 32 of its 90 steps, see ``STEPS``) with ``ray-mesh run``
 from the desktop; the job is the page's YAML with ``train:`` pointing at
 ``harness/lab_train.py`` (the same loop, plus a log of each committed step's samples). Once
 a group committed step ``KILL_AT``, the laptop's lid closes: every process of that box is
@@ -49,13 +49,15 @@ from harness.netns_cluster import netns_unavailable_reason
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
-KILL_AT = 8  # the step after which the laptop's lid closes
-# The page's job runs 90 steps; the test runs 45, which every check below still has room
-# in: the laptop is back ~10-13 steps after its lid closed (a step takes ~3 s here), so it
-# trains ~20 steps after its rejoin,
-# the fallback checkpoint of step 30 goes to the bucket, and the shares are read over the
-# 17 steps after step 28. Each step less is ~3 s less of the suite's longest test.
-STEPS = 45
+KILL_AT = 6  # the step after which the laptop's lid closes
+# The page's job runs 90 steps; the test runs 32, which every check below still has room
+# in: the laptop is back ~10-13 steps after its lid closed (a step takes ~2.5 s here), so
+# it trains ~12 steps after its rejoin, the fallback checkpoint of step 30 goes to the
+# bucket, and the shares are read over the steps after SHARES_AFTER (the tower's share
+# does not depend on the laptop being back). Each step less is ~2.5 s less of the suite's
+# longest test.
+STEPS = 32
+SHARES_AFTER = KILL_AT + 14
 SHORT = {"replica_groups": {"steps": STEPS}}
 
 
@@ -134,7 +136,7 @@ def test_the_lab_job_survives_a_closed_laptop_lid(tmp_path):
     assert {gid: layout for gid, (layout, _) in got["groups"].items()} == {
         gid: ("dp_shard=1" if box == LAPTOP else "dp_shard=2") for gid, box in groups.items()}
     logs = rc.read(lab.work / "steps")
-    share = mean_share(logs, after_step=KILL_AT + 20)
+    share = mean_share(logs, after_step=SHARES_AFTER)
     per_worker = {g: share[g] / (1 if groups[g] == LAPTOP else 2) for g in share}
     tower = next(g for g, box in groups.items() if box == TOWER)
     others = [v for g, v in per_worker.items() if g != tower]
