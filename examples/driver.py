@@ -19,6 +19,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import ray_mesh
+from ray_mesh.raytrain.driver import CLI_ENV
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,6 +36,10 @@ def main() -> None:
                         help="URL of an S3-compatible server for an s3:// storage path")
     args = parser.parse_args()
 
+    # The Ray Train settings `ray-mesh run` uses (a value you exported wins): prints once,
+    # the controller looks at the workers every 0.2 s, no preemption watcher (docs/monitoring.md).
+    for key, value in CLI_ENV.items():
+        os.environ.setdefault(key, value)
     # working_dir ships this folder to every worker, so they can import hsdp.train_loop.
     runtime_env = {"working_dir": HERE}
     if args.address:

@@ -281,6 +281,9 @@ def quiet_callback_traceback(types: tuple[type[BaseException], ...]) -> None:
             logger.addFilter(_Quiet())
 
 
+TRAIN_FAILURE_LOGGER = "ray.train.v2._internal.execution.failure_handling.default"
+"""Ray Train V2's failure policy's logger: each decision with the error's whole text (2.60.0)."""
+
 GCS_CLUSTER_ID_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 """Raw gRPC method name of the GCS call that every Ray client makes first (Ray 2.60.0)."""
 

@@ -82,6 +82,7 @@ from harness.netns.ray_nodes import start_ray_node, wait_for_nodes
 REPO = Path(__file__).resolve().parents[2]
 _instances = itertools.count()
 TUNNELS = ("wireguard", "veth")
+HOSTS_ROOT = Path("/etc/netns")  # ip netns exec: /etc/netns/<ns>/hosts is the node's /etc/hosts
 
 
 class NetnsCluster(LinkControls):
@@ -196,6 +197,22 @@ class NetnsCluster(LinkControls):
                 self.start_ray_node(node.index)
             self.wait_for_nodes(len(self.nodes))
 
+    def _write_hosts(self, node: Node) -> None:
+        """MagicDNS's part of a tailnet (Tailscale's default): every node resolves every
+        tailnet address to a name. Without it, torch's TCP store logs "The hostname of the
+        client socket cannot be retrieved" for each connection it accepts (no DNS server
+        answers inside a namespace). ``ip netns exec`` mounts this file over /etc/hosts in
+        the node (the holder's mounts keep it); the host's own lines stay."""
+        folder = HOSTS_ROOT / node.ns
+        folder.mkdir(parents=True, exist_ok=True)
+        base = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else ""
+        # torch's store listens on a dual-stack socket: a client is ::ffff:<IPv4>, and glibc
+        # looks that form up as it is
+        addresses = [(n, a) for n in self.nodes
+                     for a in (n.ip, f"::ffff:{n.ip}", n.ip6) if a]
+        names = [f"{a} node{n.index}.tailnet.ts.net node{n.index}" for n, a in addresses]
+        (folder / "hosts").write_text(base.rstrip("\n") + "\n" + "\n".join(names) + "\n")
+
     def _make_node(self, i: int, resources: dict[str, float]) -> Node:
         return Node(i, f"rmn{self.tag}n{i}", f"{self.subnet}.{i + 1}",
                     f"{self.decoy_subnet}.{i + 1}", f"rmv{self.tag}n{i}", f"rmd{self.tag}n{i}",
@@ -205,6 +222,7 @@ class NetnsCluster(LinkControls):
 
     def _build_node(self, node: Node) -> None:
         run(["ip", "netns", "add", node.ns])
+        self._write_hosts(node)
         node.start_holder()
         ns = node.exec_prefix()
         peer = f"rmp{self.tag}n{node.index}"
@@ -298,6 +316,7 @@ exit 1
             node.reap()
         for node in self.nodes:
             run(["ip", "netns", "del", node.ns], check=False)
+            shutil.rmtree(HOSTS_ROOT / node.ns, ignore_errors=True)
             run(["ip", "link", "del", node.host_veth], check=False)
             run(["ip", "link", "del", node.decoy_host], check=False)
         run(["ip", "link", "del", self.bridge], check=False)

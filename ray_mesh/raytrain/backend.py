@@ -370,6 +370,10 @@ class _MeshBackend(Backend):
         try:
             wait_bounded(worker_group.execute_async(shutdown_on_worker), self.shutdown_wait_s,
                          "Process group shutdown", [str(i) for i in range(len(worker_group))])
+        except ray.exceptions.RayActorError as exc:
+            # A worker whose process or node is gone (a killed box, a failed attempt): there
+            # is nothing of it to shut down, and Ray Train has already said why it ended.
+            logger.debug("ray_mesh: process group shutdown skipped a gone worker: %s", exc)
         except Exception as exc:  # noqa: BLE001 - a dead worker must not block the shutdown
             logger.warning("ray_mesh: process group shutdown incomplete: %s", exc)
 

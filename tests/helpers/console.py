@@ -1,12 +1,12 @@
 """What a person reads: a console checker (tests/ray/test_console_examples.py).
 
 A line is a problem when it carries a warning (``Warning``, ``WARNING``, torch's ``W1125 ...``
-log lines), a traceback, an ``Error``, a metrics address on port -1, the wait sampler's
-"ProcessGroup name not set", ray_mesh's own shutdown warning of groups "still referenced" or
-Ray Train's "Failed to query" (a Ray worker prints a library's WARNING record without its
-level), unless an entry of
-:data:`EXPECTED` (each with its reason) says it is expected. Ray's "[repeated 3x across
-cluster]" counts as 3 lines.
+and ``[W1125 ...]`` log lines, Ray's C++ ``E``/``W`` log lines), a traceback, an ``Error``, a
+metrics address on port -1, the wait sampler's "ProcessGroup name not set", ray_mesh's own
+shutdown warning of groups "still referenced" or Ray Train's "Failed to query" (a Ray worker
+prints a library's WARNING record without its level), unless an entry of :data:`EXPECTED`
+(each with its reason) says it is expected. Ray's "[repeated 3x across cluster]" counts as 3
+lines.
 """
 
 from __future__ import annotations
@@ -17,7 +17,11 @@ from dataclasses import dataclass
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PREFIX = re.compile(r"^\(\w+ pid=\d+(?:, ip=[^)]*)?\)\s?")
 REPEATED = re.compile(r"\[repeated (\d+)x across cluster\]")
-PROBLEM = re.compile(r"Warning|WARNING|^\[rank\d+\]:W\d{4} |^W\d{4} |Traceback|Error|"
+# torch's C++ log lines (``W1125 ...``, ``[W1125 ...] [c10d] ...``, with a rank prefix or
+# not) and Ray's C++ ones at error or warning level (``[2026-11-27 13:33:28,424 E 15740
+# 15781] core_worker.cc:...``): a person reads them as something gone wrong.
+PROBLEM = re.compile(r"Warning|WARNING|^\[rank\d+\]:W\d{4} |^W\d{4} |^\[[WE]\d{4} |"
+                     r"^\[\d{4}-\d\d-\d\d [\d:,.]+ [EWF] \d+ \d+\]|Traceback|Error|"
                      r":-1/|port -1|ProcessGroup name not set|are still referenced|"
                      r"Failed to query")
 

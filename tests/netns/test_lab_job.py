@@ -24,8 +24,9 @@ the same loop, model, data order and schedule as one group of one process holdin
 group's samples, no Ray; run after the cluster is gone, 25-27 s at load 12-25; its
 docstring says why it is a fair reference); the tower's group, the slowest per worker by the
 speeds the quorum measured, gets the smallest share per worker and a step with all three
-groups uses 3 x ``segment_samples``; the console names each group's layout and box; step
-5's ``ray-mesh status`` reads the groups from the bucket.
+groups uses 3 x ``segment_samples``; the console names each group's layout and box and has
+no line the console checker (tests/helpers/console.py) calls a problem; step 5's
+``ray-mesh status`` reads the groups from the bucket.
 
 This replaced tests/netns/test_replica_groups_netns.py (a synthetic model on bare veth, a
 worker killing itself): the same checks, on the user's job. The slow tier kills every group
@@ -40,6 +41,7 @@ import re
 import time
 
 import pytest
+from console import problems
 
 from harness import replica_check as rc
 from harness.lab_figures import console_groups, figures, mean_share, totals_by_step
@@ -157,6 +159,11 @@ def test_the_lab_job_survives_a_closed_laptop_lid(tmp_path):
     assert len(full) > 10 and set(full.values()) == {3 * segment}, totals
     # step 5: the groups, read back from the bucket
     assert "Replica groups" in status and "dp_shard=1" in status, status[-3000:]
+    # a console a person can read, the lid's close included: Ray Train's account of the
+    # laptop's ended attempt is one line beside the quorum's (AttemptWatch), and MagicDNS
+    # names every tailnet address (harness/netns/cluster.py), as on a real tailnet
+    bad = problems(console)
+    assert not bad, "unexpected console lines:\n" + "\n".join(bad[:40])
 
 
 @pytest.mark.slow

@@ -149,3 +149,19 @@ def test_console_checker_flags_the_cleaners_state_api_warning_but_not_its_once_l
            "state. State API may be temporarily unavailable. Continuing to monitor.")
     assert len(problems(raw)) == 1
     assert problems(f"(PlacementGroupCleaner pid=27947) {CLEANER_ONCE}") == []
+
+
+def test_console_checker_flags_c_plus_plus_log_lines_of_torch_and_ray():
+    """torch's bracketed C++ warnings (c10d's TCP store on a node without reverse DNS) and
+    Ray's core-worker error lines (Ray Train's preemption watcher at every start) reached
+    consoles the checker called clean; Ray's info lines are not problems."""
+    from console import problems
+
+    lines = ["(Coordinator pid=15292) [W1127 13:32:53.580302799 socket.cpp:207] [c10d] The "
+             "hostname of the client socket cannot be retrieved. err=-3",
+             "(TrainController pid=15740) [2026-11-27 13:33:28,424 E 15740 15781] "
+             "core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' and ID: '7ce5' "
+             "has constructor arguments in the object store and max_restarts > 0."]
+    assert [len(problems(x)) for x in lines] == [1, 1]
+    assert problems("(raylet) [2026-11-27 13:33:28,424 I 15740 15781] node_manager.cc:1: "
+                    "started") == []
