@@ -120,6 +120,18 @@ def mesh_tags(run: str | None = None) -> dict[str, str]:
 
 
 HOLD_REFRESH_S = 5.0
+REPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"  # Ray's, 10 s by default
+
+
+def hold_refresh_s() -> float:
+    """How often held gauges are set again: :data:`HOLD_REFRESH_S`, or half of Ray's metrics
+    report interval where a node was started with a shorter one (its workers inherit the
+    variable), so that a gauge never reaches the agent's two-interval expiry."""
+    try:
+        interval_s = float(os.environ.get(REPORT_INTERVAL_ENV, "10000")) / 1000
+    except ValueError:
+        return HOLD_REFRESH_S
+    return max(0.2, min(HOLD_REFRESH_S, interval_s / 2)) if interval_s > 0 else HOLD_REFRESH_S
 
 
 class Exporter:
@@ -131,14 +143,14 @@ class Exporter:
     series that was not set again within two report intervals (20 s by default, checked
     on Ray 2.60), so a value set once (``probe_dims``) or between sparse reports would
     vanish from Prometheus and the dashboard while the run goes on. A daemon thread sets
-    every held gauge again each :data:`HOLD_REFRESH_S`.
+    every held gauge again each :func:`hold_refresh_s` (5 s, less for a shorter interval).
     """
 
-    def __init__(self, loud: bool = True, refresh_s: float = HOLD_REFRESH_S) -> None:
+    def __init__(self, loud: bool = True, refresh_s: float | None = None) -> None:
         self._metrics: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._held: dict[tuple[str, frozenset], tuple[float, dict[str, str]]] = {}
-        self._refresh_s = refresh_s
+        self._refresh_s = refresh_s or hold_refresh_s()
         self._closed = threading.Event()
         self._refresher: threading.Thread | None = None
         self.loud = loud
@@ -331,5 +343,5 @@ def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None)
 
 
 __all__ = ["DIM_TAG_KEYS", "METRICS", "METRICS_BY_NAME", "TAG_KEYS", "Exporter", "MetricDef",
-           "WindowExporter", "check_endpoint", "mesh_tags", "metrics_endpoint", "no_agent",
-           "run_name", "train_context"]
+           "WindowExporter", "check_endpoint", "hold_refresh_s", "mesh_tags", "metrics_endpoint",
+           "no_agent", "run_name", "train_context"]

@@ -348,3 +348,20 @@ def test_status_cli_reports_an_unreachable_cluster():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "does not answer" in res.stderr and f"127.0.0.1:{port}" in res.stderr
+
+
+def test_held_gauges_are_set_again_within_a_shorter_report_interval(monkeypatch):
+    """Ray's agent drops a gauge not set within two report intervals; a node started with
+    RAY_metrics_report_interval_ms=2000 expires one after 4 s, which a fixed 5 s refresh
+    missed. Half the interval (at most 5 s, at least 0.2 s), whatever the worker inherits."""
+    from ray_mesh.observability.export import REPORT_INTERVAL_ENV, Exporter, hold_refresh_s
+
+    for value, want in ((None, 5.0), ("10000", 5.0), ("60000", 5.0), ("2000", 1.0),
+                        ("100", 0.2), ("0", 5.0), ("soon", 5.0)):
+        if value is None:
+            monkeypatch.delenv(REPORT_INTERVAL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(REPORT_INTERVAL_ENV, value)
+        assert hold_refresh_s() == want, (value, hold_refresh_s())
+    monkeypatch.setenv(REPORT_INTERVAL_ENV, "2000")
+    assert Exporter()._refresh_s == 1.0 and Exporter(refresh_s=0.02)._refresh_s == 0.02
