@@ -9,6 +9,7 @@
 """
 
 from harness.netns.agent import NamespaceAgent
+from harness.netns.available import netns_unavailable_reason
 from harness.netns.cluster import REPO, TUNNELS, NetnsCluster
 from harness.netns.namespaces import (
     DECOY_IFACE,
@@ -17,7 +18,6 @@ from harness.netns.namespaces import (
     UNDERLAY_IFACE,
     Node,
     check_rate,
-    netns_unavailable_reason,
 )
 from harness.netns.wireguard import WireGuardError, wireguard_unavailable_reason
 

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,31 +48,6 @@ def run(cmd: list[str], *, check: bool = True, timeout: float = 30,
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}): {proc.stderr}")
     return proc
-
-
-def netns_unavailable_reason(tunnel: str = "wireguard") -> str | None:
-    """Why a namespace cluster with this ``tunnel`` cannot run here (None when it can).
-
-    Tests skip with this reason locally (CI turns a skip into a failure); a cluster built
-    anyway raises the same message."""
-    if sys.platform != "linux":
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "network namespaces need root (run the tests as root)"
-    for tool, pkg in (("ip", "iproute2"), ("nsenter", "util-linux"), ("unshare", "util-linux")):
-        if shutil.which(tool) is None:
-            return f"the `{tool}` command is not installed (apt-get install -y {pkg})"
-    name = f"rmchk{os.getpid()}"
-    try:
-        run(["ip", "netns", "add", name], timeout=10)
-        run(["ip", "netns", "del", name], timeout=10)
-    except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
-        return f"`ip netns add` does not work here: {exc}"
-    if tunnel == "wireguard":
-        from harness.netns.wireguard import wireguard_unavailable_reason
-
-        return wireguard_unavailable_reason()
-    return None
 
 
 # The holder: mounts a tmpfs on each private dir, says so, and sleeps until killed.
@@ -197,4 +170,4 @@ def text(data: str | bytes | None) -> str:
 
 
 __all__ = ["DECOY_IFACE", "NODE_LOCAL", "PRIVATE_DIRS", "TAILNET_IFACE", "UNDERLAY_IFACE",
-           "Node", "check_rate", "netns_unavailable_reason", "run", "tbf_args", "text"]
+           "Node", "check_rate", "run", "tbf_args", "text"]

@@ -7,12 +7,28 @@ import json
 import subprocess
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from harness.netns.cpu import in_cgroup, make_cgroup
+from harness.netns.namespaces import Node
 
-if TYPE_CHECKING:
-    from harness.netns.cluster import NetnsCluster
+
+class NetnsCluster(Protocol):
+    """What starting Ray on a node and waiting for the nodes need of a virtual cluster
+    (``harness.netns.cluster.NetnsCluster``, which builds on this module)."""
+
+    address: str
+    dashboard: bool
+    node_cpus: dict[int, float]
+    nodes: list[Node]
+    num_cpus: int
+    ray_start_timeout_s: float
+    start_attempts: int
+
+    def node_env(self, node: Node) -> dict[str, str]: ...
+
+    def run_python(self, code: str, *, node: int = 0, timeout: float = 300,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess: ...
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "tailscale"
 
