@@ -1,6 +1,6 @@
 """Cross-node bytes per step on the virtual Tailscale cluster (2 nodes x 2 workers).
 
-The host side starts ``harness.netns_cluster.NetnsCluster`` and runs this module as a driver
+The host side starts ``harness.netns.NetnsCluster`` and runs this module as a driver
 inside the head namespace (``python -m benchmarks.crossnode DRIVER_ARGS``), which runs two
 fits of the same MLP: HSDP on ``mesh["dp_replicate", "dp_shard"]`` (2 x 2) and flat FSDP on
 ``mesh["dp_shard"]`` (4). Every worker on local rank 0 reads its own namespace's
@@ -94,9 +94,9 @@ def per_step(raw: dict) -> dict:
 def measure(model: dict, timeout_s: float = 600.0) -> dict:
     """Start the namespace cluster, run both fits, return figures (or why not run)."""
     try:
-        from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+        from harness.netns import NetnsCluster, netns_unavailable_reason
     except ImportError as exc:
-        return {"status": f"not run: harness/netns_cluster.py is not importable ({exc})"}
+        return {"status": f"not run: harness/netns/ is not importable ({exc})"}
     reason = netns_unavailable_reason(tunnel="veth")
     if reason:
         return {"status": f"not run: {reason}"}

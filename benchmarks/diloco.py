@@ -1,6 +1,6 @@
 """DiLoCo vs sync HSDP on shaped links: tokens/s, cross-node bytes and loss, same tokens.
 
-The host starts the virtual Tailscale cluster (``harness/netns_cluster.py``, 2 nodes x
+The host starts the virtual Tailscale cluster (``harness/netns/``, 2 nodes x
 2 workers) and runs this module as a driver in the head namespace: ONE Ray Train fit whose
 train function runs every phase on the same process group, in turn:
 
@@ -249,7 +249,7 @@ def measure(rates=(100, 20), steps: int = 40, every: int = 10, compress: str = "
             outer_lr: float = 0.7, outer_momentum: float = 0.5, streaming: int = 1,
             overlap: int = 0, timeout_s: float = 1500.0) -> dict:
     """Both modes at every rate and unshaped; the figures for ``results.json['diloco']``."""
-    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns import NetnsCluster, netns_unavailable_reason
 
     if reason := netns_unavailable_reason(tunnel="veth"):
         return {"status": f"not run: {reason}"}

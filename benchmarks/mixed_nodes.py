@@ -172,8 +172,8 @@ def _mode(cluster, root: Path, mode: str, work: int) -> dict:
 
 def measure(work: int = 100, modes: tuple[str, ...] = ("sync", "diloco")) -> dict:
     """Every run above, then the figures for ``results.json['mixed_nodes']``."""
+    from harness.netns import NetnsCluster, netns_unavailable_reason
     from harness.netns.cpu import cpu_quota_unavailable_reason
-    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
 
     if reason := netns_unavailable_reason(tunnel="veth") or cpu_quota_unavailable_reason():
         return {"status": f"not run: {reason}"}

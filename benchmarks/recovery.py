@@ -14,7 +14,7 @@ clock for every process of the machine, namespaces included). Figures of that on
 * ``fit_to_first_step_s``: ``fit()`` called to the first step of the first attempt.
 
 Where: ``local`` on the benchmark's local Ray; ``netns`` on the virtual Tailscale cluster
-(``harness/netns_cluster.py``: 2 namespace nodes x 2 workers over ``tailscale0``),
+(``harness/netns/``: 2 namespace nodes x 2 workers over ``tailscale0``),
 which also gives ``cluster_up_s``: namespaces, links and ``ray start`` on every node until
 the cluster answers. Ray Train's defaults are kept (health check every 2 s:
 ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``), as a user gets them.
@@ -103,7 +103,7 @@ def measure_local(work: Path, storage: str) -> dict:
 
 def measure_netns(timeout_s: float = 900.0) -> dict:
     """Bring the virtual cluster up (timed), then the same run from its head namespace."""
-    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns import NetnsCluster, netns_unavailable_reason
 
     reason = netns_unavailable_reason(tunnel="veth")
     if reason:

@@ -79,7 +79,7 @@ dist.destroy_process_group()
 def measure(rates=(20,), compute_s=(0.0, 0.02, 0.05, 0.1), reps: int = 5, mb_kib: int = 64,
             microbatches: int = 4, timeout_s: float = 300.0) -> dict:
     """Figures for ``results.json['rendezvous']``: per rate, per recv order and compute."""
-    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns import NetnsCluster, netns_unavailable_reason
 
     if reason := netns_unavailable_reason(tunnel="veth"):
         return {"status": f"not run: {reason}"}

@@ -199,7 +199,7 @@ def measure(modes=("hsdp", "diloco"), down_s: float = DOWN_S, kill_node: int = 2
             timeout_s: float = 600.0) -> dict:
     """Both modes, a clean and a node-kill run each; the figures for
     ``results.json['replica_groups']``."""
-    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns import NetnsCluster, netns_unavailable_reason
 
     if reason := netns_unavailable_reason():
         return {"status": f"not run: {reason}"}

@@ -52,7 +52,7 @@ def overhead(rounds: int, steps: int) -> dict:
 
 
 def detect() -> dict:
-    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns import NetnsCluster, netns_unavailable_reason
     from harness.slow_driver import run_in_cluster
 
     if reason := netns_unavailable_reason(tunnel="veth"):

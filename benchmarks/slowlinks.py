@@ -1,6 +1,6 @@
 """Every candidate layout on shaped links: measured step time and bytes beside the prediction.
 
-The host starts the virtual Tailscale cluster (``harness/netns_cluster.py``, 2 nodes x
+The host starts the virtual Tailscale cluster (``harness/netns/``, 2 nodes x
 2 workers), and for each link rate shapes both nodes' links (``tc ... tbf``) and runs this
 module as a driver inside the head namespace. One ``fit`` per rate; its train function:
 
@@ -384,7 +384,7 @@ def measure(rates=RATES, steps: int = 3, model: dict | None = None,
     ``results.json['slowlinks']`` (bare veth, as recorded) or one tunnel's side of
     ``results.json['wireguard']`` (``benchmarks/wireguard.py``)."""
     from benchmarks.planning_lab.calibrate import Calibration, local_shapes, predict_calibrated
-    from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+    from harness.netns import NetnsCluster, netns_unavailable_reason
     from ray_mesh.planning.cost import Links, ModelStats, Workload, candidates, predict
 
     if reason := netns_unavailable_reason(tunnel=tunnel):

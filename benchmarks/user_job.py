@@ -229,8 +229,8 @@ def measure(settings: dict | None = None) -> dict:
     """Every run of the module docstring, in one virtual cluster: ``results.json``'s
     ``user_job`` (see :func:`locked_measure`)."""
     from harness.lab_job import Lab
+    from harness.netns import netns_unavailable_reason
     from harness.netns.cpu import cpu_quota_unavailable_reason
-    from harness.netns_cluster import netns_unavailable_reason
 
     cfg = copy.deepcopy(settings or SETTINGS)
     if reason := netns_unavailable_reason() or cpu_quota_unavailable_reason():

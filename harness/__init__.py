@@ -1,6 +1,6 @@
 """What tests and benchmarks share: the virtual multi-node cluster and the train functions
-both run on it. Both import it (``from harness.netns import NetnsCluster``; the older
-``harness.netns_cluster`` names the same); it imports neither, only ``ray_mesh``
+both run on it. Both import it (``from harness.netns import NetnsCluster``); it imports
+neither, only ``ray_mesh``
 (``tests/unit/test_import_layers.py`` holds that).
 
 * :mod:`.netns`: a virtual Tailscale cluster on one Linux machine (per node a network and

@@ -43,8 +43,8 @@ from typing import Any
 import yaml
 
 from harness import replica_check
+from harness.netns import REPO, NetnsCluster
 from harness.netns.cpu import CPU_ROOT, make_cgroup, remove_cgroup
-from harness.netns_cluster import REPO, NetnsCluster
 
 PAGE = REPO / "docs" / "lab_job.md"
 EXAMPLE_HEAD = "100.101.102.103"

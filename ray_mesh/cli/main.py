@@ -163,16 +163,9 @@ def _connect_existing(address: str | None) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ray_mesh.core.layout import OLD_FAMILY_SPELLINGS, LayoutError
     from ray_mesh.planning.cluster import describe_nodes, plan_cluster
     from ray_mesh.raytrain.cluster import live_nodes
 
-    if args.strategy is not None:  # the flag before the Layout type: named, not guessed
-        new = OLD_FAMILY_SPELLINGS.get(args.strategy, args.strategy)
-        if args.strategy == "hsdp" and args.tp:
-            new = "tp_hsdp"
-        raise LayoutError(f"--strategy {args.strategy} is now spelled --layout {new} (the "
-                          "layout families: ddp, fsdp, hsdp, tp_hsdp, pp, tp_pp, pp_tp_hsdp)")
     if args.job:
         from ray_mesh.cli import plan
 
@@ -247,7 +240,6 @@ def _add_plan_doctor(sub) -> None:
     plan.add_argument("--layout", choices=FAMILIES, default="hsdp", metavar="FAMILY",
                       help=f"the layout family to propose: {', '.join(FAMILIES)} (default "
                            "hsdp; --tp/--pp size its tp and pp dims)")
-    plan.add_argument("--strategy", default=None, help=argparse.SUPPRESS)  # old: an error
     plan.add_argument("--resource", default=None, type=name_flag,
                       help="what one worker takes (default GPU if the cluster has GPUs, else "
                            "CPU; or a custom resource name)")

@@ -20,8 +20,8 @@ FAMILIES = ("ddp", "fsdp", "hsdp", "tp_hsdp", "pp", "tp_pp", "pp_tp_hsdp")
 
 OLD_FAMILY_SPELLINGS = {"tp-dp": "tp_hsdp", "tp_dp": "tp_hsdp", "tp-pp": "tp_pp",
                         "pp-hsdp-tp": "pp_tp_hsdp", "tp-hsdp": "tp_hsdp"}
-"""Spellings of families before the Layout type (``ray-mesh plan --strategy``): refused
-with the new name (:func:`check_family`)."""
+"""Hyphenated and near spellings of the families: refused with the family meant
+(:func:`check_family`)."""
 
 
 def check_family(name: Any) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from moto_s3 import new_credentials
 
-from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+from harness.netns import NetnsCluster, netns_unavailable_reason
 
 # The key of the checkpoint test's bucket server: in every node's environment before Ray
 # starts, as each real machine exports it.

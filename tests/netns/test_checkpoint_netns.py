@@ -48,7 +48,7 @@ from moto_s3 import KEY_NAMES, S3Server, new_credentials
 from require_all import SLOW_ENV
 
 from harness.ckpt_train import attempts, steps
-from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason
+from harness.netns import REPO, NetnsCluster, netns_unavailable_reason
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 

@@ -26,7 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from ports import free_port_in  # noqa: E402
 
-from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
+from harness.netns import REPO, NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 pytestmark = pytest.mark.netns
 

@@ -46,8 +46,8 @@ from console import problems
 from harness import replica_check as rc
 from harness.lab_figures import console_groups, figures, mean_share, totals_by_step
 from harness.lab_job import BOXES, LAPTOP, TOWER, Lab, read_page
+from harness.netns import netns_unavailable_reason
 from harness.netns.cpu import cpu_quota_unavailable_reason
-from harness.netns_cluster import netns_unavailable_reason
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 

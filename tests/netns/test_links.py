@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.netns_cluster import NetnsCluster, check_rate, netns_unavailable_reason
+from harness.netns import NetnsCluster, check_rate, netns_unavailable_reason
 from ray_mesh.network.links import measure_links
 
 pytestmark = pytest.mark.netns

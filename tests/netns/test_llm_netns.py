@@ -20,7 +20,7 @@ import pytest
 from llm_job import REPO, check_run, write_job
 from moto_s3 import S3Server, new_credentials
 
-from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+from harness.netns import NetnsCluster, netns_unavailable_reason
 from ray_mesh.checkpointing import sharded
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]

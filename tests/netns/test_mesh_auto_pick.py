@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+from harness.netns import NetnsCluster, netns_unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.ray]
 

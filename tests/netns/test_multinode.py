@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from harness.netns_cluster import REPO, NetnsCluster  # noqa: E402
+from harness.netns import REPO, NetnsCluster  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness.netns_cluster import NetnsCluster, netns_unavailable_reason
+from harness.netns import NetnsCluster, netns_unavailable_reason
 from ray_mesh.network.interfaces import collective_env, host_port
 from ray_mesh.network.probe import node_versions
 from ray_mesh.network.report import NodeTarget

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from harness.netns_cluster import NetnsCluster, netns_unavailable_reason  # noqa: E402
+from harness.netns import NetnsCluster, netns_unavailable_reason  # noqa: E402
 from ray_mesh.network.gate import NONCE_TIMEOUT_S  # noqa: E402
 from ray_mesh.network.probe import node_versions, open_listeners  # noqa: E402
 from ray_mesh.network.report import NodeTarget  # noqa: E402

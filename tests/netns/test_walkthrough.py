@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.netns_cluster import REPO, NetnsCluster, netns_unavailable_reason
+from harness.netns import REPO, NetnsCluster, netns_unavailable_reason
 from ray_mesh.cli.storage import READY
 from ray_mesh.cli.storage_guard import DEFAULT_KEY_FILE, read_key_file
 

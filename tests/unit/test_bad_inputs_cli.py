@@ -202,7 +202,6 @@ FLAG_CASES = [
     (["plan", "--nodes", "0"], ["--nodes"]),
     (["plan", "--link-mbit", "nan"], ["--link-mbit", "finite"]),
     (["plan", "--layout", "tpp"], ["--layout", "tp_pp"]),
-    (["plan", "--strategy", "tp-pp"], ["--strategy tp-pp is now spelled --layout tp_pp"]),
     (["plan", "--address", "http://10.0.0.1:8265"], ["--address", "10.0.0.1:6379"]),
     (["doctor", "--timeout", "0"], ["--timeout", "seconds > 0"]),
     (["doctor", "--timeout", "-5"], ["--timeout", "seconds > 0"]),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.compress import CHUNK, dequantize_int8, quantize_int8, wire_bytes
-from ray_mesh.parallel.diloco.config import DiLoCoConfig
 from ray_mesh.parallel.diloco.outer import _fragments
 
 

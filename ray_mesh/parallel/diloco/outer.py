@@ -61,9 +61,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.compress import PendingAverage, start_average, wire_bytes
-from ray_mesh.parallel.diloco.config import DiLoCoConfig
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
