@@ -3,7 +3,12 @@
 ``ray start`` of that node runs inside a cgroup whose CFS quota is ``cores`` CPUs' worth of
 time per period; every process it starts (raylet, workers, their threads) inherits it. Unlike
 a niceness or a competing process, the quota holds however busy the rest of the machine is:
-the node does at most ``cores`` of work per second, alone or not.
+the node does at most ``cores`` of work per second, alone or not. And at least as much while
+it has work: a slower box is another machine, whose CPU the rest of this one does not take.
+At the default weight (cgroup v1 ``cpu.shares`` 1024) the whole cgroup weighed as much as any
+one process beside it, so two CPU-bound processes and a busy cluster (load 48) left the box a
+few hundredths of a core: its workers did not start in three minutes. It gets the largest
+weight (:data:`SHARES`); the quota still caps it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 # exchange with it waits for its next burst. A slower real box is slow evenly; 10 ms is
 # closer to that.
 PERIOD_US = 10_000
+SHARES = 262_144  # cgroup v1's largest cpu.shares (the default is 1024)
 
 
 def cpu_quota_unavailable_reason() -> str | None:
@@ -35,6 +41,7 @@ def make_cgroup(name: str, cores: float) -> Path:
     path.mkdir(exist_ok=True)
     (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
     (path / "cpu.cfs_quota_us").write_text(str(int(cores * PERIOD_US)))
+    (path / "cpu.shares").write_text(str(SHARES))
     return path
 
 
