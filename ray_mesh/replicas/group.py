@@ -100,22 +100,29 @@ class ReplicaGroup:
         self._decided_at, self._fixed_s, self._meet_s = 0.0, None, 0.0
         self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
                                         "live_groups": 0}
-        if self.rank == 0:
-            client.register(group_id, self.incarnation, self.size, layout)
-        _barrier()
-        # The run's fallback checkpoints (checkpoint_dir: a URI or a shared directory).
-        self.fallback = Fallback(checkpoint_dir, client, group_id, every=checkpoint_every,
-                                 endpoint=checkpoint_endpoint, keep=checkpoint_keep,
-                                 upload_timeout_s=upload_timeout_s) \
-            if checkpoint_dir and checkpoint_every else None
-        host, port, key = client.store_address()  # key: signs the link's rendezvous
-        self.link = CrossLink(host, port, self.rank, timeout_s, key=key)
         self._dropped = threading.Event()
         self._broken_epoch = 0  # from the beats: the newest epoch that lost a member
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat_loop, args=(beat_s,), daemon=True,
                                        name=f"ray_mesh-replica-beat-{group_id}")
+        if self.rank == 0:
+            client.register(group_id, self.incarnation, self.size, layout)
+        _barrier()  # registered before any rank beats (an unknown group's beat is a drop)
+        # Beating from here on: the coordinator's clock for this group runs from its
+        # registration, and what follows (a bucket's client, the store's address) can take
+        # seconds on a starved box -- time in which a silent group would count as gone.
         self._beats.start()
+        try:
+            # The run's fallback checkpoints (checkpoint_dir: a URI or a shared directory).
+            self.fallback = Fallback(checkpoint_dir, client, group_id,
+                                     every=checkpoint_every, endpoint=checkpoint_endpoint,
+                                     keep=checkpoint_keep, upload_timeout_s=upload_timeout_s) \
+                if checkpoint_dir and checkpoint_every else None
+            host, port, key = client.store_address()  # key: signs the link's rendezvous
+            self.link = CrossLink(host, port, self.rank, timeout_s, key=key)
+        except BaseException:
+            self._stop.set()  # a group that cannot start must not look alive
+            raise
 
     # ------------------------------------------------------------------ the loop
     @property
