@@ -150,3 +150,27 @@ generate_token() {
     )
     secure_token
 }
+
+# Before Ray starts again on a worker node (after a crash, a kill, a closed lid): the node
+# joins the head's session, so it writes into the same session folder as before, and Ray's
+# log monitor reads every worker log there from the start: the driver's console would show
+# what the dead workers printed a second time. Ray moves a dead worker's logs to logs/old/
+# itself, but only when it runs short of open files; this does it at start. Only the logs
+# of processes that are gone move (their names end in the worker's pid).
+retire_dead_worker_logs() {
+    local root="${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray" f pid prev=""
+    for f in "$@"; do  # `ray start --temp-dir=DIR` or `--temp-dir DIR` among the arguments
+        [[ "$f" == --temp-dir=* ]] && root="${f#--temp-dir=}"
+        [[ "$prev" == --temp-dir ]] && root="$f"
+        prev="$f"
+    done
+    shopt -s nullglob
+    for f in "$root"/session_*/logs/worker-*.out "$root"/session_*/logs/worker-*.err; do
+        pid="${f##*-}"
+        pid="${pid%.*}"
+        [[ "$pid" =~ ^[0-9]+$ ]] || continue
+        { [[ -d "/proc/$pid" ]] || kill -0 "$pid" 2>/dev/null; } && continue
+        if mkdir -p "$(dirname "$f")/old"; then mv -f "$f" "$(dirname "$f")/old/" || true; fi
+    done
+    shopt -u nullglob
+}

@@ -28,6 +28,8 @@ if [[ "$RAY_AUTH_MODE" == "token" ]]; then
     secure_token
 fi
 
+retire_dead_worker_logs "$@"
+
 args=(start --address="$head" --node-ip-address="$node_ip" --disable-usage-stats)
 if [[ "${RAY_BLOCK:-1}" == "1" ]]; then
     args+=(--block)

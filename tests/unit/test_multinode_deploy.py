@@ -138,3 +138,30 @@ def test_firewall_refuses_bad_settings_with_the_fix(tmp_path):
     p = _firewall(tmp_path, "frobnicate")
     assert p.returncode == 2 and "use print (default), apply, remove, status or peers" in p.stderr
     assert not (tmp_path / "calls").exists()
+
+
+@pytest.mark.parametrize("how", ["tmpdir", "temp_dir_arg"])
+def test_a_restarted_worker_node_does_not_replay_dead_workers_logs(tmp_path, how):
+    """ray-worker.sh, before ``ray start``: the logs of workers that are gone move to
+    ``logs/old/`` (the node rejoins the head's session folder, whose log monitor would read
+    them to the driver's console again); a live process's log stays where it is."""
+    root = tmp_path / "ray"
+    logs = root / "session_2026-11-27_10-00-00_000000_1" / "logs"
+    logs.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone = [logs / f"worker-ab12-01000000-{dead.pid}.{ext}" for ext in ("out", "err")]
+    live = logs / f"worker-cd34-01000000-{os.getpid()}.out"
+    other = logs / "raylet.out"
+    for f in (*gone, live, other):
+        f.write_text("printed once\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    arg = f"--temp-dir={root}" if how == "temp_dir_arg" else ""
+    if arg:
+        env["TMPDIR"] = str(tmp_path / "elsewhere")
+    proc = subprocess.run(["bash", "-c", f". {DEPLOY / 'tailscale' / 'common.sh'}; "
+                           f"retire_dead_worker_logs --num-cpus=1 {arg}"],
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert not any(f.exists() for f in gone) and live.exists() and other.exists()
+    assert sorted(p.name for p in (logs / "old").iterdir()) == sorted(f.name for f in gone)
