@@ -8,6 +8,7 @@ is this machine), the kill's included.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,9 @@ def figures(steps_dir: Path, console: str, *, killed: int | None = None,
     }
     if m := THROUGHPUT.search(console):
         out.update(samples_per_s=float(m[1]), tokens_per_s=float(m[2]))
-    if reference_loss is not None and losses:
-        mean = sum(losses.values()) / len(losses)
+    evaluated = [v for v in losses.values() if v is not None]  # None: ended before an eval
+    if reference_loss is not None and evaluated:
+        mean = sum(evaluated) / len(evaluated)
         out.update(reference_eval_loss=reference_loss,
                    final_loss_rel_diff=abs(mean - reference_loss) / reference_loss)
     if killed is not None and t_kill is not None:
@@ -82,8 +84,25 @@ def figures(steps_dir: Path, console: str, *, killed: int | None = None,
             killed_group_attempts=len({r["attempt"] for r in rows}),
             steps_after_rejoin=len([r for r in rows if r["t"] > t_kill]),
             rejoin_bytes=last[killed]["rejoin_bytes"] if killed in last else None,
-            heal_s=last[killed]["heal_s"] if killed in last else None)
+            heal_s=last[killed]["heal_s"] if killed in last else None,
+            rejoin_phases=rejoin_phases(steps_dir, killed, t_kill))
     return out
+
+
+def rejoin_phases(steps_dir: Path, killed: int, t_kill: float) -> dict[str, float] | None:
+    """Where the killed group's rejoin went, from the kill: to its new attempt's worker
+    process and train function, to its group made (model, data, registration) and to its
+    first commit returned (joined the run, healed)."""
+    path = Path(steps_dir) / f"g{killed}.phases.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    later = [r for r in rows if r["t_fn"] > t_kill]
+    if not later:
+        return None
+    r = later[0]
+    return {"to_worker_process_s": round(r.get("t_proc", r["t_fn"]) - t_kill, 1),
+            "to_train_fn_s": round(r["t_fn"] - t_kill, 1),
+            "group_made_s": round(r.get("t_group", r["t_fn"]) - t_kill, 1),
+            "joined_s": round(r["t_joined"] - t_kill, 1)}
 
 
 __all__ = ["console_events", "console_groups", "figures", "mean_share", "totals_by_step"]

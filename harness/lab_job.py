@@ -3,12 +3,13 @@
 The page's ``bash`` blocks are split at their box headings (``# desktop``, ``# tower``,
 ``# laptop``; text after a colon is a comment) and its ``yaml`` block is the job. A
 :class:`Lab` builds three namespace nodes joined by real WireGuard, each with its own disk
-(``NetnsCluster(start_ray=False)``: no Ray but what the page starts), boxes' Ray processes
-under CPU quotas (``quotas``, cores per box; by default the tower, node 1, the older box, at
-``tower_cores`` and the others free; see :meth:`Lab.throttle`), and runs the page on them
-with ``100.101.102.103`` replaced by the head's tailnet address:
+(``NetnsCluster(start_ray=False)``: no Ray but what the page starts), each box's processes
+in a CPU cgroup of its own, some under CPU quotas (``quotas``, cores per box; by default the
+tower, node 1, the older box, at ``tower_cores`` and the others free; see
+:meth:`Lab.throttle`), and runs the page on them with ``100.101.102.103`` replaced by the
+head's tailnet address:
 
-* :meth:`Lab.start`: step 1, each box's lines on that box (then its quota, if it has one);
+* :meth:`Lab.start`: step 1, each box's lines on that box (then its cgroup and quota);
 * :meth:`Lab.plan`: step 2;
 * :meth:`Lab.run_job`: step 3, the page's ``ray-mesh run`` in the head's namespace in the
   background, the job written where the page says to save it with two changes for the
@@ -44,7 +45,7 @@ import yaml
 
 from harness import replica_check
 from harness.netns import REPO, NetnsCluster
-from harness.netns.cpu import CPU_ROOT, make_cgroup, remove_cgroup
+from harness.netns.cpu import CPU_ROOT, in_cgroup, make_cgroup, remove_cgroup
 
 PAGE = REPO / "docs" / "lab_job.md"
 EXAMPLE_HEAD = "100.101.102.103"
@@ -178,8 +179,8 @@ class Lab:
             if exc[0] is not None:
                 self.keep_ray_logs()
             self.cluster.stop()
-            for box in self._quota_boxes():
-                remove_cgroup(CPU_ROOT / self.cluster.nodes[box].ns)
+            for name in [n.ns for n in self.cluster.nodes] + [self._tailnet_cgroup]:
+                remove_cgroup(CPU_ROOT / name)
 
     def keep_ray_logs(self) -> None:
         """Each box's Ray logs' tails into ``work`` (the boxes' disks go with the cluster)."""
@@ -191,38 +192,49 @@ class Lab:
                     "[ -f $f ] && echo \"== $f\" && tail -n 40 $f; done")], timeout=20)
                 (self.work / f"{BOXES[box]}.ray_logs.txt").write_text(got.stdout + got.stderr)
 
-    def _quota_boxes(self, boxes: Iterable[int] | None = None) -> list[int]:
-        quotas = self.box_quotas
-        return [b for b in (range(len(BOXES)) if boxes is None else boxes)
-                if BOXES[b] in quotas]
-
     def quota_plan(self, boxes: Iterable[int] | None = None
-                   ) -> list[tuple[int, float, list[int]]]:
-        """(box, cores, its Ray processes now) for each of ``boxes`` (default: all) that has
-        a quota: what :meth:`throttle` sets. A box's Ray processes are all of its processes
-        but its machinery, except on the head (the desktop), where the GCS, the dashboard
-        and the bucket serve every box and stay outside the quota, as the driver does:
-        there, the raylet and every process under it (its workers)."""
+                   ) -> list[tuple[int, float | None, list[int]]]:
+        """(box, its quota in cores or None, its Ray processes now) for each of ``boxes``
+        (default: all): what :meth:`throttle` sets. A box's Ray processes are all of its
+        processes but its machinery, except on a head (the desktop) with a quota, where the
+        GCS, the dashboard and the bucket serve every box and stay outside the quota, as the
+        driver does: there, the raylet and every process under it (its workers)."""
         plan = []
-        for box in self._quota_boxes(boxes):
-            node = self.cluster.nodes[box]
-            pids = (_under_raylet(node.work_pids()) if node is self.cluster.head
-                    else node.work_pids())
+        quotas = self.box_quotas
+        for box in range(len(BOXES)) if boxes is None else boxes:
+            node, cores = self.cluster.nodes[box], quotas.get(BOXES[box])
+            pids = (_under_raylet(node.work_pids())
+                    if node is self.cluster.head and cores is not None else node.work_pids())
             if not pids:
-                raise RuntimeError(f"{BOXES[box]}: no Ray process to put under its CPU quota")
-            plan.append((box, self.box_quotas[BOXES[box]], pids))
+                raise RuntimeError(f"{BOXES[box]}: no Ray process to put in its cgroup")
+            plan.append((box, cores, pids))
         return plan
 
     def throttle(self, boxes: Iterable[int] | None = None) -> None:
-        """Each of ``boxes`` (default: all) that has a quota (``box_quotas``; by default the
-        tower, the older box): its Ray processes (and all they start) under that CPU quota
-        (``harness/netns/cpu.py``; :meth:`quota_plan`), set once its Ray is up, so that its
-        ``ray start`` does not take the test's time, and again when it is started anew."""
-        for box, cores, pids in self.quota_plan(boxes):
-            group = make_cgroup(self.cluster.nodes[box].ns, cores)
+        """Each of ``boxes`` (default: all): its Ray processes (and all they start) in a
+        cgroup of its own at the largest weight (``harness/netns/cpu.py``), under its CPU
+        quota if it has one (``box_quotas``; by default the tower, the older box). A box is
+        a machine of its own: what else runs on this one (the driver, the rest of the suite,
+        a CPU hog beside it) takes from a box only the CPU the box leaves, so two hogs do
+        not make the desktop as slow as the tower, whose quota caps it however idle the
+        machine is. Set once its Ray is up (:meth:`quota_plan`), so that the tower's ``ray
+        start`` does not take the test's time, and again when a box is started anew."""
+        moves = [(make_cgroup(self.cluster.nodes[box].ns, cores), pids)
+                 for box, cores, pids in self.quota_plan(boxes)]
+        if boxes is None:  # the tailnet's wireguard-go processes, at a box's weight too:
+            # beside boxes of that weight, at the default one they carried every byte
+            # between the boxes a few hundredths of a core at a time (the lab's steps and
+            # start-up ~20% slower)
+            moves.append((make_cgroup(self._tailnet_cgroup, None),
+                          sorted(p for n in self.cluster.nodes for p in n.infra_pids)))
+        for group, pids in moves:
             for pid in pids:
                 with contextlib.suppress(OSError):
                     (group / "cgroup.procs").write_text(str(pid))
+
+    @property
+    def _tailnet_cgroup(self) -> str:
+        return f"{self.cluster.head.ns}-tailnet"
 
     # ------------------------------------------------------------------ the boxes
     @property
@@ -234,6 +246,9 @@ class Lab:
         script = "set -euo pipefail\ncd " + str(cwd) + "\n" + "\n".join(
             x.replace(EXAMPLE_HEAD, self.head_ip) for x in lines) + "\n"
         cmd = [*node.exec_prefix(), "bash", "-c", script]
+        group = CPU_ROOT / node.ns  # once :meth:`throttle` made it: run on that box's CPU
+        if group.exists() and BOXES[box] not in self.box_quotas:  # (a quota: Ray's alone)
+            cmd = in_cgroup(group, cmd)
         env = {**self.cluster.node_env(node), "PYTHONPATH": str(REPO),
                "PYTHONUNBUFFERED": "1"}
         return cmd, env

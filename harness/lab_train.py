@@ -7,7 +7,11 @@ With ``config["step_log"]`` (a directory every node reaches), each group's rank 
 one JSON line per committed step its samples entered (the sample ranges behind its
 contribution, the groups present, the time, its attempt) to ``g<i>.jsonl``, and one line
 per finished attempt (the held-out loss the loop evaluated at the end, the bytes and seconds
-its heal took) to ``g<i>.final.json``: the format ``harness/replica_check.py`` reads.
+its heal took) to ``g<i>.final.json``: the format ``harness/replica_check.py`` reads; and
+one line per attempt to ``g<i>.phases.jsonl``: when its worker process and its train
+function started, when its
+group was made (registered with the quorum) and when its first commit returned (joined,
+healed) -- where a rejoin's seconds go.
 
 ``ref_segment`` (the reference run, :mod:`harness.lab_reference`): the same loop as one
 group on a quorum in this process.
@@ -21,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch.distributed as dist
 
 from harness import replica_check
@@ -65,10 +70,27 @@ def run_logged(config: dict, make_group: Any) -> dict:
     """``train_as_group`` with every group it makes logged, and the final line written."""
     log_dir = Path(config["step_log"]) if config.get("step_log") else None
     made: list[Any] = []
+    # the worker's process start (Ray scheduled it), its train function's start
+    phases = {"t_proc": psutil.Process().create_time(), "t_fn": time.time()}
 
     def make(model: Any, optim: Any, **kw: Any) -> Any:
-        made.append(logged(make_group(model, optim, **kw), log_dir))
-        return made[-1]
+        rg = logged(make_group(model, optim, **kw), log_dir)
+        phases["t_group"] = time.time()
+        made.append(rg)
+        if log_dir is not None and dist.get_rank() == 0:
+            first = rg.commit
+
+            def commit() -> bool:  # the first one: joined the run (healed if behind)
+                rg.commit = first
+                try:
+                    return first()
+                finally:
+                    phases.update(t_joined=time.time(), step=rg.step)
+                    with (log_dir / f"g{rg.gid}.phases.jsonl").open("a") as f:
+                        f.write(json.dumps({**phases, "attempt": rg.incarnation}) + "\n")
+
+            rg.commit = commit
+        return rg
 
     summary = example().train_as_group(config, make)
     if log_dir is not None and made and dist.get_rank() == 0:

@@ -8,7 +8,8 @@ it has work: a slower box is another machine, whose CPU the rest of this one doe
 At the default weight (cgroup v1 ``cpu.shares`` 1024) the whole cgroup weighed as much as any
 one process beside it, so two CPU-bound processes and a busy cluster (load 48) left the box a
 few hundredths of a core: its workers did not start in three minutes. It gets the largest
-weight (:data:`SHARES`); the quota still caps it.
+weight (:data:`SHARES`); the quota still caps it. A box without a quota can have a cgroup
+of the same weight and no cap (``cores=None``): a machine of its own at full speed.
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ def cpu_quota_unavailable_reason() -> str | None:
     return None
 
 
-def make_cgroup(name: str, cores: float) -> Path:
-    """A cgroup ``name`` limited to ``cores`` CPUs (e.g. 0.3) per :data:`PERIOD_US`."""
-    if not 0.01 <= cores <= 256:
+def make_cgroup(name: str, cores: float | None) -> Path:
+    """A cgroup ``name`` limited to ``cores`` CPUs (e.g. 0.3) per :data:`PERIOD_US`; with
+    ``cores=None`` not limited, only weighted (a box of its own, at full speed)."""
+    if cores is not None and not 0.01 <= cores <= 256:
         raise ValueError(f"cores={cores}: give a CPU quota between 0.01 and 256")
     path = CPU_ROOT / name
     path.mkdir(exist_ok=True)
     (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-    (path / "cpu.cfs_quota_us").write_text(str(int(cores * PERIOD_US)))
+    (path / "cpu.cfs_quota_us").write_text(str(-1 if cores is None
+                                               else int(cores * PERIOD_US)))
     (path / "cpu.shares").write_text(str(SHARES))
     return path
 

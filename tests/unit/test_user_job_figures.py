@@ -217,15 +217,18 @@ def test_the_lab_quotas_each_box_that_has_one_and_on_the_head_only_the_raylets_t
         nodes = [head] + [SimpleNamespace(ns=n, work_pids=lambda: [11, 12]) for n in "tl"]
         lab = Lab(tmp_path)
         lab.cluster = SimpleNamespace(nodes=nodes, head=head)
-        assert lab.quota_plan() == [(1, 0.4, [11, 12])]
-        assert lab.quota_plan([2]) == []  # the laptop started anew: no quota by default
+        # every box in a cgroup of its own; the tower's with its quota; the head's with
+        # all of its processes when it has no quota
+        assert lab.quota_plan() == [(0, None, [other.pid, tree.pid, child]),
+                                    (1, 0.4, [11, 12]), (2, None, [11, 12])]
+        assert lab.quota_plan([2]) == [(2, None, [11, 12])]  # the laptop started anew
         lab = Lab(tmp_path, quotas={"desktop": 0.8, "tower": 0.4, "laptop": 0.4})
         lab.cluster = SimpleNamespace(nodes=nodes, head=head)
         assert lab.quota_plan() == [(0, 0.8, sorted([tree.pid, child])), (1, 0.4, [11, 12]),
                                     (2, 0.4, [11, 12])]
         assert lab.quota_plan([2]) == [(2, 0.4, [11, 12])]
         head.work_pids = lambda: [other.pid]
-        with pytest.raises(RuntimeError, match="desktop: no Ray process"):
+        with pytest.raises(RuntimeError, match="desktop: no Ray process to put in its cgroup"):
             lab.quota_plan([0])
     finally:
         with contextlib.suppress(ValueError, ProcessLookupError):  # the raylet's child
