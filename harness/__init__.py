@@ -1,7 +1,7 @@
 """What tests and benchmarks share: the virtual multi-node cluster and the train functions
 both run on it. Both import it (``from harness.netns import NetnsCluster``); it imports
 neither, only ``ray_mesh``
-(``tests/unit/test_import_layers.py`` holds that).
+(``tests/unit/test_architecture.py`` holds that).
 
 * :mod:`.netns`: a virtual Tailscale cluster on one Linux machine (per node a network and
   a private mount namespace, a real WireGuard ``tailscale0`` over a LAN veth, Ray started

@@ -45,7 +45,7 @@ _BOOTSTRAP = ("get_mesh", "get_state", "init_mesh", "is_initialized", "shutdown_
 def __getattr__(name: str):
     # The worker bootstrap imports torch (~1 s of CPU): loaded on first use, so that
     # `import ray_mesh` and the CLI's commands that never build a mesh (status, storage, plan,
-    # a job refused on the driver) start without it (tests/unit/test_boundary.py).
+    # a job refused on the driver) start without it (tests/unit/test_architecture.py).
     if name in _BOOTSTRAP:
         from ray_mesh.core import bootstrap
 

@@ -9,5 +9,5 @@
 They left ``ray_mesh.planning`` because nothing a user runs calls them: ``mesh: auto`` prices
 layouts with :mod:`ray_mesh.planning.cost` and settles close calls with short trials on the
 cluster itself (:mod:`ray_mesh.planning.trial`). They import the product's cost model, never
-the other way round (``tests/unit/test_import_layers.py``).
+the other way round (``tests/unit/test_architecture.py``).
 """

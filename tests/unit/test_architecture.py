@@ -1,8 +1,9 @@
-"""The package's import graph, read from the source: no cycle, no arrow back up, short modules.
+"""The architecture, checked on the source itself: one model of the layers, one circle finder,
+one size limit, and the Ray-free boundary.
 
-Every ``import`` statement counts, at module level or inside a function (a lazy import is
-still a dependency: it only moves the failure from import time to call time). The layers,
-lowest first, are the folders of ``ray_mesh`` as the data flows (README, "Layout"):
+**Layers.** Every ``import`` statement counts, at module level or inside a function (a lazy
+import is still a dependency: it only moves the failure from import time to call time). The
+layers, lowest first, are the folders of ``ray_mesh`` as the data flows (README, "Layout"):
 
 * ``private_apis``: every torch and Ray internal the package touches, with its version; it
   imports nothing of ours.
@@ -25,17 +26,36 @@ lowest first, are the folders of ``ray_mesh`` as the data flows (README, "Layout
 Outside the package: ``harness/`` (the virtual multi-node cluster and the train functions
 that tests and benchmarks share) imports only ``ray_mesh``; ``benchmarks/`` imports
 ``ray_mesh`` and ``harness`` and never reaches into ``tests/``; the package imports none of
-them. Run this file as a script for the whole report (cycles, back-arrows, sizes).
+them.
+
+**No circle** in the whole tree: the package, ``harness/``, ``benchmarks/`` and the tests'
+own helpers (``tests/helpers``, imported by their file names).
+
+**Size.** A soft limit of :data:`MAX_LINES` lines per module: past it a module holds more than
+one job. Modules are split by feature, not at a line count.
+
+**Ray-free means Ray-free**: importing any module outside the Ray glue leaves ``ray`` out of
+``sys.modules`` (checked in a fresh interpreter, so nothing imported earlier hides it). The
+glue that may import Ray: ``ray_mesh.raytrain``, ``ray_mesh.cli`` and the Ray Train
+checkpointer (``checkpointing.train``, ``.storage``, ``.guards``). Every other module,
+present or future, is held to it.
+
+Run this file as a script for the whole report (cycles, back-arrows, sizes).
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "ray_mesh"
-MAX_LINES = 400
+MAX_LINES = 800
+
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("private_apis", "errors"),
     ("core",),
@@ -181,6 +201,14 @@ def back_arrows(g: dict[str, list[tuple[str, int]]]) -> list[str]:
     return bad
 
 
+def whole_tree() -> dict[str, Path]:
+    """Every module of ours by import name: the package, harness/, benchmarks/, and the tests'
+    helpers by their file names (tests/conftest.py puts tests/helpers on the path)."""
+    helpers = {p.stem: p for p in sorted((ROOT / "tests" / "helpers").glob("*.py"))}
+    return {**package_modules(), **package_modules(ROOT / "harness"),
+            **package_modules(ROOT / "benchmarks"), **helpers}
+
+
 def long_modules(modules: dict[str, Path] | None = None) -> dict[str, int]:
     modules = modules if modules is not None else package_modules()
     return {m: n for m, p in modules.items()
@@ -197,10 +225,10 @@ def test_every_folder_has_a_layer():
 
 
 def test_no_import_cycle():
-    """None in the package, nor in harness/ and benchmarks/ (the virtual cluster had two:
-    its node starter and the cluster, its namespaces and the WireGuard tunnel)."""
-    modules = {**package_modules(), **package_modules(ROOT / "harness"),
-               **package_modules(ROOT / "benchmarks")}
+    """None in the whole tree: the package, harness/, benchmarks/ and the tests' helpers
+    (the virtual cluster once had two: its node starter and the cluster, its namespaces and
+    the WireGuard tunnel)."""
+    modules = whole_tree()
     found = cycles(graph(modules))
     assert not found, (
         "import cycles (function-level imports count):\n  "
@@ -218,9 +246,9 @@ def test_no_arrow_from_a_lower_layer_up():
           "code up to where it is used.")
 
 
-def test_no_module_over_the_line_limit():
+def test_no_module_over_the_size_limit():
     long = long_modules()
-    assert not long, (f"modules over {MAX_LINES} lines: {long}. Split each by concept (a "
+    assert not long, (f"modules over {MAX_LINES} lines: {long}. Split each by feature (a "
                       f"package with one module per job), not at the line.")
 
 
@@ -311,6 +339,121 @@ def report() -> str:
     out += ["back-arrow: " + b for b in back_arrows(g)] or ["back-arrows: none"]
     out += [f"over {MAX_LINES} lines: {m} ({n})" for m, n in long_modules().items()]
     return "\n".join(out)
+
+
+# --------------------------------------------------------------- the Ray-free boundary
+RAY_PACKAGES = ("ray_mesh.raytrain", "ray_mesh.cli")
+RAY_MODULES = ("ray_mesh.checkpointing.train", "ray_mesh.checkpointing.storage",
+               "ray_mesh.checkpointing.guards")
+# ``__main__`` modules run a program when imported: they are entry points, not library code.
+MODULES = {m: p for m, p in package_modules().items() if p.stem != "__main__"}
+
+
+def _may_import_ray(name: str) -> bool:
+    return name in RAY_MODULES or any(name == p or name.startswith(p + ".")
+                                      for p in RAY_PACKAGES)
+
+
+RAY_FREE = [m for m in MODULES if not _may_import_ray(m)]
+RAY_ALLOWED = [m for m in MODULES if _may_import_ray(m)]
+
+_IMPORT_EACH = """
+import importlib, json, sys
+found = None
+for name in json.loads(sys.argv[1]):
+    before = set(sys.modules)
+    importlib.import_module(name)
+    if "ray" in sys.modules:
+        new = sorted(m for m in set(sys.modules) - before if m.startswith("ray_mesh"))
+        found = {"module": name, "loaded_with_it": new}
+        break
+print(json.dumps(found))
+"""
+
+
+def _run(code: str, modules: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, json.dumps(modules)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_the_boundary_lists_cover_the_named_packages():
+    # The packages the architecture names as Ray-free are all in the checked list.
+    for name in ("ray_mesh", "ray_mesh.parallel", "ray_mesh.checkpointing",
+                 "ray_mesh.checkpointing.sharded", "ray_mesh.core.spec",
+                 "ray_mesh.network.probe", "ray_mesh.planning.cluster",
+                 "ray_mesh.core.table"):
+        assert name in RAY_FREE, name
+    assert "ray_mesh.raytrain.preflight" in RAY_ALLOWED
+
+
+def test_ray_free_modules_do_not_import_ray():
+    """One fresh interpreter imports them one by one; the first that brings Ray is named."""
+    proc = _run(_IMPORT_EACH, RAY_FREE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found is None, (
+        f"importing {found['module']} imports Ray (ray_mesh modules loaded with it: "
+        f"{found['loaded_with_it']}). Import Ray inside the function that needs it, or move "
+        f"the Ray part to ray_mesh.raytrain.")
+
+
+def test_the_backend_does_not_load_the_parallel_helpers():
+    """The Ray Train backend is imported by the driver, the Train controller and every
+    worker; DTensor and the pipelining schedules (~1.2 s of imports per process on a 2-core
+    machine) load only in a train function that uses them (``ray_mesh.parallel`` is lazy)."""
+    code = ("import importlib, json, sys\n[importlib.import_module(m) for m in "
+            "json.loads(sys.argv[1])]\nimport ray_mesh.parallel as p\n"
+            "print(json.dumps(sorted(m for m in ('torch.distributed.tensor', "
+            "'torch.distributed.pipelining', 'ray_mesh.parallel.compose', "
+            "'ray_mesh.parallel.diloco') if m in sys.modules)))\n"
+            "p.parallelize, p.Pipeline, p.wrap_replicate\n"
+            "print('torch.distributed.pipelining' in sys.modules)")
+    proc = _run(code, ["ray_mesh.raytrain.backend", "ray_mesh.raytrain"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded, later = proc.stdout.strip().splitlines()[-2:]
+    assert json.loads(loaded) == [], f"the backend's import loads {loaded}"
+    assert later == "True"  # the names still resolve, on first use
+
+
+def test_the_lazy_parallel_names_are_the_public_ones_and_resolve():
+    """``ray_mesh.parallel``'s name table and ``__all__`` list the same names (the table is
+    written beside the type checkers' imports, and must not drift from either)."""
+    import ray_mesh.parallel as parallel
+
+    assert {*parallel._EXPORTS, "ParallelError"} == set(parallel.__all__)
+    for name in parallel.__all__:
+        assert getattr(parallel, name) is not None, name
+
+
+def test_the_cli_starts_and_refuses_a_bad_job_without_torch_or_ray(tmp_path):
+    """``import ray_mesh``, its checkpointing package and the CLI load neither torch nor Ray
+    (~3 s of CPU on a 2-core machine, paid by every ``ray-mesh`` command and by every Ray
+    worker that only needs a spec): ``--help``, ``status``'s parser and a job refused on the
+    driver answer at once. Every public name still resolves, on first use."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntrain: a.py:f\nmesh: {dp_shard: 2}\nbogus: 1\n")
+    code = ("import json, sys\nimport ray_mesh, ray_mesh.checkpointing\n"
+            "from ray_mesh.cli.main import build_parser, main\nbuild_parser()\n"
+            "rc = main(['run', sys.argv[1]])\n"
+            "print(json.dumps([rc, sorted(m for m in ('torch', 'ray') if m in sys.modules)]))\n"
+            "[getattr(ray_mesh, n) for n in ray_mesh.__all__]\n"
+            "[getattr(ray_mesh.checkpointing, n) for n in ray_mesh.checkpointing.__all__]\n"
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, str(bad)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = proc.stdout.strip().splitlines()[-2:]
+    assert json.loads(before) == [2, []], (before, proc.stderr[-2000:])
+    assert "Unknown key 'bogus'" in proc.stderr, proc.stderr[-2000:]
+    assert after == "True"  # the lazy names resolve
+
+
+def test_ray_glue_modules_import():
+    code = "import importlib, json, sys\n[importlib.import_module(m) for m in " \
+           "json.loads(sys.argv[1])]\nprint('ray' in sys.modules)"
+    proc = _run(code, RAY_ALLOWED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 if __name__ == "__main__":
