@@ -173,7 +173,7 @@ class MeshConfig(MeshOptions, TorchConfig):
         # Ray Train 2.60 (V2) reads this on the driver when fit() starts
         # (DataParallelTrainer._get_train_func), before the controller exists: the one
         # driver-side moment a BackendConfig gets. Run-state tracking is decided there.
-        _on_driver_at_fit()
+        _on_driver_at_fit(self.interface)
         return _TrainThreadContext
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,14 +185,14 @@ class MeshConfig(MeshOptions, TorchConfig):
         return out
 
 
-def _on_driver_at_fit() -> None:
+def _on_driver_at_fit(interface: str) -> None:
     """Driver-side set-up a ``MeshConfig`` run gets without extra calls (see driver.py)."""
     if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is not None:
         return  # not a connected driver (Ray not started yet, or inside an actor)
     from ray_mesh.raytrain.driver import enable_state_tracking, warm_controller_actors
 
     enable_state_tracking()
-    warm_controller_actors()
+    warm_controller_actors(interface)
 
 
 class _TrainThreadContext:

@@ -94,13 +94,15 @@ WARM_TIMEOUT_S = 60.0  # the autoscaling coordinator's start on a busy driver no
 NODE_PROBE_WAIT_S = 10.0
 
 
-def warm_controller_actors() -> None:
+def warm_controller_actors(interface: str | None = None) -> None:
     """Before ``fit()``: start the actor Ray Train's controller asks for resources
     (``private_apis.start_autoscaling_coordinator``: made on first use, its start on a busy
     machine outlasts the controller's 5 s wait and prints a traceback), and meanwhile ask
     every node whether its workers can import ray_mesh (``node_install``: a node that
-    cannot is refused here, in a second, instead of a minute of restarts). Bounded; a
-    coordinator that does not answer in time is said once, in one line."""
+    cannot is refused here, in a second, instead of a minute of restarts) and, given the
+    run's ``interface`` setting, whether each node has the interface the workers will pick
+    (a node registered under its LAN address among tailnet nodes is refused here too).
+    Bounded; a coordinator that does not answer in time is said once, in one line."""
     import ray
 
     from ray_mesh.private_apis import start_autoscaling_coordinator
@@ -120,6 +122,8 @@ def warm_controller_actors() -> None:
                     "node?): Ray Train may log a resource-request timeout; it retries on "
                     "its own", WARM_TIMEOUT_S)
     probe.check(timeout_s=NODE_PROBE_WAIT_S)
+    if interface is not None:
+        probe.check_network(interface)
 
 
 def cluster_worker_setup() -> None:

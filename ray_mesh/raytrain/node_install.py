@@ -9,10 +9,15 @@ over, prints the same traceback every ~5 s, and the run ends a minute later in a
 unpickle ``MeshConfig`` instead. One 0-CPU task per node, not retried, finds either in about
 a second, beside the controller warm-up (``driver.warm_controller_actors``), and the run
 stops with one line that names the node and the fix.
+
+The same probe brings back each node's interfaces, so a node that registered with Ray under
+its LAN address among nodes on the tailnet (``network.interfaces.check_one_network``) is
+refused here too, before any training worker starts (on the workers it took ~18 s more).
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from typing import Any
@@ -20,15 +25,21 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_mesh.core.topology import WorkerReport
 from ray_mesh.errors import ClusterError
+from ray_mesh.network.interfaces import choose_all
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _import_ray_mesh() -> str:
+def _import_ray_mesh() -> dict[str, Any]:
     """Its body is not the test: a worker runs it only after importing this module (Ray
     sends the function by reference), which imports ``ray_mesh`` as every process of the
-    run does, and after the job's setup hook, which is ray_mesh's under ``ray-mesh run``."""
-    return sys.executable
+    run does, and after the job's setup hook, which is ray_mesh's under ``ray-mesh run``.
+    It returns what the driver's network check needs of the node."""
+    from ray_mesh.network.interfaces import local_interfaces
+
+    return {"python": sys.executable, "hostname": socket.gethostname(),
+            "interfaces": local_interfaces()}
 
 
 class NodeImportProbe:
@@ -36,11 +47,14 @@ class NodeImportProbe:
 
     def __init__(self) -> None:
         self.refs: dict[Any, str] = {}
+        self._ids: dict[Any, str] = {}
+        self.answers: list[WorkerReport] = []  # the nodes whose probe came back, as reports
         for node in ray.nodes():
             if node.get("Alive"):
                 ref = _import_ray_mesh.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
                     node["NodeID"], soft=False)).remote()
                 self.refs[ref] = node.get("NodeManagerAddress", node["NodeID"][:12])
+                self._ids[ref] = node["NodeID"]
 
     def check(self, timeout_s: float = 0.0) -> None:
         """Raise :class:`ClusterError` for every probe that failed within ``timeout_s``.
@@ -55,7 +69,10 @@ class NodeImportProbe:
                 break
             node = self.refs.pop(ready[0])
             try:
-                ray.get(ready[0])
+                got = ray.get(ready[0])
+                self.answers.append(WorkerReport(
+                    rank=len(self.answers), node_id=self._ids[ready[0]], node_ip=node,
+                    hostname=got["hostname"], interfaces=got["interfaces"]))
             except ray.exceptions.WorkerCrashedError:
                 bad.append(f"{node} (its worker process died before running anything: Ray's "
                            f"message above says why, 'Failed to execute the setup hook' when "
@@ -70,6 +87,14 @@ class NodeImportProbe:
                 f"same version as this machine's: `pip install ray_mesh`, or `pip install -e` "
                 f"of the same checkout), then restart Ray there (`ray stop`, then its `ray "
                 f"start` line again).")
+
+    def check_network(self, interface: str) -> None:
+        """The interface choice the workers will make, made now for each node that answered
+        (``network.interfaces.choose_all``): a node with no usable interface, or one that
+        registered under its LAN address among nodes on the tailnet, is refused before any
+        training worker starts. Nodes still pending are left to the workers' own check."""
+        if self.answers:
+            choose_all(self.answers, interface)
 
 
 __all__ = ["NodeImportProbe"]

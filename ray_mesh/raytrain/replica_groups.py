@@ -200,33 +200,33 @@ def fit_replica_groups(train_fn: Any, *,
 
     check_settings(checkpoint_every=checkpoint_every, num_to_keep=num_to_keep,
                    max_group_failures=max_group_failures, upload_timeout_s=upload_timeout_s)
-    if groups != "auto":
-        group_specs(groups, workers_per_group)  # the layouts' text first: nothing contacted
-    location, location_endpoint = check_groups_storage(  # before any actor or group starts
-        storage_path=storage_path, storage_endpoint=storage_endpoint, name=name,
-        checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
-        where="nodes" if storage_probed else "all")
+    check_mode(shares)
     if groups == "auto":  # one group per alive node, as many workers as it has room for
         specs = _groups_of_this_cluster(resources_per_worker, use_gpu)
     else:
         specs = group_specs(groups, workers_per_group)  # on the driver, before any actor
     _check_room(specs, resources_per_worker, use_gpu)
-    line = "replica groups: " + "; ".join(f"group {i}: {s.label}" + (
-        f" on {s.node}" if s.node else "") for i, s in enumerate(specs))
-    (on_groups or logger.info)(line)
-    check_mode(shares)
     exchange = exchange_for(specs)
     # Run-state tracking for `ray-mesh status`, decided here: MeshConfig decides it at fit(),
     # which here runs in the runner actors (_train_env hands them the driver's choice).
     enable_state_tracking()
-    # The coordinator's and the runners' processes start while the nodes are checked (one
-    # after the other, each start is a few seconds of the run's start on a busy machine).
+    # The coordinator's and the runners' processes start while the nodes are checked (the
+    # storage from every node, ray_mesh's import there): each start is a few seconds of the
+    # run's start on a busy machine, and a slow node's answer as long. A check that fails
+    # stops them again.
     coordinator = Coordinator.options(scheduling_strategy=_pinned_here()).remote(
         segment_samples, total_steps, dead_after_s, arrive_timeout_s, len(specs), name, shares,
         getattr(mesh_config, "worker_niceness", 0))
     runners = {gid: _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
                for gid in range(len(specs))}
     try:
+        location, location_endpoint = check_groups_storage(  # before any group starts
+            storage_path=storage_path, storage_endpoint=storage_endpoint, name=name,
+            checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
+            where="nodes" if storage_probed else "all")
+        line = "replica groups: " + "; ".join(f"group {i}: {s.label}" + (
+            f" on {s.node}" if s.node else "") for i, s in enumerate(specs))
+        (on_groups or logger.info)(line)
         warm_controller_actors()  # the groups' controllers run on this node (_pinned_here)
         ray.get(coordinator.store_address.remote(), timeout=60)
     except BaseException:

@@ -17,7 +17,7 @@ line fails here.
 Then what Ray itself gets wrong on a VPN: node 1's Ray restarted with a plain ``ray start
 --address=<the head's LAN address>:6379`` (no ``--node-ip-address``; a head hostname that
 resolves to the LAN does the same): Ray registers the node under its LAN address, and the
-run is refused before any process group, naming the node and the fix.
+run is refused on the driver before any training worker starts, naming the node and the fix.
 """
 
 from __future__ import annotations
@@ -181,4 +181,6 @@ def test_deploy_readme_walkthrough_runs_on_the_tailnet(tmp_path):
         assert f"node {lan1}" in errors[0] and f"registered with Ray under {lan1}" in errors[0]
         assert f"tailnet address {other} on tailscale0" in errors[0], errors[0]
         assert "--node-ip-address=$(tailscale ip -4)" in errors[0], errors[0]
+        # refused on the driver, from the nodes' probe, before any training worker started
+        assert "RayTrainWorker" not in text and "TrainController" not in text, text[-6000:]
 

@@ -61,3 +61,22 @@ def test_a_node_that_cannot_import_ray_mesh_is_named_within_seconds(ray_local, t
     assert f"cannot import ray_mesh on node(s) {node_ip} (" in refused[0], refused[0]
     assert "Install ray_mesh in the Python environment `ray start` runs" in refused[0]
     assert took < 60, (took, out[-3000:])  # the warm-up's own bound is 60 s
+
+
+def test_the_probe_brings_back_each_nodes_interfaces_for_the_drivers_check(ray_local):
+    """The same probe answers with the node's interfaces: the driver makes the choice the
+    workers will make (the LAN-registered node among tailnet nodes is refused this way on
+    the virtual tailnet, tests/netns/test_walkthrough.py); an interface the node lacks is
+    named before any training worker starts."""
+    from ray_mesh.errors import NetworkError
+    from ray_mesh.raytrain.node_install import NodeImportProbe
+
+    probe = NodeImportProbe()
+    probe.check(timeout_s=60)
+    node_ip = ray_local.util.get_node_ip_address()
+    assert [r.node_ip for r in probe.answers] == [node_ip], probe.answers
+    assert any(node_ip in addrs for addrs in probe.answers[0].interfaces.values())
+    probe.check_network("auto")  # the interface that carries the node's Ray IP
+    with pytest.raises(NetworkError, match=r"Interface 'rmesh-none0' does not exist on this "
+                       rf"node \({node_ip}\)"):
+        probe.check_network("rmesh-none0")
