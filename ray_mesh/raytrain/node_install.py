@@ -89,11 +89,14 @@ class NodeImportProbe:
                 f"start` line again).")
 
     def check_network(self, interface: str) -> None:
-        """The interface choice the workers will make, made now for each node that answered
-        (``network.interfaces.choose_all``): a node with no usable interface, or one that
-        registered under its LAN address among nodes on the tailnet, is refused before any
-        training worker starts. Nodes still pending are left to the workers' own check."""
-        if self.answers:
+        """With ``interface='auto'``, the choice the workers will make, made now for each
+        node that answered (``network.interfaces.choose_all``): a node with no usable
+        interface, or one that registered under its LAN address among nodes on the tailnet
+        (a cluster Ray itself cannot move objects across), is refused before any training
+        worker starts. A named interface is left to the workers: a node the run does not
+        use (a head without GPUs) need not have it. Nodes still pending are left to the
+        workers' own check too."""
+        if self.answers and interface in ("auto", "", None):
             choose_all(self.answers, interface)
 
 
