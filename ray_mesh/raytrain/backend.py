@@ -326,34 +326,58 @@ class _MeshBackend(Backend):
             raise
 
     def _start(self, worker_group, config: MeshConfig) -> None:
-        plan, choices, reports = plan_for(worker_group, config)
+        """The bring-up, step by step; each step raises before any process group exists,
+        except the last, which builds them."""
+        plan, choices, reports = plan_for(worker_group, config)  # probe, plan, interfaces
         if config.mesh != "auto":
             # Datasets split by dp rank, peers read the same batches (or a clear error, early).
             install_mesh_data_config(worker_group, plan.spec)
+        fixed = self._rendezvous(worker_group, plan, choices, config)  # MASTER_*, pre-flight
+        leaders = node_leaders([plan.node_rank(w.rank) for w in plan.workers])
+        self.links = measure_worker_group(worker_group, leaders, choices,
+                                          config.measure_links, config.link_probe_s)
+        pick = None
+        if config.mesh == "auto":  # the layout for these links (and the job's step timed)
+            pick, plan = self._pick(worker_group, plan, choices, reports, config, fixed,
+                                    len(leaders))
+        self._bring_up(worker_group, plan, choices, config, fixed, pick)
+
+    @staticmethod
+    def _rendezvous(worker_group, plan: MeshPlan, choices: list[Choice],
+                    config: MeshConfig) -> dict[str, str]:
+        """Rank 0's address and a free port there, and the pre-flight of every pair of nodes
+        on it: the environment every worker's process group starts from."""
         master = choices[0]
         port = worker_group.execute_single(0, free_port, master.address)
         if config.preflight:
             check_worker_group(worker_group, plan, choices, port, config.preflight_timeout_s)
-        leaders = node_leaders([plan.node_rank(w.rank) for w in plan.workers])
-        self.links = measure_worker_group(worker_group, leaders, choices,
-                                          config.measure_links, config.link_probe_s)
-        fixed = {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
+        return {"MASTER_ADDR": master.address, "MASTER_PORT": str(port)}
+
+    def _pick(self, worker_group, plan: MeshPlan, choices: list[Choice],
+              reports: list[WorkerReport], config: MeshConfig, fixed: dict[str, str],
+              nodes: int) -> tuple[Pick, MeshPlan]:
+        """``mesh='auto'``: the layout predicted best for the measured links, or, with a
+        step to time, the best of the candidates timed on every worker; the plan for it."""
+        gpu = any(r.device.startswith("cuda") for r in reports)
+        args = (config.plan, nodes, plan.workers_per_node, self.links,
+                config.backend or ("nccl" if gpu else "gloo"), config.replicate)
+        if config.plan.step is None:  # by prediction alone
+            pick = pick_mesh(*args)
+        else:  # the job's step timed on every candidate, the world group kept
+            ranked = rank_for_cluster(*args)
+            pick, self.trials = trial_pick(
+                worker_group, _setups(plan, choices, config, fixed, "", None),
+                ranked, config.plan, config.bringup_timeout_s)
+        plan = plan_mesh(pick.layout.mesh, reports,
+                         allow_cross_node_inner=config.allow_cross_node_inner)
+        install_mesh_data_config(worker_group, plan.spec)
+        return pick, plan
+
+    def _bring_up(self, worker_group, plan: MeshPlan, choices: list[Choice],
+                  config: MeshConfig, fixed: dict[str, str], pick: Pick | None) -> None:
+        """Every worker builds its process groups and mesh (bounded), the layout table is
+        printed once, the niceness checked, and the layout saved for ``ray-mesh status``."""
         interfaces = {i: c.interface for i, c in enumerate(choices)}
-        pick = None
-        if config.mesh == "auto":
-            gpu = any(r.device.startswith("cuda") for r in reports)
-            args = (config.plan, len(leaders), plan.workers_per_node, self.links,
-                    config.backend or ("nccl" if gpu else "gloo"), config.replicate)
-            if config.plan.step is None:  # by prediction alone
-                pick = pick_mesh(*args)
-            else:  # the job's step timed on every candidate, the world group kept
-                ranked = rank_for_cluster(*args)
-                pick, self.trials = trial_pick(
-                    worker_group, _setups(plan, choices, config, fixed, "", None),
-                    ranked, config.plan, config.bringup_timeout_s)
-            plan = plan_mesh(pick.layout.mesh, reports,
-                             allow_cross_node_inner=config.allow_cross_node_inner)
-            install_mesh_data_config(worker_group, plan.spec)
         layout = replace(pick.layout if pick else config.layout, mesh=plan.spec)
         table = layout_table(plan, interfaces, layout) + "\n" + node_lines(plan, choices)
         refs = [worker_group.execute_single_async(w.rank, setup_on_worker, setup)
