@@ -11,9 +11,9 @@ Four branches, by who has to act:
   pre-flight, bring-up, a collective that hangs, a cluster that does not answer).
 * :class:`CheckpointError` -- a checkpoint cannot be written or used.
 
-Every message names the problem and the fix. The branches keep the builtin bases the classes
-always had (``ValueError`` for input and configuration, ``RuntimeError`` for the cluster and
-checkpoints), so ``except ValueError`` in existing code still catches what it caught. The
+Every message names the problem and the fix. The branches have builtin bases (``ValueError``
+for input and configuration, ``RuntimeError`` for the cluster and checkpoints), so
+``except ValueError`` catches input and configuration errors. The
 ``ray-mesh`` CLI decides by class alone: a :class:`RayMeshError` is one line and exit code 2,
 anything else a bug with its traceback. Each subclass is also
 importable from the module that raises it. This module imports nothing.

@@ -4,6 +4,8 @@ ray_mesh uses public APIs where they exist. Where none does, the internal use li
 and nowhere else, so that an upgrade breaks one place and ``tests/unit/test_private_apis.py``
 says which: it runs each wrapper against the installed torch and Ray, without mocks. Each
 docstring names the version it was checked on and the public API that would replace it.
+Internals live here; workarounds for upstream *behaviour* are registered in
+:mod:`ray_mesh.upstream`.
 
 Checked on torch 2.13.0 and Ray 2.60.0 (Train V2). Everything imports lazily inside the
 wrappers: this module imports neither torch nor Ray, so Ray-free modules can use it.

@@ -1,11 +1,13 @@
 """Reading DCP's ``.metadata`` (a pickle) so that nothing in it runs or changes the process.
 
-DCP keeps a checkpoint's metadata as a pickle; unpickling a crafted one with plain ``pickle``
-runs code. :func:`read_metadata` uses an unpickler that admits DCP's metadata classes, torch
-dtypes/sizes/layouts and plain containers only, builds (``BUILD``) nothing but the metadata
-dataclass instances the file itself created (an enum member or a function built by a crafted
-file would stay changed after the refused load, and break every later save of the process),
-and reads no file above a size cap (checked before the read; the read is bounded too).
+DCP keeps a checkpoint's metadata as a pickle; unpickling a crafted one with plain
+``pickle`` runs code, and DCP's own reader does just that
+(upstream: torch-dcp-load-unpickles). :func:`read_metadata` uses an unpickler that admits
+DCP's metadata classes, torch dtypes/sizes/layouts and plain containers only, builds
+(``BUILD``) nothing but the metadata dataclass instances the file itself created (an enum
+member or a function built by a crafted file would stay changed after the refused load, and
+break every later save of the process), and reads no file above a size cap (checked before
+the read; the read is bounded too).
 
 Split from :mod:`ray_mesh.checkpointing.integrity`, which re-exports these names. Ray-free;
 torch is imported inside the functions (for the metadata classes).

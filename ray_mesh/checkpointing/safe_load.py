@@ -1,7 +1,8 @@
 """DCP loading that runs nothing from the checkpoint's files.
 
-Two holes in ``torch.distributed.checkpoint.load`` (checked on torch 2.13) let whoever can
-write the storage run code in every rank that loads:
+Two holes in ``torch.distributed.checkpoint.load`` (checked on torch 2.13;
+upstream: torch-dcp-load-unpickles) let whoever can write the storage run code in every rank
+that loads:
 
 * its ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with plain ``pickle``, after
   (and independently of) any check of ours, so a file swapped in between our check and its
@@ -128,7 +129,8 @@ def single_process_ok() -> Iterator[None]:
     """DCP in one process without a process group, on purpose (a group of one worker
     outside Ray Train, a restore on the driver): without this, DCP warns on every save and
     load that it is "assuming the intent is to save/load in a single process". Only that
-    warning is silenced, only while no process group exists."""
+    warning is silenced, only while no process group exists
+    (upstream: torch-dcp-single-process-warning)."""
     if dist.is_available() and dist.is_initialized():
         yield
         return

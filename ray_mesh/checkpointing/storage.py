@@ -225,8 +225,8 @@ def check_seen_by_all_ranks(directory: str | os.PathLike, group: Any = None) -> 
     cannot, before any training step.
 
     Without it a node-local ``storage_path`` used through the Python API (which does not go
-    through :func:`check_storage`) failed at the first checkpoint save, after ``every``
-    steps of work (found on the virtual cluster once each node had its own files).
+    through :func:`check_storage`) fails at the first checkpoint save, after ``every``
+    steps of work (the virtual cluster, where each node has its own files, shows it).
     """
     import torch.distributed as dist
 

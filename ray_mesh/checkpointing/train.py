@@ -1,8 +1,8 @@
 """Sharded checkpoints inside a Ray Train function: save, report, resume.
 
 :class:`Checkpointer` ties :mod:`ray_mesh.checkpointing.sharded` (DCP, Ray-free) to Ray
-Train's checkpoint tracking. Ray Train 2.60 (V2) accepts a multi-worker checkpoint in two
-ways, and both are used:
+Train's checkpoint tracking. Ray Train (V2) accepts a multi-worker checkpoint in two ways,
+and both are used:
 
 * **direct** (storage_path is a local or shared filesystem): every rank writes its shards
   straight into ``<run dir>/checkpoint_<step>``; after a barrier rank 0 writes the marker and

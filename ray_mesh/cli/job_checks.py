@@ -61,8 +61,8 @@ def check_keys(section: str, data: Any, allowed: tuple[str, ...]) -> dict:
 def check_mesh_fits(mesh: Any, num_workers: int, min_workers: int | None) -> None:
     """The mesh against ``scaling.num_workers`` (and an elastic range), on the driver.
 
-    The same checks Ray Train's start runs (``cli.runner.check_cluster``), made here so that
-    ``dp_shard: 3`` over 4 workers fails in a second, before Ray starts. A mesh with a
+    The same checks Ray Train's start runs (``raytrain.launch.check_cluster``), made here so
+    that ``dp_shard: 3`` over 4 workers fails in a second, before Ray starts. A mesh with a
     ``nodes`` dim is left to bring-up (the node count is not known yet).
     """
     from ray_mesh.core.spec import NODES, MeshSpecError

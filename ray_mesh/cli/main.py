@@ -93,7 +93,7 @@ def summary_lines(name: str, outcome) -> list[str]:
     saved = read_summary(str(result.path), filesystem=getattr(result, "filesystem", None)) \
         if result.path else {}
     # Ray Train keeps a report's metrics in Result only with a checkpoint; rank 0's last
-    # report is in the summary it saved.
+    # report is in the summary it saved (upstream: ray-train-result-metrics-need-checkpoint).
     metrics = {**saved.get("last", {}), **dict(result.metrics or {})}
     steps = metrics.get("step")
     wall = outcome.wall_s

@@ -32,7 +32,7 @@ from ray_mesh.raytrain.auth import secure_token_file
 from ray_mesh.raytrain.backend import BringUpError
 from ray_mesh.raytrain.driver import CLI_ENV
 from ray_mesh.raytrain.elastic import explain_startup_failure
-from ray_mesh.raytrain.launch import (  # the launch layer; these names were first here
+from ray_mesh.raytrain.launch import (  # the launch layer, re-exported (see __all__)
     check_cluster,
     check_data_resources,
     check_resources,
@@ -84,7 +84,8 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
     # Its workers run this job only: start them at niceness 0 like torchrun's ranks (Ray's
     # default is 15; see ray_mesh.core.priority). They inherit it from raylet, which inherits
     # this process's environment; an unprivileged worker could not lower it later.
-    # A new local Ray writes ~/.ray/auth_token with the umask (0644): create it first, 0600.
+    # A new local Ray writes ~/.ray/auth_token with the umask (0644): create it first, 0600
+    # (upstream: ray-auth-token-umask).
     secure_token_file(create=True)
     began = time.monotonic()
     with env_defaults({RAY_NICENESS_ENV: "0"}):
@@ -96,7 +97,8 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
             raise BringUpError(_embedded_start_failed(exc, time.monotonic() - began)) from exc
     secure_token_file(create=False)
-    # This driver's own state-API calls go to this instance too (see driver.py).
+    # This driver's own state-API calls go to this instance too
+    # (upstream: ray-state-api-multiple-instances).
     os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     return True
 
@@ -202,8 +204,9 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 def _sends_token() -> bool:
-    """Whether Ray's client in this process sends the auth token (Ray 2.60: only when
-    ``RAY_AUTH_MODE=token``, whatever token file it could read)."""
+    """Whether Ray's client in this process sends the auth token: only when
+    ``RAY_AUTH_MODE=token``, whatever token file it could read
+    (upstream: ray-client-token-needs-auth-mode)."""
     return os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "token"
 
 

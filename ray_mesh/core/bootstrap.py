@@ -84,8 +84,9 @@ def is_initialized() -> bool:
 
 # --------------------------------------------------------------------------- mesh
 REAL_SIZE1_GROUPS_ENV = "RAY_MESH_REAL_SIZE1_GROUPS"
-"""Set to 1 to give every dim a real communicator of its own again: size-1 dims and
-flattened dims that repeat another dim's groups (the pre-0.1 behaviour)."""
+"""Set to 1 to give every dim a real communicator of its own: size-1 dims and flattened
+dims that repeat another dim's groups included (by default they share a group or use
+torch's fake backend)."""
 
 
 def _fake_backend_available() -> bool:

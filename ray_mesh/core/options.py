@@ -3,7 +3,7 @@
 :class:`~ray_mesh.raytrain.backend.MeshConfig` is ``MeshOptions`` plus Ray's ``TorchConfig``
 (backend, init_method, timeout_s); the job file's ``network:`` section
 (:mod:`ray_mesh.cli.job`) reads its defaults from these fields. Keeping them here, away from
-Ray, lets the job parser use them without importing Ray, and the two can no longer drift.
+Ray, lets the job parser use them without importing Ray, and the two cannot drift.
 """
 
 from __future__ import annotations

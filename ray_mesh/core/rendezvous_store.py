@@ -3,7 +3,8 @@
 Why: torch's ``env://`` rendezvous makes rank 0 a ``TCPStore`` server on ``*:MASTER_PORT``
 (every interface; ``MASTER_ADDR`` only tells the other ranks where to connect) and the store
 has no authentication: any host that reaches the port can read and write every key, the
-join counter and the gloo addresses included (docs/trust-model.md). ray_mesh therefore
+join counter and the gloo addresses included (docs/trust-model.md;
+upstream: torch-store-binds-all-interfaces). ray_mesh therefore
 
 * binds the port itself, on ``MASTER_ADDR`` only, and hands the socket to torch's public
   ``TCPStore(master_listen_fd=...)`` (torch 2.13 takes ownership of the descriptor and
@@ -102,7 +103,8 @@ def create_store(master_addr: str, port: int, rank: int, world_size: int,
     """What torch's ``env://`` handler creates, with rank 0's server bound to MASTER_ADDR.
 
     Same arguments as ``torch.distributed.rendezvous._create_c10d_store`` (torch 2.13):
-    multi-tenant, libuv unless ``USE_LIBUV=0``, the server waiting for ``world_size`` users.
+    multi-tenant, libuv unless ``USE_LIBUV=0``, the server waiting for ``world_size`` users
+    (upstream: torch-store-binds-all-interfaces).
     """
     if not 0 <= port < 2**16:
         raise BootstrapError(f"MASTER_PORT={port} is not a port number (0-65535).")

@@ -31,7 +31,7 @@ def train_context() -> Any | None:
         import ray.train
 
         return ray.train.get_context()
-    except Exception:  # noqa: BLE001 - RuntimeError outside a Train worker (Ray 2.60, V2)
+    except Exception:  # noqa: BLE001 - Ray Train V2 raises RuntimeError outside a worker
         return None
 
 

@@ -2,10 +2,10 @@
 
 ``dist.destroy_process_group()`` drops torch's own references to every process group, but in
 torch 2.13.0 each DeviceMesh keeps one more in its ``_pg_registry`` (``private_apis.
-release_mesh_groups``), and meshes live on: the one a script still holds (``mesh =
-init_mesh(...)``, the usual torchrun script), those DTensor's sharding caches hold. So every
-gloo group, with its ``pt_gloo_runloop`` worker threads, lived until interpreter exit, and
-that could kill a rank after its last line:
+release_mesh_groups``; upstream: torch-mesh-keeps-groups), and meshes live on: the one a
+script still holds (``mesh = init_mesh(...)``, the usual torchrun script), those DTensor's
+sharding caches hold. Left alone, every gloo group, with its ``pt_gloo_runloop`` worker
+threads, lives until interpreter exit, and that can kill a rank after its last line:
 
 A gloo worker drops the ``Work`` of a collective after it has woken the caller. When it holds
 the last reference, freeing the Work's tensors releases their Python objects, which takes
@@ -28,9 +28,10 @@ One holder is torch's own: ``torch.distributed.nn.functional`` binds ``group.WOR
 default argument of its collectives *when it is imported*, and ``torch.distributed.fsdp``
 imports it. Imported after the world group exists (under Ray always: the train function's
 module, and with it FSDP, is loaded after the mesh came up), every such function keeps the
-world group, the ``dp`` group of a mesh whose dp dims span the world, alive for good: the
-README's main job warned on every rank. :func:`bind_world_defaults` imports it first, so
-those defaults are None (the default group at call time, as torch means them).
+world group, the ``dp`` group of a mesh whose dp dims span the world, alive for good (the
+README's main job would warn on every rank). :func:`bind_world_defaults` imports it first, so
+those defaults are None (the default group at call time, as torch means them;
+upstream: torch-nn-functional-binds-world).
 """
 
 from __future__ import annotations

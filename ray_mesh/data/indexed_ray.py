@@ -1,14 +1,15 @@
 """Samples by index from a Ray Data dataset: materialized once, read by index anywhere.
 
-Why not stream it: a streaming split hands each reader the next block, so which rows a
-rank gets depends on timing, and Ray 2.60 cannot checkpoint a stream's position; replica
-groups need sample ``i`` to be one fixed row whichever group, node or attempt asks. So the
-driver runs the dataset once, in order (``preserve_order``), and puts its rows into Ray's
-object store in blocks (``ray.put``: the driver owns them and they live on its node, which
-the run's coordinator needs anyway). A group's worker fetches only the blocks that hold its
-samples and keeps them. The files are then read on one node only: the other nodes need
-none of them. The cost: the training rows sit in the driver node's object store for the
-run (1 byte a token for bytes), and a worker ends up holding the blocks it touched.
+Why not stream it: a streaming split hands each reader the next block, so which rows a rank
+gets depends on timing, and Ray Data cannot checkpoint a stream's position
+(upstream: ray-data-stream-no-position); replica groups need sample ``i`` to be one fixed
+row whichever group, node or attempt asks. So the driver runs the dataset once, in order
+(``preserve_order``), and puts its rows into Ray's object store in blocks (``ray.put``: the
+driver owns them and they live on its node, which the run's coordinator needs anyway). A
+group's worker fetches only the blocks that hold its samples and keeps them. The files are
+then read on one node only: the other nodes need none of them. The cost: the training rows
+sit in the driver node's object store for the run (1 byte a token for bytes), and a worker
+ends up holding the blocks it touched.
 
 :class:`BlockRows` is the index over the blocks (Ray-free: it is given a ``fetch``
 function); :func:`from_ray_dataset` and :func:`ray_samples` import Ray when called.

@@ -140,10 +140,11 @@ class Exporter:
     ``loud``: warn at WARNING level (each node's local rank 0), else at DEBUG.
 
     Gauges hold their last value until :meth:`close`: Ray's metrics agent drops a gauge
-    series that was not set again within two report intervals (20 s by default, checked
-    on Ray 2.60), so a value set once (``probe_dims``) or between sparse reports would
-    vanish from Prometheus and the dashboard while the run goes on. A daemon thread sets
-    every held gauge again each :func:`hold_refresh_s` (5 s, less for a shorter interval).
+    series that was not set again within two report intervals (20 s by default;
+    upstream: ray-metrics-gauge-expiry), so a value set once (``probe_dims``) or between
+    sparse reports would vanish from Prometheus and the dashboard while the run goes on. A
+    daemon thread sets every held gauge again each :func:`hold_refresh_s` (5 s, less for a
+    shorter interval).
     """
 
     def __init__(self, loud: bool = True, refresh_s: float | None = None) -> None:

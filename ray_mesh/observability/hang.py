@@ -18,14 +18,14 @@ Why this shape:
   Python stacks from ``sys._current_frames``, taken by each rank's watchdog thread), waits
   a bounded time, then writes one report (:mod:`ray_mesh.observability.hang_report`) and prints it.
 * **Ending the run with torch's own tool.** A blocked gloo call cannot be interrupted
-  (``ProcessGroup.abort`` does not wake it, checked on torch 2.13), so the watched groups'
-  process-group timeout is set to ``hang_timeout_s + END_GRACE_S``: the waiting ranks'
-  collectives then raise (gloo) or are aborted by NCCL's watchdog, and the exception is
-  replaced by :class:`CollectiveHangError` carrying the report (:meth:`HangWatch.explain`,
-  called by MeshConfig's train-thread context and by ``owner.watch_mesh``). With
-  ``FailureConfig(max_failures=k)`` Ray Train retries the run as for any worker error.
-  On NCCL also set ``TORCH_NCCL_TRACE_BUFFER_SIZE`` (flight recorder) and
-  ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` for torch's own per-collective dump.
+  (``ProcessGroup.abort`` does not wake it; upstream: torch-gloo-abort-no-wake), so the
+  watched groups' process-group timeout is set to ``hang_timeout_s + END_GRACE_S``: the
+  waiting ranks' collectives then raise (gloo) or are aborted by NCCL's watchdog, and the
+  exception is replaced by :class:`CollectiveHangError` carrying the report
+  (:meth:`HangWatch.explain`, called by MeshConfig's train-thread context and by
+  ``owner.watch_mesh``). With ``FailureConfig(max_failures=k)`` Ray Train retries the run as
+  for any worker error. On NCCL also set ``TORCH_NCCL_TRACE_BUFFER_SIZE`` (flight recorder)
+  and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` for torch's own per-collective dump.
 
 Collectives issued through :func:`watched` / :func:`all_reduce` also carry their op name and
 start time; for the rest the op is read from the blocked thread's stack. Limits: the pp dim

@@ -1,9 +1,9 @@
 """The hang watch's keys in the rendezvous store, written bounded and read strictly.
 
 The store (``MASTER_ADDR:MASTER_PORT``) has no authentication: whoever reaches the port can
-write any key (docs/trust-model.md). Before this module every rank adopted whatever sat
-under ``report`` as the run's hang report and parsed peers' heartbeats and snapshots
-without a bound. Now each value is
+write any key (docs/trust-model.md), so a rank must not adopt whatever sits under
+``report`` as the run's hang report, nor parse peers' heartbeats and snapshots without a
+bound. Each value is
 
 * bounded in size (:data:`LIMITS`; a legitimate value is trimmed to fit when written),
 * parsed strictly: JSON of exactly the fields ray_mesh writes, with their types, finite

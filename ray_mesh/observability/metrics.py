@@ -16,12 +16,13 @@ memory, ...), a ``mesh_report_<key>`` gauge per reported number, and the run's s
 
 Why this shape:
 
-* One way to report: Ray Train's. A second API (a meter object, a reporting helper) was one
-  more thing to learn and a second source of truth for the same step.
-* One record into a Ray metric costs 10-20 us (measured: Ray 2.60, 2-core VM): the recorder
-  only does bookkeeping per report and writes Ray's metrics at most every 2 s. Averages use
-  counters (steps, step seconds, samples, tokens) so that PromQL ``rate()`` gives honest
-  means between any two scrapes; gauges carry the latest window for a glance.
+* One way to report: Ray Train's. A second API (a meter object, a reporting helper) would
+  be one more thing to learn and a second source of truth for the same step.
+* One record into a Ray metric costs 10-20 us (measured on a 2-core VM;
+  upstream: ray-metric-record-cost): the recorder only does bookkeeping per report and
+  writes Ray's metrics at most every 2 s. Averages use counters (steps, step seconds,
+  samples, tokens) so that PromQL ``rate()`` gives honest means between any two scrapes;
+  gauges carry the latest window for a glance.
 * Metrics must never break training: a failing record or a node whose metrics endpoint does
   not answer gives ONE warning per run and process (WARNING on each node's local rank 0,
   DEBUG elsewhere), and training goes on without exporting.

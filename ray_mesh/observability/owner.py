@@ -1,9 +1,8 @@
 """One owner for a worker's observability: the report recorder, the hang watch, the wait sampler.
 
-They used to be three module globals, started at three places and stopped at two, and a
-second run in the same process inherited whatever the first left (a recorder still counting
-its reports, a progress clock still holding its first step). Now one :class:`Observability`
-per run and process holds them all:
+One :class:`Observability` per run and process holds them all, so that a second run in the
+same process starts from nothing the first left (a recorder still counting its reports, a
+progress clock still holding its first step):
 
 * ``start(mesh)`` creates them in order: the metrics exporter and the report recorder
   first (they need nothing), then the hang watch (it bounds the mesh's groups), then the

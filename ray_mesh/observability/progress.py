@@ -13,8 +13,8 @@ tokens/s from reported ``samples`` / ``tokens`` counts. Every other number in th
 shown as ``key value``.
 
 Lines go through logging: Ray Train's worker logging shows a logger's INFO line once on the
-driver's console, while a ``print`` in a train function shows twice (Ray 2.60's print patch
-both logs it and echoes it).
+driver's console, while a ``print`` in a train function shows twice where Ray Train's print
+patch is on: it both logs it and echoes it (upstream: ray-train-print-patch-twice).
 """
 
 from __future__ import annotations

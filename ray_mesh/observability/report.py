@@ -256,8 +256,8 @@ SUMMARY_FILE = "ray_mesh_summary.json"
 def save_summary(recorder: ReportRecorder) -> None:
     """On rank 0 at the end of the train function: the recorder's summary into the run
     directory (through Ray Train's storage filesystem, as the layout is), for the driver's
-    final summary: Ray Train 2.60 keeps a report's metrics in ``Result`` only when the report
-    carried a checkpoint. Never raises."""
+    final summary: Ray Train keeps a report's metrics in ``Result`` only when the report
+    carried a checkpoint (upstream: ray-train-result-metrics-need-checkpoint). Never raises."""
     try:
         import json
 

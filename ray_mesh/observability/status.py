@@ -47,7 +47,7 @@ from ray_mesh.observability import status_input as si
 from ray_mesh.observability.fetch import (
     Deadline,
     SourceError,
-    _origin,  # noqa: F401 - kept for callers of status._origin
+    _origin,  # noqa: F401 - re-exported: tests/unit/test_status_redirect.py reads it here
     http_get,
 )
 from ray_mesh.observability.layout import layout_from_state, read_run_layout
@@ -78,7 +78,8 @@ class ClusterStatus:
 
 # ----------------------------------------------------------------------------- transport
 def _enable_token_auth() -> None:
-    """Send the cluster token when one exists (Ray 2.60 clusters require it by default)."""
+    """Send the cluster token when one exists (a cluster with token authentication, Ray's
+    default, refuses calls without it)."""
     # Quietly (the wrapper silences Ray's note on the auth default); never fatal here.
     with contextlib.suppress(Exception):
         private_apis.enable_token_auth()

@@ -2,18 +2,20 @@
 
 ``TCPStore.get`` returns a value whole, and a value has no size limit the reader can set:
 the server refuses a single ``set`` over 8 MiB, but ``append`` grows a key without bound
-(measured: 20 appends made a 160 MiB ``snap/1`` that every rank's watch then read whole, at
-every poll). The watch's limits (``hang_store.LIMITS``, 64 KiB for a heartbeat) were
-checked only after the whole value had arrived. No public API reads a value's length first,
-so :class:`BoundedReader` speaks the store's wire protocol on a connection of its own: the
-client's ``VALIDATE`` greeting, then ``GET`` (a key as a 64-bit length and bytes; the answer
-a 64-bit length, then the bytes). It reads the length, and a value over the caller's limit
-is never read: the connection is dropped and opened afresh next time.
+(measured: 20 appends make a 160 MiB ``snap/1``, which a watch reading with ``get`` reads
+whole at every poll). The watch's limits (``hang_store.LIMITS``, 64 KiB for a heartbeat),
+checked after ``get``, would apply only once the whole value has arrived. No public API
+reads a value's length first, so :class:`BoundedReader` speaks the store's wire protocol on
+a connection of its own: the client's ``VALIDATE`` greeting, then ``GET`` (a key as a 64-bit
+length and bytes; the answer a 64-bit length, then the bytes). It reads the length, and a
+value over the caller's limit is never read: the connection is dropped and opened afresh
+next time.
 
 The protocol is torch's internal (``c10d::detail::QueryType``, ``TCPStoreBackend.hpp``;
-checked on torch 2.13 with the libuv server, ``tests/unit/test_hang_store.py``). Should a
-later torch speak differently, :meth:`BoundedReader.works` (a probe key written through the
-public API and read back here) says so at start-up, and the watch falls back to ``get``.
+checked on torch 2.13 with the libuv server, ``tests/unit/test_hang_store.py``;
+upstream: torch-store-get-unbounded). Should a later torch speak differently,
+:meth:`BoundedReader.works` (a probe key written through the public API and read back here)
+says so at start-up, and the watch falls back to ``get``.
 """
 
 from __future__ import annotations

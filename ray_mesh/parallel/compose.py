@@ -57,7 +57,8 @@ def full_tensor(tensor: DTensor) -> torch.Tensor:
     ``DTensor.full_tensor`` gathers FSDP + TP parameters (``_StridedShard`` on ``dp_shard``,
     ``Shard`` on ``tp``) in two all-gathers, innermost dim first, and torch (2.11-2.13) then
     logs a warning on every rank that it cannot merge them. Gathering outermost dim first
-    is the same two all-gathers and the same values, and says nothing to the user's console.
+    is the same two all-gathers and the same values, and says nothing to the user's console
+    (upstream: torch-full-tensor-merge-warning).
     """
     placements = list(tensor.placements)
     for dim, placement in enumerate(placements):

@@ -53,7 +53,8 @@ def wire_bytes(numel: int, mode: str) -> int:
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-    # torch 2.13 renamed all_gather_into_tensor (same semantics); older releases lack the new name.
+    # torch 2.13 names all_gather_into_tensor all_gather_single (same semantics); older
+    # releases lack the new name (upstream: torch-all-gather-single-rename).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, inp, group=group, async_op=True)
 

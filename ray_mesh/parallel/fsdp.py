@@ -192,7 +192,7 @@ def own_output(module: nn.Module, args: Any, output: Any) -> Any:
     a 3-D input returns a view of its 2-D matmul, tensor parallel the local view of an
     all-gathered buffer. One copy of such an output (an activation, once per forward) makes
     it safe; outputs that are not views pass untouched. Registered before ``fully_shard``'s
-    own hook, so FSDP hooks the copy."""
+    own hook, so FSDP hooks the copy (upstream: torch-fsdp2-view-output-hook)."""
     if isinstance(output, torch.Tensor):
         return output.clone() if output._base is not None and output.requires_grad else output
     if isinstance(output, tuple | list) and any(

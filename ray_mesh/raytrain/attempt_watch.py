@@ -48,7 +48,8 @@ class _OneLine(logging.Filter):
     the count and the error's first line (``[FailurePolicy] RETRY (worker group, failure 1
     of at most 20): A worker health check failed.``). The driver's console has the quorum's
     event line for the same end, with its step and reason; Ray Train's own record, the
-    error's whole text twice and a traceback, was ~60 lines per closed laptop lid."""
+    error's whole text twice and a traceback, is ~60 lines per closed laptop lid
+    (upstream: ray-train-failure-policy-record)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         lines = [x.strip() for x in record.getMessage().splitlines() if x.strip()]

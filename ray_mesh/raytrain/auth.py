@@ -1,9 +1,10 @@
 """The cluster's auth token file: private to its owner (0600 in a 0700 directory).
 
-Ray 2.60 turns token authentication on by default, and an embedded ``ray.init()`` writes a
-new token to ``~/.ray/auth_token`` with the process umask (usually 0644: readable by every
-local user, who could then run code on the cluster). ray_mesh therefore creates the token
-itself, private, before Ray would, and tightens an existing one that others can read.
+Ray turns token authentication on by default, and an embedded ``ray.init()`` writes a new
+token to ``~/.ray/auth_token`` with the process umask (usually 0644: readable by every local
+user, who could then run code on the cluster). ray_mesh therefore creates the token itself,
+private, before Ray would, and tightens an existing one that others can read
+(upstream: ray-auth-token-umask).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def default_token_path() -> Path:
-    """Where Ray reads and writes the token by default (checked on Ray 2.60)."""
+    """Where Ray reads and writes the token by default (upstream: ray-auth-token-umask)."""
     return Path.home() / ".ray" / "auth_token"
 
 

@@ -3,9 +3,10 @@
 ``on_start`` (run by Ray Train's controller once the worker actors exist):
 probe every worker -> plan the mesh on the real topology -> choose each node's interface
 and rank 0's address -> set the environment and bootstrap every worker, all bounded in
-time. Any failure shuts the worker group down before re-raising, because Ray 2.60 leaks
+time. Any failure shuts the worker group down before re-raising, because Ray Train leaks
 the placement group and actors of a group whose backend hook raised, and the next
-``fit()`` from the same driver then waits forever for resources.
+``fit()`` from the same driver then waits forever for resources
+(upstream: ray-train-failed-start-leaks-group).
 """
 
 from __future__ import annotations
@@ -170,9 +171,10 @@ class MeshConfig(MeshOptions, TorchConfig):
 
     @property
     def train_func_context(self):
-        # Ray Train 2.60 (V2) reads this on the driver when fit() starts
+        # Ray Train (V2) reads this on the driver when fit() starts
         # (DataParallelTrainer._get_train_func), before the controller exists: the one
-        # driver-side moment a BackendConfig gets. Run-state tracking is decided there.
+        # driver-side moment a BackendConfig gets. Run-state tracking is decided there
+        # (upstream: ray-train-no-driver-hook).
         _on_driver_at_fit(self.interface)
         return _TrainThreadContext
 

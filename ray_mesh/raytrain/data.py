@@ -2,16 +2,17 @@
 
 Ray Train's default ``DataConfig`` calls ``streaming_split(world_size, equal=True)``: every
 world rank gets different rows, so tensor-, context- and pipeline-parallel peers, which
-compute one batch together, would silently train on different rows. Ray 2.60 has no
-mesh-aware split, and one split iterator shared by several workers does not replicate
-data (its coordinator hands each ``get`` the next block). :class:`MeshDataConfig` therefore
-runs one ``streaming_split(dp, equal=True)`` per peer position (``pp * cp * tp`` of them),
-each with ``preserve_order=True``: worker (dp index ``d``, peer ``j``) reads split ``d`` of
-execution ``j``. Ray's ``OutputSplitter`` hands each block to the split with the fewest rows
-so far (ties to the lowest index), a decision that depends only on the order and sizes of
-the blocks; with the order preserved and a deterministic dataset (seeded shuffles), every
-execution splits identically, so peers see the same batches in the same order. The price:
-the dataset is read ``pp * cp * tp`` times (once per peer), streaming, never materialised.
+compute one batch together, would silently train on different rows. Ray has no mesh-aware
+split (upstream: ray-data-no-mesh-split), and one split iterator shared by several workers
+does not replicate data (its coordinator hands each ``get`` the next block).
+:class:`MeshDataConfig` therefore runs one ``streaming_split(dp, equal=True)`` per peer
+position (``pp * cp * tp`` of them), each with ``preserve_order=True``: worker (dp index
+``d``, peer ``j``) reads split ``d`` of execution ``j``. Ray's ``OutputSplitter`` hands each
+block to the split with the fewest rows so far (ties to the lowest index), a decision that
+depends only on the order and sizes of the blocks; with the order preserved and a
+deterministic dataset (seeded shuffles), every execution splits identically, so peers see
+the same batches in the same order. The price: the dataset is read ``pp * cp * tp`` times
+(once per peer), streaming, never materialised.
 
 The split becomes automatic with ``MeshConfig``: its backend calls
 :func:`install_mesh_data_config`, which puts a :class:`MeshDataConfig` in place of a plain
@@ -20,7 +21,8 @@ split by world rank while tp*cp*pp > 1. ``dataset_config=ray_mesh.MeshDataConfig
 the explicit, public spelling.
 
 :class:`ResumableShard` wraps a shard so that a run resumed from a checkpoint continues each
-epoch exactly where the checkpoint was taken.
+epoch exactly where the checkpoint was taken: Ray Data cannot checkpoint a split's position
+itself (upstream: ray-data-stream-no-position).
 """
 
 from __future__ import annotations
@@ -176,7 +178,8 @@ def install_mesh_data_config(worker_group: Any, spec: MeshSpec) -> None:
     except Exception as exc:  # an internal that moved: say how to do without it
         raise DataSplitError(
             f"ray_mesh could not install its mesh-aware DataConfig in this Ray "
-            f"({ray.__version__}; checked on 2.60.0): {type(exc).__name__}: {exc}. Pass "
+            f"({ray.__version__}; checked on {private_apis.CHECKED_RAY}): "
+            f"{type(exc).__name__}: {exc}. Pass "
             f"dataset_config=ray_mesh.MeshDataConfig(mesh=<the MeshConfig's mesh>) to the "
             f"trainer."
         ) from exc

@@ -6,13 +6,14 @@ dashboard read) is decided on the driver when ``fit()`` starts. It is only worth
 where the cluster serves Ray's state API (the dashboard, ``ray[default]``): without it, Ray's
 ``TrainStateActor`` and ``PlacementGroupCleaner`` poll an API that is not there and fill the
 console with warnings and tracebacks. :func:`enable_state_tracking` asks once, bounded, and
-keeps tracking on where the API is only slow (state_api.py tells slow from absent).
+keeps tracking on where the API is only slow (state_api.py tells slow from absent;
+upstream: ray-train-state-tracking-needs-state-api).
 
 An embedded Ray shares the machine with any other Ray instance on it. Ray's own actors
 (``PlacementGroupCleaner``, ``TrainStateActor``) find "their" cluster through
 ``RAY_ADDRESS`` or by scanning the host; with two instances the scan fails with a
 traceback. :func:`embedded_worker_setup` (a ``worker_process_setup_hook``) gives every
-process of the embedded instance its own address.
+process of the embedded instance its own address (upstream: ray-state-api-multiple-instances).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ logger = logging.getLogger(__name__)
 
 STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"
 STATE_API_TIMEOUT_S = state_api.PROBE_TIMEOUT_S
-# Ray Train 2.60 loggers that only speak about things an embedded one-machine Ray lacks:
-# the autoscaler (there is none: its resource request times out on a busy machine) and the
+# Ray Train loggers that only speak about things an embedded one-machine Ray lacks: the
+# autoscaler (there is none: its resource request times out on a busy machine) and the
 # state API behind the placement-group cleaner (ray.shutdown removes every group anyway).
+# (upstream: ray-train-embedded-logger-chatter)
 EMBEDDED_QUIET_LOGGERS = (
     "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client",
     "ray.train.v2._internal.execution.controller.placement_group_cleaner",
@@ -39,19 +41,20 @@ EMBEDDED_QUIET_LOGGERS = (
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 # For every run of the CLI (a value the user set wins; Ray Train propagates them to its
 # controller and workers, on a cluster too):
-# * a train function's print shows once. With Ray 2.60's print patch on, a print in a Ray
-#   Train worker is both logged and echoed: two lines;
+# * a train function's print shows once. With Ray Train's print patch on, a print in a Ray
+#   Train worker is both logged and echoed: two lines (upstream: ray-train-print-patch-twice);
 # * the controller looks at its workers every 0.2 s, not 2 s. A worker's report waits until
 #   the controller has taken the previous one (a queue of one), so at Ray's default a run
 #   that reports every step makes at most ~0.5 steps/s, and a finished or failed run is seen
 #   up to 2 s late (docs/monitoring.md: 10 reports 18.2 s at 2 s, 1.7 s at 0.2 s). Each look
-#   is one small call per worker;
-# * no preemption watcher. Ray 2.60 starts one actor per worker-group start (~2 s of CPU
-#   importing Ray Train), whose start logs a core-worker error line ("has constructor
-#   arguments in the object store and max_restarts > 0") on every console; what it does, a
-#   log line and a flag a train function may read when a node is drained, nothing in
-#   ray_mesh reads: a node that goes is a restart of the run (FailureConfig) or a replica
-#   group leaving. RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1 brings it back.
+#   is one small call per worker (upstream: ray-train-report-queue-of-one);
+# * no preemption watcher (upstream: ray-train-preemption-watcher). Ray Train starts one
+#   actor per worker-group start (~2 s of CPU importing Ray Train), whose start logs a
+#   core-worker error line ("has constructor arguments in the object store and
+#   max_restarts > 0") on every console; what it does, a log line and a flag a train
+#   function may read when a node is drained, nothing in ray_mesh reads: a node that goes
+#   is a restart of the run (FailureConfig) or a replica group leaving.
+#   RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1 brings it back.
 CLI_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
            PREEMPTION_WATCHER_ENV: "0"}
 
@@ -102,7 +105,8 @@ def warm_controller_actors(interface: str | None = None) -> None:
     cannot is refused here, in a second, instead of a minute of restarts) and, given the
     run's ``interface`` setting, whether each node has the interface the workers will pick
     (a node registered under its LAN address among tailnet nodes is refused here too).
-    Bounded; a coordinator that does not answer in time is said once, in one line."""
+    Bounded; a coordinator that does not answer in time is said once, in one line
+    (upstream: ray-train-autoscaler-start-deadline)."""
     import ray
 
     from ray_mesh.private_apis import start_autoscaling_coordinator
@@ -134,13 +138,15 @@ def cluster_worker_setup() -> None:
     ``RAY_ADDRESS``: Ray Train's own state-API calls (its placement-group cleaner and run
     state actor, ``ray.util.state.get_actor`` without an address) auto-detect the cluster
     and raise "Found multiple active Ray instances" (a traceback per check, on the driver's
-    console) on a machine that runs a second Ray instance. Checked on Ray 2.60."""
+    console) on a machine that runs a second Ray instance
+    (upstream: ray-state-api-multiple-instances)."""
     import ray
 
     with contextlib.suppress(Exception):  # a hook must not stop a worker from starting
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-    # Ray's own call inside Ray Train's controller when a job has datasets (Ray 2.60), not
-    # something a user can fix; printed on the driver's console by log_to_driver.
+    # Ray's own call inside Ray Train's controller when a job has datasets, not something a
+    # user can fix; printed on the driver's console by log_to_driver
+    # (upstream: ray-data-exclude-resources-warning).
     warnings.filterwarnings("ignore", message=r".*ExecutionOptions.exclude_resources.* is "
                             r"deprecated")
     quiet_cleaner()
@@ -154,9 +160,10 @@ def quiet_cleaner() -> None:
         cleaner.addFilter(SaidOnce(CLEANER_NO_STATE_API, CLEANER_ONCE))
 
 
-# Ray Train 2.60 starts a placement-group cleaner for every run; it asks Ray's state API
-# (the dashboard, ray[default] on the head) whether the controller lives, and on a cluster
-# without one logs this WARNING at every check: ~45 lines in a short run. Said once instead.
+# Ray Train starts a placement-group cleaner for every run; it asks Ray's state API (the
+# dashboard, ray[default] on the head) whether the controller lives, and on a cluster
+# without one logs this WARNING at every check: ~45 lines in a short run. Said once instead
+# (upstream: ray-train-cleaner-no-state-api).
 CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 CLEANER_NO_STATE_API = "Failed to query Ray Train Controller actor state"
 CLEANER_ONCE = ("Ray Train's placement-group cleaner cannot reach Ray's state API (no "
@@ -203,9 +210,10 @@ def _errors_only(record: logging.LogRecord) -> bool:
 def quiet_report_lines() -> None:
     """On a worker: hide Ray Train's "Reporting training result ..." INFO line per report.
 
-    Ray Train 2.60 logs it through ``logging.getLogger(__file__)`` in
+    Ray Train logs it through ``logging.getLogger(__file__)`` in
     ``ray/train/v2/_internal/execution/context.py``: a logger named by a file path, outside
-    ``ray.train``, so ``LoggingConfig(log_level=...)`` does not reach it. Checked on 2.60.
+    ``ray.train``, so ``LoggingConfig(log_level=...)`` does not reach it
+    (upstream: ray-train-report-log-line).
     """
     try:
         from ray.train.v2._internal.execution import context

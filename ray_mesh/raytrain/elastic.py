@@ -1,6 +1,6 @@
 """Elastic runs: a worker count that follows the nodes, with the mesh shrinking in dp_replicate.
 
-What Ray Train 2.60 (V2) offers, read in ``ray/train/v2``:
+What Ray Train (V2) offers, read in ``ray/train/v2``:
 
 * ``ScalingConfig(num_workers=(min_workers, max_workers))`` turns on
   ``ElasticScalingPolicy``. On every (re)start it counts the workers that fit on the
@@ -16,7 +16,8 @@ What Ray Train 2.60 (V2) offers, read in ``ray/train/v2``:
   ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s) and retries; those are controller
   failures, retried forever by default (``FailureConfig(controller_failure_limit=-1)``).
   :func:`failure_config` bounds them, and :func:`explain_startup_failure` turns the
-  resulting error into one that says what happened and what to change.
+  resulting error into one that says what happened and what to change
+  (upstream: ray-train-start-waits-forever).
 
 The mesh side needs nothing new at restart: ``MeshSpec.hsdp()`` has ``dp_replicate='nodes'``
 and ``dp_shard=-1``, which the backend resolves against the topology of each new worker

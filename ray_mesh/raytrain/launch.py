@@ -272,10 +272,11 @@ def check_cluster(scaling: ScalingConfig, torch_config: MeshConfig | None = None
                   name: str | None = None, storage_endpoint: str | None = None) -> str | None:
     """Driver-side checks before ``fit()``; ``ray-mesh run`` makes the same ones.
 
-    Ray Train 2.60 waits forever ("worker group startup timed out", retried) when a
+    Ray Train waits forever ("worker group startup timed out", retried) when a
     ScalingConfig asks for resources the cluster does not have, e.g. GPUs on a CPU-only
     cluster, and no backend hook runs before that wait: these checks need the
-    ScalingConfig and RunConfig, which a ``BackendConfig`` never sees on the driver.
+    ScalingConfig and RunConfig, which a ``BackendConfig`` never sees on the driver
+    (upstream: ray-train-start-waits-forever).
 
     Checks ``scaling`` against the connected cluster's resources; with ``torch_config``, that
     its mesh can be laid out on the worker count (elastic ranges included); with

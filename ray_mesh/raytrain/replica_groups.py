@@ -1,11 +1,12 @@
 """Replica groups on Ray: one Ray Train run per ``dp_replicate`` index, and a coordinator.
 
-Why one run per group, not Ray Train's own replica groups: Ray 2.60's controller can replace
+Why one run per group, not Ray Train's own replica groups: Ray Train's controller can replace
 a failed replica group alone (``WorkerGroup.replace_replica_group``), but only builds groups
 of one worker (``replica_group_size=1``), so a group cannot hold a ``dp_shard`` x ``tp``
-mesh. A Ray Train run per group gives exactly the isolation wanted with public APIs only:
-its ``FailureConfig`` restarts that group alone, ``STRICT_PACK`` keeps it on one node, and a
-node that does not come back leaves its run waiting for resources while the others train.
+mesh (upstream: ray-train-replica-groups-one-worker). A Ray Train run per group gives
+exactly the isolation wanted with public APIs only: its ``FailureConfig`` restarts that group
+alone, ``STRICT_PACK`` keeps it on one node, and a node that does not come back leaves its
+run waiting for resources while the others train.
 
 * :class:`~ray_mesh.raytrain.replica_coordinator.Coordinator` (an actor on the driver's
   node): the run's :class:`~ray_mesh.replicas.quorum.Quorum` and the TCP store the
@@ -108,7 +109,8 @@ class _GroupRunner:
         os.environ.update(train_env or {})  # before fit() reads them: see _train_env
         result = TorchTrainer(train_fn, train_loop_config=config, **trainer_kwargs).fit()
         # Ray Train keeps a report's metrics in Result only with a checkpoint: the last
-        # report is also in the summary ray_mesh saves in the run's directory.
+        # report is also in the summary ray_mesh saves in the run's directory
+        # (upstream: ray-train-result-metrics-need-checkpoint).
         from ray_mesh.observability.report import read_summary
 
         last = read_summary(str(result.path), filesystem=result.filesystem).get("last", {}) \
@@ -131,15 +133,16 @@ def _train_env() -> dict[str, str]:
     ``driver.CLI_ENV``), for each group's ``fit()``. Ray Train hands them from the process
     that calls ``fit()`` to its controller and workers; a group's ``fit()`` runs in a runner
     actor, whose environment on a cluster is its raylet's (``ray start``'s), not the
-    driver's. Without them the print patch stayed on in the groups' workers (every line a
-    train function printed reached the console twice) and reports waited for the 2 s
-    health check. An embedded Ray inherits the driver's environment, so it had them.
+    driver's. Without them the print patch stays on in the groups' workers (every line a
+    train function prints reaches the console twice; upstream: ray-train-print-patch-twice)
+    and reports wait for the 2 s health check (upstream: ray-train-report-queue-of-one). An
+    embedded Ray inherits the driver's environment, so it has them.
 
     No preemption watcher, unless the user asked for one: a group's loss of a node is its
     quorum's business (Ray Train skips the watcher for its own replica groups, TorchFT's, for
-    the same reason). Each watcher was one more actor per group start, importing Ray Train
-    (~2 s of CPU), whose start logged a core-worker error line about its constructor's
-    arguments on every console."""
+    the same reason). Each watcher is one more actor per group start, importing Ray Train
+    (~2 s of CPU), whose start logs a core-worker error line about its constructor's
+    arguments on every console (upstream: ray-train-preemption-watcher)."""
     return {PREEMPTION_WATCHER_ENV: "0",
             **{k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")}}
 

@@ -2,11 +2,12 @@
 
 Ray Train's run-state tracking (what ``ray-mesh status`` and the dashboard list) is decided
 once, on the driver, before ``fit()`` builds its controller callbacks
-(``RAY_TRAIN_ENABLE_STATE_TRACKING``, read by ``DataParallelTrainer._create_default_callbacks``
-in Ray 2.60): it cannot be switched on later. So the decision rests on whether the state API
-*exists* (installed, a dashboard on the cluster), never on whether it answered fast: on a
-busy head (another Ray job burning the CPUs) the dashboard can take longer than the first
-probe's 3 s, and turning tracking off then lost the run from ``ray-mesh status`` for good.
+(``RAY_TRAIN_ENABLE_STATE_TRACKING``, read by ``DataParallelTrainer._create_default_callbacks``;
+upstream: ray-train-state-tracking-needs-state-api): it cannot be switched on later. So the
+decision rests on whether the state API *exists* (installed, a dashboard on the cluster),
+never on whether it answered fast: on a busy head (another Ray job burning the CPUs) the
+dashboard can take longer than the first probe's 3 s, and tracking turned off on a slow
+answer would lose the run from ``ray-mesh status`` for good.
 
 :func:`classify` sorts a probe's outcome into what a user can act on; :func:`probe` asks
 once, bounded; :func:`retry_in_background` keeps asking a slow API with a bounded backoff
@@ -65,9 +66,10 @@ def _chain(exc: BaseException) -> list[BaseException]:
 def classify(exc: BaseException | None) -> Verdict:
     """What a failed (or, with ``None``, successful) state API call means for the user.
 
-    Ray 2.60 wraps every transport failure in ``ServerUnavailable`` with the same text
+    Ray wraps every transport failure in ``ServerUnavailable`` with the same text
     ("... Make sure dependencies are installed with `pip install ray[default]` ..."), so that
-    text says nothing: the cause chain does (a ``requests`` timeout, a refused connection).
+    text says nothing: the cause chain does (a ``requests`` timeout, a refused connection;
+    upstream: ray-state-api-error-text).
     """
     if exc is None:
         return Verdict.ANSWERS

@@ -94,7 +94,7 @@ def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
     fixed = {gid: float(g[2] or 0.0) if len(g) > 2 else 0.0 for gid, g in groups.items()}
     # Each group's minimum, in units of its ranks: one sample per rank, and at least half
     # its share by compute rate alone, so that a noisy fixed-cost estimate cannot starve it
-    # (a busy head node's boundary once pinned a group at one sample per rank).
+    # (without it, a busy head node's slow boundary can pin a group at one sample per rank).
     whole = sum(rate.values())
     least = {g: max(1.0, total * rate[g] / whole / ranks[g] / 2) for g in groups}
     floor: set[int] = set()  # groups held at their minimum

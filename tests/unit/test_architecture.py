@@ -6,7 +6,8 @@ import is still a dependency: it only moves the failure from import time to call
 layers, lowest first, are the folders of ``ray_mesh`` as the data flows (README, "Layout"):
 
 * ``private_apis``: every torch and Ray internal the package touches, with its version; it
-  imports nothing of ours.
+  imports nothing of ours. ``errors`` and ``upstream`` (the register of upstream
+  workarounds) sit beside it.
 * ``core``: the Ray-free mesh spec and bootstrap every other part builds on.
 * ``network``: interfaces, links and the pre-flight's facts, used from bring-up up.
 * ``observability``: what a person sees (tables, layout, progress, metrics, hang and slow
@@ -57,7 +58,7 @@ PKG = ROOT / "ray_mesh"
 MAX_LINES = 800
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("private_apis", "errors"),
+    ("private_apis", "errors", "upstream"),
     ("core",),
     ("network",),
     ("observability",),

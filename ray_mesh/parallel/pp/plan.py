@@ -44,7 +44,8 @@ def known_hang(schedule: str, backend: str) -> str | None:
     op, so every schedule that batches a send with a recv (all but GPipe) deadlocked on gloo.
     The fix added ``_wait_batch_p2p``; its presence is the feature test. On torch 2.13 +
     gloo, GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBV and DualPipeV
-    were each run (2 and 4 ranks, up to 16 microbatches) and finished.
+    each run (2 and 4 ranks, up to 16 microbatches) and finish
+    (upstream: torch-pipelining-gloo-batch-p2p).
     """
     torch_name, _ = schedule_info(schedule)
     if "nccl" in str(backend).lower() or torch_name == "GPipe":
