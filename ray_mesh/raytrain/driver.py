@@ -115,6 +115,11 @@ def warm_controller_actors(interface: str | None = None) -> None:
     if not ray.is_initialized():
         return
     probe = NodeImportProbe()
+    # This node's answer first: the coordinator is a detached actor made in this job's
+    # environment, and one made where ray_mesh does not import never starts, while every
+    # later run on the cluster finds it by name and waits on it (~100 s of Ray Train's
+    # GetTimeoutError tracebacks per run, seen after a refused run).
+    probe.check(timeout_s=WARM_TIMEOUT_S, node_id=ray.get_runtime_context().get_node_id())
     ready = start_autoscaling_coordinator()
     deadline = time.monotonic() + WARM_TIMEOUT_S
     while ready is not None and time.monotonic() < deadline:

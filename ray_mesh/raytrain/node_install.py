@@ -56,15 +56,19 @@ class NodeImportProbe:
                 self.refs[ref] = node.get("NodeManagerAddress", node["NodeID"][:12])
                 self._ids[ref] = node["NodeID"]
 
-    def check(self, timeout_s: float = 0.0) -> None:
-        """Raise :class:`ClusterError` for every probe that failed within ``timeout_s``.
-        A probe still pending at the bound is left alone: a busy node starts a worker late,
-        and the run's own bounded start-up names a node that never does."""
+    def check(self, timeout_s: float = 0.0, node_id: str | None = None) -> None:
+        """Raise :class:`ClusterError` for every probe that failed within ``timeout_s``
+        (``node_id``: that node's probe only). A probe still pending at the bound is left
+        alone: a busy node starts a worker late, and the run's own bounded start-up names a
+        node that never does."""
         deadline = time.monotonic() + timeout_s
         bad: list[str] = []
-        while self.refs:
+        while True:
+            waiting = [r for r in self.refs if node_id is None or self._ids[r] == node_id]
+            if not waiting:
+                break
             left = max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(self.refs), num_returns=1, timeout=left)
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=left)
             if not ready:
                 break
             node = self.refs.pop(ready[0])

@@ -11,6 +11,7 @@ runs before every ``fit()`` (``driver.warm_controller_actors``) must stop it wit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.ray
+COORDINATOR = "AutoscalingCoordinator"  # Ray 2.60's name and namespace for it
 
 DRIVER = """
 import sys, ray
@@ -47,6 +49,12 @@ def test_a_node_that_cannot_import_ray_mesh_is_named_within_seconds(ray_local, t
     (shadow / "ray_mesh").mkdir(parents=True)
     (shadow / "ray_mesh" / "__init__.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'ray_mesh'\")\n")
+    # Ray's autoscaling coordinator is one detached, named actor per cluster, made by the
+    # first run that asks (ray_mesh's warm-up). Gone here, so that this refused run would
+    # be the one to make it: in the job's environment, where ray_mesh does not import, it
+    # would never start, and every later run would wait on it (~100 s each).
+    with contextlib.suppress(ValueError):
+        ray_local.kill(ray_local.get_actor(COORDINATOR, namespace=COORDINATOR))
     context = ray_local.get_runtime_context()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     t0 = time.monotonic()
@@ -62,6 +70,8 @@ def test_a_node_that_cannot_import_ray_mesh_is_named_within_seconds(ray_local, t
     assert f"cannot import ray_mesh on node(s) {node_ip} (" in refused[0], refused[0]
     assert "Install ray_mesh in the Python environment `ray start` runs" in refused[0]
     assert took < 60, (took, out[-3000:])  # the warm-up's own bound is 60 s
+    with pytest.raises(ValueError):  # the refused run left no coordinator behind
+        ray_local.get_actor(COORDINATOR, namespace=COORDINATOR)
 
 
 def test_the_probe_brings_back_each_nodes_interfaces_for_the_drivers_check(ray_local):
