@@ -23,8 +23,6 @@ size; a size measured at a load above 2 is published as None.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.scale_quorum import MAX_LOAD, exponent  # noqa: E402
+from benchmarks.scale_quorum import MAX_LOAD, exponent, scale_main  # noqa: E402
 from ray_mesh.planning.cluster import NodeInfo, plan_cluster  # noqa: E402
 from ray_mesh.planning.cost import Links, ModelStats, Workload, rank_layouts  # noqa: E402
 
@@ -108,17 +106,7 @@ def measure(sizes: tuple[int, ...] = SIZES) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(OUT))
-    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
-    args = p.parse_args(argv)
-    result = measure(tuple(args.sizes))
-    out = Path(args.out)
-    results = json.loads(out.read_text()) if out.exists() else {}
-    results.setdefault("scale", {})["planner"] = result
-    out.write_text(json.dumps(results, indent=1, default=str))
-    print(json.dumps(result["growth_exponent"]), f"wrote {out} ['scale']['planner']")
-    return 0
+    return scale_main(argv, __doc__, "planner", measure, SIZES)
 
 
 if __name__ == "__main__":

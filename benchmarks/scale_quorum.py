@@ -142,18 +142,24 @@ def measure(sizes: tuple[int, ...] = SIZES) -> dict:
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def scale_main(argv: list[str] | None, doc: str, key: str, measure_fn, sizes) -> int:
+    """A scale benchmark's command line: measure at ``--sizes`` and write the figures to
+    ``results.json["scale"][key]`` (``--out``), the other sections kept."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--out", default=str(OUT))
-    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    p.add_argument("--sizes", type=int, nargs="+", default=list(sizes))
     args = p.parse_args(argv)
-    result = measure(tuple(args.sizes))
+    result = measure_fn(tuple(args.sizes))
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
-    results.setdefault("scale", {})["quorum"] = result
+    results.setdefault("scale", {})[key] = result
     out.write_text(json.dumps(results, indent=1, default=str))
-    print(json.dumps(result["growth_exponent"]), f"wrote {out} ['scale']['quorum']")
+    print(json.dumps(result["growth_exponent"]), f"wrote {out} ['scale']['{key}']")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return scale_main(argv, __doc__, "quorum", measure, SIZES)
 
 
 if __name__ == "__main__":
