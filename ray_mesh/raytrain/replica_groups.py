@@ -204,6 +204,13 @@ def fit_replica_groups(train_fn: Any, *,
     check_settings(checkpoint_every=checkpoint_every, num_to_keep=num_to_keep,
                    max_group_failures=max_group_failures, upload_timeout_s=upload_timeout_s)
     check_mode(shares)
+    if groups != "auto":
+        group_specs(groups, workers_per_group)  # the layouts' text first: nothing contacted
+    storage = {"storage_path": storage_path, "storage_endpoint": storage_endpoint,
+               "name": name, "checkpoint_every": checkpoint_every,
+               "checkpoint_dir": checkpoint_dir}
+    if not storage_probed:  # from here, before Ray is asked anything
+        check_groups_storage(**storage, where="driver")
     if groups == "auto":  # one group per alive node, as many workers as it has room for
         specs = _groups_of_this_cluster(resources_per_worker, use_gpu)
     else:
@@ -223,10 +230,7 @@ def fit_replica_groups(train_fn: Any, *,
     runners = {gid: _GroupRunner.options(scheduling_strategy=_pinned_here()).remote()
                for gid in range(len(specs))}
     try:
-        location, location_endpoint = check_groups_storage(  # before any group starts
-            storage_path=storage_path, storage_endpoint=storage_endpoint, name=name,
-            checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
-            where="nodes" if storage_probed else "all")
+        location, location_endpoint = check_groups_storage(**storage, where="nodes")
         line = "replica groups: " + "; ".join(f"group {i}: {s.label}" + (
             f" on {s.node}" if s.node else "") for i, s in enumerate(specs))
         (on_groups or logger.info)(line)

@@ -74,9 +74,10 @@ def check_groups_storage(*, storage_path: str | None, storage_endpoint: str | No
     :func:`~ray_mesh.checkpointing.storage.check_storage` raises (``StorageURIError``,
     ``ObjectStoreError``, ``StorageError``), naming the node that failed.
 
-    ``where``: ``"all"`` (the driver, then the nodes), ``"here"`` (the driver only, before
-    Ray starts: the run's storage whatever its kind, as for one mesh) or ``"nodes"`` (the
-    nodes only: the driver probed before Ray started). A run probes each place once."""
+    ``where``: ``"all"`` (the driver, then the nodes), ``"driver"`` (that first half: the
+    driver only, before anything asks Ray), ``"here"`` (the driver only, before Ray starts:
+    the run's storage whatever its kind, as for one mesh) or ``"nodes"`` (the nodes only:
+    the driver probed already). A run probes each place once."""
     from ray_mesh.checkpointing.storage import (
         absolute_storage_path,
         check_run_name,
