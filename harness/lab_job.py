@@ -212,10 +212,10 @@ class Lab:
 
     def throttle(self, boxes: Iterable[int] | None = None) -> None:
         """Each of ``boxes`` (default: all): its Ray processes (and all they start) in a
-        cgroup of its own at the largest weight (``harness/netns/cpu.py``), under its CPU
-        quota if it has one (``box_quotas``; by default the tower, the older box). A box is
-        a machine of its own: what else runs on this one (the driver, the rest of the suite,
-        a CPU hog beside it) takes from a box only the CPU the box leaves, so two hogs do
+        weighted cgroup of its own (``harness/netns/cpu.py``: the largest weight under a
+        quota, four processes' worth without one), under its CPU quota if it has one
+        (``box_quotas``; by default the tower, the older box). A box is a machine of its
+        own: a CPU hog beside it takes only a small part of the box's CPU, so two hogs do
         not make the desktop as slow as the tower, whose quota caps it however idle the
         machine is. Set once its Ray is up (:meth:`quota_plan`), so that the tower's ``ray
         start`` does not take the test's time, and again when a box is started anew."""

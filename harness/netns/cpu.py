@@ -9,7 +9,8 @@ At the default weight (cgroup v1 ``cpu.shares`` 1024) the whole cgroup weighed a
 one process beside it, so two CPU-bound processes and a busy cluster (load 48) left the box a
 few hundredths of a core: its workers did not start in three minutes. It gets the largest
 weight (:data:`SHARES`); the quota still caps it. A box without a quota can have a cgroup
-of the same weight and no cap (``cores=None``): a machine of its own at full speed.
+with no cap (``cores=None``) at :data:`FREE_SHARES`: two CPU hogs beside it take a small part
+of its CPU, and the suite's niced processes still get some.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 # closer to that.
 PERIOD_US = 10_000
 SHARES = 262_144  # cgroup v1's largest cpu.shares (the default is 1024)
+FREE_SHARES = 4_096  # a box without a quota
 
 
 def cpu_quota_unavailable_reason() -> str | None:
@@ -44,7 +46,10 @@ def make_cgroup(name: str, cores: float | None) -> Path:
     (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
     (path / "cpu.cfs_quota_us").write_text(str(-1 if cores is None
                                                else int(cores * PERIOD_US)))
-    (path / "cpu.shares").write_text(str(SHARES))
+    # Capped, it may weigh the most; uncapped, four processes' worth: enough that two CPU
+    # hogs beside it take a small part, not so much that the suite's niced unit tests
+    # (weight 110) get no CPU while the box runs (a 30 s bound there failed once).
+    (path / "cpu.shares").write_text(str(SHARES if cores is not None else FREE_SHARES))
     return path
 
 

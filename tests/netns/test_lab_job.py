@@ -6,8 +6,8 @@ box (``harness/lab_job.py``), with the page's head address replaced by node 0's 
 address. Step 1 starts Ray on the desktop, the tower and the laptop (``--num-cpus=1``: 2 + 2
 + 1 workers) and ``ray-mesh storage serve`` (moto) on the head's tailnet address; the tower
 is the older box, its Ray processes under a CPU quota of 0.4 cores (0.2 per worker); each
-box's processes, and the tailnet's, in a CPU cgroup of its own at the largest weight (a
-machine of its own: the suite or a CPU hog beside it takes only what the boxes leave). Step
+box's processes, and the tailnet's, in a weighted CPU cgroup of its own (a machine of its
+own: a CPU hog beside it takes only a small part of the boxes' CPU). Step
 2's ``ray-mesh plan --calibrate`` must propose one group per box with its layout and time
 the tower's devices at under 0.7 of the others'. Step 3 runs the page's job (the LM's small
 preset on the standard library's text, ``groups: auto``, ``shares: speed``, storage and
