@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_mesh.core.topology import WorkerReport
 from ray_mesh.errors import ClusterError
-from ray_mesh.network.interfaces import choose_all
+from ray_mesh.network.interfaces import choose_all, local_interfaces
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -36,8 +36,6 @@ def _import_ray_mesh() -> dict[str, Any]:
     sends the function by reference), which imports ``ray_mesh`` as every process of the
     run does, and after the job's setup hook, which is ray_mesh's under ``ray-mesh run``.
     It returns what the driver's network check needs of the node."""
-    from ray_mesh.network.interfaces import local_interfaces
-
     return {"python": sys.executable, "hostname": socket.gethostname(),
             "interfaces": local_interfaces()}
 
@@ -46,15 +44,14 @@ class NodeImportProbe:
     """The probes in flight, one per alive node; :meth:`check` raises on the first bad one."""
 
     def __init__(self) -> None:
-        self.refs: dict[Any, str] = {}
-        self._ids: dict[Any, str] = {}
+        self.refs: dict[Any, tuple[str, str]] = {}  # probe -> (node address, node id)
         self.answers: list[WorkerReport] = []  # the nodes whose probe came back, as reports
         for node in ray.nodes():
             if node.get("Alive"):
                 ref = _import_ray_mesh.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
                     node["NodeID"], soft=False)).remote()
-                self.refs[ref] = node.get("NodeManagerAddress", node["NodeID"][:12])
-                self._ids[ref] = node["NodeID"]
+                self.refs[ref] = (node.get("NodeManagerAddress", node["NodeID"][:12]),
+                                  node["NodeID"])
 
     def check(self, timeout_s: float = 0.0, node_id: str | None = None) -> None:
         """Raise :class:`ClusterError` for every probe that failed within ``timeout_s``
@@ -64,18 +61,18 @@ class NodeImportProbe:
         deadline = time.monotonic() + timeout_s
         bad: list[str] = []
         while True:
-            waiting = [r for r in self.refs if node_id is None or self._ids[r] == node_id]
+            waiting = [r for r, (_, n) in self.refs.items() if node_id in (None, n)]
             if not waiting:
                 break
             left = max(0.0, deadline - time.monotonic())
             ready, _ = ray.wait(waiting, num_returns=1, timeout=left)
             if not ready:
                 break
-            node = self.refs.pop(ready[0])
+            node, nid = self.refs.pop(ready[0])
             try:
                 got = ray.get(ready[0])
                 self.answers.append(WorkerReport(
-                    rank=len(self.answers), node_id=self._ids[ready[0]], node_ip=node,
+                    rank=len(self.answers), node_id=nid, node_ip=node,
                     hostname=got["hostname"], interfaces=got["interfaces"]))
             except ray.exceptions.WorkerCrashedError:
                 bad.append(f"{node} (its worker process died before running anything: Ray's "
