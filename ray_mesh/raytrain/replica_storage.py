@@ -66,18 +66,19 @@ def check_settings(*, checkpoint_every: int, num_to_keep: int | None,
 
 def check_groups_storage(*, storage_path: str | None, storage_endpoint: str | None, name: str,
                          checkpoint_every: int, checkpoint_dir: str | None,
-                         timeout_s: float = 60.0, where: str = "all"
+                         where: str, timeout_s: float = 60.0
                          ) -> tuple[str | None, str | None]:
-    """Probe the run's storage (and the fallback's, when elsewhere) from the driver and
+    """Probe the run's storage (and the fallback's, when elsewhere) from the driver or
     every alive node; ``(fallback location, its endpoint)``, or ``(None, None)`` without
     fallback checkpoints. Raises what
     :func:`~ray_mesh.checkpointing.storage.check_storage` raises (``StorageURIError``,
     ``ObjectStoreError``, ``StorageError``), naming the node that failed.
 
-    ``where``: ``"all"`` (the driver, then the nodes), ``"driver"`` (that first half: the
-    driver only, before anything asks Ray), ``"here"`` (the driver only, before Ray starts:
-    the run's storage whatever its kind, as for one mesh) or ``"nodes"`` (the nodes only:
-    the driver probed already). A run probes each place once."""
+    ``where``: ``"driver"`` (the driver only, before anything asks Ray: a run's storage
+    when it is a URI, as Ray Train's runs write there), ``"here"`` (the driver only, before
+    Ray starts: the run's storage whatever its kind, as for one mesh) or ``"nodes"`` (the
+    nodes only: the driver probed already). A run probes each place once: the driver, then
+    the nodes."""
     from ray_mesh.checkpointing.storage import (
         absolute_storage_path,
         check_run_name,
@@ -93,8 +94,7 @@ def check_groups_storage(*, storage_path: str | None, storage_endpoint: str | No
             location = absolute_storage_path(location)
             check_storage_nodes(location, endpoint=endpoint, timeout_s=timeout_s)
             return location
-        return check_storage(location, endpoint=endpoint, timeout_s=timeout_s,
-                             nodes=where == "all")
+        return check_storage(location, endpoint=endpoint, timeout_s=timeout_s, nodes=False)
 
     checked = []
     if where == "here" or (storage_path is not None and is_uri(storage_path)):
