@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import ray_mesh
-from ray_mesh.observability.progress import report_due, report_progress
+from ray_mesh import report_due, report_progress
 from ray_mesh.parallel import ParallelError, Pipeline, dp_mean, parallelize, shard_batch
 
 # TP hands FSDP2 the local view of its DTensor outputs (embedding, head); FSDP2 warns that an

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.observability.progress import report_due, report_progress
+from ray_mesh import report_due, report_progress
 from ray_mesh.parallel import dp_mean, dp_size, parallelize, shard_batch
 
 # batch_size is per dp replica (the global batch is batch_size x dp).

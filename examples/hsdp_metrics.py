@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 import ray_mesh
-from ray_mesh.observability.metrics import probe_dims
+from ray_mesh import probe_dims
 
 
 def _model() -> nn.Module:

@@ -336,7 +336,7 @@ def train_groups(config: dict) -> dict:
     ``config.diloco`` (``{every: 4, outer_lr: 0.7, ...}``, ``DiLoCoConfig``'s keys) makes
     them DiLoCo groups; ``replica_groups.segment_samples`` is then a whole round's samples.
     """
-    from ray_mesh.raytrain.replica_groups import replica_group
+    from ray_mesh import replica_group
 
     return train_as_group(config, lambda model, optim, **kw: replica_group(model, optim,
                                                                           config, **kw))
@@ -346,9 +346,8 @@ def train_as_group(config: dict, make_group) -> dict:
     """The replica-group loop, with the group made by ``make_group(model, optimizer,
     diloco=...)``: ``ray_mesh``'s under Ray (:func:`train_groups`), or a ``ReplicaGroup`` on
     a local quorum (tests/helpers/_lm_groups.py runs it under torchrun, without Ray)."""
-    from ray_mesh.core.diloco_config import DiLoCoConfig
+    from ray_mesh import DiLoCoConfig, report_progress
     from ray_mesh.data import group_samples
-    from ray_mesh.observability.progress import report_progress
     from ray_mesh.parallel import dp_rank
 
     cfg = merged(config)

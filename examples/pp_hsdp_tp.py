@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.observability.progress import report_due, report_progress
+from ray_mesh import report_due, report_progress
 from ray_mesh.parallel import Pipeline, dp_mean, local_batch_size, shard_batch
 
 WIDTH, IN, OUT, LAYERS = 64, 32, 8, 8

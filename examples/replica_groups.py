@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 import ray_mesh
+from ray_mesh import replica_group
 from ray_mesh.parallel import parallelize
-from ray_mesh.raytrain.replica_groups import replica_group
 
 DIM, HIDDEN = 64, 512
 

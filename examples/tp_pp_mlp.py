@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 import ray_mesh
-from ray_mesh.observability.progress import report_due, report_progress
+from ray_mesh import report_due, report_progress
 from ray_mesh.parallel import Pipeline, dp_mean, dp_rank, dp_size, local_batch_size
 
 IN, HIDDEN, OUT = 50, 50, 4

@@ -23,24 +23,39 @@ from __future__ import annotations
 
 
 class RayMeshError(Exception):
-    """Any error ray_mesh raises on purpose; the message names the problem and the fix."""
+    """Any error ray_mesh raises on purpose; the message names the problem and the fix.
+
+    Stability: stable
+    """
 
 
 # ----------------------------------------------------------------------------- branches
 class UserInputError(RayMeshError, ValueError):
-    """A value the user wrote cannot work; the message names the key or flag and the fix."""
+    """A value the user wrote cannot work; the message names the key or flag and the fix.
+
+    Stability: stable
+    """
 
 
 class ConfigurationError(RayMeshError, ValueError):
-    """Settings that do not fit each other or the cluster; the message says what to change."""
+    """Settings that do not fit each other or the cluster; the message says what to change.
+
+    Stability: stable
+    """
 
 
 class ClusterError(RayMeshError, RuntimeError):
-    """The cluster or its network failed; the message names the node, rank or link."""
+    """The cluster or its network failed; the message names the node, rank or link.
+
+    Stability: stable
+    """
 
 
 class CheckpointError(RayMeshError, RuntimeError):
-    """A checkpoint that cannot be written or used; the message names it and the fix."""
+    """A checkpoint that cannot be written or used; the message names it and the fix.
+
+    Stability: stable
+    """
 
 
 class GroupDropped(ClusterError):  # noqa: N818 - a state the caller reacts to, not a bug
@@ -62,7 +77,10 @@ class GroupsFailed(ClusterError):
 
 # ----------------------------------------------------------------------------- user input
 class MeshSpecError(UserInputError):
-    """A mesh spec that cannot describe a mesh; the message says how to fix it."""
+    """A mesh spec that cannot describe a mesh; the message says how to fix it.
+
+    Stability: stable
+    """
 
 
 class GroupLayoutError(UserInputError):
@@ -106,7 +124,10 @@ class TrialError(PlanError):
 
 
 class ParallelError(ConfigurationError):
-    """A model, plan or schedule that cannot be put on the mesh as asked."""
+    """A model, plan or schedule that cannot be put on the mesh as asked.
+
+    Stability: stable
+    """
 
 
 class DataSplitError(ConfigurationError):
@@ -114,7 +135,10 @@ class DataSplitError(ConfigurationError):
 
 
 class StorageError(ConfigurationError):
-    """A storage_path that cannot hold this run's checkpoints; the message says what to use."""
+    """A storage_path that cannot hold this run's checkpoints; the message says what to use.
+
+    Stability: stable
+    """
 
 
 class RequestRefused(StorageError):
@@ -138,7 +162,10 @@ class NetworkError(ClusterError):
 
 
 class PreflightError(NetworkError):
-    """The nodes cannot form a process group; the message lists every failure and its fix."""
+    """The nodes cannot form a process group; the message lists every failure and its fix.
+
+    Stability: stable
+    """
 
 
 class LinkError(ClusterError):
@@ -154,7 +181,10 @@ class BringUpError(ClusterError):
 
 
 class CollectiveHangError(ClusterError):
-    """A collective did not complete within hang_timeout_s; the message is the full report."""
+    """A collective did not complete within hang_timeout_s; the message is the full report.
+
+    Stability: stable
+    """
 
 
 class StatusError(ClusterError):
@@ -180,11 +210,17 @@ class Oversize(Malformed):  # noqa: N818 - a size, not an error of the program
 
 # ----------------------------------------------------------------------------- checkpoints
 class CheckpointMismatchError(CheckpointError, ValueError):
-    """The checkpoint holds another model: the message lists the keys that do not match."""
+    """The checkpoint holds another model: the message lists the keys that do not match.
+
+    Stability: stable
+    """
 
 
 class NonFiniteError(CheckpointError, ValueError):
-    """The model holds NaN or inf: saving it would replace good checkpoints with broken ones."""
+    """The model holds NaN or inf: saving it would replace good checkpoints with broken ones.
+
+    Stability: stable
+    """
 
 
 EXIT_CODE = 2
@@ -198,41 +234,16 @@ def exit_code(exc: BaseException) -> int | None:
 
 
 __all__ = [
-    "EXIT_CODE",
-    "BootstrapError",
-    "BringUpError",
     "CheckpointError",
     "CheckpointMismatchError",
     "ClusterError",
     "CollectiveHangError",
     "ConfigurationError",
-    "DataSpecError",
-    "DataSplitError",
-    "GroupDropped",
-    "GroupLayoutError",
-    "GroupsFailed",
-    "JobError",
-    "LayoutError",
-    "LinkAbandoned",
-    "LinkError",
-    "Malformed",
     "MeshSpecError",
-    "ModelConfigError",
-    "NetworkError",
     "NonFiniteError",
-    "Oversize",
-    "ObjectStoreError",
     "ParallelError",
-    "PlanError",
     "PreflightError",
-    "RequestRefused",
     "RayMeshError",
-    "SourceError",
-    "StatusError",
     "StorageError",
-    "StorageURIError",
-    "TopologyError",
-    "TrialError",
     "UserInputError",
-    "exit_code",
 ]

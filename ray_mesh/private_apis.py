@@ -370,7 +370,10 @@ def is_head_node(resources: Mapping[str, Any]) -> bool:
     return HEAD_NODE_RESOURCE in resources
 
 
-__all__ = [
+WRAPPERS = (
+    # The register of wrappers and their constants: tests/unit/test_private_apis.py holds
+    # every callable here to a test of its own and to its docstring's "Internal" and "Public
+    # replacement".
     "CHECKED_RAY",
     "CHECKED_TORCH",
     "GCS_CLUSTER_ID_METHOD",
@@ -392,4 +395,4 @@ __all__ = [
     "startup_timeout_error_type",
     "v2_worker_group_type",
     "start_autoscaling_coordinator",
-]
+)

@@ -416,5 +416,3 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="DCP saves and loads without a process group without warning.",
     ),
 )
-
-__all__ = ["WORKAROUNDS", "Workaround"]

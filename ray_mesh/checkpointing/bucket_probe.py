@@ -208,6 +208,3 @@ def check_object_storage(path: str, endpoint: str | None = None, *,
             f"Check the URI, the bucket and {CREDENTIALS}.") from None
     finally:
         pool.shutdown(wait=False)
-
-
-__all__ = ["PROBE_PREFIX", "check_object_storage", "endpoint_of"]

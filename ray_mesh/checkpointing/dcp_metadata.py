@@ -163,7 +163,3 @@ def read_metadata(path: str | os.PathLike) -> Any:
         raise ValueError(f"{METADATA} unpickles to a {type(meta).__name__}, not DCP Metadata; "
                          f"{_ALTERED}")
     return meta
-
-
-__all__ = ["METADATA", "METADATA_MAX_BYTES", "METADATA_MAX_ENV", "metadata_max_bytes",
-           "metadata_size_problem", "read_metadata"]

@@ -92,6 +92,3 @@ def check_report(step: Any, data_position: Any) -> None:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"Checkpointer.report(data_position=...) must hold JSON values only "
                         f"(ints, floats, strings, lists, dicts): {exc}.") from exc
-
-
-__all__ = ["check_args", "check_report", "train_context"]

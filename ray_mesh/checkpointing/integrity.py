@@ -42,12 +42,10 @@ from typing import Any
 
 from ray_mesh.checkpointing.dcp_metadata import (
     METADATA,
-    METADATA_MAX_BYTES,
-    METADATA_MAX_ENV,
-    metadata_max_bytes,
     metadata_size_problem,
     read_metadata,
 )
+from ray_mesh.checkpointing.dcp_metadata import METADATA_MAX_BYTES as METADATA_MAX_BYTES
 from ray_mesh.core.files import write_atomic
 from ray_mesh.core.safe import safe_text
 
@@ -259,10 +257,3 @@ def metadata_problem(path: Path) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
-
-
-__all__ = ["MANIFEST", "MARKER", "METADATA", "METADATA_MAX_BYTES", "METADATA_MAX_ENV",
-           "OWNED", "checked_metadata", "describe", "drop_world_access", "is_owned",
-           "manifest_problem", "mark_owned", "metadata_max_bytes", "metadata_problem",
-           "metadata_size_problem", "parse_marker", "rank_files", "read_metadata",
-           "sha256_file", "write_json_atomic"]

@@ -38,6 +38,3 @@ def check_run_name(name: object) -> str:
             f"storage_path instead."
         )
     return str(name)
-
-
-__all__ = ["StorageError", "check_run_name", "run_name_problem"]

@@ -8,6 +8,8 @@ every file that came back is hashed against the manifest before anything is unpi
 (:mod:`ray_mesh.checkpointing.integrity`), so a tampered or truncated object in the bucket
 is refused with a :class:`~ray_mesh.errors.CheckpointError` naming it. DCP itself reads
 local files only; the copy is removed when the load is done. Ray-free.
+
+Stability: experimental
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def download(path: str, dest: str | os.PathLike, *, endpoint: str | None = None)
     ``endpoint``: the S3-compatible server of an ``s3://`` path (as the job's
     ``run.storage_endpoint``). Raises :class:`CheckpointError` when there is nothing there,
     or when an object vanishes during the copy (named, never a bare ``FileNotFoundError``).
+
+    Stability: experimental
     """
     import pyarrow.fs
 
@@ -77,6 +81,8 @@ def load(path: str, model: torch.nn.Module, optimizers: sharded.Optimizers = Non
 
     The copy on this machine is verified against the checkpoint's manifest (every byte
     hashed) before it is loaded; a local ``path`` is loaded in place, verified likewise.
+
+    Stability: experimental
     """
     if not object_store.is_uri(path):
         return sharded.load(path, model, optimizers, group=group, verify=True,

@@ -73,6 +73,3 @@ def load(path: str | os.PathLike, diloco: DiLoCo, model: torch.nn.Module,
             f"replica {diloco._replica_key()} is not in checkpoint {path.name} (more replicas "
             f"than when it was saved): it starts from the global parameters")
     return progress
-
-
-__all__ = ["load", "save"]

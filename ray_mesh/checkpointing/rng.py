@@ -105,6 +105,3 @@ def load(path: Path, rank: int) -> list[str]:
         return [f"random state {f} is unusable ({type(exc).__name__}: {exc}); rank {rank} "
                 f"keeps its current random state"]
     return [f"rank {rank} did not restore {what}" for what in skipped]
-
-
-__all__ = ["capture", "file_name", "load", "restore", "save"]

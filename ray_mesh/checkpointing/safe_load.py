@@ -216,6 +216,3 @@ def check_compatible(path: str | os.PathLike, model: torch.nn.Module,
             + ". Resume it with the model that wrote it, or start this model in a new run "
             "(another RunConfig(name=...) or storage_path) instead of resuming."
         )
-
-
-__all__ = ["check_compatible", "load_state"]

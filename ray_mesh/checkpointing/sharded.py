@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 import ray_mesh.checkpointing.integrity as integrity
 import ray_mesh.checkpointing.rng as rng
-from ray_mesh.checkpointing.integrity import MANIFEST, MARKER, METADATA, OWNED
+from ray_mesh.checkpointing.integrity import MANIFEST, MARKER, METADATA
+from ray_mesh.checkpointing.integrity import OWNED as OWNED
 from ray_mesh.checkpointing.safe_load import check_compatible, load_state
 from ray_mesh.errors import CheckpointError, CheckpointMismatchError, NonFiniteError
 
@@ -64,7 +65,10 @@ def step_of(path: str | os.PathLike) -> int | None:
 
 @dataclass
 class Progress:
-    """Where training stands: the next step to run and the data position to continue from."""
+    """Where training stands: the next step to run and the data position to continue from.
+
+    Stability: stable
+    """
 
     step: int = 0
     data_position: dict[str, Any] = field(default_factory=dict)
@@ -132,6 +136,8 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     Collective: every rank must call it. (``cpu_offload=True`` would leave the other ranks
     an empty dict.)
+
+    Stability: stable
     """
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in full.items()}
@@ -208,6 +214,8 @@ def save(
     :func:`mark_complete` has run on every rank. ``check_finite``: refuse (every rank raises
     :class:`NonFiniteError`) when any parameter is NaN/inf. ``save_rng``: this rank's random
     state goes along (see :mod:`ray_mesh.checkpointing.rng`), captured now.
+
+    Stability: stable
     """
     if check_finite:
         _check_finite(model, group)
@@ -266,6 +274,8 @@ def problem(path: str | os.PathLike, verify: bool = False) -> str | None:
     Complete means: the marker is there and valid, the manifest is there, and every file it
     lists (shards, ``.metadata``, random state) exists with the size recorded at save; with
     ``verify`` also with the SHA-256 recorded at save (reads every byte).
+
+    Stability: stable
     """
     path = Path(path)
     if not path.is_dir():
@@ -317,6 +327,8 @@ def load(
     per rank; pass False when one rank already verified it). ``restore_rng``: set this
     rank's random state from the checkpoint; what could not be restored is listed in
     ``Progress.warnings``.
+
+    Stability: stable
     """
     path = Path(path)
     meta = checked_for_load(path, verify)
@@ -368,27 +380,4 @@ def older_siblings(path: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-__all__ = [
-    "MANIFEST",
-    "MARKER",
-    "OWNED",
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "NonFiniteError",
-    "Progress",
-    "check_compatible",
-    "checked_for_load",
-    "checkpoint_group",
-    "dir_name",
-    "full_model_state",
-    "load",
-    "loadable_problem",
-    "mark_complete",
-    "newest_complete",
-    "older_siblings",
-    "prepare_dir",
-    "problem",
-    "read_progress",
-    "save",
-    "step_of",
-]
+__all__ = ["Progress", "full_model_state", "load", "problem", "save"]

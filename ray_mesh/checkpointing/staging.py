@@ -61,6 +61,3 @@ class StagingDir:
             self._finalizer()
         self._path = None
         self._finalizer = None
-
-
-__all__ = ["PREFIX", "StagingDir"]

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from ray_mesh.checkpointing.bucket_probe import PROBE_PREFIX, check_object_storage, endpoint_of
-from ray_mesh.checkpointing.names import StorageError, check_run_name, run_name_problem
+from ray_mesh.checkpointing.names import StorageError, check_run_name
 from ray_mesh.core.object_store import check_location
 from ray_mesh.core.object_store import is_uri as _is_uri
 
@@ -147,6 +147,8 @@ def check_storage(storage_path: str | os.PathLike | None, *, timeout_s: float = 
 
     ``nodes=False``: the driver's probe only, even with Ray up (``ray-mesh run`` probes
     before Ray starts, then asks the nodes once Ray is up: :func:`check_storage_nodes`).
+
+    Stability: stable
     """
     if name is not None:
         check_run_name(name)
@@ -260,6 +262,4 @@ def check_seen_by_all_ranks(directory: str | os.PathLike, group: Any = None) -> 
             f"every node (NFS, a cluster filesystem), or a cloud URI (s3://bucket/path).")
 
 
-__all__ = ["StorageError", "absolute_storage_path", "check_run_name",
-           "check_seen_by_all_ranks", "check_storage", "check_storage_nodes",
-           "default_storage_path", "run_name_problem"]
+__all__ = ["check_storage"]

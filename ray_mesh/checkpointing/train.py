@@ -94,6 +94,8 @@ class Checkpointer:
     Each rank's random state (torch, CUDA, Python ``random``, NumPy) is saved with every
     checkpoint and restored by :meth:`restore`, so a resumed run draws the same dropout
     masks as an uninterrupted one.
+
+    Stability: stable
     """
 
     def __init__(

@@ -136,6 +136,3 @@ def prune(location: str, newest: int, keep: int, endpoint: str | None = None, *,
         if remove(uri, endpoint, request_timeout_s=request_timeout_s):
             gone.append(uri)
     return gone
-
-
-__all__ = ["complete", "join", "prune", "remove", "upload_dir"]

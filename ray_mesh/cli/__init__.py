@@ -10,6 +10,3 @@ def main(argv: list[str] | None = None) -> int:
     from ray_mesh.cli.main import main as _main
 
     return _main(argv)
-
-
-__all__ = ["main"]

@@ -154,8 +154,3 @@ def address_flag(text: str) -> str:
     if why:
         raise argparse.ArgumentTypeError(why)
     return text.strip()
-
-
-__all__ = ["CliParser", "address_flag", "address_problem", "int_flag", "name_flag",
-           "port_flag", "positive_number", "seconds_flag", "status_address_flag",
-           "storage_flag"]

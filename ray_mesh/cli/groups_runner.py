@@ -147,6 +147,3 @@ def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome
                  + (f"`ray-mesh status --storage {storage}` shows them" if storage
                     else "set run.storage_path to keep them for `ray-mesh status`"))
     return lines, ok
-
-
-__all__ = ["GroupsOutcome", "group_config", "groups_summary", "run_groups_outcome"]

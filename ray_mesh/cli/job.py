@@ -248,7 +248,7 @@ class Job:
 
     def trainer_inputs(self) -> tuple[dict[str, Any] | None, dict]:
         """``(datasets, train_loop_config)`` for ``TorchTrainer``: with a ``data:`` section,
-        its Ray Data datasets (``ray_mesh.data.ray_datasets``, the section's public entry
+        its Ray Data datasets (``ray_mesh.data.ray_datasets``, the section's one entry
         point, whatever the format) and the checked section under ``config["data"]``."""
         if self.data is None:
             return None, self.config
@@ -385,6 +385,3 @@ class Job:
     # ------------------------------------------------------------------ train function
     def load_train_fn(self) -> Callable[..., Any]:
         return load_function(self.train, self.base_dir)
-
-
-__all__ = ["Job", "JobError", "NetworkSection", "RunSection", "ScalingSection", "load_function"]

@@ -167,7 +167,3 @@ def _ship_by_value(module: Any) -> None:
     except ImportError:
         return
     cloudpickle.register_pickle_by_value(module)
-
-
-__all__ = ["BACKENDS", "JobError", "check_backend", "check_keys", "check_mesh_fits",
-           "check_train_ref", "load_function"]

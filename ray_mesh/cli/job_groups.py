@@ -176,7 +176,3 @@ def parse_group_data(section: Any, groups: ReplicaGroupsSection, base_dir: Path,
                        f"to at least {need}, or lower seq_len or replica_groups."
                        f"segment_samples.")
     return spec
-
-
-__all__ = ["DATA_FROM", "KEYS", "NOT_WITH_GROUPS", "ReplicaGroupsSection", "check_alongside",
-           "parse_group_data"]

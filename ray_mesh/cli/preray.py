@@ -102,6 +102,3 @@ def user_error_inside(exc: BaseException, types: tuple[type[BaseException], ...]
             return current
         todo.extend(_inner(current))
     return None
-
-
-__all__ = ["check_before_ray", "embedded_capacity_problem", "user_error_inside"]

@@ -32,14 +32,11 @@ from ray_mesh.raytrain.auth import secure_token_file
 from ray_mesh.raytrain.backend import BringUpError
 from ray_mesh.raytrain.driver import CLI_ENV
 from ray_mesh.raytrain.elastic import explain_startup_failure
-from ray_mesh.raytrain.launch import (  # the launch layer, re-exported (see __all__)
-    check_cluster,
-    check_data_resources,
-    check_resources,
-    mesh_config,
-    run_parts,
-    scaling_for,
-)
+from ray_mesh.raytrain.launch import check_data_resources as check_data_resources
+from ray_mesh.raytrain.launch import check_resources as check_resources
+from ray_mesh.raytrain.launch import mesh_config as mesh_config
+from ray_mesh.raytrain.launch import run_parts
+from ray_mesh.raytrain.launch import scaling_for as scaling_for
 
 logger = logging.getLogger(__name__)
 
@@ -271,9 +268,3 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
                 raise ours from None
             raise
         return RunOutcome(result, time.monotonic() - t0, url, started)
-
-
-__all__ = ["DATA_CPUS", "RunOutcome", "check_cluster", "check_data_resources",
-           "check_reachable", "check_resources", "connect", "mesh_config", "metrics_url",
-           "node_metrics_url", "ray_session", "run_job", "run_job_outcome", "scaling_for",
-           "will_embed"]

@@ -171,6 +171,3 @@ def add_parser(sub: Any) -> None:
                                f"when it does not exist (default {DEFAULT_KEY_FILE})")
     serve.set_defaults(func=_cmd_serve)
     key.set_defaults(func=_cmd_key)
-
-
-__all__ = ["READY", "START_TIMEOUT_S", "Server", "add_parser", "start_server"]

@@ -262,7 +262,3 @@ class SignedS3Only:
                                        ("Content-Length", "0" if head else str(len(body)))])
             return [b""] if head else [body]
         return self.app(environ, start_response)
-
-
-__all__ = ["DEFAULT_KEY_FILE", "MAX_SKEW_S", "SignedS3Only", "check_request",
-           "load_or_make_key", "make_key", "read_key_file", "write_key_file"]

@@ -41,7 +41,10 @@ DEFAULT_PG_TIMEOUT_S = 600.0
 
 @dataclass
 class MeshState:
-    """What this process knows about its place in the mesh."""
+    """What this process knows about its place in the mesh.
+
+    Stability: stable
+    """
 
     mesh: DeviceMesh
     spec: MeshSpec
@@ -64,11 +67,21 @@ _lock = threading.Lock()
 
 
 def get_mesh() -> DeviceMesh:
-    """The DeviceMesh of this worker, with every named dim and the flattened dp dims."""
+    """The DeviceMesh of this worker, with every named dim and the flattened dp dims.
+
+    Stability: stable
+    """
     return get_state().mesh
 
 
 def get_state() -> MeshState:
+    """This worker's :class:`MeshState`: the mesh with its spec, device, backend and layout.
+
+    Raises a :class:`~ray_mesh.ClusterError` (``BootstrapError``) before a mesh exists in
+    this process.
+
+    Stability: stable
+    """
     if _state is None:
         raise BootstrapError(
             "ray_mesh.get_mesh() was called before a mesh exists in this process. Under Ray "
@@ -79,6 +92,10 @@ def get_state() -> MeshState:
 
 
 def is_initialized() -> bool:
+    """Whether this process has a mesh (built by ``MeshConfig`` or :func:`init_mesh`).
+
+    Stability: stable
+    """
     return _state is not None
 
 
@@ -356,6 +373,8 @@ def init_mesh(
     ``'nodes'`` dims resolve to WORLD_SIZE / LOCAL_WORLD_SIZE, the node count under torchrun.
     ``layout`` (a :class:`~ray_mesh.core.layout.Layout`, its string or mapping) gives the
     reduce dtype, pipeline and replicate mode, and the dims when ``spec`` is None.
+
+    Stability: stable
     """
     lay = None if layout is None else parse_layout(layout)
     if spec is None and lay is not None:
@@ -383,7 +402,10 @@ def init_mesh(
 def shutdown_mesh() -> None:
     """Forget the mesh, destroy the process group and free every group of the mesh, its
     threads joined (safe to call when none exists). Freed here, not at interpreter exit,
-    where a gloo worker can abort the process: see :mod:`ray_mesh.core.teardown`."""
+    where a gloo worker can abort the process: see :mod:`ray_mesh.core.teardown`.
+
+    Stability: stable
+    """
     global _state
     with _lock:
         mesh = _state.mesh if _state is not None else None

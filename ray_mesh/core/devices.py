@@ -38,6 +38,3 @@ def use_device(device: torch.device) -> None:
     """Make ``device`` current for the calling thread (CUDA's current device is per thread)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-
-
-__all__ = ["default_backend", "pick_device", "use_device"]

@@ -20,7 +20,10 @@ COMPRESS_MODES = ("none", "bf16", "int8")
 
 @dataclass(frozen=True)
 class DiLoCoConfig:
-    """The replicate dim's DiLoCo settings (YAML: ``replicate: {mode: diloco, ...}``)."""
+    """The replicate dim's DiLoCo settings (YAML: ``replicate: {mode: diloco, ...}``).
+
+    Stability: experimental
+    """
 
     every: int = 50
     outer_lr: float = 0.7
@@ -83,4 +86,4 @@ def check_mesh(config: DiLoCoConfig | None, dp_replicate: Any) -> None:
             f"or a size >= 2, or use replicate.mode: sync")
 
 
-__all__ = ["COMPRESS_MODES", "DiLoCoConfig", "check_mesh"]
+__all__ = ["DiLoCoConfig"]

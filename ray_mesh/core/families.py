@@ -73,6 +73,3 @@ def family_mesh(family: str, nodes: int, per_node: int, *, tp: int | None = None
             }[family]
     dims = {"pp": p, **dims}
     return MeshSpec(**{d: dims.get(d, 1) for d in DIM_NAMES})
-
-
-__all__ = ["FAMILIES", "OLD_FAMILY_SPELLINGS", "check_family", "family_mesh"]

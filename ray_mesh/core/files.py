@@ -35,6 +35,3 @@ def write_atomic(path: str | os.PathLike, text: str | bytes, mode: int = 0o600) 
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-__all__ = ["write_atomic"]

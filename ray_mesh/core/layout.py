@@ -36,7 +36,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ray_mesh.core.diloco_config import DiLoCoConfig
-from ray_mesh.core.families import FAMILIES, OLD_FAMILY_SPELLINGS, check_family, family_mesh
+from ray_mesh.core.families import FAMILIES, OLD_FAMILY_SPELLINGS
+from ray_mesh.core.families import check_family as check_family
+from ray_mesh.core.families import family_mesh as family_mesh
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.errors import LayoutError, MeshSpecError, ParallelError
 
@@ -79,6 +81,8 @@ class Layout:
     ``diloco`` None is sync replication (HSDP's all-reduce every step); a
     :class:`DiLoCoConfig` is DiLoCo with those settings. ``schedule`` None: no pipeline
     schedule chosen (the train function's own, or no pipeline).
+
+    Stability: experimental
     """
 
     mesh: MeshSpec = MeshSpec(dp_shard=1)
@@ -201,7 +205,10 @@ _DIM = re.compile(r"^([a-z_]+)=(-1|\d+|nodes)$")
 
 def parse_layout(value: Any) -> Layout:
     """The one parser: a :class:`Layout` from its canonical string, its mapping form, or a
-    Layout. Raises :class:`~ray_mesh.errors.LayoutError` naming the fix."""
+    Layout. Raises :class:`~ray_mesh.errors.LayoutError` naming the fix.
+
+    Stability: experimental
+    """
     if isinstance(value, Layout):
         return value
     if isinstance(value, str):
@@ -354,6 +361,4 @@ def _not_a_layout(raw: str) -> str:
             f"diloco:every=50).")
 
 
-__all__ = ["FAMILIES", "OLD_FAMILY_SPELLINGS", "REDUCE_DTYPES", "SCHEDULES", "DiLoCoConfig",
-           "Layout", "LayoutError", "check_family", "family_mesh", "parse_layout",
-           "parse_replicate", "schedule_name"]
+__all__ = ["Layout", "parse_layout"]

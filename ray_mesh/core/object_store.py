@@ -207,6 +207,8 @@ def run_storage(storage_path: str | None, endpoint: str | None = None) -> dict[s
     Without an endpoint the path goes to Ray Train as written (its own resolution); with
     one, an ``S3FileSystem`` at that endpoint and the path inside it. The filesystem holds
     no credentials: each machine resolves its own from the AWS environment or files.
+
+    Stability: stable
     """
     if storage_path is None:
         if endpoint is not None:
@@ -236,6 +238,4 @@ def same_location(a: str, b: str) -> bool:
     return norm(a) == norm(b) and (is_uri(a) or is_uri(b) or a.rstrip("/") == b.rstrip("/"))
 
 
-__all__ = ["CREDENTIAL_KEYS", "StorageURIError", "bucket_problem", "check_location",
-           "credential_problem", "filesystem", "is_uri", "parse_endpoint", "redacted",
-           "run_storage", "same_location", "shown"]
+__all__ = ["run_storage"]

@@ -85,6 +85,3 @@ def check_option_values(values: Mapping[str, Any]) -> None:
     if "worker_niceness" in values:
         lo, hi = priority.NICENESS_RANGE[0], priority.NICENESS_RANGE[-1]
         read_int("worker_niceness", values["worker_niceness"], lo, hi, none_ok=True)
-
-
-__all__ = ["OPTION_DEFAULTS", "MeshLike", "MeshOptions", "check_option_values"]

@@ -169,7 +169,3 @@ def join_round(store: dist.Store, rank: int, world_size: int) -> int:
             f"was moved by a client outside this round, another client of the store or an "
             f"earlier attempt whose ranks did not all join. {_FIX}")
     return round_
-
-
-__all__ = ["CLAIM_PREFIX", "JOIN_KEY", "MAX_ROUNDS", "STORE_BIND_ENV", "bind_address",
-           "create_store", "join_round", "listen_socket"]

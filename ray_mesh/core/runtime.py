@@ -38,6 +38,3 @@ def train_context() -> Any | None:
 def in_ray_train() -> bool:
     """True inside a Ray Train worker: ``ray.train.report`` and its context work here."""
     return train_context() is not None
-
-
-__all__ = ["TORCHRUN_ENV", "in_ray_train", "train_context"]

@@ -58,6 +58,3 @@ def safe_text(value: Any, limit: int | None = None, *, multiline: bool = False) 
 def has_control(value: str) -> bool:
     """Whether :func:`safe_text` would escape something in ``value``."""
     return _UNSAFE.search(value) is not None
-
-
-__all__ = ["NAME_LIMIT", "has_control", "safe_text"]

@@ -21,14 +21,20 @@ from ray_mesh.core.yaml_load import load_yaml
 from ray_mesh.errors import MeshSpecError
 
 DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-"""The mesh dims, outer to inner."""
+"""The mesh dims, outer to inner.
+
+Stability: stable
+"""
 
 FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
-"""Flattened dims built on every mesh: data loading (dp), FSDP (dp_shard_cp), loss (dp_cp)."""
+"""Flattened dims built on every mesh: data loading (dp), FSDP (dp_shard_cp), loss (dp_cp).
+
+Stability: stable
+"""
 
 INNER_DIMS: tuple[str, ...] = ("dp_shard", "cp", "tp")
 OUTER_DIMS: tuple[str, ...] = ("pp", "dp_replicate")
@@ -68,6 +74,8 @@ class MeshSpec:
 
     ``dp_shard=-1`` by default: plain FSDP over every worker, the layout that needs no
     thought. Use :meth:`hsdp` for replicate-across-nodes, shard-inside-a-node.
+
+    Stability: stable
     """
 
     pp: DimValue = 1
@@ -289,11 +297,4 @@ def _unknown_dim_message(name: str) -> str:
     return f"Unknown mesh dim {name!r}.{hint} The dims are {DIM_NAMES}."
 
 
-__all__ = [
-    "DIM_NAMES",
-    "FLATTENED_DIMS",
-    "MeshSpec",
-    "MeshSpecError",
-    "NODES",
-    "load_yaml",
-]
+__all__ = ["DIM_NAMES", "FLATTENED_DIMS", "MeshSpec"]

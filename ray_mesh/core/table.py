@@ -54,6 +54,3 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) ->
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(format_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
-
-
-__all__ = ["format_cell", "markdown_table", "text_table"]

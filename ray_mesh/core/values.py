@@ -142,7 +142,3 @@ def read_str(where: str, value: Any, *, choices: tuple[str, ...] | None = None,
 def read_port(where: str, value: Any, *, error: type[Exception] = ValueError) -> int:
     """A TCP port, 1-65535."""
     return read_int(where, value, 1, 65535, example=29500, error=error)  # type: ignore[return-value]
-
-
-__all__ = ["MAX_SECONDS", "brief", "describe", "read_bool", "read_int", "read_port", "read_seconds",
-           "read_str"]

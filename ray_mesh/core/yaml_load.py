@@ -167,6 +167,3 @@ def load_yaml(source: str | Path, *, error: type[Exception] = MeshSpecError) -> 
         if getattr(exc, LIMIT, False):
             raise error(f"{where} is refused{at}: {problem}.") from exc
         raise error(f"{where} is not valid YAML{at}: {problem}. Fix that line.") from exc
-
-
-__all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_VALUES", "load_yaml"]

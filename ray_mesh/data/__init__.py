@@ -21,10 +21,13 @@ package's reference workload for benchmarks and tests of the parallel layouts on
 Ray-free; :func:`ray_dataset` imports Ray Data when called.
 """
 
-from ray_mesh.data.indexed import TokenSamples, group_samples
-from ray_mesh.data.indexed_ray import from_ray_dataset
-from ray_mesh.data.spec import DataSpec, DataSpecError
-from ray_mesh.data.text import load_split, pack, ray_dataset, ray_datasets, unigram_entropy
-
-__all__ = ["DataSpec", "DataSpecError", "TokenSamples", "from_ray_dataset", "group_samples",
-           "load_split", "pack", "ray_dataset", "ray_datasets", "unigram_entropy"]
+from ray_mesh.data.indexed import TokenSamples as TokenSamples
+from ray_mesh.data.indexed import group_samples as group_samples
+from ray_mesh.data.indexed_ray import from_ray_dataset as from_ray_dataset
+from ray_mesh.data.spec import DataSpec as DataSpec
+from ray_mesh.data.spec import DataSpecError as DataSpecError
+from ray_mesh.data.text import load_split as load_split
+from ray_mesh.data.text import pack as pack
+from ray_mesh.data.text import ray_dataset as ray_dataset
+from ray_mesh.data.text import ray_datasets as ray_datasets
+from ray_mesh.data.text import unigram_entropy as unigram_entropy

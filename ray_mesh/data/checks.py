@@ -44,6 +44,3 @@ def check_same_batch(tokens: torch.Tensor, mesh: DeviceMesh, *, dim: str = "tp",
             f"data-parallel rank instead (ray_mesh.parallel.shard_batch / distributed_sampler "
             f"under torchrun; under Ray Train, a dataset split over the mesh's dp dim, not "
             f"Ray's default split over every worker).")
-
-
-__all__ = ["check_same_batch", "fingerprint"]

@@ -234,7 +234,3 @@ def group_samples(config: Mapping[str, Any]) -> TokenSamples:
                             "job (paths, seq_len, ...).")
     return TokenSamples.from_spec(DataSpec.from_dict(config["data"]),
                                   expect=index.get("manifest"))
-
-
-__all__ = ["INDEX_KEY", "LocalRows", "Rows", "TokenSamples", "epoch_order", "files_read",
-           "group_samples", "manifest", "train_files"]

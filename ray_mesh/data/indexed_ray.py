@@ -124,6 +124,3 @@ def ray_samples(spec: DataSpec) -> TokenSamples:
     here = {f"node:{ray.util.get_node_ip_address()}": NODE_PIN}
     ds = ray_dataset(spec, "train", resources=here)
     return from_ray_dataset(ds, "tokens", shuffle_seed=spec.shuffle_seed)
-
-
-__all__ = ["BlockRows", "FETCH_TIMEOUT_S", "from_ray_dataset", "ray_samples"]

@@ -269,6 +269,3 @@ def parse_job_data(section: Any, base_dir: str | Path, *, mesh: Any = None,
     max_seq = model.get("max_seq_len") if isinstance(model, Mapping) else None
     spec.check(dp_size=dp, max_seq_len=max_seq if isinstance(max_seq, int) else None)
     return spec
-
-
-__all__ = ["FORMATS", "STDLIB", "DataSpec", "DataSpecError", "parse_job_data", "stdlib_files"]

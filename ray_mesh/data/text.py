@@ -201,9 +201,3 @@ def ray_datasets(spec: DataSpec) -> dict[str, Any]:
     rank evaluates the same rows each time, which a streaming split does not promise.
     """
     return {"train": ray_dataset(spec, "train")}
-
-
-__all__ = ["SEPARATOR", "VOCAB_SIZE", "bits_per_byte", "documents", "encode", "files_holding",
-           "load_split",
-           "pack", "pack_batch", "ray_dataset", "ray_datasets", "read_tokens",
-           "unigram_entropy"]

@@ -7,14 +7,10 @@ may import it. Its data comes from the ``data:`` job section (:mod:`ray_mesh.dat
 ``ray-mesh run`` handles for every job, not by a special case of this model.
 """
 
-from ray_mesh.models.llama import (
-    PRESETS,
-    Llama,
-    LlamaConfig,
-    ModelConfigError,
-    num_params,
-)
-from ray_mesh.models.parallelize import llama_tp_plan, parallelize_llama
-
-__all__ = ["PRESETS", "Llama", "LlamaConfig", "ModelConfigError", "llama_tp_plan",
-           "num_params", "parallelize_llama"]
+from ray_mesh.models.llama import PRESETS as PRESETS
+from ray_mesh.models.llama import Llama as Llama
+from ray_mesh.models.llama import LlamaConfig as LlamaConfig
+from ray_mesh.models.llama import ModelConfigError as ModelConfigError
+from ray_mesh.models.llama import num_params as num_params
+from ray_mesh.models.parallelize import llama_tp_plan as llama_tp_plan
+from ray_mesh.models.parallelize import parallelize_llama as parallelize_llama

@@ -277,7 +277,3 @@ def num_params(model: nn.Module, *, exclude_embeddings: bool = False) -> int:
         seen.add(id(p))
         total += p.numel()  # a DTensor's numel is its global size
     return total
-
-
-__all__ = ["PRESETS", "Attention", "Block", "FeedForward", "Llama", "LlamaConfig",
-           "ModelConfigError", "apply_rope", "num_params", "rope_table"]

@@ -26,8 +26,9 @@ from torch.distributed.tensor.parallel import (
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core import bootstrap
 from ray_mesh.models.llama import Llama
-from ray_mesh.parallel import apply_fsdp, apply_tp, make_style
+from ray_mesh.parallel import apply_fsdp, apply_tp
 from ray_mesh.parallel.mesh import mesh_device
+from ray_mesh.parallel.tp import make_style
 
 
 def llama_tp_plan(sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
@@ -120,6 +121,3 @@ def parallelize_llama(
     return apply_fsdp(model, mesh, blocks="layers", mode=dp,  # type: ignore[arg-type]
                       mixed_precision=mixed_precision,
                       reshard_after_forward=reshard_after_forward)
-
-
-__all__ = ["llama_tp_plan", "parallelize_llama"]

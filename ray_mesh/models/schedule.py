@@ -16,6 +16,3 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-__all__ = ["warmup_cosine"]

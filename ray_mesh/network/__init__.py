@@ -5,7 +5,5 @@ Runs on workers and node agents; the Ray side that fans these out lives in
 ``ray_mesh.raytrain.preflight``.
 """
 
-from ray_mesh.network.interfaces import NetworkError
-from ray_mesh.network.report import PreflightError
-
-__all__ = ["NetworkError", "PreflightError"]
+from ray_mesh.network.interfaces import NetworkError as NetworkError
+from ray_mesh.network.report import PreflightError as PreflightError

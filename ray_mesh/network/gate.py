@@ -383,7 +383,3 @@ class GatedListener:
         """Stop and wait (bounded) until the listening socket is closed."""
         self.stop()
         self.thread.join(timeout=timeout_s)
-
-
-__all__ = ["BACKLOG", "MAX_PENDING", "NONCE_TIMEOUT_S", "GateStats", "GatedListener",
-           "new_nonce", "peer_key", "read_line", "send_nonce"]

@@ -259,7 +259,3 @@ def measure_path_mtu(addresses: Sequence[str], run_on: Callable[..., object], *,
                 run_on(i, stop_echo, ports[i])
     return MtuReport([PathMtu(str(r["a"]), str(r["b"]), int(r["mtu"]), int(r["interface_mtu"]),
                               str(r["interface"])) for r in rows])
-
-
-__all__ = ["FLOOR", "EchoServer", "MtuReport", "PathMtu", "measure_path_mtu", "probe_paths",
-           "start_echo", "stop_echo"]

@@ -300,20 +300,3 @@ def probe_peers(source: str, targets: Sequence[Target], timeout_s: float,
     for target in targets:
         results.setdefault(target.node, ConnectResult(False, "probe thread did not finish"))
     return results
-
-
-__all__ = [
-    "CONNECT_TRIES",
-    "MAX_CLIENTS",
-    "SESSION_S",
-    "RENDEZVOUS",
-    "VERSION_KEYS",
-    "ConnectResult",
-    "NodeFacts",
-    "Target",
-    "admit_peers",
-    "close_listeners",
-    "node_versions",
-    "open_listeners",
-    "probe_peers",
-]

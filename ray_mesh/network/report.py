@@ -224,13 +224,3 @@ def version_problems(versions: Sequence[Mapping[str, str] | None],
                        f"version on every node (e.g. one container image or a pinned "
                        f"requirements file), then restart Ray there.")
     return out
-
-
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "NodeTarget",
-    "PreflightError",
-    "PreflightReport",
-    "find_problems",
-    "version_problems",
-]

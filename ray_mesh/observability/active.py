@@ -36,6 +36,3 @@ def clear(owner: Any) -> None:
 def watch() -> Any:
     """The running owner's hang watch, or None."""
     return getattr(_running, "watch", None)
-
-
-__all__ = ["clear", "current", "install", "watch"]

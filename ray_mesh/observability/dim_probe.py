@@ -29,6 +29,8 @@ def probe_dims(
     Returns dim -> (median seconds, bus bandwidth in bytes/s, nccl-tests' definition
     ``nbytes * 2 (n-1) / n / t``). With ``export``, inside a run, they go to the run's
     metrics as ``mesh_dim_allreduce_seconds`` and ``mesh_dim_busbw_bytes_per_second``.
+
+    Stability: experimental
     """
     import torch.distributed as dist
 
@@ -66,4 +68,4 @@ def probe_dims(
     return results
 
 
-__all__ = ["MESH_DIMS", "probe_dims"]
+__all__ = ["probe_dims"]

@@ -341,8 +341,3 @@ def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None)
         return (f"{url} answers but serves no Ray metrics: another process holds the port. "
                 f"Restart Ray with a free --metrics-export-port")
     return None
-
-
-__all__ = ["DIM_TAG_KEYS", "METRICS", "METRICS_BY_NAME", "TAG_KEYS", "Exporter", "MetricDef",
-           "WindowExporter", "check_endpoint", "hold_refresh_s", "mesh_tags", "metrics_endpoint",
-           "no_agent", "run_name", "train_context"]

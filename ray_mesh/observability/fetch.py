@@ -238,6 +238,3 @@ def read_storage_file(storage: str, relpath: str, *, timeout_s: float, max_bytes
     if data is not None and len(data) > max_bytes:
         raise SourceError(f"{what} is larger than {max_bytes / 2**20:g} MiB: not read")
     return data
-
-
-__all__ = ["Deadline", "SECRET_HEADERS", "SourceError", "http_get", "read_storage_file"]

@@ -327,7 +327,3 @@ def all_reduce(tensor: torch.Tensor, dim: str, op: Any = dist.ReduceOp.SUM) -> t
     with _Watched(watch, hit[0], "all_reduce"):
         dist.all_reduce(tensor, op=op, group=hit[1])
     return tensor
-
-
-__all__ = ["CollectiveHangError", "END_GRACE_S", "HangWatch", "all_reduce", "connect_store",
-           "current", "mesh_groups", "start_watch", "watched"]

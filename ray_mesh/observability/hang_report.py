@@ -231,7 +231,3 @@ def format_report(snaps: dict[int, dict[str, Any]], beats: dict[int, dict[str, A
     # Last, so that an error display that keeps only the head and tail (Ray Train's) shows it.
     out.append(summary(stalls))
     return safe_text("\n".join(out), multiline=True)
-
-
-__all__ = ["Stall", "find_stalls", "format_report", "format_stack", "guess_op",
-           "relevant_threads", "summary"]

@@ -359,8 +359,3 @@ class HangStore:
                            now.encode())
             return False
         return self.store.add("claim", 1) == 1
-
-
-__all__ = ["HangStore", "LIMITS", "Malformed", "connect_reader", "connect_store", "decode",
-           "encode_report", "encode_snapshot", "parse_beat", "parse_report", "parse_request",
-           "parse_snapshot", "trim_threads"]

@@ -379,7 +379,3 @@ def write_html(path: str | Path, status: ClusterStatus, *,
     path = Path(path)
     path.write_text(render(status, links=links, history=history), encoding="utf-8")
     return path
-
-
-__all__ = ["curve_svg", "groups_html", "merge_history", "mesh_svg", "previous_data", "render",
-           "run_point", "step_colour", "step_summary", "write_html"]

@@ -171,7 +171,3 @@ def read_run_layout(run: dict[str, Any], storage: Sequence[str], timeout_s: floa
         return None, f"run {name}: layout file malformed ({exc}); layout from train state"
     except SourceError as exc:
         return None, f"run {name}: layout file not read ({exc}); layout from train state"
-
-
-__all__ = ["LAYOUT_JSON", "LAYOUT_MD", "layout_document", "layout_from_state", "layout_table",
-           "named_storage", "read_layout", "read_run_file", "read_run_layout", "to_markdown"]

@@ -45,18 +45,10 @@ rank's mesh coordinate (pp, dp_replicate, dp_shard, cp, tp). Ray exports a metri
 
 The pieces, one job each: ``report`` (the recorder), ``export`` (metric definitions, tags,
 the writer to Ray's metrics), ``dim_probe`` (:func:`probe_dims`), ``owner`` (who starts and
-stops them). This module is the public entry point that gathers them.
+stops them). This module gathers them; :func:`probe_dims` is public as ``ray_mesh.probe_dims``.
 """
 
-from ray_mesh.observability.dim_probe import MESH_DIMS, probe_dims
-from ray_mesh.observability.export import (
-    METRICS,
-    METRICS_BY_NAME,
-    MetricDef,
-    check_endpoint,
-    mesh_tags,
-    run_name,
-)
-
-__all__ = ["MESH_DIMS", "METRICS", "METRICS_BY_NAME", "MetricDef", "check_endpoint", "mesh_tags",
-           "probe_dims", "run_name"]
+from ray_mesh.observability.dim_probe import probe_dims as probe_dims
+from ray_mesh.observability.export import METRICS as METRICS
+from ray_mesh.observability.export import check_endpoint as check_endpoint
+from ray_mesh.observability.export import mesh_tags as mesh_tags

@@ -160,7 +160,10 @@ def _try(what: str, without: str, start: Any) -> Any:
 @contextmanager
 def watch_mesh(mesh: Any, timeout_s: float, **kwargs: Any) -> Iterator[HangWatch]:
     """``with watch_mesh(mesh, 60): train()`` under torchrun: errors of a hung collective
-    become a :class:`CollectiveHangError` with the report. ``kwargs``: ``start_watch``'s."""
+    become a :class:`CollectiveHangError` with the report. ``kwargs``: ``start_watch``'s.
+
+    Stability: experimental
+    """
     obs = Observability(ObservabilitySettings(wait_sample_s=None, export=False))
     obs.start(mesh)  # an owner with no watch yet: the recorder only, never exported
     obs.watch = start_watch(mesh, timeout_s, **kwargs)  # raises: torchrun asked for it
@@ -175,4 +178,4 @@ def watch_mesh(mesh: Any, timeout_s: float, **kwargs: Any) -> Iterator[HangWatch
         obs.stop()
 
 
-__all__ = ["Observability", "ObservabilitySettings", "watch_mesh"]
+__all__ = ["watch_mesh"]

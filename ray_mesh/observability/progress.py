@@ -70,6 +70,8 @@ def report_progress(name: str, metrics: dict[str, float], total_steps: int | Non
     line on the driver, exports the numbers and the run's summary reads them. Under torchrun
     (no Ray Train) world rank 0 prints the same line itself. So one train function serves
     both launchers (the examples are run either way).
+
+    Stability: experimental
     """
     from ray_mesh.core.runtime import in_ray_train
 
@@ -86,8 +88,11 @@ def report_progress(name: str, metrics: dict[str, float], total_steps: int | Non
 
 def report_due(step: int, steps: int, every: int) -> bool:
     """Whether 0-based ``step`` of ``steps`` reports: the first, every ``every``-th and the
-    last (the same answer on every rank, so every rank reports together)."""
+    last (the same answer on every rank, so every rank reports together).
+
+    Stability: experimental
+    """
     return step == 0 or (step + 1) % every == 0 or step + 1 == steps
 
 
-__all__ = ["duration", "progress_line", "report_due", "report_progress", "show"]
+__all__ = ["report_due", "report_progress"]

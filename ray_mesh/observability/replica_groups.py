@@ -130,6 +130,3 @@ def lines(groups: dict[str, Any]) -> list[str]:
     out += [f"  step {e['step']}: group {e['group']} {e['kind']} ({e['detail']})"
             for e in groups["events"]]
     return out
-
-
-__all__ = ["GROUPS_JSON", "document", "lines", "parse", "read", "write"]

@@ -300,7 +300,3 @@ def read_summary(run_path: str, timeout_s: float = 30.0,
     if not isinstance(doc, dict) or not isinstance(doc.get("last", {}), dict):
         return {}
     return doc
-
-
-__all__ = ["SUMMARY_FILE", "ReportRecorder", "metric_name", "numeric_items", "read_summary",
-           "save_summary", "wrap_train_report"]

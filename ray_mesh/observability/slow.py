@@ -233,8 +233,3 @@ def format_analysis(a: dict[str, Any]) -> list[str]:
         lines.append("  (no wait windows yet: they appear ~10-20 s after training starts)")
     lines.append(f"  verdict: {a['verdict'] or 'no slow rank or link'}")
     return [safe_text(line) for line in lines]  # node names and links come from the ranks
-
-
-__all__ = ["Analysis", "DimFinding", "LINK_WAIT", "RankTimes", "STRAGGLER_GAP",
-           "STRAGGLER_RATIO", "analyze", "analyze_run", "format_analysis", "groups_of",
-           "links_from_samples", "times_from_row"]

@@ -57,9 +57,9 @@ from ray_mesh.observability.status_metrics import (
     METRICS_MAX_BYTES,
     RAW,
     latest_by_rank,
-    parse_series,
     scrape,
 )
+from ray_mesh.observability.status_metrics import parse_series as parse_series
 
 ACTIVE = ("INITIALIZING", "SCHEDULING", "RUNNING", "RESTARTING", "RESIZING")
 DEFAULT_DASHBOARD_PORT = 8265
@@ -376,7 +376,3 @@ def format_status(status: ClusterStatus) -> str:
         out += _run_lines(run)
     out += [f"note: {safe_text(n)}" for n in status.notes]
     return safe_text("\n".join(out), multiline=True)
-
-
-__all__ = ["ClusterStatus", "StatusError", "collect", "dashboard_url", "format_status",
-           "latest_by_rank", "parse_series", "scrape"]

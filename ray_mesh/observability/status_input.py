@@ -279,8 +279,3 @@ def clean_samples(samples: Iterable[tuple[str, dict, float]]
             continue
         out.append((name, {k: safe_text(v) for k, v in labels.items()}, value))
     return out, dropped
-
-
-__all__ = ["Malformed", "clean_samples", "dig", "integer", "load_json", "mesh_of",
-           "parse_layout", "parse_nodes", "parse_run", "run_label", "safe_component",
-           "targets_of", "text"]

@@ -105,7 +105,3 @@ def latest_by_rank(samples: list[tuple[str, dict, float]], run: str) -> dict[int
             row.update({f"wait%({k[7:]})": 100 * v / row["window_s"] for k, v in list(
                 row.items()) if k.startswith("wait_s/")})
     return out
-
-
-__all__ = ["LATEST", "METRICS_MAX_BYTES", "RAW", "WAITS", "latest_by_rank", "parse_series",
-           "scrape"]

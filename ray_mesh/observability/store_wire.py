@@ -86,6 +86,3 @@ class BoundedReader:
         except (OSError, Oversize, struct.error):
             self.close()
             return False
-
-
-__all__ = ["BoundedReader", "CHECKED_TORCH"]

@@ -207,6 +207,3 @@ def _group_name(group: Any) -> str | None:
 def _line(frame: Any) -> str:
     lineno = frame.f_lineno  # None while a frame is between instructions (3.11)
     return linecache.getline(frame.f_code.co_filename, lineno) if lineno else ""
-
-
-__all__ = ["DEFAULT_INTERVAL_S", "DEFAULT_WINDOW_S", "WaitSampler", "Window"]

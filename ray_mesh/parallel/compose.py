@@ -39,6 +39,8 @@ def parallelize(
     ``dp`` is ``auto`` (FSDP, HSDP or DDP as the mesh's dp dims say; see
     :mod:`ray_mesh.parallel.fsdp`), a mode to insist on, or ``none``. Use the return value: the
     DDP path wraps the module.
+
+    Stability: stable
     """
     module = module.to(mesh_device(mesh))
     if tp_plan:
@@ -74,6 +76,8 @@ def full_parameters(modules: nn.Module | Iterable[nn.Module]) -> dict[str, torch
     A collective when parameters are DTensors (TP, FSDP): call it on every rank of the mesh,
     in the same order. With pipeline stages, pass this rank's stage modules; the names are the
     full model's (stages keep them), so the parts from every pp rank merge into one dict.
+
+    Stability: stable
     """
     if isinstance(modules, nn.Module):
         modules = [modules]
@@ -98,4 +102,4 @@ def gather_over(group_mesh: DeviceMesh, part: Mapping[str, torch.Tensor],
     return merged
 
 
-__all__ = ["full_parameters", "gather_over", "parallelize"]
+__all__ = ["full_parameters", "parallelize"]

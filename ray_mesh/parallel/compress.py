@@ -122,7 +122,3 @@ class PendingAverage:
 def start_average(x: torch.Tensor, mode: str, group: dist.ProcessGroup) -> PendingAverage:
     """Start :func:`average` without waiting for it (see :class:`PendingAverage`)."""
     return PendingAverage(x, mode, group)
-
-
-__all__ = ["CHUNK", "MODES", "PendingAverage", "average", "average_and_own", "dequantize_int8",
-           "quantize_int8", "start_average", "wire_bytes"]

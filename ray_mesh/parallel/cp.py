@@ -44,6 +44,8 @@ def context_parallel_region(
     With cp=1 it is a no-op context, so the same training code runs with and without CP.
     Checks, on every rank alike before anything is sharded: the device supports CP, and each
     buffer's sequence splits into 2 * cp equal chunks (torch's load-balanced layout).
+
+    Stability: experimental
     """
     cp_mesh = submesh(mesh, "cp")
     cp = cp_mesh.size()
@@ -68,4 +70,4 @@ def context_parallel_region(
                             no_restore_buffers=no_restore)
 
 
-__all__ = ["context_parallel_region", "cp_unsupported_reason"]
+__all__ = ["context_parallel_region"]

@@ -28,17 +28,26 @@ def _dp(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def dp_rank(mesh: DeviceMesh) -> int:
-    """This rank's index among the data-parallel replicas (same for its tp/cp/pp peers)."""
+    """This rank's index among the data-parallel replicas (same for its tp/cp/pp peers).
+
+    Stability: stable
+    """
     return _dp(mesh).get_local_rank()
 
 
 def dp_size(mesh: DeviceMesh) -> int:
-    """How many different batches one step reads (dp_replicate x dp_shard)."""
+    """How many different batches one step reads (dp_replicate x dp_shard).
+
+    Stability: stable
+    """
     return _dp(mesh).size()
 
 
 def local_batch_size(global_batch: int, mesh: DeviceMesh) -> int:
-    """The per-replica batch for a global batch, which dp must divide."""
+    """The per-replica batch for a global batch, which dp must divide.
+
+    Stability: stable
+    """
     size = dp_size(mesh)
     if global_batch % size:
         raise ParallelError(
@@ -50,7 +59,10 @@ def local_batch_size(global_batch: int, mesh: DeviceMesh) -> int:
 
 
 def shard_batch(batch: Any, mesh: DeviceMesh) -> Any:
-    """This replica's rows (dim 0) of a global batch: a tensor, or a tuple/list/dict of them."""
+    """This replica's rows (dim 0) of a global batch: a tensor, or a tuple/list/dict of them.
+
+    Stability: stable
+    """
     if isinstance(batch, torch.Tensor):
         per = local_batch_size(batch.shape[0], mesh)
         start = dp_rank(mesh) * per
@@ -68,6 +80,8 @@ def dp_mean(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
     tp/cp/pp peers hold the same value, so only the flattened ``dp`` group is reduced.
     ``value`` is left as it is.
+
+    Stability: stable
     """
     out = value.detach().clone()
     dist.all_reduce(out, group=mesh.get_group("dp"))
@@ -75,7 +89,10 @@ def dp_mean(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def distributed_sampler(dataset: Sized, mesh: DeviceMesh, **kwargs: Any) -> DistributedSampler:
-    """A ``DistributedSampler`` over the dp replicas (kwargs: shuffle, seed, drop_last)."""
+    """A ``DistributedSampler`` over the dp replicas (kwargs: shuffle, seed, drop_last).
+
+    Stability: stable
+    """
     return DistributedSampler(dataset, num_replicas=dp_size(mesh), rank=dp_rank(mesh), **kwargs)
 
 
@@ -88,6 +105,8 @@ def resumable_sampler(dataset: Sized | int, mesh: DeviceMesh,
     ``sampler.position()`` returned, e.g. from ``Checkpointer.restore().data_position``. A
     position saved on another dp size resumes too: the rest of the epoch is spread over the
     current dp ranks.
+
+    Stability: experimental
     """
     return ResumableSampler(dataset, num_replicas=dp_size(mesh), rank=dp_rank(mesh),
                             position=position, **kwargs)

@@ -91,6 +91,8 @@ class ResumableSampler(Sampler[int]):
     (once per batch), and put :meth:`position` into the checkpoint. ``set_epoch(e)`` starts
     epoch ``e`` from its beginning, except the epoch of the position it was built with,
     which starts where that position says.
+
+    Stability: experimental
     """
 
     def __init__(self, dataset: Sized | int, num_replicas: int, rank: int, *,
@@ -147,4 +149,4 @@ class ResumableSampler(Sampler[int]):
         return SamplerPosition(self.epoch, consumed).to_dict()
 
 
-__all__ = ["ResumableSampler", "SamplerPosition", "epoch_order", "fit_to"]
+__all__ = ["ResumableSampler"]

@@ -151,6 +151,8 @@ def apply_fsdp(
     start from the same weights (one seed): FSDP shards the local copy, it does not broadcast.
     ``mixed_precision=None`` follows the reduce dtype of the layout ``mesh`` was built for
     (:mod:`ray_mesh.parallel.picked`; fp32 for a mesh without one).
+
+    Stability: stable
     """
     mode = resolve_mode(mesh, mode)
     if mode == "replica" and _size(mesh, "dp_shard_cp") == 1:
@@ -201,5 +203,4 @@ def own_output(module: nn.Module, args: Any, output: Any) -> Any:
     return output
 
 
-__all__ = ["PRECISIONS", "apply_fsdp", "find_blocks", "mixed_precision_policy", "own_output",
-           "resolve_mode"]
+__all__ = ["apply_fsdp"]

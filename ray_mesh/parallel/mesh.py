@@ -27,6 +27,8 @@ def submesh(mesh: DeviceMesh, *names: str, hint: str = GET_MESH_HINT) -> DeviceM
     them from the root (deprecated in torch). They are not in ``mesh_dim_names``, so the
     lookup itself is the test; torch raises KeyError, RuntimeError or ValueError depending on
     the version and on whether the name is unknown or the mesh is not a root mesh.
+
+    Stability: stable
     """
     try:
         return bootstrap.submesh(mesh, *names)
@@ -38,14 +40,20 @@ def submesh(mesh: DeviceMesh, *names: str, hint: str = GET_MESH_HINT) -> DeviceM
 
 
 def dim_size(mesh: DeviceMesh, name: str, default: int | None = None) -> int:
-    """The size of dim ``name``; ``default`` when the mesh lacks it (an error if None)."""
+    """The size of dim ``name``; ``default`` when the mesh lacks it (an error if None).
+
+    Stability: stable
+    """
     if default is not None and name not in (mesh.mesh_dim_names or ()):
         return default
     return submesh(mesh, name).size()
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank computes on for ``mesh``: the current CUDA device, or the CPU."""
+    """The device this rank computes on for ``mesh``: the current CUDA device, or the CPU.
+
+    Stability: stable
+    """
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
@@ -56,4 +64,4 @@ def divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-__all__ = ["GET_MESH_HINT", "ParallelError", "dim_size", "divisors", "mesh_device", "submesh"]
+__all__ = ["dim_size", "mesh_device", "submesh"]

@@ -27,7 +27,10 @@ from ray_mesh.core.layout import Layout
 
 def layout_of(mesh: DeviceMesh | None = None) -> Layout | None:
     """The layout ``mesh`` (default: this process's, ``ray_mesh.get_mesh()``) was built for;
-    None when there is no mesh, or for a mesh ray_mesh did not build."""
+    None when there is no mesh, or for a mesh ray_mesh did not build.
+
+    Stability: experimental
+    """
     if mesh is None:
         if not bootstrap.is_initialized():
             return None
@@ -36,7 +39,10 @@ def layout_of(mesh: DeviceMesh | None = None) -> Layout | None:
 
 
 def pick_reason() -> str | None:
-    """Why ``mesh="auto"`` picked this process's layout; None for a fixed mesh or no mesh."""
+    """Why ``mesh="auto"`` picked this process's layout; None for a fixed mesh or no mesh.
+
+    Stability: experimental
+    """
     if not bootstrap.is_initialized():
         return None
     return bootstrap.get_state().picked or None
@@ -48,4 +54,4 @@ def layout_precision(mesh: DeviceMesh | None) -> str | None:
     return lay.precision if lay is not None else None
 
 
-__all__ = ["layout_of", "layout_precision", "pick_reason"]
+__all__ = ["layout_of", "pick_reason"]

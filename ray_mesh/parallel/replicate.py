@@ -34,8 +34,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_mesh.core.bootstrap import get_mesh
-from ray_mesh.core.diloco_config import DiLoCoConfig, check_mesh
-from ray_mesh.core.layout import parse_replicate
+from ray_mesh.core.diloco_config import DiLoCoConfig
+from ray_mesh.core.layout import parse_replicate as parse_replicate
 from ray_mesh.parallel.picked import layout_of
 
 if TYPE_CHECKING:
@@ -46,14 +46,20 @@ MODES = ("sync", "diloco")
 
 def replicate_config(mesh: DeviceMesh | None = None) -> DiLoCoConfig | None:
     """The DiLoCo settings of ``mesh``'s layout (default: this process's mesh), or None in
-    sync mode (and when there is no mesh)."""
+    sync mode (and when there is no mesh).
+
+    Stability: experimental
+    """
     lay = layout_of(mesh)
     return lay.diloco if lay is not None else None
 
 
 def dp_mode(mesh: DeviceMesh | None = None) -> str:
     """The ``dp=`` to give :func:`~ray_mesh.parallel.parallelize` for ``mesh``'s replicate
-    mode (default: this process's mesh)."""
+    mode (default: this process's mesh).
+
+    Stability: experimental
+    """
     return "replica" if replicate_config(mesh) is not None else "auto"
 
 
@@ -63,6 +69,8 @@ def wrap(model: torch.nn.Module, mesh: DeviceMesh | None = None,
 
     ``mesh`` defaults to ``ray_mesh.get_mesh()``, ``config`` to ``mesh``'s replicate mode.
     The model must be sharded inside a replica only (``parallelize(..., dp=dp_mode())``).
+
+    Stability: experimental
     """
     config = config if config is not None else replicate_config(mesh)
     if config is None:
@@ -72,4 +80,4 @@ def wrap(model: torch.nn.Module, mesh: DeviceMesh | None = None,
     return DiLoCo(model, mesh if mesh is not None else get_mesh(), config)
 
 
-__all__ = ["MODES", "check_mesh", "dp_mode", "parse_replicate", "replicate_config", "wrap"]
+__all__ = ["dp_mode", "replicate_config", "wrap"]

@@ -155,6 +155,8 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh, plan: TPPlan, *,
     tp=1 the module is returned untouched: DTensor wrappers on one rank only cost time.
     Every rank must hold the same initial weights (build the model under one seed):
     ``parallelize_module`` shards from tp rank 0's copy.
+
+    Stability: stable
     """
     sub = mesh if mesh.ndim == 1 and mesh.mesh_dim_names in (None, ("tp",)) else tp_mesh(mesh)
     tp = sub.size()
@@ -164,5 +166,4 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh, plan: TPPlan, *,
     return parallelize_module(module, sub, expanded)
 
 
-__all__ = ["STYLE_NAMES", "TPPlan", "apply_tp", "make_style", "match_plan", "tp_mesh",
-           "validate_tp_plan"]
+__all__ = ["apply_tp"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray_mesh.private_apis as private_apis
-from ray_mesh.core.layout import FAMILIES, Layout, LayoutError, check_family, family_mesh
+from ray_mesh.core.layout import Layout, LayoutError, check_family, family_mesh
 from ray_mesh.core.spec import MeshSpecError
 from ray_mesh.core.table import text_table
 from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
@@ -224,14 +224,3 @@ def describe_nodes(nodes: Sequence[NodeInfo], resource: str = "GPU") -> str:
         lines.append(f"  {len(members)} node(s) with {amount:g} {resource}"
                      f"{' ' + accel if accel else ''}: {', '.join(m.ip for m in members)}")
     return "\n".join(lines)
-
-
-__all__ = [
-    "FAMILIES",
-    "ClusterPlan",
-    "NodeInfo",
-    "describe_nodes",
-    "group_nodes",
-    "nodes_from_ray",
-    "plan_cluster",
-]

@@ -363,8 +363,3 @@ def format_ranked(ranked: list[Prediction]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
                      for r in [header, *rows])
-
-
-__all__ = ["DATA_PARALLEL", "PLANNED_FAMILIES", "Links", "ModelStats", "PlanError",
-           "Prediction", "Workload", "candidates", "diloco_sync_bytes", "explain_pick",
-           "format_ranked", "predict", "rank_layouts"]

@@ -171,7 +171,3 @@ def plan_groups(per_node: Sequence[int], speeds: Sequence[float], stats: ModelSt
         exchange if len(kept) > 1 else 0.0)
     return GroupsPlan(shares, compute + exchange, compute, exchange, equal, leave_out,
                       [i for i in range(groups) if i not in kept])
-
-
-__all__ = ["GroupsPlan", "NodeShare", "check_room", "format_node_groups", "groups_from_nodes",
-           "plan_groups"]

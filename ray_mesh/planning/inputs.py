@@ -81,7 +81,10 @@ def _number(section: str, key: str, value: Any, *, low: float, high: float = mat
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """What ``mesh: auto`` and ``ray-mesh plan JOB.yaml`` plan with."""
+    """What ``mesh: auto`` and ``ray-mesh plan JOB.yaml`` plan with.
+
+    Stability: experimental
+    """
 
     stats: ModelStats
     work: Workload

@@ -208,7 +208,3 @@ def run_trials(layouts: Sequence[Layout], make_step: StepFactory, config: dict |
                 f"{'-' if med is None else f'{med:.3g} s/step'} "
                 f"({len(times)} timed, {status}; warm-up {warm:.2g} s)")
     return trials
-
-
-__all__ = ["BUDGET", "CUT", "TIMED", "StepFactory", "Trial", "TrialError", "best_trial",
-           "check_trial_settings", "format_trials", "run_trials"]

@@ -72,6 +72,3 @@ def _one_line_failures() -> None:
     log = logging.getLogger(TRAIN_FAILURE_LOGGER)
     if not any(isinstance(f, _OneLine) for f in log.filters):
         log.addFilter(_OneLine())
-
-
-__all__ = ["AttemptWatch"]

@@ -83,6 +83,3 @@ def secure_token_file(create: bool) -> Path | None:
     if default_dir and path.parent.is_dir():
         _tighten(path.parent, 0o700, "Ray token directory")
     return path
-
-
-__all__ = ["default_token_path", "secure_token_file", "token_path"]

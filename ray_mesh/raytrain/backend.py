@@ -92,8 +92,8 @@ class MeshConfig(MeshOptions, TorchConfig):
             under 10 minutes old; True always measures afresh; False never.
         link_probe_s: bound on each link transfer (seconds); a round of pairs takes at most
             this long, a fast link much less.
-        plan: what ``mesh='auto'`` plans with: a ``ray_mesh.planning.inputs.PlanInputs``
-            (the YAML ``plan:`` section). With ``mesh='auto'`` the backend picks the layout
+        plan: what ``mesh='auto'`` plans with: a :class:`ray_mesh.PlanInputs` (the YAML
+            ``plan:`` section). With ``mesh='auto'`` the backend picks the layout
             with the lowest predicted step time on the measured links and logs why.
         hang_timeout_s: a collective on a mesh dim's group (or the world group) that does not
             complete within this many seconds is a hang: the run ends with a report naming
@@ -120,6 +120,8 @@ class MeshConfig(MeshOptions, TorchConfig):
     Inside the train function, ``ray.train.report`` also feeds ray_mesh's metrics and
     console (see ``ray_mesh.observability.report``): every number reported becomes a
     mesh-tagged metric, and world rank 0 shows a progress line per report.
+
+    Stability: stable
     """
 
     plan: PlanInputs | None = None
@@ -404,5 +406,4 @@ class _MeshBackend(Backend):
             logger.warning("ray_mesh: process group shutdown incomplete: %s", exc)
 
 
-__all__ = ["BringUpError", "MeshConfig", "plan_for"]
-
+__all__ = ["MeshConfig"]

@@ -31,6 +31,3 @@ def wait_bounded(refs: list, timeout_s: float, what: str, labels: list[str],
         for ref in done:
             ray.get(ref)  # re-raises the worker's error at once
     return ray.get(refs)
-
-
-__all__ = ["BRINGUP_FIX", "BringUpError", "wait_bounded"]

@@ -79,6 +79,3 @@ def _cause(error: BaseException) -> str:
     cause = getattr(error, "cause", None) or error
     text = f"{type(cause).__name__}: {cause}".strip().splitlines()
     return text[-1][:300] if text else type(error).__name__
-
-
-__all__ = ["node_speeds"]

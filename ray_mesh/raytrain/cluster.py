@@ -127,6 +127,3 @@ def doctor(
             return report, None, None
         mtu = agents.path_mtu(report)
         return report, agents.links(report, link_probe_s), mtu
-
-
-__all__ = ["NodeAgent", "NodeAgents", "doctor", "live_nodes"]

@@ -72,6 +72,8 @@ class MeshDataConfig(DataConfig):
         execution_options: as in ``DataConfig``. ``preserve_order`` is always set:
             deterministic splits need it (it also turns Ray's locality hints off).
         enable_shard_locality: as in ``DataConfig``.
+
+    Stability: stable
     """
 
     def __init__(self, mesh: Any = None, datasets_to_split: Any = "all",
@@ -215,6 +217,8 @@ class ResumableShard:
     A position saved on another dp size cannot be exact (the split of the epoch changes):
     the shard warns and skips the same fraction of the epoch. Use
     ``ray_mesh.parallel.resumable_sampler`` for exact resumes across dp sizes.
+
+    Stability: experimental
     """
 
     def __init__(self, iterator: Any, position: Mapping[str, Any] | None = None, *,
@@ -282,5 +286,4 @@ def _mesh_dp_size() -> int:
     return bootstrap.get_state().spec.size("dp") if bootstrap.is_initialized() else 1
 
 
-__all__ = ["DataSplitError", "MeshDataConfig", "ResumableShard", "install_mesh_data_config",
-           "mesh_data_config", "peer_count", "split_ranks"]
+__all__ = ["MeshDataConfig", "ResumableShard"]

@@ -231,9 +231,3 @@ def quiet_report_lines() -> None:
 
 def _above_info(record: logging.LogRecord) -> bool:
     return record.levelno > logging.INFO
-
-
-__all__ = ["CLEANER_LOGGER", "CLI_ENV", "PREEMPTION_WATCHER_ENV", "SaidOnce",
-           "cluster_worker_setup", "embedded_worker_setup", "enable_state_tracking",
-           "quiet_report_lines", "quiet_cleaner", "state_api_available",
-           "warm_controller_actors"]

@@ -101,6 +101,3 @@ def explain_startup_failure(error: BaseException, num_workers: int | tuple[int, 
         f"ScalingConfig(num_workers=(min, max)) with a mesh whose dp_replicate follows the "
         f"nodes (MeshSpec.hsdp()); in a job file, run.min_workers. ({text})"
     )
-
-
-__all__ = ["STARTUP_RETRIES", "check_elastic_mesh", "explain_startup_failure", "failure_config"]

@@ -283,6 +283,8 @@ def check_cluster(scaling: ScalingConfig, torch_config: MeshConfig | None = None
     ``check_store`` (or a ``storage_path``), that the storage path is writable and shared by
     every node (and ``name``, the run name, that it stays inside it); ``storage_endpoint``:
     the S3-compatible server of an ``s3://`` storage path. Returns the checked storage path.
+
+    Stability: stable
     """
     check_resources(scaling, ray.cluster_resources())
     if torch_config is not None and torch_config.mesh != "auto":  # auto: planned at bring-up
@@ -310,6 +312,4 @@ def check_data_resources(job: Any, scaling: ScalingConfig, cluster: dict[str, fl
             f".CPU (e.g. 0.5) or num_workers, or add a node with CPUs.")
 
 
-__all__ = ["RunParts", "check_cluster", "check_data_resources", "check_resources",
-           "groups_config", "groups_use_gpu", "mesh_config", "probe_storage", "run_config",
-           "run_parts", "scaling_for"]
+__all__ = ["check_cluster"]

@@ -55,6 +55,3 @@ def save_layout(worker_group: AsyncWorkerGroup, plan: MeshPlan,
         logger.warning("ray_mesh: could not save the mesh layout (%s: %s); the run goes on, "
                        "the layout table is in rank 0's log.", type(exc).__name__, exc)
         return None
-
-
-__all__ = ["SAVE_TIMEOUT_S", "save_layout"]

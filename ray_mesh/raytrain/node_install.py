@@ -99,6 +99,3 @@ class NodeImportProbe:
         workers' own check too."""
         if self.answers and interface in ("auto", "", None):
             choose_all(self.answers, interface)
-
-
-__all__ = ["NodeImportProbe"]

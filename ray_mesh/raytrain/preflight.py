@@ -260,17 +260,3 @@ def check_worker_group(worker_group: AsyncWorkerGroup, plan: MeshPlan,
     logger.info("ray_mesh pre-flight:\n%s", report.format())
     report.raise_if_failed()
     return report
-
-
-__all__ = [
-    "AsyncWorkerGroup",
-    "Executor",
-    "Outcome",
-    "RayRefExecutor",
-    "admit_step",
-    "check_worker_group",
-    "close_step",
-    "connect_step",
-    "listen_step",
-    "run_preflight",
-]

@@ -59,6 +59,3 @@ def _dropped_or(answer: Any) -> Any:
     if isinstance(answer, str):  # the coordinator's GroupDropped, as a plain value
         raise GroupDropped(answer)
     return answer
-
-
-__all__ = ["CoordinatorClient"]

@@ -100,6 +100,3 @@ class Coordinator:
         status["layouts"] = dict(self.layouts)
         self.live.set(len(status["live"]), tags={"run": self.run})
         return status
-
-
-__all__ = ["Coordinator"]

@@ -56,7 +56,10 @@ NODE_PIN = 0.001  # of a node's node:<address> resource (1.0 in all), per worker
 
 def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: Any) -> Any:
     """In a train function started by :func:`fit_replica_groups`: this worker's
-    :class:`~ray_mesh.replicas.ReplicaGroup` (``kwargs``: its options, e.g. ``diloco=``)."""
+    :class:`~ray_mesh.replicas.ReplicaGroup` (``kwargs``: its options, e.g. ``diloco=``).
+
+    Stability: experimental
+    """
     from ray_mesh.replicas import ReplicaGroup
 
     rg = config[CONFIG_KEY]
@@ -196,6 +199,8 @@ def fit_replica_groups(train_fn: Any, *,
     (:mod:`ray_mesh.raytrain.replica_storage`; ``storage_probed``: this process probed it
     before Ray started, as ``ray-mesh run`` does, so only the nodes probe it now).
     ``max_group_failures``: restarts of one group (-1: no limit).
+
+    Stability: experimental
     """
     from ray.train import FailureConfig, ScalingConfig
 
@@ -380,5 +385,4 @@ def describe(event: dict[str, Any]) -> str:
             f"{event['detail']}")
 
 
-__all__ = ["CONFIG_KEY", "Coordinator", "GroupsFailed", "ReplicaGroupsResult", "describe",
-           "fit_replica_groups", "replica_group"]
+__all__ = ["fit_replica_groups", "replica_group"]

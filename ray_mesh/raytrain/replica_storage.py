@@ -108,6 +108,3 @@ def check_groups_storage(*, storage_path: str | None, storage_endpoint: str | No
             c.split("?", 1)[0].rstrip("/") + "/") for c in checked if is_uri(c)):
         location = probe(location, endpoint)
     return location, endpoint
-
-
-__all__ = ["FALLBACK_SUFFIX", "check_groups_storage", "check_settings", "fallback_location"]

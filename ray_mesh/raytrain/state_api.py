@@ -183,7 +183,3 @@ def retry_in_background(url: str, *, budget_s: float = RETRY_BUDGET_S,
     thread = threading.Thread(target=run, name="ray_mesh-state-api-retry", daemon=True)
     thread.start()
     return thread
-
-
-__all__ = ["PROBE_TIMEOUT_S", "Probe", "Verdict", "api_url", "classify", "message", "probe",
-           "retry_in_background"]

@@ -57,6 +57,3 @@ def trial_pick(worker_group, setups: Sequence[WorkerSetup], ranked: list[Predict
     print(f"ray_mesh: mesh=auto trials (predicted: the cost model; measured: the slowest "
           f"rank's step):\n{table}", flush=True)
     return pick_from(chosen, why), trials
-
-
-__all__ = ["trial_pick"]

@@ -4,33 +4,56 @@ Each ``dp_replicate`` index is a *replica group*: its own inner mesh (``dp_shard
 x ``tp`` on its node), its own ``torch.distributed`` world, its own Ray Train run. When a
 group loses a worker, only that group stops and is replaced; the others go on, averaging
 over the groups present, and the returning group receives the current state from a live
-one over the network. The parts:
+one over the network.
 
-* :mod:`.quorum`: who takes part at each boundary, who heals from whom, which samples each
-  group trains on next (nothing skipped or repeated);
-* :mod:`.link`: the gloo process groups across groups, one per inner rank, per epoch;
-* :mod:`.state`: a rank's state as one ordered list of tensors (transfer and fallback file);
-* :mod:`.group`: :class:`ReplicaGroup`, what a train function calls.
+What a program uses: on the driver, :func:`ray_mesh.fit_replica_groups` starts the groups
+(one :class:`GroupSpec` each where their layouts differ); in the train function,
+:func:`ray_mesh.replica_group` builds this group's :class:`ReplicaGroup`. Those two are the
+Ray glue (``ray_mesh.raytrain.replica_groups``), so they live in the top-level package; this
+package is the Ray-free core behind them: the quorum that decides who takes part at each
+boundary and which samples each group trains on next, the gloo links across groups, a rank's
+state as one list of tensors, and :class:`ReplicaGroup`, what a train function calls.
 
-The Ray glue (a coordinator actor, one Ray Train run per group) is
-:mod:`ray_mesh.raytrain.replica_groups`.
+Stability: experimental
 """
 
+import importlib
 from typing import TYPE_CHECKING
 
-from ray_mesh.replicas.quorum import Decision, GroupDropped, Quorum
+from ray_mesh.core import deprecation as _deprecation
 
 if TYPE_CHECKING:  # what type checkers, editors and the API reference see
     from ray_mesh.replicas.group import ReplicaGroup
+    from ray_mesh.replicas.layouts import GroupSpec
 
-__all__ = ["Decision", "GroupDropped", "Quorum", "ReplicaGroup"]
+__all__ = ["GroupSpec", "ReplicaGroup"]
+
+# name -> (module, attribute), imported on first use (PEP 562). ReplicaGroup imports torch
+# and DCP (~1.5 s of CPU): the coordinator actor, which needs only the quorum, starts
+# without them.
+_LAZY: dict[str, tuple[str, str]] = {
+    "GroupSpec": ("ray_mesh.replicas.layouts", "GroupSpec"),
+    "ReplicaGroup": ("ray_mesh.replicas.group", "ReplicaGroup"),
+}
+
+
+def _moved(target: str) -> _deprecation.Deprecated:
+    module = target.partition(":")[0]
+    return _deprecation.Deprecated(
+        target, f"the quorum's parts are internal; import it from {module} "
+                f"(it leaves ray_mesh.replicas in 0.2.0)")
+
+
+DEPRECATED: dict[str, _deprecation.Deprecated] = {
+    "Decision": _moved("ray_mesh.replicas.quorum:Decision"),
+    "GroupDropped": _moved("ray_mesh.errors:GroupDropped"),
+    "Quorum": _moved("ray_mesh.replicas.quorum:Quorum"),
+}
+"""Deprecated public names of this package (``ray_mesh.core.deprecation``)."""
 
 
 def __getattr__(name: str):
-    # ReplicaGroup imports torch and DCP (~1.5 s of CPU): loaded on first use, so that the
-    # coordinator actor, which needs only the quorum, starts without them.
-    if name == "ReplicaGroup":
-        from ray_mesh.replicas.group import ReplicaGroup
-
-        return ReplicaGroup
-    raise AttributeError(f"module 'ray_mesh.replicas' has no attribute {name!r}")
+    where = _LAZY.get(name)
+    if where is None:
+        return _deprecation.resolve(__name__, name, DEPRECATED)
+    return getattr(importlib.import_module(where[0]), where[1])

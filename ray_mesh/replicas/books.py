@@ -96,6 +96,3 @@ class Books:
     def state(self) -> dict[str, Any]:
         return {"cursor": self.cursor, "queue": list(self.queue),
                 "tentative": list(self.tentative), "consumed": self.consumed}
-
-
-__all__ = ["Books"]

@@ -80,6 +80,3 @@ def meet_quorum(client: Coordinator, leader: bool, share: Callable[[Any], Any], 
     if isinstance(answer, BaseException):
         raise answer
     return answer
-
-
-__all__ = ["QUORUM_POLL_S", "Coordinator", "Decision", "Range", "meet_quorum"]

@@ -247,6 +247,3 @@ def _check_matches(path: str, meta: Any, wanted: dict[str, torch.Tensor]) -> Non
             f"The fallback checkpoint {path} holds another model's state ({len(saved)} "
             f"tensors saved, {len(wanted)} here; {'; '.join(diffs[:4])}): start the run "
             f"again with the model that wrote it, or under another name")
-
-
-__all__ = ["KEY", "Fallback", "as_state_dict"]

@@ -27,6 +27,3 @@ def scatter_back(tensors: Sequence[torch.Tensor], flats: dict[torch.dtype, torch
             n, o = t.numel(), offsets[t.dtype]
             t.copy_(flats[t.dtype][o:o + n].view_as(t))
             offsets[t.dtype] = o + n
-
-
-__all__ = ["flat_by_dtype", "scatter_back"]

@@ -63,7 +63,13 @@ LR_SCALING = ("none", "linear")
 
 
 class ReplicaGroup:
-    """This rank's handle on its replica group (see the module docstring)."""
+    """This rank's handle on its replica group: :meth:`commit` at every boundary, while
+    :attr:`running` the samples to train on from :meth:`sample_ids` (with DiLoCo,
+    :meth:`inner_batches`), :meth:`finish` at the end. Under Ray,
+    :func:`ray_mesh.replica_group` builds it (the module docstring has the whole loop).
+
+    Stability: experimental
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  client: Coordinator, group_id: int, total_steps: int,
@@ -393,4 +399,4 @@ def _shared_incarnation(rank: int) -> str:
     return str(broadcast_from_rank0(uuid.uuid4().hex[:12] if rank == 0 else None, None))
 
 
-__all__ = ["Coordinator", "LR_SCALING", "ReplicaGroup"]
+__all__ = ["ReplicaGroup"]

@@ -26,7 +26,10 @@ INNER_DIMS = ("dp_shard", "cp", "tp")  # dp_replicate is the groups; pp is not s
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One replica group: its inner mesh (dim -> size) and the node it is pinned to."""
+    """One replica group: its inner mesh (dim -> size) and the node it is pinned to.
+
+    Stability: experimental
+    """
 
     mesh: Mapping[str, int] = field(default_factory=lambda: {"dp_shard": 1})
     node: str | None = None
@@ -102,4 +105,4 @@ def exchange_for(specs: Sequence[GroupSpec]) -> str:
     return "shards" if len({s.label for s in specs}) <= 1 else "full"
 
 
-__all__ = ["INNER_DIMS", "GroupLayoutError", "GroupSpec", "exchange_for", "group_specs"]
+__all__ = ["GroupSpec"]

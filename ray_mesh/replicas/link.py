@@ -179,7 +179,3 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGro
     if keep:
         scatter_back(tensors, flats)
     return sum(f.numel() * f.element_size() for f in flats.values())
-
-
-__all__ = ["POLL_S", "Abort", "CrossLink", "LinkAbandoned", "broadcast_", "wait_all",
-           "weighted_mean"]

@@ -156,7 +156,3 @@ class SignedStore(dist.Store):
 
     def set_timeout(self, timeout: timedelta) -> None:
         self.inner.set_timeout(timeout)
-
-
-__all__ = ["KEY_BYTES", "MAX_VALUE_BYTES", "SignedStore", "StoreAddress", "parse_key",
-           "serve_store"]

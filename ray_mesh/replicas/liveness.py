@@ -50,6 +50,3 @@ class Beats:
         bound = self.bound(dead_after_s)
         return len(self.last) == self.ranks and all(now - t <= bound
                                                     for t in self.last.values())
-
-
-__all__ = ["GAPS_KEPT", "JITTER_MARGIN", "MAX_STRETCH", "Beats"]

@@ -395,6 +395,3 @@ class Quorum:
         self.events.append({"kind": kind, "group": gid, "detail": detail,
                             "step": self._max_step_seen if step is None else step,
                             "t": time.time()})
-
-
-__all__ = ["Decision", "GroupDropped", "Quorum", "Range"]

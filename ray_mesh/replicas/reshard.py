@@ -112,7 +112,3 @@ def check_exchange(exchange: str) -> None:
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}: use one of {EXCHANGES} (\"full\" when the "
                          "groups' layouts differ)")
-
-
-__all__ = ["EXCHANGES", "all_ranks_agree", "check_exchange", "full_like", "leader_outcome",
-           "locals_of", "share_from_leader", "to_full", "to_local_"]

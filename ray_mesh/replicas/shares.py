@@ -126,6 +126,3 @@ def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
                 out[gid] += ranks[gid]
                 left -= ranks[gid]
     return out
-
-
-__all__ = ["SHARES", "WINDOW", "Pace", "check_mode", "split_samples"]

@@ -85,6 +85,3 @@ def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             diloco: DiLoCo | None, counters: torch.Tensor) -> list[torch.Tensor]:
     """This rank's part of the group's state (:func:`tensors_and_likes` without the likes)."""
     return tensors_and_likes(model, optimizer, diloco, counters)[0]
-
-
-__all__ = ["local_of", "materialize", "tensors", "tensors_and_likes"]

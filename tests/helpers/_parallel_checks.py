@@ -27,10 +27,10 @@ from ray_mesh.parallel import (
     Pipeline,
     dp_size,
     full_parameters,
-    gather_over,
     parallelize,
     shard_batch,
 )
+from ray_mesh.parallel.compose import gather_over
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 3

@@ -13,17 +13,11 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from ray_mesh.parallel import (
-    ParallelError,
-    PipelinePlan,
-    cp_unsupported_reason,
-    find_blocks,
-    known_hang,
-    make_style,
-    mixed_precision_policy,
-    schedule_info,
-    validate_tp_plan,
-)
+from ray_mesh.parallel import ParallelError
+from ray_mesh.parallel.cp import cp_unsupported_reason
+from ray_mesh.parallel.fsdp import find_blocks, mixed_precision_policy
+from ray_mesh.parallel.pp.plan import PipelinePlan, known_hang, schedule_info
+from ray_mesh.parallel.tp import make_style, validate_tp_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from _parallel_checks import load_example  # noqa: E402

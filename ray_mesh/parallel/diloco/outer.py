@@ -97,6 +97,8 @@ class DiLoCo:
 
     Call :meth:`step` after every inner ``optimizer.step()``; it syncs when due and says
     whether it did. ``mesh`` must have a ``dp_replicate`` dim of size >= 2.
+
+    Stability: experimental
     """
 
     def __init__(self, model: torch.nn.Module, mesh: DeviceMesh | None,
@@ -394,4 +396,4 @@ def tensors_equal(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup) -> 
     return all(d == everyone[0] for d in everyone)
 
 
-__all__ = ["DiLoCo", "DiLoCoConfig", "replicas_equal", "tensors_equal"]
+__all__ = ["DiLoCo"]

@@ -3,18 +3,8 @@ stages and which pp rank runs each, pure arithmetic checked on the driver or on 
 alike) and the pipeline that runs it (:mod:`.pipeline`: this rank's stages, TP and data
 parallel on each, a ``torch.distributed.pipelining`` schedule).
 
-``from ray_mesh.parallel.pp import Pipeline, PipelinePlan`` is the public path (and
-``ray_mesh.parallel`` re-exports both).
+:class:`Pipeline` is public as ``ray_mesh.parallel.Pipeline``; the plan is internal.
 """
 
-from ray_mesh.parallel.pp.pipeline import ParallelizeFn, Pipeline
-from ray_mesh.parallel.pp.plan import (
-           SCHEDULES,
-           PipelinePlan,
-           known_hang,
-           named_layers,
-           schedule_info,
-)
-
-__all__ = ["SCHEDULES", "ParallelizeFn", "Pipeline", "PipelinePlan", "known_hang", "named_layers",
-           "schedule_info"]
+from ray_mesh.parallel.pp.pipeline import Pipeline as Pipeline
+from ray_mesh.parallel.pp.plan import PipelinePlan as PipelinePlan

@@ -65,6 +65,8 @@ class Pipeline:
       does not load it).
 
     Every rank must build ``model`` from the same seed.
+
+    Stability: stable
     """
 
     default_parallelize_fn: ClassVar[ParallelizeFn | None] = None
@@ -246,4 +248,4 @@ def _batch_size(x: Any) -> int:
                         f"tensors with the batch on dim 0.")
 
 
-__all__ = ["ParallelizeFn", "Pipeline"]
+__all__ = ["Pipeline"]

@@ -224,6 +224,3 @@ def named_layers(model: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module
         f"(or a list / ordered dict of modules) whose layers run one after the other, each "
         f"taking the previous one's output."
     )
-
-
-__all__ = ["SCHEDULES", "PipelinePlan", "known_hang", "named_layers", "schedule_info"]
