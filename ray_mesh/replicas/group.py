@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
 
 LR_SCALING = ("none", "linear")
+PHASES = ("meet_s", "wait_s", "exchange_s", "agree_s")  # a boundary's parts (metrics())
 
 
 class ReplicaGroup:
@@ -106,6 +107,11 @@ class ReplicaGroup:
         self._decided_at, self._fixed_s, self._meet_s = 0.0, None, 0.0
         self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
                                         "live_groups": 0}
+        # Where a boundary's seconds go, summed since the last metrics(): meeting the quorum
+        # (its own part), waiting there for the other groups, the exchange on the link with
+        # the optimizer step, and the group's ranks agreeing on the outcome.
+        self._phases = dict.fromkeys(PHASES, 0.0)
+        self._phase_commits = 0
         self._dropped = threading.Event()
         self._broken_epoch = 0  # from the beats: the newest epoch that lost a member
         self._stop = threading.Event()
@@ -181,7 +187,10 @@ class ReplicaGroup:
                 self.done = True
                 return False
             ok, applied = self._boundary(d)
-            if all_ranks_agree(ok):
+            exchanged = time.monotonic()
+            agreed = all_ranks_agree(ok)
+            self._time_phases(d, exchanged)
+            if agreed:
                 self._after(d, applied)
                 return applied
             self.link.forget()
@@ -334,6 +343,14 @@ class ReplicaGroup:
         for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
             g["lr"] = lr
 
+    def _time_phases(self, d: Decision, exchanged: float) -> None:
+        now = time.monotonic()
+        for name, secs in zip(PHASES, (self._meet_s, d.waited_s,
+                                       exchanged - self._decided_at, now - exchanged),
+                              strict=True):
+            self._phases[name] += max(0.0, secs)
+        self._phase_commits += 1
+
     def _expected_groups(self) -> int:
         return max(len(self.last.members) if self.last else 1, 1)
 
@@ -382,11 +399,18 @@ class ReplicaGroup:
             self._broken_epoch = broken
 
     def metrics(self) -> dict[str, float]:
-        """Plain scalars for ``ray.train.report``: ``replica_groups/live`` and friends."""
+        """Plain scalars for ``ray.train.report``: ``replica_groups/live`` and friends, and
+        the mean seconds per boundary of each of its phases since the last call
+        (``replica_groups/meet_s``, ``wait_s``, ``exchange_s``, ``agree_s``: where a step's
+        time beyond the compute goes)."""
+        n = max(1, self._phase_commits)
+        phases = {f"replica_groups/{k}": round(v / n, 4) for k, v in self._phases.items()}
+        self._phases = dict.fromkeys(PHASES, 0.0)
+        self._phase_commits = 0
         return {"replica_groups/live": self.stats["live_groups"],
                 "replica_groups/step": self.step,
                 "replica_groups/rejoin_bytes": self.stats["rejoin_bytes"],
-                "replica_groups/retries": self.stats["retries"]}
+                "replica_groups/retries": self.stats["retries"], **phases}
 
 
 def _barrier() -> None:
