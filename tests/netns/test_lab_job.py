@@ -165,7 +165,9 @@ def test_the_lab_job_survives_a_closed_laptop_lid(tmp_path):
     segment = job["replica_groups"]["segment_samples"]
     totals = totals_by_step(logs)
     full = {s: n for s, (n, k) in totals.items() if k == 3}
-    assert len(full) > 10 and set(full.values()) == {3 * segment}, totals
+    # the steps before the lid and the (>= 3, above) the laptop's group took after its
+    # return: its rejoin is time, not steps, so on a busy machine fewer steps follow it
+    assert len(full) >= KILL_AT + 3 and set(full.values()) == {3 * segment}, totals
     # step 5: the groups, read back from the bucket
     assert "Replica groups" in status and "dp_shard=1" in status, status[-3000:]
     # a console a person can read, the lid's close included: Ray Train's account of the
