@@ -88,15 +88,23 @@ def _main(job: dict[str, Any], groups: int, out_dir: str | None) -> dict[str, An
 
 
 def reference(job: dict[str, Any], groups: int, out_dir: Path | None = None,
-              timeout_s: float = 300.0, nice: int = 0) -> dict[str, Any]:
-    """Run the reference (see the module docstring) in a process of its own; its summary."""
+              timeout_s: float = 300.0, nice: int = 0, cgroup: Path | None = None
+              ) -> dict[str, Any]:
+    """Run the reference (see the module docstring) in a process of its own; its summary.
+    ``cgroup``: run it there (e.g. one of ``IDLE_SHARES``, beside a lab it must not slow)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), "OMP_NUM_THREADS": "1"}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "harness.lab_reference", json.dumps(job), str(groups),
            str(out_dir or "")]
-    proc = subprocess.run(["nice", "-n", str(nice), *cmd] if nice else cmd, cwd=REPO,
+    if nice:
+        cmd = ["nice", "-n", str(nice), *cmd]
+    if cgroup is not None:
+        from harness.netns.cpu import in_cgroup
+
+        cmd = in_cgroup(cgroup, cmd)
+    proc = subprocess.run(cmd, cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

@@ -27,6 +27,7 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 10_000
 SHARES = 262_144  # cgroup v1's largest cpu.shares (the default is 1024)
 FREE_SHARES = 4_096  # a box without a quota
+IDLE_SHARES = 2  # cgroup v1's smallest: runs on what every other process leaves idle
 
 
 def cpu_quota_unavailable_reason() -> str | None:
@@ -36,9 +37,10 @@ def cpu_quota_unavailable_reason() -> str | None:
     return None
 
 
-def make_cgroup(name: str, cores: float | None) -> Path:
+def make_cgroup(name: str, cores: float | None, shares: int | None = None) -> Path:
     """A cgroup ``name`` limited to ``cores`` CPUs (e.g. 0.3) per :data:`PERIOD_US`; with
-    ``cores=None`` not limited, only weighted (a box of its own, at full speed)."""
+    ``cores=None`` not limited, only weighted (a box of its own, at full speed). ``shares``:
+    another weight than the box's (:data:`IDLE_SHARES`: what only idle CPU may run)."""
     if cores is not None and not 0.01 <= cores <= 256:
         raise ValueError(f"cores={cores}: give a CPU quota between 0.01 and 256")
     path = CPU_ROOT / name
@@ -49,7 +51,8 @@ def make_cgroup(name: str, cores: float | None) -> Path:
     # Capped, it may weigh the most; uncapped, four processes' worth: enough that two CPU
     # hogs beside it take a small part, not so much that the suite's niced unit tests
     # (weight 110) get no CPU while the box runs (a 30 s bound there failed once).
-    (path / "cpu.shares").write_text(str(SHARES if cores is not None else FREE_SHARES))
+    weight = shares if shares is not None else SHARES if cores is not None else FREE_SHARES
+    (path / "cpu.shares").write_text(str(weight))
     return path
 
 
@@ -64,4 +67,5 @@ def remove_cgroup(path: Path) -> None:
         path.rmdir()
 
 
-__all__ = ["CPU_ROOT", "cpu_quota_unavailable_reason", "in_cgroup", "make_cgroup", "remove_cgroup"]
+__all__ = ["CPU_ROOT", "IDLE_SHARES", "cpu_quota_unavailable_reason", "in_cgroup", "make_cgroup",
+           "remove_cgroup"]
