@@ -148,9 +148,14 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
     """The mean of ``tensors`` over the group, each member weighted by ``weight`` (the
     samples behind its contribution; 0 for a member that contributes nothing), and the
     total weight. New tensors; the inputs are left as they were, so a failed collective
-    leaves the caller's contribution intact for the retry. ``abort``: see :func:`wait_all`."""
+    leaves the caller's contribution intact for the retry. ``abort``: see :func:`wait_all`.
+
+    Summed in the contributions' own precision (half precisions in float32): this is the
+    collective on the VPN, whose bytes a step waits for, and a mean of a few weighted
+    float32 terms needs no more (a float64 copy doubled the bytes for nothing)."""
     flats = flat_by_dtype(tensors)
-    scaled = {dt: f.double() * weight if dt.is_floating_point else f for dt, f in flats.items()}
+    scaled = {dt: f.to(_summed_as(dt)) * weight if dt.is_floating_point else f
+              for dt, f in flats.items()}
     total = torch.tensor([float(weight)], dtype=torch.float64)
     if group is not None:
         works = [dist.all_reduce(total, group=group, async_op=True)]
@@ -161,6 +166,10 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
     results = [torch.empty_like(t, device="cpu") for t in tensors]
     scatter_back(results, out_flat)
     return [r.to(t.device) for r, t in zip(results, tensors, strict=True)], w_all
+
+
+def _summed_as(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None,
