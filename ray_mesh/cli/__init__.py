@@ -5,8 +5,9 @@ from __future__ import annotations
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``ray-mesh``; imported lazily so ``python -m ray_mesh.cli.main``
-    does not load the module twice (runpy warns when a package pre-imports it)."""
-    from ray_mesh.cli.main import main as _main
+    """Entry point of the ``ray-mesh`` process (``ray_mesh.cli.main.script``); imported
+    lazily so ``python -m ray_mesh.cli.main`` does not load the module twice (runpy warns
+    when a package pre-imports it)."""
+    from ray_mesh.cli.main import script
 
-    return _main(argv)
+    return script(argv)

@@ -2,6 +2,6 @@
 
 import sys
 
-from ray_mesh.cli.main import main
+from ray_mesh.cli.main import script
 
-sys.exit(main())
+sys.exit(script())

@@ -8,6 +8,7 @@ pre-flight on every live node).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -372,5 +373,18 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
+def script(argv: list[str] | None = None) -> int:
+    """``main`` as the ``ray-mesh`` process runs it: the command, then ``gc.freeze()``.
+
+    The process ends right after: Ray's and logging's exit handlers still run, and every
+    object is still released, but the last collections at the interpreter's exit skip the
+    millions of objects torch and Ray loaded (~0.9 s of CPU after every command that
+    imported them, measured on this 2-core machine: 3.4 s -> 2.5 s for a process that only
+    imports torch, Ray Train and DCP). Not for callers that go on (``main`` is theirs)."""
+    code = main(argv)
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script())
