@@ -17,7 +17,9 @@ both go through :class:`GatedListener`:
   blocking (a selector), so unauthenticated clients hold a file descriptor, never a serving
   slot. A crowd of slow clients therefore cannot delay a real peer, which sends its nonce
   at once and is served at once. At most ``max_pending`` of them are held; one more evicts
-  the oldest;
+  the oldest, unless the oldest's nonce has arrived meanwhile (hundreds of real peers
+  connecting at once, the rendezvous port of a large cluster's pre-flight, are read, not
+  evicted);
 * **a cap on connections**: at most ``max_clients`` authenticated connections are served at
   once, each on its own thread; more wait (already authenticated) for a free slot;
 * **deadlines**: each served conversation is cut at ``session_s`` after it started, and the
@@ -46,6 +48,11 @@ from dataclasses import dataclass, field
 NONCE_TIMEOUT_S = 2.0
 """How long a client has, from its accept, to send the whole nonce line (absolute)."""
 BACKLOG = 64
+"""Connections accepted per wake of the accept thread."""
+LISTEN_BACKLOG = 1024
+"""The kernel's queue of connections not yet accepted (capped by net.core.somaxconn): a
+pre-flight's rendezvous port is asked by every node at once, one per node (past 64 nodes a
+queue of 64 dropped the rest's SYNs, a second's retransmit each)."""
 MAX_PENDING = 64
 """Connections that have not yet sent the nonce, held at once per listener (file
 descriptors, not threads); one more evicts the oldest."""
@@ -209,7 +216,7 @@ class GatedListener:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((address, port))
-            self.sock.listen(BACKLOG)
+            self.sock.listen(LISTEN_BACKLOG)
         except OSError:
             self.sock.close()
             raise
@@ -261,7 +268,7 @@ class GatedListener:
                 for key, _ in self._sel.select(max(wait, 0.0)):
                     if key.data is None:
                         self._accept_some()
-                    else:
+                    elif self._pending.get(key.data.conn) is key.data:  # not evicted since
                         self._read_nonce(key.data)
                 now = time.monotonic()
                 while self._pending and next(iter(self._pending.values())).deadline <= now:
@@ -295,7 +302,10 @@ class GatedListener:
                 _abort(conn)  # before any read, slot or thread
                 continue
             if len(self._pending) >= self.max_pending:
-                self._turn_away(next(iter(self._pending.values())), "evicted")
+                oldest = next(iter(self._pending.values()))
+                self._read_nonce(oldest)  # a real peer's nonce is likely there by now
+                if self._pending.get(oldest.conn) is oldest:
+                    self._turn_away(oldest, "evicted")
             conn.setblocking(False)
             pending = _Pending(conn, source, time.monotonic() + NONCE_TIMEOUT_S)
             self._pending[conn] = pending

@@ -16,6 +16,7 @@ from ray_mesh.core.table import text_table
 from ray_mesh.errors import PreflightError
 from ray_mesh.network.gate import GateStats
 from ray_mesh.network.interfaces import Choice, host_port
+from ray_mesh.network.pairs import FULL_MESH_NODES, Pair, isolated
 from ray_mesh.network.probe import VERSION_KEYS, ConnectResult, NodeFacts
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -40,7 +41,8 @@ class PreflightReport:
 
     ``facts[i]`` is None for a node that did not answer step 1; ``matrix[(i, j)]`` is the
     connect from node i to node j; ``rendezvous[i]`` node i's connect to rank 0's port;
-    ``gates[i]`` what node i's listeners served and turned away.
+    ``gates[i]`` what node i's listeners served and turned away; ``pairs`` the ordered pairs
+    the connect step tries (``ray_mesh.network.pairs``: every pair up to 16 nodes).
     """
 
     nodes: list[NodeTarget]
@@ -52,6 +54,7 @@ class PreflightReport:
     problems: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
     timeout_s: float = DEFAULT_TIMEOUT_S
+    pairs: list[Pair] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -102,7 +105,12 @@ class PreflightReport:
             gate = self.gates.get(i)
             if gate is not None and gate.turned_away:
                 out.append(f"    listeners:  {gate.describe()}")
-        if self.nodes:
+        if len(self.nodes) > FULL_MESH_NODES:
+            out += ["", f"connectivity: {len(self.matrix)} of {len(self.pairs)} pair(s) "
+                        f"tried (a bounded set past {FULL_MESH_NODES} nodes); per node, "
+                        f"connects that succeeded of those tried",
+                    self._pairs_table()]
+        elif self.nodes:
             out += ["", "connectivity (row = from, column = to; ok / FAIL / ? not tried)",
                     self._matrix_table()]
         out.append("")
@@ -123,6 +131,22 @@ class PreflightReport:
                 row[rdv] = _cell(self.rendezvous.get(i))
             rows.append(row)
         return text_table(rows, columns)
+
+
+    def _pairs_table(self) -> str:
+        """One row per node: its connects out and in, ok of tried, and to rank 0's port
+        (the node x node table has n² cells: 262,144 at 512 nodes)."""
+        counts = {i: [0, 0, 0, 0] for i in range(len(self.nodes))}
+        for (i, j), res in self.matrix.items():
+            counts[i][0] += res.ok
+            counts[i][1] += 1
+            counts[j][2] += res.ok
+            counts[j][3] += 1
+        rdv = f"rank0:{self.rendezvous_port}" if self.rendezvous_port else ""
+        rows = [{"node": f"node {i}", "out ok": f"{c[0]}/{c[1]}", "in ok": f"{c[2]}/{c[3]}",
+                 **({rdv: _cell(self.rendezvous.get(i))} if rdv else {})}
+                for i, c in counts.items()]
+        return text_table(rows, ["node", "out ok", "in ok", *([rdv] if rdv else [])])
 
 
 def _cell(result: ConnectResult | None) -> str:
@@ -155,6 +179,7 @@ def find_problems(report: PreflightReport, silent: Sequence[int]) -> list[str]:
             out.append(f"{report.label(i)}: {f.rendezvous_error}. Another process holds "
                        f"it; retry (a new port is picked each run).")
     out += _matrix_problems(report)
+    out += _cut_off(report)
     out += _gate_problems(report)
     out += version_problems([f.versions if f else None for f in report.facts], report.label)
     return out
@@ -186,6 +211,23 @@ def _matrix_problems(report: PreflightReport) -> list[str]:
             f"{c0.interface}), or choose another interface."
         )
     return out
+
+
+def _cut_off(report: PreflightReport) -> list[str]:
+    """Past :data:`FULL_MESH_NODES` nodes: a node none of whose connects out (or in)
+    succeeded, named once (its own side is the likelier fault than that many peers)."""
+    if len(report.nodes) <= FULL_MESH_NODES:
+        return []
+    results = {pair: res.ok for pair, res in report.matrix.items()}
+    dead_out, dead_in = isolated(len(report.nodes), results, min_checks=3)
+    tried = {i: [j for (a, j) in results if a == i] for i in dead_out}
+    asked = {j: [i for (i, b) in results if b == j] for j in dead_in}
+    return [f"{report.label(i)} reached none of the {len(tried[i])} nodes it tried: its "
+            f"outbound traffic on its chosen interface is blocked (firewall, wrong interface "
+            f"or route) rather than {len(tried[i])} separate links" for i in dead_out] + [
+            f"{report.label(j)} was reached by none of the {len(asked[j])} nodes that tried: "
+            f"its listener's port is blocked on its chosen interface (a firewall on the node)"
+            f" rather than {len(asked[j])} separate links" for j in dead_in]
 
 
 def _gate_problems(report: PreflightReport) -> list[str]:

@@ -6,8 +6,10 @@ The driver/controller side of the check. It fans the worker-side steps of
 1. :func:`listen_step`: every node chooses its interface, listens on it, reports facts;
 2. :func:`admit_step`: every node's listeners learn the other nodes' chosen addresses,
    the only sources they serve (a connection from any other address is closed at once);
-3. :func:`connect_step`: every node connects to every other node's listener and to rank
-   0's rendezvous port (a node x node matrix);
+3. :func:`connect_step`: every node connects to its peers' listeners and to rank 0's
+   rendezvous port: every other node up to ``FULL_MESH_NODES`` (16) nodes, past that a
+   bounded set, about log2(n) + 3 per node (``ray_mesh.network.pairs``: the head both
+   ways, the ring both ways, log2(n) partners, the layout's neighbours);
 4. :func:`close_step`: every node stops its listeners (torch's TCPStore binds the
    rendezvous port right after) and reports what they turned away.
 
@@ -24,6 +26,7 @@ object refs, whether from a Ray Train worker group (:func:`check_worker_group`) 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,9 +34,11 @@ from typing import Any, Protocol
 
 import ray
 
+from ray_mesh.core.spec import DIM_NAMES
 from ray_mesh.core.topology import MeshPlan
 from ray_mesh.network.gate import new_nonce
 from ray_mesh.network.interfaces import Choice
+from ray_mesh.network.pairs import Pair, check_pairs, layout_pairs
 from ray_mesh.network.probe import (
     RENDEZVOUS,
     Target,
@@ -147,10 +152,12 @@ def admit_step(executor: Executor, report: PreflightReport, deadline: float,
                                    f"{outcome.value}")
 
 
-def _targets(report: PreflightReport, i: int) -> list[Target]:
-    """Where node ``i`` connects: every other listening node, and rank 0's rendezvous port."""
+def _targets(report: PreflightReport, i: int, peers: Sequence[int]) -> list[Target]:
+    """Where node ``i`` connects: its ``peers``' listeners (those listening), and rank 0's
+    rendezvous port."""
     targets = []
-    for j, f in enumerate(report.facts):
+    for j in peers:
+        f = report.facts[j]
         if j != i and f is not None and f.choice is not None and f.port:
             targets.append(Target(j, f.choice.address, f.port))
     f0 = report.facts[0] if report.facts else None
@@ -162,15 +169,19 @@ def _targets(report: PreflightReport, i: int) -> list[Target]:
 
 def connect_step(executor: Executor, report: PreflightReport, deadline: float,
                  silent: list[int], nonce: str) -> None:
-    """Step 3: the matrix, from every node that chose an interface to every listener.
+    """Step 3: the pairs of ``report.pairs``, from every node that chose an interface to
+    its peers' listeners, and every node to rank 0's rendezvous port.
 
     A node that does not answer is added to ``silent``.
     """
     connect_timeout = max(0.5, min(3.0, _left(deadline) / 2 - 0.5))
+    peers: dict[int, list[int]] = {}
+    for i, j in report.pairs:
+        peers.setdefault(i, []).append(j)
     probes: list[tuple[int, Any]] = []
     for i in range(len(report.nodes)):
         choice = report.choice(i)
-        targets = _targets(report, i) if choice else []
+        targets = _targets(report, i, peers.get(i, [])) if choice else []
         if choice and targets:
             probes.append((i, executor.submit(i, probe_peers, choice.address, targets,
                                               connect_timeout, nonce)))
@@ -210,16 +221,22 @@ def run_preflight(
     *,
     rendezvous_port: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    pairs: Sequence[Pair] | None = None,
+    layout: Sequence[Pair] = (),
 ) -> PreflightReport:
     """Run the checks on one process per node (node 0 = rank 0's node); never raises.
 
     Everything finishes within ``timeout_s`` plus a second of bookkeeping: each step waits
-    only for the time left, and each connect gets a slice of it.
+    only for the time left, and each connect gets a slice of it. ``pairs``: the ordered node
+    pairs to connect (default :func:`~ray_mesh.network.pairs.check_pairs`: all of them up to
+    16 nodes, a bounded set past that, with the ``layout`` pairs and this run's partners).
     """
     start = time.monotonic()
     deadline = start + timeout_s
+    if pairs is None:
+        pairs = check_pairs(len(nodes), seed=secrets.randbits(32), layout=layout)
     report = PreflightReport(list(nodes), [None] * len(nodes), rendezvous_port=rendezvous_port,
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s, pairs=list(pairs))
     # One secret per run, sent to the nodes through the executor (Ray's authenticated
     # calls): the listeners answer only this run's probes.
     nonce = new_nonce()
@@ -230,6 +247,16 @@ def run_preflight(
     report.elapsed_s = time.monotonic() - start
     report.problems += find_problems(report, sorted(silent))
     return report
+
+
+def plan_pairs(plan: MeshPlan) -> set[Pair]:
+    """The node pairs next to each other in a mesh dim's group of ``plan`` (checked past 16
+    nodes too: :func:`ray_mesh.network.pairs.layout_pairs`)."""
+    dims = [d for d in DIM_NAMES if getattr(plan.spec, d) > 1]
+    index = {node: k for k, node in enumerate(plan.node_ids)}
+    coords = [plan.spec.coordinate(w.rank) for w in plan.workers]
+    return layout_pairs([index[w.node_id] for w in plan.workers],
+                        [{d: c[d] for d in DIM_NAMES} for c in coords], dims)
 
 
 class AsyncWorkerGroup(Protocol):
@@ -256,7 +283,7 @@ def check_worker_group(worker_group: AsyncWorkerGroup, plan: MeshPlan,
     executor = RayRefExecutor(lambda i, fn, *args: worker_group.execute_single_async(
         ranks[i], fn, *args))
     report = run_preflight(executor, nodes, rendezvous_port=rendezvous_port,
-                           timeout_s=timeout_s)
+                           timeout_s=timeout_s, layout=plan_pairs(plan))
     logger.info("ray_mesh pre-flight:\n%s", report.format())
     report.raise_if_failed()
     return report

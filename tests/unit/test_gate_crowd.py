@@ -263,6 +263,34 @@ def test_pending_cap_evicts_the_oldest_and_the_real_client_still_gets_in():
     assert st.served == 1 and st.evicted >= 12 - 4, st
 
 
+def test_more_real_peers_at_once_than_pending_slots_are_read_not_evicted():
+    """A large cluster's rendezvous port: every node connects at once and sends the nonce at
+    once. With more of them than pending slots, the oldest's nonce is already there when the
+    next one is accepted: it is read and served, not evicted (the gate evicted it before:
+    105 connects failed in a 128-node simulation of the pre-flight)."""
+    nonce = new_nonce()
+    gate = GatedListener(ME, 0, nonce, lambda c: c.sendall(b"hi"), lifetime_s=30,
+                         max_clients=2, allowed_peers=[ME], max_pending=4)
+    peers = []
+    try:
+        # Hold the accept thread at its next tick (it takes this lock every loop), so that
+        # all 40 are queued, nonces sent, when it wakes and accepts them in one go.
+        with gate._lock:
+            time.sleep(3 * gate_mod._TICK_S)
+            for _ in range(40):
+                s = socket.create_connection((ME, gate.port), timeout=NONCE_TIMEOUT_S + 3)
+                s.sendall(nonce.encode() + b"\n")
+                peers.append(s)
+        answers = [s.recv(8) for s in peers]
+    finally:
+        for s in peers:
+            s.close()
+        gate.close()
+    assert answers == [b"hi"] * 40
+    st = gate.stats()
+    assert st.served == 40 and st.evicted == 0 and st.turned_away == 0, st
+
+
 def test_a_session_is_cut_at_its_deadline_and_frees_its_slot():
     nonce = new_nonce()
 
