@@ -44,6 +44,9 @@ MAX_CLIENTS = 4
 # Sender-side socket buffer: small, so that little is left to drain after the last write.
 SNDBUF = 256 * 1024
 SLOW_FACTOR = 0.5  # a node whose links run below half the others' median is named slow
+EXPORT_ALL_NODES = 16
+"""Up to this many nodes rank 0 exports every link as a metric; past it, a bounded set
+(:meth:`LinkMatrix.exported`)."""
 # A link below a quarter of the other links' median is probably relayed: Tailscale falls
 # back to its DERP relays (a few to tens of Mbit/s) when two nodes cannot connect directly.
 RELAY_FACTOR = 0.25
@@ -174,6 +177,33 @@ class LinkMatrix:
 
     def cross(self) -> list[Link]:
         return [link for link in self.links if link.a != link.b]
+
+    def exported(self, all_up_to: int = EXPORT_ALL_NODES) -> LinkMatrix:
+        """The links rank 0 exports as the ``ray_mesh_link_mbit`` gauge, for ``ray-mesh
+        status``: all of them up to ``all_up_to`` nodes; past that, per node its within-node
+        link and its slowest and fastest link to another node, at most 3 per node.
+
+        Every link would be n(n+1)/2 series, 131,328 at 512 nodes: more than a node's page
+        may hold (``ray-mesh status`` reads 8 MiB of it), in every Prometheus that scrapes
+        it. The set kept still holds what status judges by: the slowest link of all, and
+        each node's fastest, so a node all of whose links are slow (:meth:`slow_nodes`) is
+        still one whose fastest is slow; the median of the others is then taken over the
+        others' slowest and fastest links, not all of them."""
+        nodes = self.nodes()
+        if len(nodes) <= all_up_to:
+            return LinkMatrix(list(self.links), self.error)
+        keep: dict[tuple[str, str], Link] = {}
+        for link in self.links:
+            if link.a == link.b:
+                keep[(link.a, link.b)] = link
+        mine: dict[str, list[Link]] = {}
+        for link in self.cross():
+            mine.setdefault(link.a, []).append(link)
+            mine.setdefault(link.b, []).append(link)
+        for links in mine.values():
+            for link in (min(links, key=lambda x: x.mbit_s), max(links, key=lambda x: x.mbit_s)):
+                keep[(link.a, link.b)] = link
+        return LinkMatrix(list(keep.values()), self.error)
 
     def cross_node_mbit(self) -> float:
         """The slowest link between two nodes (what a collective across nodes waits for)."""

@@ -35,6 +35,7 @@ STRAGGLER_GAP = 0.15  # the others wait this share of the time more than the str
 STRAGGLER_RATIO = 2.0  # ... and at least this many times as long
 LINK_WAIT = 0.25  # a cross-node dim where ranks wait this share of the time: a slow link
 MIN_WINDOW_S = 1.0  # shorter windows are too few samples to judge
+LINK_LINES = 12  # links listed by format_analysis, the slowest first; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -226,9 +227,14 @@ def format_analysis(a: dict[str, Any]) -> list[str]:
         lines.append(f"  {f['dim']:<13} slowest rank {f['slowest_rank']} (node {f['node']}, "
                      f"waits {_pct(f['wait_share'])}; the others "
                      f"{_pct(f['peers_wait_share'])}) [{where}]")
-    for x in a["links"]:
-        if x["a"] != x["b"]:
-            lines.append(f"  link {x['a']} <-> {x['b']}: {x['mbit_s']:.0f} Mbit/s")
+    cross = [x for x in a["links"] if x["a"] != x["b"]]
+    if len(cross) > LINK_LINES:  # hundreds of nodes: the slowest, then how many more
+        cross.sort(key=lambda x: x["mbit_s"])
+    for x in cross[:LINK_LINES]:
+        lines.append(f"  link {x['a']} <-> {x['b']}: {x['mbit_s']:.0f} Mbit/s")
+    if len(cross) > LINK_LINES:
+        lines.append(f"  ... {len(cross) - LINK_LINES} more link(s), up to "
+                     f"{cross[-1]['mbit_s']:.0f} Mbit/s")
     if not a["dims"]:
         lines.append("  (no wait windows yet: they appear ~10-20 s after training starts)")
     lines.append(f"  verdict: {a['verdict'] or 'no slow rank or link'}")

@@ -266,8 +266,12 @@ def targets_of(doc: Any, node_ips: Iterable[str]) -> tuple[list[str], list[str]]
 
 def clean_samples(samples: Iterable[tuple[str, dict, float]]
                   ) -> tuple[list[tuple[str, dict, float]], int]:
-    """The samples whose labels and value are what ray_mesh exports; and how many were not."""
+    """The samples whose labels and value are what ray_mesh exports; and how many were not.
+
+    Label values repeat across a page (run, node, session, coordinates): each distinct one
+    is escaped once (thousands of ranks' samples)."""
     out, dropped = [], 0
+    escaped: dict[str, str] = {}
     for name, labels, value in samples:
         rank = labels.get("rank")
         dim = labels.get("dim")
@@ -277,5 +281,11 @@ def clean_samples(samples: Iterable[tuple[str, dict, float]]
                 or any(len(v) > NAME_LIMIT for v in labels.values())):
             dropped += 1
             continue
-        out.append((name, {k: safe_text(v) for k, v in labels.items()}, value))
+        clean = {}
+        for k, v in labels.items():
+            e = escaped.get(v)
+            if e is None:
+                e = escaped[v] = safe_text(v)
+            clean[k] = e
+        out.append((name, clean, value))
     return out, dropped

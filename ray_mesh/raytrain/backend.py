@@ -296,15 +296,19 @@ def _warn_niceness(plan: MeshPlan, results: list, target: int | None) -> None:
 
 def _setups(plan: MeshPlan, choices: list[Choice], config: MeshConfig, fixed: dict[str, str],
             table: str, pick: Pick | None, links: list | None = None) -> list[WorkerSetup]:
-    """What each worker is told at bring-up, in rank order."""
+    """What each worker is told at bring-up, in rank order. The layout table and the links
+    go to rank 0 only, which alone logs and exports them (each is O(ranks) or O(nodes²):
+    sent to every rank, the bring-up carried ranks² rows of table)."""
     return [WorkerSetup(
         spec=plan.spec, rank=w.rank, world_size=len(plan.workers), local_rank=w.local_rank,
         local_world_size=plan.workers_per_node, node_rank=plan.node_rank(w.rank),
         fixed_env=fixed, collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
         backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
-        choice=choices[w.rank], layout_table=table, niceness=config.worker_niceness,
+        choice=choices[w.rank], layout_table=table if w.rank == 0 else "",
+        niceness=config.worker_niceness,
         hang_timeout_s=config.hang_timeout_s, verbose=config.verbose,
-        wait_sample_s=config.wait_sample_s, links=links, total_steps=config.total_steps,
+        wait_sample_s=config.wait_sample_s, links=links if w.rank == 0 else None,
+        total_steps=config.total_steps,
         layout=replace(pick.layout if pick else config.layout or Layout(), mesh=plan.spec),
         picked=pick.why if pick else "") for w in plan.workers]
 
@@ -387,7 +391,7 @@ class _MeshBackend(Backend):
         refs = [worker_group.execute_single_async(w.rank, setup_on_worker, setup)
                 for w, setup in zip(plan.workers, _setups(
                     plan, choices, config, fixed, table, pick,
-                    self.links and self.links.to_json()), strict=True)]
+                    self.links and self.links.exported().to_json()), strict=True)]
         labels = [f"rank {w.rank} ({w.node_ip}, {interfaces[w.rank]})" for w in plan.workers]
         niced = wait_bounded(refs, config.bringup_timeout_s, "Mesh bring-up", labels)
         _warn_niceness(plan, niced, config.worker_niceness)

@@ -7,10 +7,11 @@ interfaces the collectives will use (``ray_mesh.network.links``), and keeps the 
   keyed by the nodes' chosen addresses, so a second run (or a restart after a failure)
   on the same cluster does not pay for it again; ``MeshConfig(measure_links=True)``
   forces a fresh measurement, ``False`` skips it (single-node runs never measure);
-* handed to the workers, where rank 0 exports it with every wait window as the
-  ``ray_mesh_link_mbit`` gauge (tags ``run``, ``a``, ``b``; ``ray_mesh.observability.export``
-  ``WindowExporter``) for ``ray-mesh status`` and the dashboard: a gauge set once here, on
-  the controller, would expire from Ray's endpoint within ~20 s;
+* handed to rank 0 (``LinkMatrix.exported``: every link up to 16 nodes, at most 3 per node
+  past that), which exports it with every wait window as the ``ray_mesh_link_mbit`` gauge
+  (tags ``run``, ``a``, ``b``; ``ray_mesh.observability.export`` ``WindowExporter``) for
+  ``ray-mesh status`` and the dashboard: a gauge set once here, on the controller, would
+  expire from Ray's endpoint within ~20 s;
 * used by ``mesh="auto"`` to pick the layout with the lowest predicted step time.
 """
 
