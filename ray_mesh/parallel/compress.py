@@ -53,6 +53,11 @@ def wire_bytes(numel: int, mode: str) -> int:
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    if not isinstance(group, dist.ProcessGroup):
+        # A bare backend (the replica groups' gloo link, made outside c10d's table) has no
+        # gather into one tensor: gather into views of it.
+        return dist.all_gather(list(out.chunk(group.size())), inp, group=group,
+                               async_op=True)
     # torch 2.13 names all_gather_into_tensor all_gather_single (same semantics); older
     # releases lack the new name (upstream: torch-all-gather-single-rename).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -76,7 +81,8 @@ class PendingAverage:
     """A compressed average in flight: the collectives run in the process group's own
     threads (``async_op=True``) while the caller goes on; :meth:`wait` blocks until they
     are done and decodes the mean. :attr:`own` (what this rank's input decodes to) is
-    known at once, so error feedback need not wait for the link."""
+    known at once, so error feedback need not wait for the link. :attr:`works`: the
+    collectives, for a caller that waits on them in its own way first (a bounded wait)."""
 
     def __init__(self, x: torch.Tensor, mode: str, group: dist.ProcessGroup) -> None:
         if mode not in MODES:
@@ -86,25 +92,25 @@ class PendingAverage:
         if mode == "none":
             self.own = x
             self._bufs: tuple[torch.Tensor, ...] = (x.detach().clone(),)
-            self._works = [dist.all_reduce(self._bufs[0], group=group, async_op=True)]
+            self.works = [dist.all_reduce(self._bufs[0], group=group, async_op=True)]
         elif mode == "bf16":
             out = x.detach().to(torch.bfloat16, copy=True)  # never an alias of the input
             self.own = out.to(x.dtype)
             self._bufs = (out,)
-            self._works = [dist.all_reduce(out, group=group, async_op=True)]
+            self.works = [dist.all_reduce(out, group=group, async_op=True)]
         else:
             codes, scales = quantize_int8(x)
             self.own = dequantize_int8(codes, scales, x)
             all_codes = codes.new_empty(self.n * codes.numel())
             all_scales = scales.new_empty(self.n * scales.numel())
             self._bufs = (all_codes, all_scales)
-            self._works = [_all_gather(all_codes, codes, group),
+            self.works = [_all_gather(all_codes, codes, group),
                            _all_gather(all_scales, scales, group)]
 
     def wait(self) -> torch.Tensor:
         """The mean over the group (decoded), once the collectives are done."""
         if self._result is None:
-            for work in self._works:
+            for work in self.works:
                 work.wait()
             x, n = self.like, self.n
             if self.mode == "none":

@@ -42,7 +42,13 @@ from ray_mesh.checkpointing.sharded import broadcast_from_rank0
 from ray_mesh.errors import CheckpointError, GroupDropped
 from ray_mesh.replicas.coordinator import Coordinator, Decision, Range, meet_quorum
 from ray_mesh.replicas.fallback import Fallback
-from ray_mesh.replicas.link import Abort, CrossLink, broadcast_, weighted_mean
+from ray_mesh.replicas.link import (
+    Abort,
+    CrossLink,
+    broadcast_,
+    compressed_weighted_mean,
+    weighted_mean,
+)
 from ray_mesh.replicas.reshard import (
     all_ranks_agree,
     check_exchange,
@@ -112,6 +118,7 @@ class ReplicaGroup:
         # the optimizer step, and the group's ranks agreeing on the outcome.
         self._phases = dict.fromkeys(PHASES, 0.0)
         self._phase_commits = 0
+        self._next_error: list[torch.Tensor] | None = None  # DiLoCo int8's, until agreed
         self._dropped = threading.Event()
         self._broken_epoch = 0  # from the beats: the newest epoch that lost a member
         self._stop = threading.Event()
@@ -240,7 +247,8 @@ class ReplicaGroup:
                     self.stats["rejoin_bytes"] += got
                     self.stats["heal_s"] += time.perf_counter() - t0
                     self._drop_contribution()
-            avg, total = weighted_mean(mine, weight, pg, abort)
+            avg, total, own = self._average(mine, weight, pg, abort)
+            self._hold_error(mine, own, weight)
         except RuntimeError as exc:  # a peer group died mid-collective, or a timeout
             self.stats["last_error"] = str(exc)[:300]
             return False, False
@@ -279,7 +287,7 @@ class ReplicaGroup:
                     self.stats["heal_s"] += time.perf_counter() - t0
                     self._drop_contribution()
             ok, result = self._as_leader(
-                leader, lambda pg, ab: weighted_mean(mine, weight, pg, ab), d)
+                leader, lambda pg, ab: self._average(mine, weight, pg, ab), d)
             ok, total = leader_outcome(ok, result[1] if ok and leader else 0.0)
             if not ok:
                 return False, False
@@ -287,6 +295,10 @@ class ReplicaGroup:
                 return True, False
             avg = result[0] if leader else [torch.empty_like(m) for m in mine]
             share_from_leader(avg)
+            if self._error_feedback():  # what compression left of each rank's own shard
+                own = result[2] if leader else [torch.empty_like(m) for m in mine]
+                share_from_leader(own)
+                self._hold_error(mine_local, locals_of(own, likes, mine_local), weight)
             self._apply(locals_of(avg, likes, mine_local), total)
         except RuntimeError as exc:  # this group's own world broke: the MIN after says so
             self.stats["last_error"] = str(exc)[:300]
@@ -316,13 +328,41 @@ class ReplicaGroup:
 
     def _contribution(self) -> list[torch.Tensor]:
         if self.diloco is not None:
-            return self.diloco.pseudo_gradients()
+            pseudo = self.diloco.pseudo_gradients()
+            if self._error_feedback():  # last boundary's rounding left-over, sent now
+                pseudo = [p + e for p, e in zip(pseudo, self.diloco.error, strict=True)]
+            return pseudo
         params = list(self.model.parameters())
         return [local_of(p.grad) if p.grad is not None
                 else torch.zeros_like(local_of(p)) for p in params]
 
     def _drop_contribution(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self._error_feedback():  # a healed group's rounding left-over is of its old state
+            for e in self.diloco.error:
+                e.zero_()
+            self._next_error = None
+
+    def _average(self, mine: list[torch.Tensor], weight: float, pg: Any, abort: Abort
+                 ) -> tuple[list[torch.Tensor], float, list[torch.Tensor] | None]:
+        """The weighted mean over the link, sent as DiLoCo's ``compress`` says (float32
+        without DiLoCo or compression), and what this member's own contribution decoded
+        to (None uncompressed)."""
+        mode = self.diloco.config.compress if self.diloco is not None else "none"
+        if mode == "none":
+            return (*weighted_mean(mine, weight, pg, abort), None)
+        return compressed_weighted_mean(mine, weight, pg, mode, abort)
+
+    def _error_feedback(self) -> bool:
+        return self.diloco is not None and self.diloco.error is not None
+
+    def _hold_error(self, sent: list[torch.Tensor], own: list[torch.Tensor] | None,
+                    weight: float) -> None:
+        """Error feedback (DiLoCo's ``error_feedback`` with int8): what rounding left out
+        of ``sent`` goes into the next contribution, once this boundary is agreed on
+        (:meth:`_after`); a member of weight 0 sent nothing of its own."""
+        if self._error_feedback() and own is not None and weight > 0:
+            self._next_error = [s - o for s, o in zip(sent, own, strict=True)]
 
     def _apply(self, avg: list[torch.Tensor], total: float) -> None:
         if self.diloco is not None:
@@ -355,6 +395,10 @@ class ReplicaGroup:
         return max(len(self.last.members) if self.last else 1, 1)
 
     def _after(self, d: Decision, applied: bool) -> None:
+        if self._next_error is not None and applied:
+            for e, new in zip(self.diloco.error, self._next_error, strict=True):
+                e.copy_(new)
+        self._next_error = None
         self.step = d.step + (1 if applied else 0)
         self.ranges = list(d.ranges)
         self.stats["live_groups"] = len(d.members)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ray_mesh.errors import LinkAbandoned
+from ray_mesh.parallel.compress import start_average
 from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
 from ray_mesh.replicas.link_store import SignedStore, parse_key
 
@@ -166,6 +167,38 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
     results = [torch.empty_like(t, device="cpu") for t in tensors]
     scatter_back(results, out_flat)
     return [r.to(t.device) for r, t in zip(results, tensors, strict=True)], w_all
+
+
+def compressed_weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
+                             group: dist.ProcessGroup | None, mode: str,
+                             abort: Abort | None = None
+                             ) -> tuple[list[torch.Tensor], float, list[torch.Tensor]]:
+    """:func:`weighted_mean` with each member's weighted tensors sent compressed as ``mode``
+    (``bf16`` or ``int8``: :mod:`ray_mesh.parallel.compress`, DiLoCo's ``compress``), and
+    what this member's own tensors decode to after compression (for error feedback; the
+    tensors themselves for a member alone or of weight 0). New tensors, float32 on the wire
+    and back in each tensor's dtype and device."""
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
+    if group is None:  # alone: nothing crosses, nothing is rounded
+        return [t.detach().clone() for t in tensors], float(weight), \
+            [t.detach().clone() for t in tensors]
+    total = torch.tensor([float(weight)], dtype=torch.float64)
+    pending = start_average(flat * weight, mode, group)
+    wait_all([dist.all_reduce(total, group=group, async_op=True), *pending.works], abort)
+    w_all = float(total.item())
+    summed = pending.wait() * pending.n  # the mean of the weighted terms, times the members
+    mean = summed / w_all if w_all > 0 else summed
+    own = pending.own / weight if weight > 0 else flat
+    return _split(mean, tensors), w_all, _split(own, tensors)
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[offset:offset + n].view_as(t).to(dtype=t.dtype, device=t.device))
+        offset += n
+    return out
 
 
 def _summed_as(dtype: torch.dtype) -> torch.dtype:

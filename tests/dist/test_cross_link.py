@@ -14,7 +14,13 @@ import time
 import pytest
 import torch
 
-from ray_mesh.replicas.link import POLL_S, CrossLink, LinkAbandoned, weighted_mean
+from ray_mesh.replicas.link import (
+    POLL_S,
+    CrossLink,
+    LinkAbandoned,
+    compressed_weighted_mean,
+    weighted_mean,
+)
 from ray_mesh.replicas.link_store import serve_store
 
 TIMEOUT_S = 20.0  # the link's own bound: every wait below must end long before it
@@ -102,3 +108,31 @@ def test_the_weighted_mean_through_the_polled_wait(store):
     for i in (0, 1):  # (1 * 1 + 2 * 2) / 3
         avg, total = out[i]
         assert total == 3.0 and torch.allclose(avg[0], torch.full((5,), 5 / 3))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_the_weighted_mean_sent_compressed(store, mode):
+    """DiLoCo's ``compress`` on the link between replica groups: the weighted mean within
+    the code's rounding, the same on both members, and each member's own decoded part."""
+    _a, _b, groups = _pair(store, 5 if mode == "bf16" else 6)
+    torch.manual_seed(0)
+    xs = [torch.randn(3000), torch.randn(3000)]
+    out: dict = {}
+
+    def member(i: int) -> None:
+        out[i] = compressed_weighted_mean([xs[i][:1000], xs[i][1000:]], float(i + 1),
+                                          groups[i], mode, lambda: False)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    want = (xs[0] + 2 * xs[1]) / 3
+    tol = 0.02 if mode == "bf16" else 0.05  # bf16: 8 bits of mantissa; int8: 1/127 of a chunk
+    for i in (0, 1):
+        avg, total, own = out[i]
+        assert total == 3.0 and [a.shape for a in avg] == [(1000,), (2000,)]
+        assert torch.allclose(torch.cat(avg), want, atol=tol), (torch.cat(avg) - want).abs().max()
+        assert torch.allclose(torch.cat(own), xs[i], atol=tol)
+    assert torch.equal(torch.cat(out[0][0]), torch.cat(out[1][0]))  # every member alike

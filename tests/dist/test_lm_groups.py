@@ -119,12 +119,15 @@ def test_two_lm_groups_use_every_sample_once_across_a_group_dying_and_rejoining(
 @pytest.mark.timeout(300)
 def test_two_diloco_lm_groups_end_with_the_same_model(tmp_path):
     """``config.diloco``: each group runs a round's inner steps on its own samples (2 per
-    round here), the commit averages the pseudo-gradients; both end equal, every index of
-    the rounds used once."""
+    round here), the commit averages the pseudo-gradients, sent as int8 with error feedback
+    (``compress``, honoured between groups as within a mesh); both end equal, every index
+    of the rounds used once."""
     steps = 4
     served = LocalQuorum(steps=steps, expected_groups=2, segment_samples=8)
-    procs = [_launch(0, "fsdp", 2, served.port, steps, tmp_path, DILOCO_EVERY="2"),
-             _launch(1, "plain", 1, served.port, steps, tmp_path, DILOCO_EVERY="2")]
+    procs = [_launch(0, "fsdp", 2, served.port, steps, tmp_path, DILOCO_EVERY="2",
+                     DILOCO_COMPRESS="int8"),
+             _launch(1, "plain", 1, served.port, steps, tmp_path, DILOCO_EVERY="2",
+                     DILOCO_COMPRESS="int8")]
     deadline = time.monotonic() + 240
     for proc, out in zip(procs, [_wait(p, deadline, f"group {g}") for g, p in
                                  enumerate(procs)], strict=True):

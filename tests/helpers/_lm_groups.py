@@ -15,9 +15,10 @@ glue does, and exits (rank 0 ignores torchrun's SIGTERM meanwhile). ``ALONE_STEP
 step's floor while fewer than ``WAIT_GROUPS`` groups take part (a rejoining group finds
 steps left). ``MANIFEST``: the test's manifest of the data, which each group's own reading of
 the files must give. ``DILOCO_EVERY``: DiLoCo groups (``config.diloco``), that many inner
-steps a round. ``JOIN_AFTER`` (a path): the group starts (torch, its mesh, its data and
-model) but joins the run (makes its ``ReplicaGroup``) only once that file exists: the test
-starts a restarted group ahead and lets it in when the dead one is gone.
+steps a round (``DILOCO_COMPRESS``: their ``compress``). ``JOIN_AFTER`` (a path): the
+group starts (torch, its mesh, its data and model) but joins the run (makes its
+``ReplicaGroup``) only once that file exists: the test starts a restarted group ahead and
+lets it in when the dead one is gone.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def main() -> None:
     config = {**CONFIG, "data_index": {"manifest": os.environ.get("MANIFEST") or None}}
     if os.environ.get("DILOCO_EVERY"):  # DiLoCo groups: AdamW inner steps, commit = outer
         config["diloco"] = {"every": int(os.environ["DILOCO_EVERY"]), "outer_lr": 0.7,
-                            "outer_momentum": 0.9}
+                            "outer_momentum": 0.9,
+                            "compress": os.environ.get("DILOCO_COMPRESS", "none")}
     box: dict = {}
 
     def make_group(model, optim, **kwargs) -> ReplicaGroup:
