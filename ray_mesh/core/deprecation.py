@@ -37,6 +37,14 @@ class Deprecated:
         return getattr(importlib.import_module(module), attribute)
 
 
+def moved(target: str, why: str, package: str, release: str = "0.2.0") -> Deprecated:
+    """A name that leaves ``package`` in ``release`` but lives on at ``target`` (internal):
+    the advice says ``why``, where to import it from and when it goes."""
+    module = target.partition(":")[0]
+    return Deprecated(target, f"{why}; import it from {module} (it leaves {package} in "
+                              f"{release})")
+
+
 def resolve(package: str, name: str, deprecated: Mapping[str, Deprecated]) -> Any:
     """The value of ``package.name`` from ``deprecated``, after a ``DeprecationWarning``;
     ``AttributeError`` for a name that is not there (a package's ``__getattr__`` ends with

@@ -68,10 +68,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 
 def _moved(target: str) -> _deprecation.Deprecated:
-    module = target.partition(":")[0]
-    return _deprecation.Deprecated(
-        target, f"not part of the public API; import it from {module} "
-                f"(it leaves ray_mesh.parallel in 0.2.0)")
+    return _deprecation.moved(target, "not part of the public API", __name__)
 
 
 # Building blocks of the helpers above, public until the API was drawn; where they live is

@@ -38,10 +38,7 @@ _LAZY: dict[str, tuple[str, str]] = {
 
 
 def _moved(target: str) -> _deprecation.Deprecated:
-    module = target.partition(":")[0]
-    return _deprecation.Deprecated(
-        target, f"the quorum's parts are internal; import it from {module} "
-                f"(it leaves ray_mesh.replicas in 0.2.0)")
+    return _deprecation.moved(target, "the quorum's parts are internal", __name__)
 
 
 DEPRECATED: dict[str, _deprecation.Deprecated] = {
