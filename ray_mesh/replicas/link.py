@@ -178,10 +178,10 @@ def compressed_weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
     what this member's own tensors decode to after compression (for error feedback; the
     tensors themselves for a member alone or of weight 0). New tensors, float32 on the wire
     and back in each tensor's dtype and device."""
-    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
     if group is None:  # alone: nothing crosses, nothing is rounded
         return [t.detach().clone() for t in tensors], float(weight), \
             [t.detach().clone() for t in tensors]
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
     total = torch.tensor([float(weight)], dtype=torch.float64)
     pending = start_average(flat * weight, mode, group)
     wait_all([dist.all_reduce(total, group=group, async_op=True), *pending.works], abort)
@@ -193,12 +193,11 @@ def compressed_weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
 
 
 def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        n = t.numel()
-        out.append(flat[offset:offset + n].view_as(t).to(dtype=t.dtype, device=t.device))
-        offset += n
-    return out
+    """``flat`` (float32, ``like`` concatenated) back as tensors shaped like ``like``, each
+    in its own dtype and device."""
+    parts = [torch.empty(t.shape) for t in like]
+    scatter_back(parts, {torch.float32: flat})
+    return [p.to(dtype=t.dtype, device=t.device) for p, t in zip(parts, like, strict=True)]
 
 
 def _summed_as(dtype: torch.dtype) -> torch.dtype:
