@@ -42,10 +42,11 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from console import problems
+from console import ANSI, lines, problems
 
 from harness import replica_check as rc
 from harness.lab_figures import console_groups, figures, mean_share, totals_by_step
@@ -195,6 +196,22 @@ def test_the_lab_job_survives_a_closed_laptop_lid(tmp_path):
     first = re.search(rf"\(RayTrainWorker pid=(\d+), ip={re.escape(ips[LAPTOP])}\)", console)
     mine = [x for x in console.splitlines() if f"(RayTrainWorker pid={first[1]}," in x]
     assert mine and len(mine) == len(set(mine)), "\n".join(mine)
+    # ... and so does every line any group's worker printed (Ray's deduplication is off on
+    # these nodes: RAY_DEDUP_LOGS=0); before, a group's fit() in its runner actor lacked the
+    # driver's Ray Train settings and its print patch logged and echoed each print
+    printed = Counter(x for x in (ANSI.sub("", y) for y in console.splitlines())
+                      if x.startswith("(RayTrainWorker pid=") and ") llm: " in x)
+    assert printed and max(printed.values()) == 1, printed.most_common(3)
+    # tokens/s: each group's last progress line and its summary line, the run's throughput;
+    # the rows came from each box's own files (no rows read into the object store)
+    shown = lines(console)
+    for gid in groups:
+        assert any(re.match(rf"lab-g{gid}: step {STEPS}/{STEPS} loss .*tokens/s", x)
+                   for x in shown), "\n".join(shown[-60:])
+        assert any(x.startswith(f"  group {gid} (dp_shard=") and "tokens/s" in x
+                   for x in shown), "\n".join(shown[-20:])
+    assert any(x.startswith("  throughput:  ") and "tokens/s" in x for x in shown), shown[-20:]
+    assert "training rows read into the object store" not in console, console[-3000:]
 
 
 @pytest.mark.slow
