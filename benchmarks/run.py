@@ -34,7 +34,8 @@ Sections (``--only`` picks some):
              single runs).
   user_job   (k) the user's whole job (docs/lab_job.md) on the lab cluster: tokens/s against
              each box alone, the laptop dropped, goodput against one mesh with
-             checkpoint-restart (benchmarks/user_job.py; single runs; --quick: sync only).
+             checkpoint-restart (benchmarks/user_job.py; single runs; --quick: sync, float32
+             and int8, only).
   llm        (i) examples/llm.py tokens/s: ray_mesh + Ray Data vs torchrun + in-memory rows,
              runs alternating (llm.py); target ray_mesh >= 0.95x torchrun.
 

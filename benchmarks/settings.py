@@ -24,8 +24,11 @@ def config(quick: bool) -> dict:
                            "model": {"max_tokens": 200_000, "warmup": 2}},
                 "slow": {"rounds": 3, "steps": 10, "detect_too": False},
                 "llm": {"pairs": 1, "steps": 8, "warmup": 3, "workers": 4, "timeout_s": 600},
-                # over benchmarks/user_job.py's SETTINGS: sync throughput only (~3 min)
-                "user_job": {"modes": ["sync"], "sync": {"steps": 20, "alone_counted": 8},
+                # over benchmarks/user_job.py's SETTINGS: sync throughput only, float32 and int8
+                "user_job": {"modes": ["sync", "sync_int8"],
+                             "sync": {"steps": 20, "alone_counted": 8},
+                             "sync_int8": {"steps": 20, "alone_counted": 8,
+                                           "compress": "int8"},
                              "warmup": 3, "drops": None, "goodput": False}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],

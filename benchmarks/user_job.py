@@ -13,8 +13,10 @@ them: the driver, the head's GCS and bucket, wireguard-go. A quota is a cap: a b
 most its share of work, in the whole job or alone, so a box alone cannot borrow the idle
 boxes' share of the machine's two cores.
 
-1. **throughput_of_sum**, per mode (``sync``: the page's job; ``diloco``: the same with
-   ``config.diloco.every`` inner steps per round): the whole job's tokens/s against the sum
+1. **throughput_of_sum**, per mode (``sync``: the page's job; ``sync_int8``: the same with
+   ``replica_groups.compress: int8``, each step's gradients crossing the tunnel as int8;
+   ``diloco``: the same with ``config.diloco.every`` inner steps per round): the whole
+   job's tokens/s against the sum
    of each box alone (one group pinned to that box, at the batch it trains in the whole
    job). With every box capped, the three alone runs go one after another (box 0, 1, 2),
    each stopped once it committed ``alone_counted`` steps after its warm-up. (Side by
@@ -83,11 +85,13 @@ from benchmarks import user_job_runs as ur  # noqa: E402
 from benchmarks.common import REPO  # noqa: E402
 
 SETTINGS: dict[str, Any] = {
-    "modes": ["sync", "diloco"], "warmup": 5,
+    "modes": ["sync", "sync_int8", "diloco"], "warmup": 5,
     # every box's Ray processes, in every run: cores (their sum below the machine's)
     "box_quotas_cores": {"desktop": 0.8, "tower": 0.4, "laptop": 0.4},
     # alone_counted: steps each box alone commits after its warm-up (then stopped)
     "sync": {"steps": 40, "alone_counted": 12},
+    # the same job with replica_groups.compress: int8 (gradients between groups as int8)
+    "sync_int8": {"steps": 40, "alone_counted": 12, "compress": "int8"},
     "diloco": {"every": 4, "rounds": 10, "segment_samples": 32, "alone_counted": 4},
     # from the run's first committed step; both shapes get the same schedule
     "drops": {"first_s": 15.0, "every_s": 45.0, "down_s": 10.0},
@@ -305,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import settings, user_job_md
 
     p = argparse.ArgumentParser(description="the user's whole job: results.json['user_job']")
-    p.add_argument("--quick", action="store_true", help="a smoke run (sync only, 20 steps)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run (sync, float32 and int8, 20 steps)")
     p.add_argument("--out", help="default benchmarks/results.json (--quick: "
                                  "results_quick.json, the committed figures stay)")
     p.add_argument("--results-md", help="default benchmarks/RESULTS.md (--quick: none)")

@@ -89,10 +89,13 @@ def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
         over["config"] = {"diloco": {"every": d["every"]}}
         over["replica_groups"].update(steps=d["rounds"] * steps_factor,
                                       segment_samples=d["segment_samples"])
-    else:
-        over["replica_groups"]["steps"] = cfg["sync"]["steps"] * steps_factor
-        if "segment_samples" in cfg["sync"]:  # the page's 8 unless a run sets its own
-            over["replica_groups"]["segment_samples"] = cfg["sync"]["segment_samples"]
+    else:  # "sync", or a sync mode of its own settings (sync_int8: compress int8)
+        sync = cfg[mode] if mode in cfg else cfg["sync"]
+        over["replica_groups"]["steps"] = sync["steps"] * steps_factor
+        if "segment_samples" in sync:  # the page's 8 unless a run sets its own
+            over["replica_groups"]["segment_samples"] = sync["segment_samples"]
+        if "compress" in sync:  # the gradients between groups (replica_groups.compress)
+            over["replica_groups"]["compress"] = sync["compress"]
     if groups is not None:
         over["replica_groups"].update(groups=groups, shares="equal", segment_samples=segment)
     job = lab.job(over)

@@ -15,7 +15,20 @@ from typing import Any
 from ray_mesh.errors import ParallelError
 
 COMPRESS_MODES = ("none", "bf16", "int8")
-"""How a DiLoCo sync sends its pseudo-gradients (:mod:`ray_mesh.parallel.compress`)."""
+"""How a DiLoCo sync sends its pseudo-gradients, and replica groups without DiLoCo their
+gradients (:mod:`ray_mesh.parallel.compress`)."""
+
+
+def check_group_compress(compress: str, diloco: bool) -> None:
+    """Replica groups' ``compress`` (what crosses between groups at each step): one of the
+    modes, and only without DiLoCo, whose config has its own."""
+    if compress not in COMPRESS_MODES:
+        raise ParallelError(f"compress={compress!r}: use one of {', '.join(COMPRESS_MODES)} "
+                            "(how the gradients cross between replica groups at each step)")
+    if diloco and compress != "none":
+        raise ParallelError(f"compress={compress!r} with DiLoCo: its pseudo-gradients are sent "
+                            "as its config's compress says; give DiLoCoConfig(compress="
+                            f"{compress!r}) instead")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Any
 
 import ray
 
+from ray_mesh.core.diloco_config import check_group_compress
 from ray_mesh.errors import GroupsFailed
 from ray_mesh.raytrain.attempt_watch import AttemptWatch
 from ray_mesh.raytrain.driver import (
@@ -63,6 +64,7 @@ def replica_group(model: Any, optimizer: Any, config: dict[str, Any], **kwargs: 
     from ray_mesh.replicas import ReplicaGroup
 
     rg = config[CONFIG_KEY]
+    kwargs.setdefault("compress", rg.get("compress", "none"))  # the run's, unless given here
     client = CoordinatorClient(rg["coordinator"], rg["timeout_s"], rg["arrive_s"])
     group = ReplicaGroup(model, optimizer, client=client,
                          group_id=rg["group_id"], total_steps=rg["total_steps"],
@@ -170,7 +172,8 @@ def fit_replica_groups(train_fn: Any, *,
                        dead_after_s: float = 5.0, arrive_timeout_s: float = 300.0,
                        timeout_s: float = 30.0, poll_s: float = 0.5, shares: str = "equal",
                        on_event: Any = None, on_groups: Any = None,
-                       storage_probed: bool = False) -> ReplicaGroupsResult:
+                       storage_probed: bool = False, compress: str = "none"
+                       ) -> ReplicaGroupsResult:
     """Train ``train_fn`` as ``groups`` replica groups of ``workers_per_group`` workers, or
     as one group per entry of a list of group layouts (unequal boxes:
     :func:`~ray_mesh.replicas.layouts.group_specs`, e.g. ``[{"dp_shard": 2}, {"mesh":
@@ -186,6 +189,9 @@ def fit_replica_groups(train_fn: Any, *,
     function gets ``config`` and builds its group with :func:`replica_group`. ``on_event``
     (default: log) sees each membership event as the coordinator records it; ``on_groups``
     (default: log) the groups' line (layouts, nodes) before they start.
+    ``compress`` (``none``, ``bf16`` or ``int8`` with error feedback) is how each step's
+    gradients cross between the groups (a VPN link: ``int8`` sends a quarter of float32's
+    bytes); a train function using DiLoCo sets its own in ``DiLoCoConfig``.
     ``shares="speed"`` sizes each group's segment to its measured speed (unequal boxes:
     :mod:`ray_mesh.replicas.shares`); the default gives every group ``segment_samples``.
 
@@ -209,6 +215,7 @@ def fit_replica_groups(train_fn: Any, *,
     check_settings(checkpoint_every=checkpoint_every, num_to_keep=num_to_keep,
                    max_group_failures=max_group_failures, upload_timeout_s=upload_timeout_s)
     check_mode(shares)
+    check_group_compress(compress, False)
     if groups != "auto":
         group_specs(groups, workers_per_group)  # the layouts' text first: nothing contacted
     storage = {"storage_path": storage_path, "storage_endpoint": storage_endpoint,
@@ -255,7 +262,7 @@ def fit_replica_groups(train_fn: Any, *,
             "checkpoint_dir": location, "checkpoint_every": checkpoint_every,
             "checkpoint_endpoint": location_endpoint, "checkpoint_keep": num_to_keep,
             "upload_timeout_s": upload_timeout_s,
-            "exchange": exchange, "layout": spec.label}}
+            "exchange": exchange, "layout": spec.label, "compress": compress}}
         per_worker = dict(resources_per_worker or {})
         if spec.node:  # Ray's own node:<address> resource pins the group to that node
             per_worker[f"node:{spec.node}"] = NODE_PIN

@@ -16,6 +16,10 @@ boundary. A train function written for it::
 With ``diloco=`` the group runs ``every`` inner steps on its own between commits (split
 the group's samples with :meth:`ReplicaGroup.inner_batches`) and a commit is the outer
 step: the pseudo-gradients are averaged, weighted by the samples each group processed.
+Without DiLoCo, ``compress=`` sends each step's gradients between groups as ``bf16`` or
+``int8`` (with error feedback: what rounding left out goes into the next step's
+contribution) instead of float32: the link between boxes, a VPN, carries a quarter of
+the bytes with ``int8``; with DiLoCo its config's ``compress`` applies.
 
 ``commit`` never gives up on a peer's failure: a failed collective is retried with the
 groups that remain (the contribution is kept), and a group that was left behind or joins
@@ -39,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ray_mesh.checkpointing.sharded import broadcast_from_rank0
+from ray_mesh.core.diloco_config import check_group_compress
 from ray_mesh.errors import CheckpointError, GroupDropped
 from ray_mesh.replicas.coordinator import Coordinator, Decision, Range, meet_quorum
 from ray_mesh.replicas.fallback import Fallback
@@ -85,9 +90,11 @@ class ReplicaGroup:
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  checkpoint_endpoint: str | None = None, checkpoint_keep: int | None = None,
                  upload_timeout_s: float = 600.0, exchange: str = "shards",
-                 layout: str = "") -> None:
+                 layout: str = "", compress: str = "none") -> None:
         if lr_scaling not in LR_SCALING:
             raise ValueError(f"lr_scaling={lr_scaling!r}: use one of {LR_SCALING}")
+        check_group_compress(compress, diloco is not None)
+        self.compress = compress
         check_exchange(exchange)
         self.exchange = exchange
         self.model, self.optimizer, self.client = model, optimizer, client
@@ -118,7 +125,8 @@ class ReplicaGroup:
         # the optimizer step, and the group's ranks agreeing on the outcome.
         self._phases = dict.fromkeys(PHASES, 0.0)
         self._phase_commits = 0
-        self._next_error: list[torch.Tensor] | None = None  # DiLoCo int8's, until agreed
+        self._next_error: list[torch.Tensor] | None = None  # int8's left-over, until agreed
+        self._sync_error: list[torch.Tensor] | None = None  # without DiLoCo: int8's held
         self._dropped = threading.Event()
         self._broken_epoch = 0  # from the beats: the newest epoch that lost a member
         self._stop = threading.Event()
@@ -333,33 +341,48 @@ class ReplicaGroup:
                 pseudo = [p + e for p, e in zip(pseudo, self.diloco.error, strict=True)]
             return pseudo
         params = list(self.model.parameters())
-        return [local_of(p.grad) if p.grad is not None
-                else torch.zeros_like(local_of(p)) for p in params]
+        grads = [local_of(p.grad) if p.grad is not None
+                 else torch.zeros_like(local_of(p)) for p in params]
+        if self._error_feedback():  # last step's rounding left-over, sent now
+            grads = [g + e for g, e in zip(grads, self._errors(grads), strict=True)]
+        return grads
 
     def _drop_contribution(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if self._error_feedback():  # a healed group's rounding left-over is of its old state
-            for e in self.diloco.error:
+            for e in self._errors():
                 e.zero_()
             self._next_error = None
 
     def _average(self, mine: list[torch.Tensor], weight: float, pg: Any, abort: Abort
                  ) -> tuple[list[torch.Tensor], float, list[torch.Tensor] | None]:
-        """The weighted mean over the link, sent as DiLoCo's ``compress`` says (float32
-        without DiLoCo or compression), and what this member's own contribution decoded
-        to (None uncompressed)."""
-        mode = self.diloco.config.compress if self.diloco is not None else "none"
+        """The weighted mean over the link, sent as ``compress`` (DiLoCo's, with DiLoCo)
+        says, float32 uncompressed, and what this member's own contribution decoded to
+        (None uncompressed)."""
+        mode = self.diloco.config.compress if self.diloco is not None else self.compress
         if mode == "none":
             return (*weighted_mean(mine, weight, pg, abort), None)
         return compressed_weighted_mean(mine, weight, pg, mode, abort)
 
     def _error_feedback(self) -> bool:
-        return self.diloco is not None and self.diloco.error is not None
+        if self.diloco is not None:
+            return self.diloco.error is not None
+        return self.compress == "int8"
+
+    def _errors(self, likes: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The rounding left-over held for the next contribution: DiLoCo's own, or (sync)
+        this group's, zeros until the first agreed int8 step."""
+        if self.diloco is not None:
+            return self.diloco.error
+        if self._sync_error is None:
+            likes = likes if likes is not None else self._contribution_likes()
+            self._sync_error = [torch.zeros_like(local_of(x)) for x in likes]
+        return self._sync_error
 
     def _hold_error(self, sent: list[torch.Tensor], own: list[torch.Tensor] | None,
                     weight: float) -> None:
-        """Error feedback (DiLoCo's ``error_feedback`` with int8): what rounding left out
-        of ``sent`` goes into the next contribution, once this boundary is agreed on
+        """Error feedback (int8; with DiLoCo, its ``error_feedback``): what rounding left
+        out of ``sent`` goes into the next contribution, once this boundary is agreed on
         (:meth:`_after`); a member of weight 0 sent nothing of its own."""
         if self._error_feedback() and own is not None and weight > 0:
             self._next_error = [s - o for s, o in zip(sent, own, strict=True)]
@@ -396,7 +419,7 @@ class ReplicaGroup:
 
     def _after(self, d: Decision, applied: bool) -> None:
         if self._next_error is not None and applied:
-            for e, new in zip(self.diloco.error, self._next_error, strict=True):
+            for e, new in zip(self._errors(self._next_error), self._next_error, strict=True):
                 e.copy_(new)
         self._next_error = None
         self.step = d.step + (1 if applied else 0)

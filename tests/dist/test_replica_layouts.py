@@ -128,20 +128,32 @@ def _reference(steps_ranges: list[list[list[int]]]) -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(240)
-def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path):
+@pytest.mark.parametrize("compress", ["none", "int8"])
+def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path, compress):
+    """Uncompressed, each step's update is the mean gradient over both groups' samples:
+    both groups end with the parameters of one model trained on the union of the samples.
+    With ``compress="int8"`` the gradients cross as int8 with error feedback: both groups
+    still end equal (each decodes the same bytes), close to that model but not bitwise."""
     steps = 6
     served = _Served(steps, expected_groups=2)
-    procs = [_launch(0, "fsdp", 2, served.port, steps, tmp_path),
-             _launch(1, "plain", 1, served.port, steps, tmp_path)]
+    env = {"COMPRESS": compress}
+    procs = [_launch(0, "fsdp", 2, served.port, steps, tmp_path, extra_env=env),
+             _launch(1, "plain", 1, served.port, steps, tmp_path, extra_env=env)]
     _finish(procs, 200)
     a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
     rows = {g: _rows(tmp_path, g) for g in (0, 1)}
     assert [r["step"] for r in rows[0]] == list(range(1, steps + 1)), rows
     per_step = [[*r0["ranges"], *r1["ranges"]] for r0, r1 in zip(rows[0], rows[1], strict=True)]
     ref = _reference(per_step)
+    worst = 0.0
     for x, y, r in zip(a, b, ref, strict=True):
         assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()
-        assert torch.allclose(x, r, atol=1e-5), (x - r).abs().max()
+        worst = max(worst, float((x.detach() - r).abs().max() / r.abs().max()))
+    if compress == "none":
+        assert worst < 1e-5, worst
+    else:  # int8 of each 1,024 values: ~0.4% of the largest per step, fed back the next
+        assert 1e-5 < worst < 0.01, worst
+    print(f"compress {compress}: largest difference from one model {worst:.2e}")
     assert served.coordinator.layouts == {0: "fsdp=2", 1: "plain=1"}
 
 

@@ -91,6 +91,7 @@ def main() -> None:
     rg = ReplicaGroup(model, optim, client=manager.coordinator(), group_id=gid,
                       total_steps=steps, segment_samples=8, exchange="full",
                       layout=f"{layout}={size}", timeout_s=20, diloco=diloco,
+                      compress=os.environ.get("COMPRESS", "none"),
                       checkpoint_dir=os.environ.get("CKPT_DIR") or None,
                       checkpoint_every=int(os.environ.get("CKPT_EVERY", "0")),
                       checkpoint_endpoint=os.environ.get("CKPT_ENDPOINT") or None)

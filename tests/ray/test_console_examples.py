@@ -51,11 +51,13 @@ SHORT: dict[str, dict] = {
             "data": {"seq_len": 32, "batch_size": 8, "max_tokens": 60_000,
                      "val_tokens": 4096}},
     # replica groups of 2 and 1 workers reading the LM's text by sample index
-    # (test_llm_groups_console_... below); steps are replica_groups.steps
+    # (test_llm_groups_console_... below); steps are replica_groups.steps; the gradients
+    # between the groups as int8 (replica_groups.compress: the job key through the launch
+    # layer and fit_replica_groups to each group's ReplicaGroup, under Ray)
     "llm_groups": {"config": {"model": {"preset": "tiny", "max_seq_len": 64},
                               "report_every": 2, "eval_every": 6, "warmup": 2},
                    "data": {"seq_len": 32, "max_tokens": 60_000, "val_tokens": 4096},
-                   "replica_groups": {"steps": 6, "segment_samples": 4}},
+                   "replica_groups": {"steps": 6, "segment_samples": 4, "compress": "int8"}},
 }
 DRIVER_STEPS = 6
 # Examples whose full run is already a test that checks its console with the same checker:

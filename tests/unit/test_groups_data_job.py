@@ -32,6 +32,9 @@ def test_data_goes_with_replica_groups_with_one_groups_step_as_its_batch():
     assert job.data.global_batch == 4 and job.data.seq_len == 32
     assert job.replica_groups.data_from == "files"
     assert "data_from" not in job.replica_groups.fit_kwargs()  # the CLI's, not the fit's
+    assert job.replica_groups.fit_kwargs()["compress"] == "none"  # float32 unless asked
+    packed = Job.from_dict(_job(groups={"compress": "int8"}), base_dir=ROOT / "examples")
+    assert packed.replica_groups.fit_kwargs()["compress"] == "int8"
     example = Job.from_yaml(ROOT / "examples" / "llm_groups.yaml")
     assert example.data.global_batch == example.replica_groups.segment_samples == 8
     assert example.load_train_fn().__name__ == "train_groups"
@@ -50,6 +53,7 @@ def test_data_goes_with_replica_groups_with_one_groups_step_as_its_batch():
     ({"validation": 0.999}, {"segment_samples": 4000}, {},
      r"training split is empty or too small.*one group's step needs"),
     ({}, {"data_from": "ray"}, {}, r"replica_groups.data_from must be one of files, ray_data"),
+    ({}, {"compress": "fp8"}, {}, r"replica_groups.compress must be one of none, bf16, int8"),
     ({"paths": 7}, {}, {}, r"data.paths must be a path"),
     # still refused with replica_groups, by name
     ({}, {}, {"mesh": {"dp_shard": 2}}, r"^mesh: does not go with replica_groups"),
@@ -117,3 +121,18 @@ def test_the_summary_shows_each_groups_tokens_per_s_and_their_sum():
     text = "\n".join(lines)
     assert "  group 1 (dp_shard=1): pace 4 samples/s, step=5" in text, text
     assert "  throughput:  72 samples used in 12.0 s, 6 samples/s (start-up included" in text
+
+
+def test_compress_is_one_of_the_modes_and_not_beside_diloco():
+    """``compress`` between replica groups: refused on the driver when it is no mode, and in
+    the group when the train function also gives DiLoCo (whose config has its own)."""
+    from ray_mesh.core.diloco_config import check_group_compress
+    from ray_mesh.errors import ParallelError
+
+    for mode in ("none", "bf16", "int8"):
+        check_group_compress(mode, False)
+    check_group_compress("none", True)
+    with pytest.raises(ParallelError, match=r"compress='fp8': use one of none, bf16, int8"):
+        check_group_compress("fp8", False)
+    with pytest.raises(ParallelError, match=r"with DiLoCo.*DiLoCoConfig\(compress='int8'\)"):
+        check_group_compress("int8", True)

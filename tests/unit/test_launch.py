@@ -202,7 +202,8 @@ GROUP_SECTION = {"groups": ([{"dp_shard": 1}], "groups"),
                  "steps": (7, "total_steps"), "segment_samples": (6, "segment_samples"),
                  "shares": ("speed", "shares"), "checkpoint_every": (2, "checkpoint_every"),
                  "checkpoint_dir": ("/shared/fallback", "checkpoint_dir"),
-                 "max_group_failures": (4, "max_group_failures"), "data_from": (None, None)}
+                 "max_group_failures": (4, "max_group_failures"), "data_from": (None, None),
+                 "compress": ("int8", "compress")}
 
 
 def test_every_key_has_a_decision_here():
