@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 import ray_mesh
 from ray_mesh.checkpointing import Checkpointer, full_model_state
+from ray_mesh.parallel import dp_rank as dp_rank_of
 
 
 def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +56,9 @@ def train_loop(config: dict) -> None:
         spec = ray_mesh.get_state().spec
         log_line(config, f"start {start.step} {Path(start.path).name if start.path else '-'} "
                      f"mesh={spec.dp_replicate}x{spec.dp_shard}")
-    dp_rank = mesh["dp"].get_local_rank()
+    # the flattened dp dim the mesh kept (slicing it from the root mesh is deprecated:
+    # torch warns on every rank)
+    dp_rank = dp_rank_of(mesh)
     for step in range(start.step, config["steps"]):
         x, y = batch(step, dp_rank)
         loss = nn.functional.mse_loss(model(x), y)
