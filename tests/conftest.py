@@ -229,6 +229,11 @@ def ray_local(tmp_path_factory):
     # each step is not held to ~0.5 steps/s and its end is seen at once. Ray Train hands it
     # from the driver (this process) to each run's controller.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    # ... and no preemption watcher (CLI_ENV again): Ray Train starts one actor per
+    # worker-group start, ~2 s of CPU importing Ray Train, in every in-process fit here.
+    from ray_mesh.raytrain.driver import PREEMPTION_WATCHER_ENV
+
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
     # Ray's workers at niceness 0, as `ray-mesh run`'s embedded Ray and the deploy scripts'
     # `ray start` run them (ray_mesh.core.priority): at Ray's 15, beside two busy processes
     # a worker gets ~1/30 of their CPU share and its start-up outlasts Ray Train's bound.
