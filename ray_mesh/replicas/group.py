@@ -336,16 +336,13 @@ class ReplicaGroup:
 
     def _contribution(self) -> list[torch.Tensor]:
         if self.diloco is not None:
-            pseudo = self.diloco.pseudo_gradients()
-            if self._error_feedback():  # last boundary's rounding left-over, sent now
-                pseudo = [p + e for p, e in zip(pseudo, self.diloco.error, strict=True)]
-            return pseudo
-        params = list(self.model.parameters())
-        grads = [local_of(p.grad) if p.grad is not None
-                 else torch.zeros_like(local_of(p)) for p in params]
-        if self._error_feedback():  # last step's rounding left-over, sent now
-            grads = [g + e for g, e in zip(grads, self._errors(grads), strict=True)]
-        return grads
+            mine = self.diloco.pseudo_gradients()
+        else:
+            mine = [local_of(p.grad) if p.grad is not None else torch.zeros_like(local_of(p))
+                    for p in self.model.parameters()]
+        if self._error_feedback():  # last boundary's rounding left-over, sent now
+            mine = [c + e for c, e in zip(mine, self._errors(mine), strict=True)]
+        return mine
 
     def _drop_contribution(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -195,9 +195,12 @@ def compressed_weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
 def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``flat`` (float32, ``like`` concatenated) back as tensors shaped like ``like``, each
     in its own dtype and device."""
-    parts = [torch.empty(t.shape) for t in like]
-    scatter_back(parts, {torch.float32: flat})
-    return [p.to(dtype=t.dtype, device=t.device) for p, t in zip(parts, like, strict=True)]
+    out, offset = [], 0
+    for t in like:  # views of ``flat`` where dtype and device match: no copy on the exchange
+        n = t.numel()
+        out.append(flat[offset:offset + n].view_as(t).to(dtype=t.dtype, device=t.device))
+        offset += n
+    return out
 
 
 def _summed_as(dtype: torch.dtype) -> torch.dtype:

@@ -148,10 +148,10 @@ def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path, compress):
     worst = 0.0
     for x, y, r in zip(a, b, ref, strict=True):
         assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()
+        if compress == "none":
+            assert torch.allclose(x, r, atol=1e-5), (x - r).abs().max()
         worst = max(worst, float((x.detach() - r).abs().max() / r.abs().max()))
-    if compress == "none":
-        assert worst < 1e-5, worst
-    else:  # int8 of each 1,024 values: ~0.4% of the largest per step, fed back the next
+    if compress != "none":  # int8 of each 1,024 values: ~0.4% of the largest, fed back
         assert 1e-5 < worst < 0.01, worst
     print(f"compress {compress}: largest difference from one model {worst:.2e}")
     assert served.coordinator.layouts == {0: "fsdp=2", 1: "plain=1"}
