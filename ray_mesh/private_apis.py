@@ -14,7 +14,7 @@ wrappers: this module imports neither torch nor Ray, so Ray-free modules can use
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 CHECKED_TORCH = "2.13.0"
@@ -370,6 +370,31 @@ def is_head_node(resources: Mapping[str, Any]) -> bool:
     return HEAD_NODE_RESOURCE in resources
 
 
+def watch_worker_output(handler: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    """Call ``handler`` with every batch of worker output this driver receives, after Ray
+    has printed it (a dict with ``lines``, ``pid``, ``ip``, ...); returns the function that
+    stops it. ``handler`` runs in Ray's printing thread: it must be quick and must not raise
+    (an exception there would end the printing of every later line), so it is wrapped.
+
+    Internal: ``ray._private.ray_logging.global_worker_stdstream_dispatcher``'s
+    ``add_handler`` / ``remove_handler`` (Ray 2.60.0; Ray's own printing thread and its
+    client server register there). Public replacement: none; ``ray.init(log_to_driver=)``
+    only turns the printing on or off.
+    """
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    name = f"ray_mesh_watch_{id(handler):x}"
+
+    def safe(data: dict[str, Any]) -> None:
+        try:
+            handler(data)
+        except Exception:  # noqa: BLE001 - never break Ray's printing of the next lines
+            logging.getLogger(__name__).debug("ray_mesh: output watcher failed", exc_info=True)
+
+    dispatcher.add_handler(name, safe)
+    return lambda: dispatcher.remove_handler(name)
+
+
 WRAPPERS = (
     # The register of wrappers and their constants: tests/unit/test_private_apis.py holds
     # every callable here to a test of its own and to its docstring's "Internal" and "Public
@@ -394,5 +419,6 @@ WRAPPERS = (
     "set_mesh_group",
     "startup_timeout_error_type",
     "v2_worker_group_type",
+    "watch_worker_output",
     "start_autoscaling_coordinator",
 )

@@ -232,8 +232,21 @@ WORKAROUNDS: tuple[Workaround, ...] = (
              "checkpoint. Rank 0 saves a summary file (the last report included) in the run "
              "directory, and the driver's summary reads it.",
         where=("ray_mesh/observability/report.py", "ray_mesh/raytrain/replica_groups.py",
-               "ray_mesh/cli/main.py"),
+               "ray_mesh/cli/runner.py"),
         remove_when="Result.metrics holds the last report whether or not it had a checkpoint.",
+    ),
+    Workaround(
+        key="ray-driver-log-tail",
+        upstream=_RAY,
+        what="A driver prints the workers' output as each node's log monitor publishes it; "
+             "ray.shutdown() stops that printing at once (0.5 s of grace only at interpreter "
+             "exit), so the last lines of a run, still on their way from a busy node, never "
+             "show (a replica group's final progress line, seen in CI). After the fit the "
+             "CLI waits, bounded, until each run's last progress line has been printed "
+             "(private_apis.watch_worker_output).",
+        where=("ray_mesh/cli/console_tail.py",),
+        remove_when="Ray prints every line its workers wrote before a driver's ray.shutdown() "
+                    "returns.",
     ),
     # -------------------------------------------------------------------- Ray: auth, client
     Workaround(

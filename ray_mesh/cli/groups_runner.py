@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ray_mesh.cli.console_tail import final_steps, progress_tail
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.cli.preray import check_before_ray
 from ray_mesh.cli.runner import ray_session, will_embed
@@ -70,7 +71,7 @@ def run_groups_outcome(job: Job, address: str | None = None,
     # The storage (the driver's one probe), size, interfaces: before Ray starts.
     storage_path = check_before_ray(job, will_embed(address),
                                     workers=workers or EMBEDDED_WORKERS)
-    with ray_session(address, cpus):
+    with ray_session(address, cpus), progress_tail() as tail:
         parts = run_parts(job, storage_path, train_fn=train_fn, verbose=verbose, say=_say)
         t0 = time.monotonic()
         try:
@@ -79,8 +80,12 @@ def run_groups_outcome(job: Job, address: str | None = None,
                 on_event=lambda e: _say(describe(e)), on_groups=_say)
         except (GroupLayoutError, GroupsFailed) as exc:
             raise JobError(str(exc)) from None
-        return GroupsOutcome(result, time.monotonic() - t0,
-                             job.data.seq_len if job.data is not None else None)
+        wall_s = time.monotonic() - t0
+        # Each group's last progress line printed before the summary (console_tail).
+        tail.wait(final_steps({f"{job.name}-g{gid}": got.get("metrics") or {}
+                               for gid, got in result.groups.items() if not got.get("error")},
+                              section.steps), say=_say)
+        return GroupsOutcome(result, wall_s, job.data.seq_len if job.data is not None else None)
 
 
 RATE_KEYS = ("steps_per_s", "samples_per_s", "tokens_per_s", "samples", "tokens")

@@ -88,14 +88,7 @@ def _number(value: object) -> str:
 
 def summary_lines(name: str, outcome) -> list[str]:
     """The final summary: steps, wall time, throughput, checkpoint, results, metrics."""
-    from ray_mesh.observability.report import read_summary
-
-    result = outcome.result
-    saved = read_summary(str(result.path), filesystem=getattr(result, "filesystem", None)) \
-        if result.path else {}
-    # Ray Train keeps a report's metrics in Result only with a checkpoint; rank 0's last
-    # report is in the summary it saved (upstream: ray-train-result-metrics-need-checkpoint).
-    metrics = {**saved.get("last", {}), **dict(result.metrics or {})}
+    result, metrics = outcome.result, outcome.metrics
     steps = metrics.get("step")
     wall = outcome.wall_s
     head = f"ray-mesh: run {name!r} finished"

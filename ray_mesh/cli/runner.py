@@ -22,6 +22,7 @@ import ray
 from ray.train import Result
 
 import ray_mesh.private_apis as private_apis
+from ray_mesh.cli.console_tail import final_steps, progress_tail
 from ray_mesh.cli.flags import address_problem
 from ray_mesh.cli.job import Job, JobError
 from ray_mesh.cli.preray import check_before_ray, user_error_inside
@@ -215,6 +216,18 @@ class RunOutcome:
     wall_s: float
     metrics_url: str | None  # the Prometheus endpoint of the driver's node
     embedded: bool  # the endpoint went away with the embedded Ray
+    metrics: dict[str, Any]  # rank 0's last report (:func:`last_report`)
+
+
+def last_report(result: Result) -> dict[str, Any]:
+    """Rank 0's last report: Ray Train keeps a report's metrics in ``Result`` only with a
+    checkpoint, so the summary rank 0 saved fills in
+    (upstream: ray-train-result-metrics-need-checkpoint)."""
+    from ray_mesh.observability.report import read_summary
+
+    saved = read_summary(str(result.path), filesystem=getattr(result, "filesystem", None)) \
+        if result.path else {}
+    return {**saved.get("last", {}), **dict(result.metrics or {})}
 
 
 def node_metrics_url(nodes: list[dict[str, Any]], node_id: str) -> str | None:
@@ -248,7 +261,7 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
     cpus += DATA_CPUS if job.data is not None else 0  # room for Ray Data's tasks
     # The storage (probed here, once), size, interfaces: before Ray starts.
     storage_path = check_before_ray(job, will_embed(address))
-    with ray_session(address, cpus) as started:
+    with ray_session(address, cpus) as started, progress_tail() as tail:
         # Resources, the mesh against the worker count, a storage_path that some node cannot
         # see or write: all fail here, before the run's parts are put together.
         parts = run_parts(job, storage_path, train_fn=train_fn, verbose=verbose)
@@ -267,4 +280,9 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
             if ours is not None:
                 raise ours from None
             raise
-        return RunOutcome(result, time.monotonic() - t0, url, started)
+        wall_s = time.monotonic() - t0
+        metrics = last_report(result) if result.error is None else {}
+        # The last progress line printed before the summary (and before ray.shutdown()).
+        tail.wait(final_steps({job.name: metrics}, parts.mesh_config.total_steps),
+                  say=lambda line: print(f"ray-mesh: {line}", flush=True))
+        return RunOutcome(result, wall_s, url, started, metrics)

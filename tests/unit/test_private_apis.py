@@ -298,3 +298,30 @@ def test_start_autoscaling_coordinator():
         assert part in source, f"{UPGRADE}: get_or_create_autoscaling_coordinator lost {part}"
     assert autoscaling_coordinator_client.AUTOSCALING_REQUESTS_GET_TIMEOUT_S == 5
     assert pa.start_autoscaling_coordinator() is None  # no Ray here: nothing to warm
+
+
+def test_watch_worker_output():
+    """The driver's printing thread hands each batch of worker output to the dispatcher
+    the wrapper registers with; a batch reaches the handler, a handler that raises does
+    not stop the next handler, and the returned function unregisters it."""
+    from ray._private import worker
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    assert worker.global_worker_stdstream_dispatcher is dispatcher, UPGRADE
+    assert "global_worker_stdstream_dispatcher.emit(data)" in inspect.getsource(
+        worker.Worker.print_logs), f"{UPGRADE}: the printing thread no longer emits batches"
+    got: list[dict] = []
+
+    def boom(data: dict) -> None:
+        raise RuntimeError("a broken watcher")
+
+    stop_boom = pa.watch_worker_output(boom)
+    stop = pa.watch_worker_output(got.append)
+    batch = {"lines": ["run: step 3/3 loss 1.0"], "pid": 7, "ip": "10.0.0.1", "is_err": False}
+    try:
+        dispatcher.emit(batch)
+    finally:
+        stop_boom()
+        stop()
+    dispatcher.emit(batch)
+    assert got == [batch]

@@ -1,0 +1,41 @@
+"""The CLI's wait for the workers' last progress lines (ray_mesh/cli/console_tail.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ray_mesh.cli.console_tail import ProgressTail, final_steps
+
+
+def batch(*lines: str) -> dict:
+    return {"lines": list(lines), "pid": 1, "ip": "10.0.0.1", "is_err": True}
+
+
+def test_the_highest_step_of_each_run_is_kept():
+    tail = ProgressTail()
+    tail.observe(batch("lab-g0: step 10/40 loss 4.5  1.2 steps/s", "llm: eval at step 40: x",
+                       "\x1b[36mlab-g1: step 40/40 loss 2.4\x1b[0m", "lab-g0: step 30/40 loss 3"))
+    tail.observe(batch("lab-g0: step 20/40 loss 3.1", "hsdp: step 7 loss 0.1"))
+    assert tail.seen == {"lab-g0": 30.0, "lab-g1": 40.0, "hsdp": 7.0}
+    assert tail.missing({"lab-g0": 40, "lab-g1": 40, "lab-g2": 40}) == ["lab-g0", "lab-g2"]
+
+
+def test_wait_ends_when_the_line_arrives_and_is_bounded_otherwise():
+    tail, said = ProgressTail(), []
+    later = threading.Timer(0.2, tail.observe, [batch("run: step 5/5 loss 1")])
+    later.start()
+    t0 = time.monotonic()
+    assert tail.wait({"run": 5}, timeout_s=10, say=said.append) == []
+    assert time.monotonic() - t0 < 5 and not said
+    t0 = time.monotonic()
+    assert tail.wait({"run": 5, "other": 3}, timeout_s=0.3, say=said.append) == ["other"]
+    assert 0.25 < time.monotonic() - t0 < 3
+    assert said and "other (step 3)" in said[0] and "summary below" in said[0]
+
+
+def test_only_runs_whose_last_report_reached_the_total_are_waited_for():
+    runs = {"a": {"step": 40}, "b": {"step": 39}, "c": {"loss": 1.0}, "d": {"step": True},
+            "e": {"step": 40.0}}
+    assert final_steps(runs, 40) == {"a": 40.0, "e": 40.0}
+    assert final_steps(runs, None) == {}
