@@ -93,6 +93,11 @@ class Quorum:
         self._changed = False  # a member left, or a group restarted, since the last quorum
         self._fail_ranks: dict[int, set[int]] = {}  # ranks that reported a group's last error
         self.events: list[dict[str, Any]] = []
+        # Kept as groups change, so that an arrival costs O(1), not a pass over every group
+        # (512 groups: 512 arrivals per boundary, each woken waiter trying to form):
+        self._ready_n = 0  # groups with ready set
+        self._arrived_n = 0  # groups with an arrival (every one of them is ready)
+        self._first_since = math.inf  # the earliest arrival's "since" (inf: none)
 
     # ------------------------------------------------------------------ membership
     def register(self, gid: int, incarnation: str, ranks: int) -> None:
@@ -104,6 +109,8 @@ class Quorum:
                 self.books.requeue(old.assigned)
                 self._event("replaced", gid, "a new attempt of the group started")
                 self._changed = True
+            if old is not None:
+                self._forget_counts(old)
             self._groups[gid] = _Group(incarnation, Beats.starting(ranks, self.clock()))
             self._cv.notify_all()
 
@@ -134,10 +141,11 @@ class Quorum:
 
     def _drop(self, gid: int, why: str) -> None:
         g = self._groups.pop(gid)
+        self._forget_counts(g)
         self.books.requeue(g.assigned)
         if self._last is not None and gid in self._last[1]:
             self._broken = self._epoch  # its members may be waiting for it on the link
-        if g.ready and not any(other.ready for other in self._groups.values()):
+        if g.ready and not self._ready_n:
             self._all_gone = True  # the next quorum is a restart: it waits for everyone
         if g.ready:
             self._event("left", gid, why)
@@ -163,12 +171,15 @@ class Quorum:
                 return self._done_decision()
             g.pace.update(sum(n for _, n in holding), busy_s, fixed_s)
             g.beats.arrived(self.clock())
+            self._ready_n += not g.ready
+            self._arrived_n += g.arrival is None
             g.ready = True
             g.decision = None
             bound = self.arrive_timeout_s + self.dead_after_s + 30 if timeout_s is None \
                 else timeout_s
             g.arrival = {"step": step, "holding": holding, "fresh_link": fresh_link,
                          "since": self.clock(), "deadline": self.clock() + bound}
+            self._first_since = min(self._first_since, g.arrival["since"])
             self._cv.notify_all()
             return self._await(g, gid, incarnation, wait_s)
 
@@ -207,25 +218,31 @@ class Quorum:
                                "member of the run: Ray Train starts it again")
         return g
 
+    def _forget_counts(self, g: _Group) -> None:
+        """``g`` leaves ``_groups`` (dropped, or replaced by a new incarnation)."""
+        self._ready_n -= g.ready
+        if g.arrival is not None:
+            self._arrived_n -= 1
+            g.arrival = None
+            self._first_since = min((o["since"] for o in (x.arrival for x in
+                                     self._groups.values()) if o is not None), default=math.inf)
+
     def _try_form(self) -> None:
+        """Form a quorum when every ready group has arrived, or the late ones time out.
+        O(1) until it forms (the counters), one pass over the groups when it does."""
         self._sweep()
-        ready = {gid: g for gid, g in self._groups.items() if g.ready}
-        arrived = {gid: g for gid, g in ready.items() if g.arrival is not None}
-        if not arrived:
+        if not self._arrived_n:
             return
-        if (self._formed == 0 or self._all_gone) and len(arrived) < self.expected_groups:
-            first = min(g.arrival["since"] for g in arrived.values())
-            if self.clock() - first < self.start_timeout_s:  # a (re)start waits for all
-                return
+        since_first = self.clock() - self._first_since
+        if ((self._formed == 0 or self._all_gone) and self._arrived_n < self.expected_groups
+                and since_first < self.start_timeout_s):  # a (re)start waits for all
+            return
+        if self._arrived_n < self._ready_n and since_first < self.arrive_timeout_s:
+            return  # a ready group has not arrived yet
         self._all_gone = False
-        late = [gid for gid in ready if gid not in arrived]
-        if late:
-            oldest = min(g.arrival["since"] for g in arrived.values())
-            if self.clock() - oldest < self.arrive_timeout_s:
-                return
-            for gid in late:
-                self._drop(gid, f"did not reach the boundary within {self.arrive_timeout_s:g} s")
-        self._form(arrived)
+        for gid in [gid for gid, g in self._groups.items() if g.ready and g.arrival is None]:
+            self._drop(gid, f"did not reach the boundary within {self.arrive_timeout_s:g} s")
+        self._form({gid: g for gid, g in self._groups.items() if g.arrival is not None})
 
     def _form(self, arrived: dict[int, _Group]) -> None:
         members = sorted(arrived)
@@ -285,6 +302,7 @@ class Quorum:
                 ranges=list(g.assigned), restore=restore if gid == donor_gid else None,
                 done=finished, waited_s=max(0.0, now - g.arrival["since"]))
             g.arrival = None
+        self._arrived_n, self._first_since = 0, math.inf  # every arrival was a member
         if finished:
             self._finished = True
         self._cv.notify_all()

@@ -4,6 +4,7 @@ tests drive it with real groups)."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -19,6 +20,24 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@pytest.fixture(autouse=True)
+def counts_checked(monkeypatch):
+    """Every formation attempt of every test first checks the quorum's counters (kept as
+    groups change, so that an arrival is O(1)) against a pass over its groups."""
+    real = Quorum._try_form
+
+    def checked(self: Quorum) -> None:
+        groups = list(self._groups.values())
+        arrived = [g for g in groups if g.arrival is not None]
+        assert all(g.ready for g in arrived)
+        assert self._ready_n == sum(g.ready for g in groups), "ready count"
+        assert self._arrived_n == len(arrived), "arrival count"
+        assert self._first_since == min((g.arrival["since"] for g in arrived), default=math.inf)
+        real(self)
+
+    monkeypatch.setattr(Quorum, "_try_form", checked)
 
 
 def make(groups: int = 3, **kw) -> tuple[Quorum, Clock]:
