@@ -7,9 +7,9 @@ service discovery (``/api/prometheus/sd``) and then every node's Prometheus page
 ranks and analyses (slow rank, slow link) before it prints the table or renders the HTML
 page. This benchmark serves what an N-node run would serve, from a child process on this
 machine (one loopback address per node, ``127.1.x.y``, all on one port), and runs the real
-command's path against it (:func:`ray_mesh.observability.status.collect`,
-:func:`~ray_mesh.observability.status.format_status`,
-:func:`~ray_mesh.observability.html.write_html`), at 8, 32, 128 and 512 nodes of 8 ranks:
+command's path against it (:func:`ray_mesh.status.cluster.collect`,
+:func:`~ray_mesh.status.cluster.format_status`,
+:func:`~ray_mesh.status.html.write_html`), at 8, 32, 128 and 512 nodes of 8 ranks:
 
 * the run: HSDP (``dp_replicate`` = nodes across nodes, ``dp_shard`` = 8 within a node), on
   GPUs; every rank exports the series of :data:`ray_mesh.observability.export.METRICS` a
@@ -229,8 +229,8 @@ def serve(nodes: int, port: int, conn) -> None:  # noqa: ANN001 - a multiprocess
 
 def status_once(address: str, html_path: str) -> dict:
     """One ``ray-mesh status --html FILE``, timed in its three parts."""
-    from ray_mesh.observability.html import write_html
-    from ray_mesh.observability.status import collect, format_status
+    from ray_mesh.status.cluster import collect, format_status
+    from ray_mesh.status.html import write_html
 
     t0 = time.perf_counter()
     status = collect(address, timeout_s=5.0, total_s=60.0)

@@ -16,7 +16,7 @@
   workers, HSDP, as tests/netns/test_slow_netns.py: node 1's link shaped to 20 Mbit/s (1000
   elsewhere), then the link back at 1000 and rank 3 spinning 0.15 s per step. Statistic:
   one run each, seconds from rank 0 entering the train function to the first
-  ``ray_mesh.observability.status.collect()`` (what ``ray-mesh status --json`` prints)
+  ``ray_mesh.status.cluster.collect()`` (what ``ray-mesh status --json`` prints)
   whose verdict names the link / the rank, asked every 2 s. Target: 60 s.
 
 Merges keys into ``observability`` of the results JSON, keeping every other key.

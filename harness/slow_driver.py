@@ -46,7 +46,7 @@ def main() -> None:
     from ray.train.torch import TorchTrainer
 
     from ray_mesh import MeshConfig, MeshSpec
-    from ray_mesh.observability.status import collect
+    from ray_mesh.status.cluster import collect
 
     config = json.loads(sys.argv[1])
     os.makedirs(config["storage"], exist_ok=True)

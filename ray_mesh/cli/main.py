@@ -123,7 +123,7 @@ def summary_lines(name: str, outcome) -> list[str]:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from ray_mesh.observability.status import StatusError, collect, format_status
+    from ray_mesh.status.cluster import StatusError, collect, format_status
 
     try:
         status = collect(args.address, timeout_s=args.timeout, all_runs=args.all,
@@ -141,7 +141,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         print(format_status(status))
     if args.html:
-        from ray_mesh.observability.html import write_html
+        from ray_mesh.status.html import write_html
 
         print(f"ray-mesh: wrote {write_html(args.html, status)}")
     return 0

@@ -6,7 +6,7 @@ state API probe asks (``RAY_API_SERVER_ADDRESS``, Ray's own setting for that add
 this process only, after ``ray.init``, so Ray's own actors keep the real dashboard). Every
 request through the proxy waits ``DELAY_S`` before it is forwarded: a head too busy to answer
 within the probe's 3 s. Then one ``MeshConfig`` fit, and what ``ray-mesh status`` reads
-(``ray_mesh.observability.status.collect``, from the real dashboard). Prints one JSON line.
+(``ray_mesh.status.cluster.collect``, from the real dashboard). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
     from ports import free_port
 
     import ray_mesh
-    from ray_mesh.observability.status import collect
+    from ray_mesh.status.cluster import collect
 
     lines: list[str] = []
 

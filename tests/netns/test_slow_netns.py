@@ -3,7 +3,7 @@
 2 namespaces x 2 workers, HSDP (dp_replicate across the nodes), real Ray with the dashboard
 and metrics, plain ``dist.all_reduce`` training (harness/slow_train.py: no ray_mesh
 code on the training path). The driver (harness/slow_driver.py) asks
-:func:`ray_mesh.observability.status.collect` every 2 s, as ``ray-mesh status --json`` does:
+:func:`ray_mesh.status.cluster.collect` every 2 s, as ``ray-mesh status --json`` does:
 
 * node 1's link shaped to 20 Mbit/s (1000 elsewhere): the verdict names the link between the
   two nodes and its measured rate, and no rank;

@@ -155,7 +155,7 @@ def test_hsdp_in_a_bucket_resumes_bitwise_refuses_tampering_and_status_reads_it(
     # what Ray records for such a run (the path inside the S3 filesystem, and its type).
     from hostile_dashboard import Dashboard, train_run, worker
 
-    from ray_mesh.observability import status as st
+    from ray_mesh.status import cluster as st
 
     layout = json.loads(fs.open_input_stream(
         f"{s3.bucket}/runs/reference/ray_mesh_layout.json").read())

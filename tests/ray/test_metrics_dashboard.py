@@ -30,7 +30,7 @@ from ports import free_port
 
 from ray_mesh.core.spec import DIM_NAMES, MeshSpec
 from ray_mesh.observability.metrics import METRICS
-from ray_mesh.observability.status import parse_series
+from ray_mesh.status.cluster import parse_series
 
 pytestmark = pytest.mark.ray
 
@@ -149,7 +149,7 @@ class Cluster:
             return r.read().decode()
 
     def dashboard_json(self, path: str):
-        from ray_mesh.observability.status import _auth_headers, _enable_token_auth
+        from ray_mesh.status.cluster import _auth_headers, _enable_token_auth
 
         _enable_token_auth()
         req = urllib.request.Request(self.dashboard + path, headers=_auth_headers())

@@ -18,7 +18,8 @@ layers, lowest first, are the folders of ``ray_mesh`` as the data flows (README,
   do not import each other).
 * ``checkpointing``: saves and loads what ``parallel`` built (DiLoCo's replicas included).
 * ``replicas``: replica groups, a ``dp_replicate`` dim that survives one group's failure.
-* ``planning``: the driver's choice of nodes and mesh, priced with the layers below.
+* ``planning`` and ``status``: the driver's choice of nodes and mesh, priced with the layers
+  below; and its ``ray-mesh status``, which reads what the layers below wrote (siblings).
 * ``raytrain``: the Ray Train glue that drives all of the above on a cluster.
 * ``cli``: the ``ray-mesh`` program, on top: it parses job files and flags and runs them
   through ``raytrain``.
@@ -66,7 +67,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models", "data"),
     ("checkpointing",),
     ("replicas",),
-    ("planning",),
+    ("planning", "status"),
     ("raytrain",),
     ("cli",),
 )

@@ -22,7 +22,7 @@ from ray_mesh.observability.export import Exporter
 from ray_mesh.observability.layout import LAYOUT_JSON, layout_document, read_layout, to_markdown
 from ray_mesh.observability.metrics import METRICS, check_endpoint, mesh_tags
 from ray_mesh.observability.report import ReportRecorder
-from ray_mesh.observability.status import StatusError, collect
+from ray_mesh.status.cluster import StatusError, collect
 
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "deploy" / "monitoring"

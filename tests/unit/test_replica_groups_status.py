@@ -33,7 +33,7 @@ def test_the_file_round_trips_into_status_lines(tmp_path):
 
 
 def test_the_html_view_shows_each_groups_layout_speed_and_share(tmp_path):
-    from ray_mesh.observability.html import groups_html
+    from ray_mesh.status.html import groups_html
 
     rgf.write(tmp_path / "run-g0", _status())
     page = groups_html(rgf.parse((tmp_path / "run-g0" / rgf.GROUPS_JSON).read_bytes(), "f"))

@@ -126,8 +126,8 @@ def test_status_shows_slowest_rank_links_and_verdict_in_text_json_and_html():
     import json
 
     from ray_mesh.cli.main import build_parser
-    from ray_mesh.observability.html import render
-    from ray_mesh.observability.status import ClusterStatus, format_status, latest_by_rank
+    from ray_mesh.status.cluster import ClusterStatus, format_status, latest_by_rank
+    from ray_mesh.status.html import render
 
     samples = []
     for r in range(4):

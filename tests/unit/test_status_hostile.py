@@ -29,8 +29,8 @@ from hostile_dashboard import (
     worker,
 )
 
-from ray_mesh.observability import status as st
-from ray_mesh.observability.html import render
+from ray_mesh.status import cluster as st
+from ray_mesh.status.html import render
 
 ESC_ATTACK = "evil\x1b[2J\x1b]8;;http://x.example/\x07link\x1b]8;;\x07\r\x00run"
 RAW = ("\x1b", "\r", "\x00", "\x07", "\u202e")

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from ray_mesh.observability.html import (
+from ray_mesh.status.cluster import ClusterStatus
+from ray_mesh.status.html import (
     merge_history,
     previous_data,
     render,
     step_colour,
     write_html,
 )
-from ray_mesh.observability.status import ClusterStatus
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"

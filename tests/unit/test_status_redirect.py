@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ray_mesh.observability import status
+from ray_mesh.status import cluster as status
 
 TOKEN = "Bearer s3cret-cluster-token"
 

@@ -16,11 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ray_mesh.network.links import EXPORT_ALL_NODES, Link, LinkMatrix
-from ray_mesh.observability.html import MAX_ARCS, mesh_svg
 from ray_mesh.observability.slow import LINK_LINES, format_analysis
-from ray_mesh.observability.status import ClusterStatus
 from ray_mesh.observability.status_input import clean_samples
-from ray_mesh.observability.status_metrics import parse_series
+from ray_mesh.status.cluster import ClusterStatus
+from ray_mesh.status.html import MAX_ARCS, mesh_svg
+from ray_mesh.status.metrics import parse_series
 
 PAGE = """# HELP ray_node_cpu Ray's own series, skipped
 # TYPE ray_node_cpu gauge

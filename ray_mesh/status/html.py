@@ -1,6 +1,6 @@
 """A picture of the mesh: ``ray-mesh status --html FILE`` as one self-contained HTML page.
 
-Rendered from what :func:`ray_mesh.observability.status.collect` gathered (a
+Rendered from what :func:`ray_mesh.status.cluster.collect` gathered (a
 :class:`ClusterStatus`), Ray-free and without JavaScript: every drawing is inline SVG built
 here, so the file opens offline, from a mail attachment or a CI artifact, with no CDN. It shows
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from ray_mesh.core.safe import safe_text
 from ray_mesh.core.spec import DIM_NAMES
-from ray_mesh.observability.status import ClusterStatus
+from ray_mesh.status.cluster import ClusterStatus
 
 DATA_ID = "ray-mesh-data"
 HISTORY_MAX = 500  # points kept per run

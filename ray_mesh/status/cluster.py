@@ -52,14 +52,14 @@ from ray_mesh.observability.fetch import (
 )
 from ray_mesh.observability.layout import layout_from_state, read_run_layout
 from ray_mesh.observability.slow import analyze_run, format_analysis
-from ray_mesh.observability.status_metrics import (
+from ray_mesh.status.metrics import (
     LATEST,
     METRICS_MAX_BYTES,
     RAW,
     latest_by_rank,
     scrape,
 )
-from ray_mesh.observability.status_metrics import parse_series as parse_series
+from ray_mesh.status.metrics import parse_series as parse_series
 
 ACTIVE = ("INITIALIZING", "SCHEDULING", "RUNNING", "RESTARTING", "RESIZING")
 DEFAULT_DASHBOARD_PORT = 8265
