@@ -15,7 +15,8 @@ boxes' share of the machine's two cores.
 
 1. **throughput_of_sum**, per mode (``sync``: the page's job; ``sync_int8``: the same with
    ``replica_groups.compress: int8``, each step's gradients crossing the tunnel as int8;
-   ``diloco``: the same with ``config.diloco.every`` inner steps per round): the whole
+   ``diloco``: the same with ``config.diloco.every`` inner steps per round; a mode named
+   ``diloco_<x>`` or ``sync_<x>`` is the same kind with settings of its own): the whole
    job's tokens/s against the sum
    of each box alone (one group pinned to that box, at the batch it trains in the whole
    job). With every box capped, the three alone runs go one after another (box 0, 1, 2),

@@ -84,8 +84,8 @@ def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
                segment: int | None = None, steps_factor: int = 1) -> tuple[dict, Path]:
     """The page's job (its replica groups) for one run: its own name and step log."""
     over: dict[str, Any] = {"name": f"lab-{tag}", "replica_groups": {}}
-    if mode == "diloco":
-        d = cfg["diloco"]
+    if mode.startswith("diloco"):  # "diloco", or a DiLoCo mode of its own settings
+        d = cfg[mode]
         over["config"] = {"diloco": {"every": d["every"]}}
         over["replica_groups"].update(steps=d["rounds"] * steps_factor,
                                       segment_samples=d["segment_samples"])
