@@ -18,20 +18,17 @@ the line is already there and the wait is nothing.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from ray_mesh.observability.progress import parse_progress
+
 TAIL_WAIT_S = 15.0
 """The longest wait for the last progress lines: a starved node's log monitor has taken
 seconds; past this the summary goes first and says which line is late."""
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_PROGRESS = re.compile(r"^([\w.-]+): step ([0-9][0-9.e+]*)(?:/\d+)?(?:\s|$)")
-
 
 class ProgressTail:
     """The highest step of each run name's progress lines printed so far."""
@@ -42,14 +39,11 @@ class ProgressTail:
 
     def observe(self, data: Mapping[str, Any]) -> None:
         """One batch of forwarded worker output (Ray's printing thread calls this)."""
-        found = {}
+        found: dict[str, float] = {}
         for line in data.get("lines") or ():
-            m = _PROGRESS.match(_ANSI.sub("", str(line)))
-            if m:
-                try:
-                    found[m[1]] = max(found.get(m[1], 0.0), float(m[2]))
-                except ValueError:
-                    continue
+            got = parse_progress(str(line))
+            if got is not None:
+                found[got[0]] = max(found.get(got[0], got[1]), got[1])
         if found:
             with self._changed:
                 for name, step in found.items():

@@ -20,6 +20,7 @@ patch is on: it both logs it and echoes it (upstream: ray-train-print-patch-twic
 from __future__ import annotations
 
 import logging
+import re
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,22 @@ def progress_line(name: str, step: float, total: int | None, numbers: dict[str, 
     if total and speed:
         parts.append(f"ETA {duration(max(0.0, total - step) / speed)}")
     return "  ".join(parts)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LINE = re.compile(r"^([\w.-]+): step ([0-9][0-9.e+]*)(?:/\d+)?(?:\s|$)")
+
+
+def parse_progress(line: str) -> tuple[str, float] | None:
+    """``(name, step)`` of a line :func:`progress_line` made (colour codes ignored), else
+    None: the driver reads back which steps' lines reached its console."""
+    m = _LINE.match(_ANSI.sub("", line))
+    if m is None:
+        return None
+    try:
+        return m[1], float(m[2])
+    except ValueError:  # "1.2.3": digits and dots, not a number
+        return None
 
 
 def show(line: str) -> None:

@@ -223,9 +223,8 @@ class Quorum:
         self._ready_n -= g.ready
         if g.arrival is not None:
             self._arrived_n -= 1
-            g.arrival = None
-            self._first_since = min((o["since"] for o in (x.arrival for x in
-                                     self._groups.values()) if o is not None), default=math.inf)
+            self._first_since = min((x.arrival["since"] for x in self._groups.values()
+                                     if x is not g and x.arrival is not None), default=math.inf)
 
     def _try_form(self) -> None:
         """Form a quorum when every ready group has arrived, or the late ones time out.

@@ -39,3 +39,15 @@ def test_only_runs_whose_last_report_reached_the_total_are_waited_for():
             "e": {"step": 40.0}}
     assert final_steps(runs, 40) == {"a": 40.0, "e": 40.0}
     assert final_steps(runs, None) == {}
+
+
+def test_a_progress_line_reads_back_as_its_name_and_step():
+    from ray_mesh.observability.progress import parse_progress, progress_line
+
+    line = progress_line("lab-g1", 40, 40, {"loss": 2.5}, {"steps_per_s": 1.5,
+                                                          "tokens_per_s": 900.0})
+    assert parse_progress(line) == ("lab-g1", 40.0)
+    assert parse_progress(progress_line("hsdp", 7, None, {}, {})) == ("hsdp", 7.0)
+    assert parse_progress("\x1b[36m" + line + "\x1b[0m") == ("lab-g1", 40.0)
+    assert parse_progress("llm: eval at step 40: val loss 2.6") is None
+    assert parse_progress("x: step 1.2.3 loss 1") is None
