@@ -16,7 +16,8 @@ boxes' share of the machine's two cores.
 1. **throughput_of_sum**, per mode (``sync``: the page's job; ``sync_int8``: the same with
    ``replica_groups.compress: int8``, each step's gradients crossing the tunnel as int8;
    ``diloco``: the same with ``config.diloco.every`` inner steps per round; a mode named
-   ``diloco_<x>`` or ``sync_<x>`` is the same kind with settings of its own): the whole
+   ``diloco_<x>`` or ``sync_<x>`` is the same kind with settings of its own, a DiLoCo
+   mode's ``compress`` its pseudo-gradients' ``config.diloco.compress``): the whole
    job's tokens/s against the sum
    of each box alone (one group pinned to that box, at the batch it trains in the whole
    job). With every box capped, the three alone runs go one after another (box 0, 1, 2),
@@ -55,8 +56,10 @@ is away and the survivors' pause. Both losses are per drop, so goodput at
 an interval T is about (1 - loss_per_drop / T) of the failure-free rate: ``goodput_model``
 gives that from the measured parts for longer intervals (a model, not a measurement).
 
-Every run records the quotas it ran under (``box_quotas_cores``) and its load
-(``user_job_figures.LoadSampler``); a figure whose runs ran
+Every run records the quotas it ran under (``box_quotas_cores``), the cores each box's
+cgroup and the tailnet's used over the steps its tokens/s counts (``box_cores``: a box
+below its quota in the whole job waited, for the others or the exchange; at it, it
+computed), and its load (``user_job_figures.LoadSampler``); a figure whose runs ran
 while other processes loaded the machine above 2 is kept in ``recorded`` and published as
 None (``invalid`` says why). Statistic: single runs, no repeats.
 
@@ -137,7 +140,8 @@ def throughput(lab, cfg: dict, mode: str, seq_len: int) -> dict:
     w = cfg["warmup"]
     ur.log(f"{mode}: the whole job")
     tag = f"{mode}-whole"
-    ran = ur.run_all(lab, {tag: ur.groups_job(lab, tag, cfg, mode)}, cfg["timeout_s"])
+    ran = ur.run_all(lab, {tag: ur.groups_job(lab, tag, cfg, mode)}, cfg["timeout_s"],
+                     warmup=w)
     whole = read_groups(ran[tag], seq_len, w)
     alone = {}
     for i, dp in enumerate(ur.BOX_DP):  # one after another, each under its box's quota
@@ -147,7 +151,7 @@ def throughput(lab, cfg: dict, mode: str, seq_len: int) -> dict:
                             seg, steps_factor=100)  # (indices wrap) stopped when counted
         ur.log(f"{mode}: box {i} ({BOXES[i]}) alone")
         ran = ur.run_all(lab, {t: job}, cfg["timeout_s"],
-                         stop_when=ur.counted(cfg[mode]["alone_counted"], w))
+                         stop_when=ur.counted(cfg[mode]["alone_counted"], w), warmup=w)
         alone[t] = {**ran[t], "segment_samples": seg}
     ratio, rates = uf.throughput_of_sum(
         whole["tokens_per_s"], {t: rc.read(r["steps_dir"]) for t, r in alone.items()},

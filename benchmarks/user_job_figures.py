@@ -195,12 +195,52 @@ def _netns_inode(pid: int | str) -> int | None:
         return None
 
 
+def cgroup_cpu_s(path: Path) -> dict[int, float]:
+    """CPU seconds (user + system, its ended threads included) of each process in the
+    cgroup at ``path`` (``cgroup.procs``); {} when the cgroup is gone."""
+    out: dict[int, float] = {}
+    try:
+        pids = [int(x) for x in (path / "cgroup.procs").read_text().split()]
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def cores_used(series: list[tuple[float, dict[int, float]]], t0: float, t1: float
+               ) -> float | None:
+    """The cores a cgroup's processes used between ``t0`` and ``t1``: over each pair of
+    consecutive samples inside that window, the CPU seconds gained by the processes in both
+    samples, summed, over the time the pairs span (None: fewer than two samples there). A
+    process that started or ended between two samples is left out of that pair, so the
+    figure leans low by at most one sampling period of such a process."""
+    inside = [(t, procs) for t, procs in series if t0 <= t <= t1]
+    if len(inside) < 2:
+        return None
+    pairs = zip(inside, inside[1:], strict=False)
+    used = sum(max(0.0, b[pid] - a[pid]) for (_, a), (_, b) in pairs for pid in b.keys() & a.keys())
+    return used / (inside[-1][0] - inside[0][0])
+
+
 class LoadSampler:
     """Samples the load while a run goes (a thread; see the module docstring): the 1-min
     load average and the runnable (R or D) threads of processes that are neither this
-    process's descendants nor in one of ``namespaces`` (``/run/netns/<name>``)."""
+    process's descendants nor in one of ``namespaces`` (``/run/netns/<name>``); and, for
+    each of ``cgroups`` (name -> cgroup folder: a box's, the tailnet's), its processes' CPU
+    seconds (:meth:`box_cores`: what each box used over a window of the run, against its
+    quota)."""
 
-    def __init__(self, namespaces: list[str], period_s: float = 2.0) -> None:
+    def __init__(self, namespaces: list[str], period_s: float = 2.0,
+                 cgroups: dict[str, Path] | None = None) -> None:
+        self.cgroups = dict(cgroups or {})
+        self.cpu: dict[str, list[tuple[float, dict[int, float]]]] = {n: [] for n in self.cgroups}
         self.inodes = {os.stat(f"/run/netns/{n}").st_ino for n in namespaces
                        if Path(f"/run/netns/{n}").exists()}
         self.period_s = period_s
@@ -249,6 +289,12 @@ class LoadSampler:
         while not self._stop.wait(self.period_s):
             self.loads.append(os.getloadavg()[0])
             self.others.append(self.sample())
+            for name, path in self.cgroups.items():
+                self.cpu[name].append((time.time(), cgroup_cpu_s(path)))
+
+    def box_cores(self, t0: float, t1: float) -> dict[str, float | None]:
+        """Cores each cgroup's processes used between unix times ``t0`` and ``t1``."""
+        return {name: cores_used(series, t0, t1) for name, series in self.cpu.items()}
 
     def __enter__(self) -> LoadSampler:
         self._thread.start()

@@ -86,7 +86,8 @@ def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
     over: dict[str, Any] = {"name": f"lab-{tag}", "replica_groups": {}}
     if mode.startswith("diloco"):  # "diloco", or a DiLoCo mode of its own settings
         d = cfg[mode]
-        over["config"] = {"diloco": {"every": d["every"]}}
+        over["config"] = {"diloco": {"every": d["every"],  # compress: the pseudo-gradients
+                                     **({"compress": d["compress"]} if "compress" in d else {})}}
         over["replica_groups"].update(steps=d["rounds"] * steps_factor,
                                       segment_samples=d["segment_samples"])
     else:  # "sync", or a sync mode of its own settings (sync_int8: compress int8)
@@ -228,16 +229,17 @@ def train_workers(lab) -> list[int]:
 
 def run_all(lab, jobs: dict[str, tuple[dict, Path]], timeout_s: float,
             drops: dict | None = None, cut_s: float | None = None,
-            stop_when=None) -> dict[str, dict]:
+            stop_when=None, warmup: int | None = None) -> dict[str, dict]:
     """Launch every job at once, drop the laptop on ``drops``' schedule, wait for all (at
     most ``cut_s`` or, as an error, ``timeout_s``), or until ``stop_when(running)``; a run
     stopped by ``cut_s`` or ``stop_when`` is ``cut``. Each run's entry records the CPU
-    quotas it ran under (``box_quotas_cores``)."""
+    quotas it ran under (``box_quotas_cores``) and, given ``warmup``, the cores each box
+    and the tailnet used over the steps its tokens/s counts (``box_cores``)."""
     lab.cluster.wait_for_nodes(3, timeout_s=180)
     deadline = time.monotonic() + 90  # a stopped run's workers gone (their CPUs free)
     while train_workers(lab) and time.monotonic() < deadline:
         time.sleep(1)
-    sampler = uf.LoadSampler([n.ns for n in lab.cluster.nodes])
+    sampler = uf.LoadSampler([n.ns for n in lab.cluster.nodes], cgroups=lab.cpu_cgroups)
     out: dict[str, dict] = {}
     events: list[dict] = []
     with sampler:
@@ -259,9 +261,25 @@ def run_all(lab, jobs: dict[str, tuple[dict, Path]], timeout_s: float,
         out[tag] = {"t_launch": r.t_launch, "t_end": time.time(), "rc": r.proc.returncode,
                     "cut": cut, "drops": events, "load": load, "steps_dir": str(r.steps_dir),
                     "console": str(r.out), "box_quotas_cores": lab.box_quotas}
+        if warmup is not None:
+            out[tag]["box_cores"] = counted_box_cores(sampler, r.steps_dir, warmup)
         log(f"{tag}: rc {r.proc.returncode}{' (cut)' if cut else ''}, others' load "
             f"{load['others_runnable_mean']}, 1-min load max {load['loadavg_1m_max']:.1f}")
     return out
+
+
+def counted_box_cores(sampler, steps_dir: Path, warmup: int) -> dict[str, float | None]:
+    """The cores each box (and the tailnet) used over the window tokens/s counts: from step
+    ``warmup + 1``'s commit to the last step's (:func:`user_job_figures.tokens_per_s`), read
+    from the groups' step logs as that figure reads them."""
+    from harness import replica_check
+
+    per = uf.step_samples(replica_check.read(steps_dir))
+    steps = sorted(s for s in per if s > warmup)
+    if len(steps) < 2:
+        return {}
+    return {k: v if v is None else round(v, 3)
+            for k, v in sampler.box_cores(per[steps[0]][0], per[steps[-1]][0]).items()}
 
 
 def counted(k: int, warmup: int):

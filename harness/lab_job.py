@@ -236,6 +236,13 @@ class Lab:
     def _tailnet_cgroup(self) -> str:
         return f"{self.cluster.head.ns}-tailnet"
 
+    @property
+    def cpu_cgroups(self) -> dict[str, Path]:
+        """The CPU cgroup folders :meth:`throttle` puts processes in: each box's, by its
+        name, and the tailnet's (``tailnet``)."""
+        return {**{BOXES[i]: CPU_ROOT / n.ns for i, n in enumerate(self.cluster.nodes)},
+                "tailnet": CPU_ROOT / self._tailnet_cgroup}
+
     # ------------------------------------------------------------------ the boxes
     @property
     def head_ip(self) -> str:

@@ -309,3 +309,19 @@ def test_a_sync_run_takes_the_settings_segment_samples_or_the_pages(tmp_path):
     job, _ = ur.groups_job(lab, "w", bigger, "sync")
     assert job["replica_groups"]["segment_samples"] == 32
     assert job["replica_groups"]["steps"] == SETTINGS["sync"]["steps"]
+
+
+def test_cores_used_sums_what_processes_in_both_samples_gained():
+    series = [(0.0, {1: 10.0, 2: 5.0}), (2.0, {1: 11.0, 2: 5.5}),  # 1.5 s in 2 s
+              (4.0, {1: 12.0, 3: 100.0}),  # 2 ended, 3 started: 1 only, +1.0
+              (6.0, {1: 12.5, 3: 101.0}), (8.0, {1: 99.0})]  # outside the window
+    assert uf.cores_used(series, 0.0, 6.0) == pytest.approx((1.5 + 1.0 + 1.5) / 6.0)
+    assert uf.cores_used(series, 1.0, 3.0) is None  # one sample inside: no figure
+    assert uf.cores_used([], 0.0, 9.0) is None
+
+
+def test_cgroup_cpu_s_reads_the_processes_of_a_cgroup_folder(tmp_path):
+    (tmp_path / "cgroup.procs").write_text(f"{os.getpid()}\n999999999\n")
+    got = uf.cgroup_cpu_s(tmp_path)
+    assert list(got) == [os.getpid()] and got[os.getpid()] > 0  # a gone pid is left out
+    assert uf.cgroup_cpu_s(tmp_path / "gone") == {}
