@@ -2,8 +2,8 @@
 ``results.json["scale"]["exchange"]``.
 
 What crosses replica groups goes through :mod:`ray_mesh.replicas.link`: a joining group
-heals with :func:`~ray_mesh.replicas.link.broadcast_` of a live group's state (parameters,
-optimizer state, counters), and every boundary averages with
+heals with :func:`~ray_mesh.replicas.link.send_state_`: a live group's state (parameters,
+optimizer state, counters) sent to the healers only, and every boundary averages with
 :func:`~ray_mesh.replicas.link.weighted_mean` (``compress: int8``:
 :func:`~ray_mesh.replicas.link.compressed_weighted_mean`). Between groups of different
 layouts (``exchange: full``) both go through each group's rank 0, which holds the full
@@ -20,8 +20,8 @@ Computed, not measured: for models of 125M, 1B and 8B parameters, the bytes each
 and its time on two links, this loopback (the fit alone) and the project's measured
 WireGuard tunnel (``results_tunnel.json``: its median Mbit/s; the fit plus the bytes a
 member sends over that rate). Bytes a member sends: a ring all-reduce sends ``2 (m - 1) /
-m`` of the payload (``m`` members); a broadcast's donor sends the payload to each of the
-``m - 1`` others (gloo's broadcast from one root). The payloads:
+m`` of the payload (``m`` members); a heal's donor sends the payload to each healer (one
+here: a box that came back). The payloads:
 
 * ``heal``: float32 parameters plus AdamW's two moments (12 bytes a parameter);
 * ``exchange``: float32 gradients or pseudo-gradients (4 bytes a parameter);
@@ -68,8 +68,8 @@ def _member(index: int, members: int, address: tuple, sizes: tuple[int, ...],
 
     from ray_mesh.replicas.link import (
         CrossLink,
-        broadcast_,
         compressed_weighted_mean,
+        send_state_,
         weighted_mean,
     )
 
@@ -84,7 +84,8 @@ def _member(index: int, members: int, address: tuple, sizes: tuple[int, ...],
         parts = [n // 2, n // 4, n - n // 2 - n // 4]
         tensors = [torch.randn(k) for k in parts]
         runs = {
-            "heal": lambda t=tensors: broadcast_(t, 0, pg, index),
+            # one healer (the last member), as when one box comes back
+            "heal": lambda t=tensors: send_state_(t, 0, [members - 1], pg, index),
             "exchange": lambda t=tensors: weighted_mean(t, 1.0, pg),
             "exchange_int8": lambda t=tensors: compressed_weighted_mean(t, 1.0, pg, "int8"),
         }
@@ -137,14 +138,14 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, my - per * mx), per
 
 
-def wire_bytes(path: str, payload: float, members: int) -> float:
-    """Bytes one member sends for ``path``: a broadcast's root sends the payload to each
-    other member; a ring all-reduce ``2 (m - 1) / m`` of it; int8's all-gather its codes
-    and scales to each other member."""
+def wire_bytes(path: str, payload: float, members: int, healers: int = 1) -> float:
+    """Bytes one member sends for ``path``: a heal's donor sends the payload to each
+    healer; a ring all-reduce ``2 (m - 1) / m`` of it; int8's all-gather its codes and
+    scales to each other member."""
     from ray_mesh.parallel.compress import CHUNK
 
     if path == "heal":
-        return payload * (members - 1)
+        return payload * healers
     if path == "exchange_int8":
         return payload / 4 * (1 + 4 / CHUNK) * (members - 1)
     return payload * 2 * (members - 1) / members

@@ -50,8 +50,8 @@ from ray_mesh.replicas.fallback import Fallback
 from ray_mesh.replicas.link import (
     Abort,
     CrossLink,
-    broadcast_,
     compressed_weighted_mean,
+    send_state_,
     weighted_mean,
 )
 from ray_mesh.replicas.reshard import (
@@ -242,14 +242,15 @@ class ReplicaGroup:
             abort = self._abort(d)
             pg = self.link.group(d.epoch, d.index, len(d.members), abort)
             # Contributions first: a DiLoCo member's pseudo-gradient is of its own round,
-            # and only healers take the donor's state (the others receive and drop it).
+            # and only healers take the donor's state (it is sent to them alone).
             mine = self._contribution()
             weight = float(sum(n for _, n in self.ranges)) if d.contributes else 0.0
             if d.restore is not None and d.index == d.donor:
                 self._restore(d.restore[1])
-            if d.donor is not None:
+            if d.donor is not None and (d.heal or d.index == d.donor):
                 t0 = time.perf_counter()
-                got = broadcast_(self._state_and_likes()[0], d.donor, pg, d.index, d.heal, abort)
+                got = send_state_(self._state_and_likes()[0], d.donor, d.healers, pg, d.index,
+                                  abort)
                 if d.heal:
                     self._adopt_counters()
                     self.stats["rejoin_bytes"] += got
@@ -276,13 +277,13 @@ class ReplicaGroup:
             weight = float(sum(n for _, n in self.ranges)) if d.contributes else 0.0
             if d.restore is not None and d.index == d.donor:
                 self._restore(d.restore[1])
-            if d.donor is not None:
+            if d.donor is not None and (d.heal or d.index == d.donor):  # the others hold it
                 state, state_likes = self._state_and_likes()
                 full = (to_full(state, state_likes) if d.index == d.donor
                         else [full_like(t, lk) for t, lk in zip(state, state_likes, strict=True)])
                 t0, got = time.perf_counter(), 0
-                ok, _ = self._as_leader(leader, lambda pg, ab: broadcast_(
-                    full, d.donor, pg, d.index, d.heal, ab), d)
+                ok, _ = self._as_leader(leader, lambda pg, ab: send_state_(
+                    full, d.donor, d.healers, pg, d.index, ab), d)
                 ok, _ = leader_outcome(ok, 0.0)
                 if not ok:
                     return False, False

@@ -100,25 +100,33 @@ def _build(make: Callable[[], Any], abort: Abort | None, epoch: int) -> Any:
     the wait; an abandoned rendezvous ends on its own (its timeout) on that thread."""
     if abort is None:
         return make()
+    return _on_thread(make, abort, "ray_mesh-link-rendezvous",
+                      f"cross-group link of epoch {epoch}: a member left before it joined "
+                      "the rendezvous (the quorum dropped it)")
+
+
+def _on_thread(fn: Callable[[], Any], abort: Abort, name: str, abandoned: str) -> Any:
+    """``fn()``'s result, run on a helper thread while this one asks ``abort`` every
+    :data:`POLL_S`; once it says so, :class:`LinkAbandoned` (``abandoned``) and the thread is
+    left to end with the group. ``fn``'s own error is raised here."""
     box: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            box["pg"] = make()
+            box["result"] = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             box["error"] = exc
 
-    t = threading.Thread(target=run, daemon=True, name="ray_mesh-link-rendezvous")
+    t = threading.Thread(target=run, daemon=True, name=name)
     t.start()
     while t.is_alive():
         t.join(POLL_S)
         if t.is_alive() and abort():
             box.clear()
-            raise LinkAbandoned(f"cross-group link of epoch {epoch}: a member left before "
-                                "it joined the rendezvous (the quorum dropped it)")
+            raise LinkAbandoned(abandoned)
     if "error" in box:
         raise box["error"]
-    return box.pop("pg")
+    return box.pop("result")
 
 
 def wait_all(works: Sequence[Any], abort: Abort | None = None) -> None:
@@ -207,19 +215,37 @@ def _summed_as(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None,
-               me: int, keep: bool = True, abort: Abort | None = None) -> int:
-    """Overwrite ``tensors`` with member ``src``'s, in place (only with ``keep``: a member
-    that takes part without needing the state receives it and drops it); returns the bytes
-    that came in (0 on the sender)."""
-    if group is None:
+def send_state_(tensors: Sequence[torch.Tensor], src: int, healers: Sequence[int],
+                group: dist.ProcessGroup | None, me: int, abort: Abort | None = None) -> int:
+    """Member ``src``'s ``tensors`` to the ``healers`` only, point to point, written in place
+    on each healer; returns the bytes that came in (0 on the sender and on the members that
+    need nothing). The other members already hold this state, so nothing goes to them: a
+    broadcast sent them a copy to drop, one more payload through the donor's link per
+    member (``benchmarks/scale_exchange.py``)."""
+    if group is None or not healers or (me != src and me not in healers):
         return 0
-    flats = flat_by_dtype(tensors)
-    opts = dist.BroadcastOptions()  # the group's own method: it is not in c10d's rank table
-    opts.rootRank = src
-    wait_all([group.broadcast([f], opts) for f in flats.values()], abort)
+    flats = flat_by_dtype(tensors)  # its dtypes in the same order on every member
     if me == src:
+        _wait_p2p([group.send([f], h, tag) for h in healers
+                   for tag, f in enumerate(flats.values())], abort)
         return 0
-    if keep:
-        scatter_back(tensors, flats)
+    _wait_p2p([group.recv([f], src, tag) for tag, f in enumerate(flats.values())], abort)
+    scatter_back(tensors, flats)
     return sum(f.numel() * f.element_size() for f in flats.values())
+
+
+def _wait_p2p(works: Sequence[Any], abort: Abort | None) -> None:
+    """Wait for gloo sends and receives, asking ``abort`` every :data:`POLL_S`. Not by
+    :func:`wait_all`'s short waits: a gloo send or receive whose wait times out ends there
+    for good (it raises, and the transfer is abandoned), where a collective goes on. So each
+    waits without a bound on a helper thread, and an abort leaves that thread to end with
+    the group (:meth:`CrossLink.forget`)."""
+    def wait() -> None:
+        for w in works:
+            w.wait()
+
+    if abort is None:
+        wait()
+        return
+    _on_thread(wait, abort, "ray_mesh-link-p2p", "cross-group transfer abandoned: a member "
+               "of its epoch left (the quorum dropped it)")

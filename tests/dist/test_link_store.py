@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ray_mesh.errors import BootstrapError
-from ray_mesh.replicas.link import CrossLink, broadcast_
+from ray_mesh.replicas.link import POLL_S, CrossLink, send_state_
 from ray_mesh.replicas.link_store import MAX_VALUE_BYTES, serve_store
 
 pytestmark = pytest.mark.dist
@@ -130,7 +131,7 @@ def test_a_stranger_cannot_join_an_epoch_and_receive_the_heal_broadcast():
     weights = [torch.arange(4.0)]
     with pytest.raises(BootstrapError, match=r"'replicas/3/0/0/1' is not signed with this "
                                              r"run's key.*firewall"):
-        broadcast_(weights, 0, member.group(3, 0, 2), 0)
+        send_state_(weights, 0, [1], member.group(3, 0, 2), 0)
     t.join(3)  # its gloo gives up on its own later (connect retries, ~25 s)
     assert "got" not in attacker, attacker  # nothing of the member's state reached it
 
@@ -162,7 +163,7 @@ def test_a_link_between_members_still_works():
     groups = _build(links, 1)
     assert all(_built(g) for g in groups), groups
     tensors = [[torch.arange(4.0)], [torch.zeros(4)]]
-    done = [threading.Thread(target=broadcast_, args=(tensors[i], 0, groups[i], i))
+    done = [threading.Thread(target=send_state_, args=(tensors[i], 0, [1], groups[i], i))
             for i in (0, 1)]
     for th in done:
         th.start()
@@ -211,3 +212,36 @@ def test_values_a_member_did_not_write_are_refused_before_gloo_reads_them(kind):
     assert f"store (127.0.0.1:{port}) key 'replicas/7/0/0/1' {why}" in text, text
     assert "a client other than this run's groups wrote it" in text
     assert "deploy/tailscale/firewall.sh" in text
+
+
+def test_a_heal_reaches_the_healer_alone_across_polled_waits():
+    """send_state_ goes to the healers only (a third member gets nothing and waits for
+    nothing), and a receive that waits longer than the link's abort poll still completes:
+    a gloo receive whose wait times out is abandoned for good, so the waits are not polled
+    with timeouts (the lab job's heal once retried forever that way)."""
+    store, (host, port, key) = serve_store("127.0.0.1")
+    links = [CrossLink(host, port, 0, TIMEOUT_S, key=key) for _ in range(3)]
+    groups = _build(links, 1)
+    assert all(_built(g) for g in groups), groups
+    tensors = [[torch.arange(6.0), torch.tensor([7])], [torch.zeros(6), torch.tensor([1])],
+               [torch.zeros(6), torch.tensor([2])]]
+    got: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        if i == 0:
+            time.sleep(3 * POLL_S)  # the healer is already waiting, past several polls
+        try:
+            got[i] = send_state_(tensors[i], 0, [2], groups[i], i, abort=lambda: False)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            got[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT_S)
+    assert got == {0: 0, 1: 0, 2: 6 * 4 + 8}, got
+    assert torch.equal(tensors[2][0], torch.arange(6.0)) and int(tensors[2][1]) == 7
+    assert torch.equal(tensors[1][0], torch.zeros(6)) and int(tensors[1][1]) == 1
+    for link in links:
+        link.forget()

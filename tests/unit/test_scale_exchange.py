@@ -15,7 +15,8 @@ def test_fit_recovers_a_line():
 
 
 def test_wire_bytes_of_each_path():
-    assert se.wire_bytes("heal", 100.0, 3) == 200.0  # the donor sends to both others
+    assert se.wire_bytes("heal", 100.0, 3) == 100.0  # the donor sends to the one healer
+    assert se.wire_bytes("heal", 100.0, 3, healers=2) == 200.0
     assert se.wire_bytes("exchange", 300.0, 3) == pytest.approx(400.0)  # ring: 2(m-1)/m
     assert se.wire_bytes("exchange", 300.0, 2) == pytest.approx(300.0)
     assert se.wire_bytes("exchange_int8", 400.0, 3) == pytest.approx(
@@ -29,6 +30,6 @@ def test_projection_adds_the_tunnel_to_the_fit():
     assert big["leader_bytes"] == 64e9 and big["heal"]["payload_bytes"] == 96e9
     heal = big["heal"]
     assert heal["loopback_s"] == pytest.approx(0.01 + 96.0, rel=1e-6)
-    assert heal["tunnel_s"] == pytest.approx(heal["loopback_s"] + 192e9 * 8 / 100e6, abs=0.1)
+    assert heal["tunnel_s"] == pytest.approx(heal["loopback_s"] + 96e9 * 8 / 100e6, abs=0.1)
     assert got["125M"]["exchange_int8"]["sent_bytes"] < got["125M"]["exchange"]["sent_bytes"]
     assert se.project(fits, 3, mbit=None)["1B"]["exchange"]["tunnel_s"] is None
