@@ -395,6 +395,22 @@ def watch_worker_output(handler: Callable[[dict[str, Any]], None]) -> Callable[[
     return lambda: dispatcher.remove_handler(name)
 
 
+def worker_output_printed() -> bool:
+    """Whether Ray prints the workers' output on this driver: ``ray.init(log_to_driver=)``
+    True (the default; False in a driver that keeps its console to itself, as
+    ``benchmarks/run.py`` does). Without it no worker line ever reaches this console, so
+    nothing should wait for one.
+
+    Internal: the handler Ray's ``ray.init`` registers in
+    ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` under the name
+    ``"ray_print_logs"`` when ``log_to_driver`` is on (Ray 2.60.0). Public replacement: none
+    (the setting is not kept anywhere public).
+    """
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    return any(name == "ray_print_logs" for name, _ in list(dispatcher.handlers))
+
+
 WRAPPERS = (
     # The register of wrappers and their constants: tests/unit/test_private_apis.py holds
     # every callable here to a test of its own and to its docstring's "Internal" and "Public
@@ -420,5 +436,6 @@ WRAPPERS = (
     "startup_timeout_error_type",
     "v2_worker_group_type",
     "watch_worker_output",
+    "worker_output_printed",
     "start_autoscaling_coordinator",
 )

@@ -33,8 +33,9 @@ seconds; past this the summary goes first and says which line is late."""
 class ProgressTail:
     """The highest step of each run name's progress lines printed so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, printing: Callable[[], bool] = lambda: True) -> None:
         self.seen: dict[str, float] = {}
+        self.printing = printing  # whether Ray prints the workers' lines here at all
         self._changed = threading.Condition()
 
     def observe(self, data: Mapping[str, Any]) -> None:
@@ -58,6 +59,8 @@ class ProgressTail:
              say: Callable[[str], None] | None = None) -> list[str]:
         """Wait until every expected line has been printed, at most ``timeout_s``; returns
         (and with ``say``, names in one line) the runs whose line had not come by then."""
+        if not self.printing():  # ray.init(log_to_driver=False): no line will come
+            return []
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while (late := self.missing(expected)) and (left := deadline - time.monotonic()) > 0:
@@ -86,9 +89,9 @@ def final_steps(runs: Mapping[str, Mapping[str, Any]], total_steps: int | None
 @contextmanager
 def progress_tail() -> Iterator[ProgressTail]:
     """A :class:`ProgressTail` fed with every batch of worker output while the block runs."""
-    from ray_mesh.private_apis import watch_worker_output
+    from ray_mesh.private_apis import watch_worker_output, worker_output_printed
 
-    tail = ProgressTail()
+    tail = ProgressTail(worker_output_printed)
     stop = watch_worker_output(tail.observe)
     try:
         yield tail

@@ -300,6 +300,23 @@ def test_start_autoscaling_coordinator():
     assert pa.start_autoscaling_coordinator() is None  # no Ray here: nothing to warm
 
 
+def test_worker_output_printed():
+    """Ray's ray.init registers its printing handler under the name the wrapper looks for
+    only with log_to_driver on; without it the wrapper says no line will be printed."""
+    from ray._private import worker
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    assert '"ray_print_logs"' in inspect.getsource(worker.connect), \
+        f"{UPGRADE}: ray.init no longer registers its printing handler as ray_print_logs"
+    assert not pa.worker_output_printed()  # no Ray here
+    dispatcher.add_handler("ray_print_logs", lambda data: None)
+    try:
+        assert pa.worker_output_printed()
+    finally:
+        dispatcher.remove_handler("ray_print_logs")
+    assert not pa.worker_output_printed()
+
+
 def test_watch_worker_output():
     """The driver's printing thread hands each batch of worker output to the dispatcher
     the wrapper registers with; a batch reaches the handler, a handler that raises does
