@@ -35,6 +35,11 @@ class Decision:
         return self.index in self.healers
 
     @property
+    def moves_state(self) -> bool:
+        """This member sends the donor's state or heals from it (the others hold it)."""
+        return self.donor is not None and (self.heal or self.index == self.donor)
+
+    @property
     def contributes(self) -> bool:
         return self.index in self.contributors
 

@@ -247,7 +247,7 @@ class ReplicaGroup:
             weight = float(sum(n for _, n in self.ranges)) if d.contributes else 0.0
             if d.restore is not None and d.index == d.donor:
                 self._restore(d.restore[1])
-            if d.donor is not None and (d.heal or d.index == d.donor):
+            if d.moves_state:
                 t0 = time.perf_counter()
                 got = send_state_(self._state_and_likes()[0], d.donor, d.healers, pg, d.index,
                                   abort)
@@ -277,7 +277,7 @@ class ReplicaGroup:
             weight = float(sum(n for _, n in self.ranges)) if d.contributes else 0.0
             if d.restore is not None and d.index == d.donor:
                 self._restore(d.restore[1])
-            if d.donor is not None and (d.heal or d.index == d.donor):  # the others hold it
+            if d.moves_state:
                 state, state_likes = self._state_and_likes()
                 full = (to_full(state, state_likes) if d.index == d.donor
                         else [full_like(t, lk) for t, lk in zip(state, state_likes, strict=True)])
