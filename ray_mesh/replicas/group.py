@@ -13,9 +13,10 @@ boundary. A train function written for it::
         rg.commit()                    # average over the groups present, optimizer step
     rg.finish()
 
-With ``diloco=`` the group runs ``every`` inner steps on its own between commits (split
-the group's samples with :meth:`ReplicaGroup.inner_batches`) and a commit is the outer
-step: the pseudo-gradients are averaged, weighted by the samples each group processed.
+With ``diloco=`` the group runs inner steps on its own between commits (split the group's
+samples with :meth:`ReplicaGroup.inner_batches`: ``every`` of them at an equal share, more
+for a group the speed split gives more samples) and a commit is the outer step: the
+pseudo-gradients are averaged, weighted by the samples each group processed.
 Without DiLoCo, ``compress=`` sends each step's gradients between groups as ``bf16`` or
 ``int8`` (with error feedback: what rounding left out goes into the next step's
 contribution) instead of float32: the link between boxes, a VPN, carries a quarter of
@@ -64,6 +65,7 @@ from ray_mesh.replicas.reshard import (
     to_full,
     to_local_,
 )
+from ray_mesh.replicas.shares import inner_steps
 from ray_mesh.replicas.state import local_of, materialize, tensors_and_likes
 
 if TYPE_CHECKING:
@@ -164,11 +166,16 @@ class ReplicaGroup:
         return ids[dp_rank * per:(dp_rank + 1) * per]
 
     def inner_batches(self, dp_rank: int = 0, dp_size: int = 1) -> list[list[int]]:
-        """DiLoCo: this rank's samples for each of the round's ``every`` inner steps."""
+        """DiLoCo: this rank's samples for each inner step of the round. Each step takes the
+        batch of an equal share (``segment_samples / every``), so a group that the speed
+        split gives more samples takes more inner steps, not larger ones
+        (:func:`~.shares.inner_steps`). Without DiLoCo: one batch, :meth:`sample_ids`."""
         ids = self.sample_ids(dp_rank, dp_size)
-        h = self.diloco.config.every if self.diloco is not None else 1
-        per = -(-len(ids) // h)
-        return [ids[k * per:(k + 1) * per] for k in range(h)]
+        if self.diloco is None:
+            return [ids]
+        held = sum(n for _, n in self.ranges)
+        return inner_steps(ids, -(-held // dp_size), self.segment_samples,
+                           self.diloco.config.every, dp_size)
 
     def commit(self) -> bool:
         """Meet the other groups at this boundary: heal if behind, average the contributions

@@ -66,6 +66,24 @@ class Pace:
         return samples / ((self.fixed_s or 0.0) + samples / self.rate)
 
 
+def inner_steps(ids: list[int], per_rank: int, segment: int, every: int, ranks: int
+                ) -> list[list[int]]:
+    """A DiLoCo group's round as inner steps: this rank's ``ids`` (of ``per_rank``, the most
+    any rank of the group holds, so that every rank takes the same number of steps) in
+    batches of an equal share's step, ``segment / every`` over the group's ``ranks``.
+
+    A step's time is a fixed part (the optimizer step, the group's own collectives, a
+    launch) plus its samples; with ``every`` steps per round whatever the share, a slow box
+    that the speed split gives few samples pays ``every`` fixed parts for them, its compute
+    rate falls as its share falls, and the split chases it over many rounds. With steps of
+    one size, a round's compute is proportional to its samples, so the rate measured at one
+    share holds at the next: a faster group takes more inner steps (as Dynamic Local Updates
+    in asynchronous Local-SGD do), and no step of a small share is empty."""
+    batch = max(1, -(-segment // (every * max(1, ranks))))
+    count = max(1, -(-per_rank // batch))
+    return [ids[k * batch:(k + 1) * batch] for k in range(count)]
+
+
 def check_mode(mode: str) -> None:
     """Refuse a ``shares`` value that is not one of :data:`SHARES`, naming the choices."""
     if mode not in SHARES:

@@ -1,11 +1,17 @@
 """The README's main job, `ray-mesh run examples/hsdp.yaml`, on an embedded local Ray: it
-trains, and its console reads like one: no tracebacks, no line twice, progress and a summary."""
+trains, and its console reads like one: no tracebacks, no line twice, progress and a summary.
+
+The same run, under a HOME of its own and a permissive umask (0022), holds that the embedded
+Ray (``runner.connect`` without an address) leaves its auth token private: 0600 in a 0700
+``~/.ray``, although Ray itself would write it with the umask. (A run of its own for that
+cost ~15 s of an embedded Ray's start and stop.)"""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -31,7 +37,11 @@ def _lines(out: str) -> list[str]:
 
 @pytest.mark.timeout(600)
 def test_ray_mesh_run_hsdp_example(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    home = tmp_path / "home"  # where the embedded Ray writes its token (~/.ray/auth_token)
+    home.mkdir()
+    env["HOME"] = str(home)
     # Its own embedded Ray, apart from the test session's. A short path: Ray's unix socket
     # paths under it must stay below 107 bytes, which pytest's tmp_path can exceed.
     ray_tmp = tempfile.mkdtemp(prefix="rm-", dir="/tmp")
@@ -43,7 +53,8 @@ def test_ray_mesh_run_hsdp_example(tmp_path):
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "ray_mesh.cli.main", "run", "examples/hsdp.yaml"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=540,
+            umask=0o022)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr
@@ -74,3 +85,8 @@ def test_ray_mesh_run_hsdp_example(tmp_path):
     assert not twice, twice
     # Verbose-only lines stay out by default.
     assert not any(x.startswith("ray_mesh rank ") for x in lines), out
+    # The embedded Ray's token: private whatever the umask.
+    token = home / ".ray" / "auth_token"
+    assert len(token.read_text().strip()) == 64
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700

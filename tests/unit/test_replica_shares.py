@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ray_mesh.replicas.quorum import Quorum
-from ray_mesh.replicas.shares import WINDOW, Pace, split_samples
+from ray_mesh.replicas.shares import WINDOW, Pace, inner_steps, split_samples
 
 
 def test_equal_until_every_group_has_a_speed():
@@ -82,6 +82,71 @@ def test_one_slow_segment_does_not_move_the_split():
     slow = {0: (1, p.rate, p.fixed_s), 1: (1, 20.0, 0.1)}
     assert p.rate == 80.0
     assert split_samples(30, slow, "speed") == {0: 48, 1: 12}
+
+
+@pytest.mark.parametrize(("held", "per_rank", "segment", "every", "ranks", "sizes"), [
+    (64, 64, 128, 16, 2, [4] * 16),            # an equal share: `every` steps
+    (23, 23, 128, 16, 2, [4] * 5 + [3]),       # a small share: fewer steps, none empty
+    (196, 196, 128, 16, 1, [8] * 24 + [4]),    # a large share: more steps of one size
+    (2, 2, 4, 16, 2, [1, 1]),                  # fewer samples than `every`: no empty step
+    (7, 8, 8, 4, 2, [1] * 7 + [0]),            # a rank holding one less: the same count
+])
+def test_inner_steps_keep_one_batch_size_and_every_rank_the_same_count(
+        held, per_rank, segment, every, ranks, sizes):
+    ids = list(range(100, 100 + held))
+    steps = inner_steps(ids, per_rank, segment, every, ranks)
+    assert [len(s) for s in steps] == sizes
+    assert [i for s in steps for i in s] == ids  # every sample once, in order
+
+
+def _rounds(split, boxes: dict, segment: int = 128, every: int = 16, rounds: int = 6
+            ) -> tuple[list[float], dict]:
+    """Simulated DiLoCo rounds under ``shares="speed"``: a group's inner step costs a fixed
+    part plus its samples (``boxes``: id -> ranks, fixed s, s per sample); ``split(ids,
+    per_rank, ranks)`` makes a rank's inner steps. Returns each round's spread of compute
+    (slowest over fastest, minus 1) and the last shares."""
+    paces = {g: Pace() for g in boxes}
+    shares = {g: segment for g in boxes}
+    spread = []
+    for _ in range(rounds):
+        compute = {}
+        for g, (ranks, fixed, per_sample) in boxes.items():
+            per_rank = shares[g] // ranks
+            steps = [s for s in split(list(range(per_rank)), per_rank, ranks) if s]
+            compute[g] = sum(fixed + per_sample * len(s) for s in steps)
+            paces[g].update(shares[g], compute[g], 0.1)
+        spread.append(max(compute.values()) / min(compute.values()) - 1)
+        shares = split_samples(segment, {g: (boxes[g][0], paces[g].rate, paces[g].fixed_s)
+                                         for g in boxes}, "speed")
+    return spread, shares
+
+
+def test_with_steps_of_one_size_the_split_settles_after_one_measured_round():
+    """DiLoCo on three boxes whose inner step costs a fixed part (the optimizer step, the
+    group's collectives) plus its samples; the slow box's is 10x the others'. With
+    ``every`` steps per round whatever the share, the slow box pays 16 fixed parts for a
+    small share, its rate falls as its share falls, and the split is still chasing it after
+    four rounds, and never as close. With steps of one size (:func:`inner_steps`) the rate
+    measured at one share holds at the next: settled from the round after the first
+    measured one, within what whole steps and whole multiples of a group's ranks allow."""
+    segment, every = 128, 16
+    boxes = {0: (2, 0.05, 0.004), 1: (2, 0.5, 0.04), 2: (1, 0.05, 0.004)}
+
+    def one_size(ids, per_rank, ranks):
+        return inner_steps(ids, per_rank, segment, every, ranks)
+
+    def every_steps(ids, per_rank, ranks):  # the round's `every` steps, batches by share
+        per = -(-len(ids) // every)
+        return [ids[k * per:(k + 1) * per] for k in range(every)]
+
+    spread, shares = _rounds(one_size, boxes)
+    assert spread[0] > 5, spread                 # equal shares: the slow box takes 9x
+    assert max(spread[2:]) < 0.15, spread        # warm-up, one measured round, settled
+    assert len({round(x, 6) for x in spread[3:]}) == 1, spread  # and it stays
+    assert shares[1] <= segment / 8, shares
+    chased, _ = _rounds(every_steps, boxes)
+    assert min(chased[2:4]) > 1, chased          # rounds 3 and 4 still 2.6x and more
+    assert min(chased) > max(spread[2:]), (chased, spread)  # and never as close
 
 
 def _boundary(q: Quorum, arrivals: dict[int, tuple[int, list, float | None]]) -> dict:
