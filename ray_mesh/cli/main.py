@@ -204,7 +204,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": ok, "problems": report.problems + (mtu.problems() if mtu else []),
                           "links": links.to_json() if links else [],
                           "verdict": links.verdict() if links else None,
-                          "relayed": links.relay_hints() if links else [],
+                          "relayed": links.relay_hints(most=None) if links else [],
                           "links_error": links.error if links else "",
                           "path_mtu": mtu.to_json() if mtu else []}, indent=2))
         return 0 if ok else 1
@@ -213,7 +213,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print()
         print(safe_text(mtu.format(), multiline=True))
     if links is not None:
-        print("\nLink bandwidth, Mbit/s (row sends to column; the diagonal is within a node):")
+        print(f"\nLink bandwidth ({links.caption()}):")
         print(safe_text(links.format(), multiline=True))
     return 0 if ok else 1
 

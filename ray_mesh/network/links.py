@@ -8,7 +8,16 @@ Over a VPN the link between nodes decides which mesh layout is fastest (see
   sender with ``bytes, seconds`` measured at the receiver: the sender's own count would
   include what still sits in socket buffers, several MB, which at 20 Mbit/s is seconds;
 * nodes send to each other in rounds of disjoint pairs (:func:`pair_rounds`): two
-  transfers that share a node at the same time would split its link and each read half;
+  transfers that share a node at the same time would split its link and each read half.
+  Up to :data:`~ray_mesh.network.pairs.FULL_MESH_NODES` nodes that is every pair, n-1
+  rounds; past it, :data:`SAMPLED_ROUNDS` of those rounds drawn per run
+  (:func:`link_rounds`), each node against that many other nodes: a time and a byte count
+  that do not grow with n per node (9 s at the default bound, at 512 nodes as at 17),
+  where every pair would take n-1 rounds (over 8 minutes at 512). What that keeps: the
+  slowest link of a node whose own links are slow (every link it has is), so such a node
+  is still named; the slowest link of all is the slowest link sampled. What it gives up:
+  one slow pair between two fast nodes (a relayed path) is seen only in a run that draws
+  it; each run draws other rounds;
 * a last round has every node send to its own address: the within-node figure (a = b).
   It is kernel TCP, not NVLink or PCIe: a floor for the intra-node path, not its speed.
 
@@ -24,9 +33,11 @@ the orchestrator hands out; any other client is dropped, and the server takes at
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import math
+import random
 import socket
 import statistics
 import time
@@ -36,6 +47,7 @@ from dataclasses import asdict, dataclass
 
 from ray_mesh.errors import LinkError
 from ray_mesh.network.gate import GatedListener, new_nonce, read_line, send_nonce
+from ray_mesh.network.pairs import FULL_MESH_NODES
 
 CHUNK = 64 * 1024
 DEFAULT_MAX_S = 1.0
@@ -50,6 +62,10 @@ EXPORT_ALL_NODES = 16
 # A link below a quarter of the other links' median is probably relayed: Tailscale falls
 # back to its DERP relays (a few to tens of Mbit/s) when two nodes cannot connect directly.
 RELAY_FACTOR = 0.25
+RELAY_HINTS_SHOWN = 5  # the slowest relayed links a table names, then a count
+SAMPLED_ROUNDS = 8
+"""Past FULL_MESH_NODES nodes: rounds of disjoint pairs measured, each node against this
+many other nodes (one fewer for an odd node count's sitting-out node)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,47 @@ def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
             rounds.append(sorted(pairs))
         ids = [ids[0], ids[-1], *ids[1:-1]]
     return rounds
+
+
+def link_rounds(n: int, *, seed: int | None = None, full_mesh_nodes: int = FULL_MESH_NODES,
+                sampled: int = SAMPLED_ROUNDS) -> list[list[tuple[int, int]]]:
+    """The rounds of node pairs a link measurement runs: every pair (:func:`pair_rounds`) up
+    to ``full_mesh_nodes`` nodes, else ``sampled`` of those rounds drawn at random (``seed``:
+    the same draw), so that each node is measured against ``sampled`` distinct others (one
+    fewer, at most, for odd ``n``) in ``sampled`` rounds whatever ``n``."""
+    rounds = pair_rounds(n) if n > 1 else []
+    if n <= full_mesh_nodes or len(rounds) <= sampled:
+        return rounds
+    picked = random.Random(seed).sample(range(len(rounds)), sampled)
+    return [rounds[k] for k in sorted(picked)]
+
+
+def _median_without(ordered: Sequence[float], skip: Sequence[float]) -> float:
+    """The median of ``ordered`` (sorted) without one occurrence of each value of ``skip``
+    (sorted, a sub-multiset of it), in O(len(skip) * log n): the median of "the other
+    links" for each node or link of a large matrix, where a new list per node would make
+    the whole judgement O(n * links)."""
+    m = len(ordered) - len(skip)
+    if m <= 0:
+        raise ValueError("no value left for a median")
+    # Positions of the skipped values in ordered: the leftmost unused occurrence of each.
+    removed: list[int] = []
+    for value in skip:
+        i = bisect.bisect_left(ordered, value)
+        while removed and i <= removed[-1] and ordered[removed[-1]] == value:
+            i = removed[-1] + 1
+        removed.append(i)
+
+    def kth(k: int) -> float:  # the k-th (0-based) of what is left
+        pos = k
+        for r in removed:  # sorted, few: each removed position at or before pos shifts it
+            if r <= pos:
+                pos += 1
+        return ordered[pos]
+
+    if m % 2:
+        return kth(m // 2)
+    return (kth(m // 2 - 1) + kth(m // 2)) / 2
 
 
 class BandwidthServer:
@@ -210,17 +267,27 @@ class LinkMatrix:
         cross = self.cross()
         return min(link.mbit_s for link in cross) if cross else math.inf
 
+    def _by_node(self) -> tuple[list[float], dict[str, list[float]]]:
+        """All cross-node rates, sorted, and each node's, sorted."""
+        cross = self.cross()
+        mine: dict[str, list[float]] = {node: [] for node in self.nodes()}
+        for link in cross:
+            mine[link.a].append(link.mbit_s)
+            mine[link.b].append(link.mbit_s)
+        return sorted(x.mbit_s for x in cross), {k: sorted(v) for k, v in mine.items()}
+
+    def _others_median(self, ordered: list[float], mine: list[float]) -> float | None:
+        """The median of the cross-node links that do not touch a node (``mine``: its own)."""
+        return _median_without(ordered, mine) if len(ordered) > len(mine) else None
+
     def slow_nodes(self) -> list[str]:
         """Nodes all of whose cross-node links run below SLOW_FACTOR x the others' median."""
-        cross = self.cross()
+        ordered, by_node = self._by_node()
         slow = []
-        for node in self.nodes():
-            mine = [x.mbit_s for x in cross if node in (x.a, x.b)]
-            others = [x.mbit_s for x in cross if node not in (x.a, x.b)]
-            if mine and others and max(mine) < SLOW_FACTOR * statistics.median(others):
+        for node, mine in by_node.items():
+            others = self._others_median(ordered, mine)
+            if mine and others is not None and mine[-1] < SLOW_FACTOR * others:
                 slow.append(node)
-        if not slow and len(self.nodes()) == 2 and cross:
-            return []  # two nodes, one link: nothing to compare it with
         return slow
 
     def relayed(self) -> list[tuple[Link, float]]:
@@ -229,22 +296,31 @@ class LinkMatrix:
         cross = self.cross()
         if len(cross) < 3:
             return []
+        ordered = sorted(x.mbit_s for x in cross)
         out = []
         for link in cross:
-            others = statistics.median(x.mbit_s for x in cross if x is not link)
+            others = _median_without(ordered, [link.mbit_s])
             if link.mbit_s < RELAY_FACTOR * others:
                 out.append((link, others))
         return out
 
-    def relay_hints(self) -> list[str]:
-        """For each :meth:`relayed` link: the pair, the numbers and the commands to check."""
-        return [f"link {x.a} <-> {x.b}: {x.mbit_s:.1f} Mbit/s, {med / x.mbit_s:.0f}x slower "
-                f"than the other links ({med:.0f} Mbit/s): probably relayed (Tailscale DERP) "
-                f"instead of direct. Check on {x.a}: `tailscale ping {x.b}` ('via DERP(...)' "
-                f"is relayed, 'via IP:port' direct) and `tailscale status` (the peer's line "
-                f"says relay or direct); a direct path usually needs UDP 41641 open on both "
-                f"nodes' firewalls, or a NAT that is not symmetric."
-                for x, med in self.relayed()]
+    def relay_hints(self, most: int | None = RELAY_HINTS_SHOWN) -> list[str]:
+        """For the ``most`` slowest :meth:`relayed` links (None: all): the pair, the numbers
+        and the commands to check; then how many more there are (a console of hundreds of
+        hints reads as none)."""
+        relayed = sorted(self.relayed(), key=lambda x: x[0].mbit_s)
+        most = len(relayed) if most is None else most
+        hints = [f"link {x.a} <-> {x.b}: {x.mbit_s:.1f} Mbit/s, {med / x.mbit_s:.0f}x slower "
+                 f"than the other links ({med:.0f} Mbit/s): probably relayed (Tailscale DERP) "
+                 f"instead of direct. Check on {x.a}: `tailscale ping {x.b}` ('via DERP(...)' "
+                 f"is relayed, 'via IP:port' direct) and `tailscale status` (the peer's line "
+                 f"says relay or direct); a direct path usually needs UDP 41641 open on both "
+                 f"nodes' firewalls, or a NAT that is not symmetric."
+                 for x, med in relayed[:most]]
+        if len(relayed) > most:
+            hints.append(f"... and {len(relayed) - most} more link(s) below {RELAY_FACTOR:g}x "
+                         "the others' median (`ray-mesh doctor --json` lists every link)")
+        return hints
 
     def verdict(self) -> str:
         """One line a person reads: the slow node and its rate, or the slowest link."""
@@ -253,10 +329,11 @@ class LinkMatrix:
             return "one node: no link between nodes"
         slow = self.slow_nodes()
         if slow:
+            ordered, by_node = self._by_node()
             parts = []
             for node in slow:
-                mine = max(x.mbit_s for x in cross if node in (x.a, x.b))
-                others = statistics.median(x.mbit_s for x in cross if node not in (x.a, x.b))
+                mine = by_node[node][-1]
+                others = self._others_median(ordered, by_node[node]) or mine
                 parts.append(f"node {node}: links at most {mine:.0f} Mbit/s, "
                              f"{others / mine:.1f}x slower than the other links "
                              f"({others:.0f} Mbit/s)")
@@ -264,18 +341,39 @@ class LinkMatrix:
         worst = min(cross, key=lambda x: x.mbit_s)
         return f"slowest link {worst.a} <-> {worst.b}: {worst.mbit_s:.0f} Mbit/s"
 
-    def format(self) -> str:
-        """A node x node table of Mbit/s (row sends to column; the diagonal is within-node)."""
+    def caption(self, full_up_to: int = FULL_MESH_NODES) -> str:
+        """What :meth:`format`'s table shows, for the line above it."""
+        if len(self.nodes()) <= full_up_to:
+            return "Mbit/s, row sends to column; the diagonal is within a node"
+        return ("Mbit/s, a line per node: the links measured from and to it, their slowest, "
+                "median and fastest, and within the node")
+
+    def format(self, full_up_to: int = FULL_MESH_NODES) -> str:
+        """A node x node table of Mbit/s (row sends to column; the diagonal is within-node)
+        up to ``full_up_to`` nodes; past that, a line per node (its links measured, their
+        slowest, median and fastest, its within-node figure), since a 512 x 512 table is
+        not one a person reads, and most of its cells would be unmeasured."""
         nodes = self.nodes()
         rate = {(x.a, x.b): x.mbit_s for x in self.links}
         rows = []
-        for a in nodes:
-            cells = []
-            for b in nodes:
-                v = rate.get((a, b), rate.get((b, a)))
-                cells.append("-" if v is None else f"{v:.0f}")
-            rows.append([a, *cells])
-        header = ["Mbit/s", *nodes]
+        if len(nodes) <= full_up_to:
+            for a in nodes:
+                cells = []
+                for b in nodes:
+                    v = rate.get((a, b), rate.get((b, a)))
+                    cells.append("-" if v is None else f"{v:.0f}")
+                rows.append([a, *cells])
+            header = ["Mbit/s", *nodes]
+        else:
+            _, by_node = self._by_node()
+            for a in nodes:
+                mine = by_node[a]
+                within = rate.get((a, a))
+                figures = ([f"{mine[0]:.0f}", f"{statistics.median(mine):.0f}",
+                            f"{mine[-1]:.0f}"] if mine else ["-", "-", "-"])
+                rows.append([a, str(len(mine)), *figures,
+                             "-" if within is None else f"{within:.0f}"])
+            header = ["Mbit/s", "links", "slowest", "median", "fastest", "within"]
         widths = [max(len(str(r[k])) for r in [header, *rows]) for k in range(len(header))]
         lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True))
                  for r in [header, *rows]]
@@ -309,8 +407,11 @@ RunOn = Callable[..., object]  # run_on(node_index, fn, *args) -> fn(*args) on t
 
 
 def measure_links(addresses: Sequence[str], run_on: RunOn, *, max_s: float = DEFAULT_MAX_S,
-                  max_bytes: int = DEFAULT_MAX_BYTES, within_node: bool = True) -> LinkMatrix:
-    """Measure every node pair (and each node to itself) through ``run_on``.
+                  max_bytes: int = DEFAULT_MAX_BYTES, within_node: bool = True,
+                  full_mesh_nodes: int = FULL_MESH_NODES) -> LinkMatrix:
+    """Measure the node pairs of :func:`link_rounds` (every pair up to
+    :data:`~ray_mesh.network.pairs.FULL_MESH_NODES` nodes) and each node to itself, through
+    ``run_on``. ``full_mesh_nodes``: up to how many nodes every pair is measured.
 
     ``addresses[i]`` is node i's chosen address; ``run_on(i, fn, *args)`` runs ``fn`` in a
     process on node i and returns its value (raising on failure). Pairs run in rounds of
@@ -322,16 +423,26 @@ def measure_links(addresses: Sequence[str], run_on: RunOn, *, max_s: float = DEF
         raise ValueError(f"max_s={max_s!r}: give a bound of seconds per transfer in (0, 30]")
     nonce = new_nonce()
     n = len(addresses)
-    lifetime = (n + 1) * (max_s + 10.0)
-    # Served: the nodes' own addresses only; a transfer and its answer within max_s + 10 s.
-    ports = [int(run_on(i, start_server, addresses[i], nonce, lifetime, list(addresses),
-                        max_s + 10.0)) for i in range(n)]
-    rounds = pair_rounds(n) if n > 1 else []
+    rounds = link_rounds(n, full_mesh_nodes=full_mesh_nodes)
+    lifetime = (len(rounds) + 2) * (max_s + 10.0)
     if within_node:
         rounds.append([(i, i) for i in range(n)])
     links: list[Link] = []
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, n)) as pool:
+    ports: dict[int, int] = {}
+    # The nodes' listeners start and stop at once, not one call after another: each call
+    # is a round trip to a node (a Ray call over the tailnet), and 512 of them in a row
+    # took longer than the 9 rounds of transfers.
+    with ThreadPoolExecutor(max_workers=max(1, min(n, 256))) as pool:
+        try:
+            # Served: the nodes' own addresses only; a transfer and its answer within
+            # max_s + 10 s.
+            started = {i: pool.submit(run_on, i, start_server, addresses[i], nonce, lifetime,
+                                      list(addresses), max_s + 10.0) for i in range(n)}
+            for i, fut in started.items():
+                with contextlib.suppress(Exception):
+                    ports[i] = int(fut.result())
+            for fut in started.values():
+                fut.result()  # the first node whose listener did not start raises here
             for round_ in rounds:
                 # Positional arguments only: run_on may be a plain (fn, args) transport.
                 futures = {(i, j): pool.submit(run_on, i, send_to, addresses[i], addresses[j],
@@ -339,10 +450,11 @@ def measure_links(addresses: Sequence[str], run_on: RunOn, *, max_s: float = DEF
                            for i, j in round_}
                 for (i, j), fut in futures.items():
                     links.append(Link(addresses[i], addresses[j], float(fut.result())))
-    finally:
-        for i in range(n):
-            with contextlib.suppress(Exception):
-                run_on(i, stop_server, ports[i])
+        finally:
+            stops = [pool.submit(run_on, i, stop_server, port) for i, port in ports.items()]
+            for fut in stops:
+                with contextlib.suppress(Exception):
+                    fut.result()
     return LinkMatrix(links)
 
 

@@ -95,8 +95,8 @@ def measure_worker_group(worker_group, leaders: Sequence[int], choices: Sequence
     t0 = time.monotonic()
     matrix = measure_links(addresses, run_on, max_s=max_s)
     # The controller's stdout reaches the driver's console; its log file does not.
-    print(f"ray_mesh: node links measured in {time.monotonic() - t0:.1f} s (Mbit/s, row "
-          f"sends to column):\n{matrix.format()}", flush=True)
+    print(f"ray_mesh: node links measured in {time.monotonic() - t0:.1f} s "
+          f"({matrix.caption()}):\n{matrix.format()}", flush=True)
     store(addresses, matrix)
     return matrix
 
