@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.scale_preflight import settle  # noqa: E402
-from benchmarks.scale_quorum import MAX_LOAD, exponent, scale_main  # noqa: E402
+from benchmarks.scale_quorum import MAX_LOAD, growth_by_set, scale_main  # noqa: E402
 from ray_mesh.network.links import (  # noqa: E402
     CHUNK,
     DEFAULT_MAX_BYTES,
@@ -126,11 +126,7 @@ def measure(sizes: tuple[int, ...] = SIZES) -> dict:
             print(f"{n:4d} nodes, {which}: {got['transfers']} transfers in {got['rounds']} "
                   f"rounds, {got['wall_s']:.2f} s, {got['cpu_s']:.1f} CPU s, judged in "
                   f"{got['judge_s']:.3f} s (load {load:.2f} -> {after:.2f})", flush=True)
-    growth = {}
-    for which in SETS:
-        mine = [r for r in rows if r["set"] == which or r["nodes"] <= 16]
-        ns = [r["nodes"] for r in mine]
-        growth[which] = {k: exponent(ns, [r.get(k) for r in mine]) for k in FIGURES}
+    growth = growth_by_set(rows, SETS, FIGURES)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     return {"sizes": rows, "growth_exponent": growth,
             "targets": {"growth_exponent": "no figure faster than n log n"},

@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray_mesh.network.probe as probe  # noqa: E402
-from benchmarks.scale_quorum import MAX_LOAD, exponent, scale_main  # noqa: E402
+from benchmarks.scale_quorum import MAX_LOAD, growth_by_set, scale_main  # noqa: E402
 from ray_mesh.network.pairs import all_pairs, check_pairs, finger_count  # noqa: E402
 from ray_mesh.network.report import NodeTarget  # noqa: E402
 from ray_mesh.raytrain.preflight import Outcome, run_preflight  # noqa: E402
@@ -205,11 +205,7 @@ def measure(sizes: tuple[int, ...] = SIZES) -> dict:
                   f"{got['cpu_s']:.1f} CPU s; {'passed' if got['ok'] else 'FAILED'} "
                   f"({got['problems']} problem(s), {got['failed_connects']} failed connects, "
                   f"{got['evicted']} evicted) (load {load:.2f} -> {after:.2f})", flush=True)
-    growth = {}
-    for which in SETS:
-        mine = [r for r in rows if r["set"] == which or r["nodes"] <= 16]
-        ns = [r["nodes"] for r in mine]
-        growth[which] = {k: exponent(ns, [r.get(k) for r in mine]) for k in FIGURES}
+    growth = growth_by_set(rows, SETS, FIGURES)
     return {"sizes": rows, "growth_exponent": growth,
             "targets": {"wall_s": f"<= {TIMEOUT_S:g} (the pre-flight's bound)",
                         "growth_exponent": "connections no faster than n log n"},

@@ -116,6 +116,18 @@ def exponent(sizes: list[int], values: list[float | None]) -> float | None:
     return round(sum((x - mx) * (y - my) for x, y in pts) / sxx, 2) if sxx else None
 
 
+def growth_by_set(rows: list[dict], sets: tuple[str, ...], figures: tuple[str, ...],
+                  same_up_to: int = 16) -> dict:
+    """Each pair set's growth exponent per figure, over its rows and the rows up to
+    ``same_up_to`` nodes, where every set is the same one (every pair)."""
+    growth = {}
+    for which in sets:
+        mine = [r for r in rows if r["set"] == which or r["nodes"] <= same_up_to]
+        ns = [r["nodes"] for r in mine]
+        growth[which] = {k: exponent(ns, [r.get(k) for r in mine]) for k in figures}
+    return growth
+
+
 def measure(sizes: tuple[int, ...] = SIZES) -> dict:
     rows = []
     for n in sizes:

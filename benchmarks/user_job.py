@@ -96,7 +96,10 @@ SETTINGS: dict[str, Any] = {
     "sync": {"steps": 40, "alone_counted": 12},
     # the same job with replica_groups.compress: int8 (gradients between groups as int8)
     "sync_int8": {"steps": 40, "alone_counted": 12, "compress": "int8"},
-    "diloco": {"every": 4, "rounds": 10, "segment_samples": 32, "alone_counted": 4},
+    # the page's DiLoCo setting (docs/lab_job.md): every 16 inner steps, int8, 128 samples
+    # a group per round (so a round's compute outweighs its exchange through the tunnel)
+    "diloco": {"every": 16, "rounds": 10, "segment_samples": 128, "alone_counted": 3,
+               "compress": "int8"},
     # from the run's first committed step; both shapes get the same schedule
     "drops": {"first_s": 15.0, "every_s": 45.0, "down_s": 10.0},
     "mesh": {"checkpoint_every": 5, "batch_size": 24, "max_failures": 50, "cut_s": 180.0},

@@ -87,6 +87,10 @@ def markdown(u: dict) -> str:
              "", "| figure | value | target |", "|---|---|---|"]
     if u.get("status", "ok") != "ok":
         lines[-2:-2] = [f"Parts that failed (their figures are missing): {u['status'][:600]}", ""]
+    for key in ("two_runs", "rejoin_note"):  # recorded by hand beside a run's figures
+        note = u.get(key)
+        if note:
+            lines[-2:-2] = [f"{key}: {note['why'] if isinstance(note, dict) else note}.", ""]
     lines += [f"| {WHAT[n]} | {value(u, n, full=True)} | {TARGETS[n]} |" for n in WHAT
               if n in u or n in u.get("invalid", {})]
     lines += ["", "| run | tokens/s | held-out loss | mean samples per step per group | "
@@ -133,7 +137,7 @@ def write_section(path: str | Path, u: dict) -> None:
     if HEADING in text:
         a = text.index(HEADING)
         b = text.find("\n## ", a + len(HEADING))
-        text = text[:a] + section + (text[b + 1:] if b >= 0 else "")
+        text = text[:a] + section + ("\n" + text[b + 1:] if b >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)

@@ -157,12 +157,14 @@ class Running:
         """The step rows logged so far (every group's, or the one mesh's)."""
         rows = []
         for f in self.steps_dir.glob("*.jsonl"):
-            if f.name.endswith(".held.jsonl"):  # samples held before a commit: no step yet
+            # samples held before a commit (no step yet), and a group's start-up phases
+            # (a row of step 0 at each attempt's start, with no commit time)
+            if f.name.endswith((".held.jsonl", ".phases.jsonl")):
                 continue
             for line in f.read_text().splitlines():
                 with contextlib.suppress(ValueError):  # a line being written
                     row = json.loads(line)
-                    if "step" in row:
+                    if "step" in row and "t" in row:
                         rows.append(row)
         return rows
 
