@@ -51,6 +51,7 @@ from ray_mesh.network.links import (  # noqa: E402
     link_rounds,
     measure_links,
 )
+from ray_mesh.network.pairs import FULL_MESH_NODES  # noqa: E402
 
 SIZES = (8, 32, 128, 512)
 SETS = ("all", "sampled")
@@ -64,7 +65,7 @@ def node_ip(i: int) -> str:
 
 
 def counted(n: int, which: str) -> dict:
-    rounds = link_rounds(n, full_mesh_nodes=n if which == "all" else 16) + [
+    rounds = link_rounds(n, full_mesh_nodes=n if which == "all" else FULL_MESH_NODES) + [
         [(i, i) for i in range(n)]]
     transfers = sum(len(r) for r in rounds)
     return {"rounds": len(rounds), "transfers": transfers,
@@ -86,7 +87,7 @@ def run_once(n: int, which: str) -> dict:
 
     cpu0, t0 = time.process_time(), time.monotonic()
     matrix = measure_links(addresses, run_on, max_bytes=CAP_BYTES,
-                           full_mesh_nodes=n if which == "all" else 16)
+                           full_mesh_nodes=n if which == "all" else FULL_MESH_NODES)
     wall = time.monotonic() - t0
     j0 = time.process_time()
     text = matrix.format()
@@ -104,7 +105,7 @@ def measure(sizes: tuple[int, ...] = SIZES) -> dict:
     rows = []
     for n in sizes:
         for which in SETS:
-            if which == "all" and n <= 16:
+            if which == "all" and n <= FULL_MESH_NODES:
                 continue  # the same set: the sampled one is every pair up to 16 nodes
             row = {"nodes": n, "set": which}
             if which == "all" and n > SIMULATE_ALL_MAX:

@@ -280,15 +280,20 @@ class LinkMatrix:
         """The median of the cross-node links that do not touch a node (``mine``: its own)."""
         return _median_without(ordered, mine) if len(ordered) > len(mine) else None
 
-    def slow_nodes(self) -> list[str]:
-        """Nodes all of whose cross-node links run below SLOW_FACTOR x the others' median."""
+    def _slow(self) -> list[tuple[str, float, float]]:
+        """``(node, its fastest cross-node link, the others' median)`` for each node all of
+        whose cross-node links run below SLOW_FACTOR x the median of the links not its own."""
         ordered, by_node = self._by_node()
         slow = []
         for node, mine in by_node.items():
             others = self._others_median(ordered, mine)
             if mine and others is not None and mine[-1] < SLOW_FACTOR * others:
-                slow.append(node)
+                slow.append((node, mine[-1], others))
         return slow
+
+    def slow_nodes(self) -> list[str]:
+        """Nodes all of whose cross-node links run below SLOW_FACTOR x the others' median."""
+        return [node for node, _, _ in self._slow()]
 
     def relayed(self) -> list[tuple[Link, float]]:
         """Links far slower than the rest (below RELAY_FACTOR x the median of the other
@@ -327,17 +332,10 @@ class LinkMatrix:
         cross = self.cross()
         if not cross:
             return "one node: no link between nodes"
-        slow = self.slow_nodes()
-        if slow:
-            ordered, by_node = self._by_node()
-            parts = []
-            for node in slow:
-                mine = by_node[node][-1]
-                others = self._others_median(ordered, by_node[node]) or mine
-                parts.append(f"node {node}: links at most {mine:.0f} Mbit/s, "
+        if slow := self._slow():
+            return "; ".join(f"node {node}: links at most {mine:.0f} Mbit/s, "
                              f"{others / mine:.1f}x slower than the other links "
-                             f"({others:.0f} Mbit/s)")
-            return "; ".join(parts)
+                             f"({others:.0f} Mbit/s)" for node, mine, others in slow)
         worst = min(cross, key=lambda x: x.mbit_s)
         return f"slowest link {worst.a} <-> {worst.b}: {worst.mbit_s:.0f} Mbit/s"
 

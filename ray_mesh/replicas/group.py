@@ -162,8 +162,13 @@ class ReplicaGroup:
         """This rank's share of the group's samples for the current segment (contiguous
         slices of the group's list, by data-parallel rank inside the group)."""
         ids = [i for start, n in self.ranges for i in range(start, start + n)]
-        per = -(-len(ids) // dp_size)
+        per = self._per_rank(dp_size)
         return ids[dp_rank * per:(dp_rank + 1) * per]
+
+    def _per_rank(self, dp_size: int) -> int:
+        """The most samples a rank of the group holds this segment (the first ranks' share;
+        the last may hold fewer)."""
+        return -(-sum(n for _, n in self.ranges) // dp_size)
 
     def inner_batches(self, dp_rank: int = 0, dp_size: int = 1) -> list[list[int]]:
         """DiLoCo: this rank's samples for each inner step of the round. Each step takes the
@@ -173,8 +178,7 @@ class ReplicaGroup:
         ids = self.sample_ids(dp_rank, dp_size)
         if self.diloco is None:
             return [ids]
-        held = sum(n for _, n in self.ranges)
-        return inner_steps(ids, -(-held // dp_size), self.segment_samples,
+        return inner_steps(ids, self._per_rank(dp_size), self.segment_samples,
                            self.diloco.config.every, dp_size)
 
     def commit(self) -> bool:
