@@ -31,6 +31,22 @@ def check_group_compress(compress: str, diloco: bool) -> None:
                             f"{compress!r}) instead")
 
 
+def check_group_diloco(config: DiLoCoConfig) -> None:
+    """Replica groups take DiLoCo's outer step at their commit, in the quorum that decides
+    who is in: one sync of every parameter, landed before the next round. ``streaming``
+    (fragments on a schedule) and ``overlap`` (a sync landing steps later) belong to one
+    mesh's ``DiLoCo.step()``, which groups do not call, so a group given either would run
+    without it and say nothing: refused by name instead."""
+    for name, default in (("streaming", 1), ("overlap", 0)):
+        if getattr(config, name) != default:
+            raise ParallelError(
+                f"DiLoCoConfig({name}={getattr(config, name)!r}) with replica groups: their "
+                f"outer step syncs every parameter at the commit, landed before the next "
+                f"round, and {name} is a setting of one mesh's DiLoCo only. Leave {name} "
+                f"out (the default, {default}) for replica groups, or run one mesh with "
+                f"replicate: {{mode: diloco, {name}: ...}}.")
+
+
 @dataclass(frozen=True)
 class DiLoCoConfig:
     """The replicate dim's DiLoCo settings (YAML: ``replicate: {mode: diloco, ...}``).

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ray_mesh.checkpointing.sharded import broadcast_from_rank0
-from ray_mesh.core.diloco_config import check_group_compress
+from ray_mesh.core.diloco_config import check_group_compress, check_group_diloco
 from ray_mesh.errors import CheckpointError, GroupDropped
 from ray_mesh.replicas.coordinator import Coordinator, Decision, Range, meet_quorum
 from ray_mesh.replicas.fallback import Fallback
@@ -107,6 +107,7 @@ class ReplicaGroup:
         self.incarnation = _shared_incarnation(self.rank)
         self.diloco = None
         if diloco is not None:
+            check_group_diloco(diloco)
             from ray_mesh.parallel.diloco import DiLoCo
 
             self.diloco = DiLoCo(model, None, diloco)

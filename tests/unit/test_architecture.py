@@ -432,17 +432,28 @@ def test_the_cli_starts_and_refuses_a_bad_job_without_torch_or_ray(tmp_path):
     """``import ray_mesh``, its checkpointing package and the CLI load neither torch nor Ray
     (~3 s of CPU on a 2-core machine, paid by every ``ray-mesh`` command and by every Ray
     worker that only needs a spec): ``--help``, ``status``'s parser and a job refused on the
-    driver answer at once. Every public name still resolves, on first use."""
+    driver answer at once; a good job with a ``data:`` section and DiLoCo reads without
+    them too (its checks are rules of the job's values; ``ray_mesh.data`` loads its
+    torch-using modules on first use). Every public name still resolves, on first use."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntrain: a.py:f\nmesh: {dp_shard: 2}\nbogus: 1\n")
+    good = tmp_path / "good.yaml"
+    good.write_text("name: good\ntrain: t.py:f\nmesh: {dp_replicate: 2, dp_shard: -1}\n"
+                    "replicate: {mode: diloco, every: 4}\n"
+                    "config: {model: {preset: tiny, max_seq_len: 64}}\n"
+                    "data: {paths: [stdlib], seq_len: 32, batch_size: 8, max_tokens: 60000}\n")
     code = ("import json, sys\nimport ray_mesh, ray_mesh.checkpointing\n"
             "from ray_mesh.cli.main import build_parser, main\nbuild_parser()\n"
             "rc = main(['run', sys.argv[1]])\n"
-            "print(json.dumps([rc, sorted(m for m in ('torch', 'ray') if m in sys.modules)]))\n"
+            "from ray_mesh.cli.job import Job\n"
+            "job = Job.from_yaml(sys.argv[2])\nassert job.data and job.replicate, job\n"
+            "print(json.dumps([rc, sorted(m for m in ('torch', 'ray', 'numpy')"
+            " if m in sys.modules)]))\n"
             "[getattr(ray_mesh, n) for n in ray_mesh.__all__]\n"
             "[getattr(ray_mesh.checkpointing, n) for n in ray_mesh.checkpointing.__all__]\n"
             "print('torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code, str(bad)], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code, str(bad), str(good)], cwd=ROOT,
+                          capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     before, after = proc.stdout.strip().splitlines()[-2:]

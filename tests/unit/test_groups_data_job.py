@@ -136,3 +136,17 @@ def test_compress_is_one_of_the_modes_and_not_beside_diloco():
         check_group_compress("fp8", False)
     with pytest.raises(ParallelError, match=r"with DiLoCo.*DiLoCoConfig\(compress='int8'\)"):
         check_group_compress("int8", True)
+
+
+def test_diloco_streaming_and_overlap_are_refused_for_groups():
+    """A group's outer step is one whole sync at its commit: ``streaming`` and ``overlap``
+    (one mesh's ``DiLoCo.step()`` settings) would be ignored, so they are refused by name."""
+    from ray_mesh.core.diloco_config import DiLoCoConfig, check_group_diloco
+    from ray_mesh.errors import ParallelError
+
+    check_group_diloco(DiLoCoConfig(every=4, compress="int8"))
+    with pytest.raises(ParallelError, match=r"DiLoCoConfig\(overlap=2\) with replica groups.*"
+                                            r"Leave overlap out"):
+        check_group_diloco(DiLoCoConfig(every=4, overlap=2))
+    with pytest.raises(ParallelError, match=r"DiLoCoConfig\(streaming=2\) with replica groups"):
+        check_group_diloco(DiLoCoConfig(every=4, streaming=2))
