@@ -24,6 +24,11 @@ m`` of the payload (``m`` members); a heal's donor sends the payload to each hea
 here: a box that came back). The payloads:
 
 * ``heal``: float32 parameters plus AdamW's two moments (12 bytes a parameter);
+* ``heal_2donors``: the same heal from the two groups that hold the state, each sending
+  about half (``state_sources``). ``tunnel_s`` counts the bytes a donor sends: the time
+  where each box's uplink is the limit (a home line uploads slower than it downloads);
+  ``tunnel_s_symmetric`` where the healer's downlink is as slow (the whole payload comes
+  in whatever the donors), as on this project's tunnel between namespaces;
 * ``exchange``: float32 gradients or pseudo-gradients (4 bytes a parameter);
 * ``exchange_int8``: the same payload sent as int8 codes with a float32 scale per
   :data:`ray_mesh.parallel.compress.CHUNK` values, by all-gather (an int8 sum would
@@ -54,7 +59,7 @@ from benchmarks.scale_quorum import MAX_LOAD, exponent, scale_main  # noqa: E402
 SIZES_MIB = (1, 4, 16, 64)
 MEMBERS = 3  # the lab's three groups
 REPEATS = 3
-PATHS = ("heal", "exchange", "exchange_int8")
+PATHS = ("heal", "heal_2donors", "exchange", "exchange_int8")
 MODELS = {"125M": 125e6, "1B": 1e9, "8B": 8e9}
 BYTES_PER_PARAM = {"heal": 12, "exchange": 4}
 TUNNEL = Path(__file__).resolve().parent / "results_tunnel.json"
@@ -86,6 +91,11 @@ def _member(index: int, members: int, address: tuple, sizes: tuple[int, ...],
         runs = {
             # one healer (the last member), as when one box comes back
             "heal": lambda t=tensors: send_state_(t, 0, [members - 1], pg, index),
+            # the same from the two others at once, each sending a part (sync groups: every
+            # entry equal on both)
+            "heal_2donors": lambda t=tensors: send_state_(
+                t, list(range(members - 1)), [members - 1], pg, index,
+                shared=[True] * len(t)),
             "exchange": lambda t=tensors: weighted_mean(t, 1.0, pg),
             "exchange_int8": lambda t=tensors: compressed_weighted_mean(t, 1.0, pg, "int8"),
         }
@@ -140,12 +150,14 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def wire_bytes(path: str, payload: float, members: int, healers: int = 1) -> float:
     """Bytes one member sends for ``path``: a heal's donor sends the payload to each
-    healer; a ring all-reduce ``2 (m - 1) / m`` of it; int8's all-gather its codes and
-    scales to each other member."""
+    healer (from two donors, half of it each); a ring all-reduce ``2 (m - 1) / m`` of it;
+    int8's all-gather its codes and scales to each other member."""
     from ray_mesh.parallel.compress import CHUNK
 
     if path == "heal":
         return payload * healers
+    if path == "heal_2donors":
+        return payload * healers / 2
     if path == "exchange_int8":
         return payload / 4 * (1 + 4 / CHUNK) * (members - 1)
     return payload * 2 * (members - 1) / members
@@ -167,8 +179,8 @@ def project(fits: dict[str, tuple[float, float]], members: int, mbit: float | No
     for model, params in MODELS.items():
         row: dict[str, object] = {"params": params, "leader_bytes": 8 * params}
         for path in PATHS:
-            payload = params * (BYTES_PER_PARAM["heal"] if path == "heal"
-                                else BYTES_PER_PARAM["exchange"])
+            heal = path.startswith("heal")
+            payload = params * BYTES_PER_PARAM["heal" if heal else "exchange"]
             fixed, per = fits[path]
             local = fixed + per * payload
             sent = wire_bytes(path, payload, members)
@@ -176,6 +188,9 @@ def project(fits: dict[str, tuple[float, float]], members: int, mbit: float | No
                          "loopback_s": round(local, 3),
                          "tunnel_s": (round(local + sent * 8 / (mbit * 1e6), 1)
                                       if mbit else None)}
+            if heal:  # the healer takes in the whole payload whatever the donors
+                row[path]["tunnel_s_symmetric"] = (
+                    round(local + max(sent, payload) * 8 / (mbit * 1e6), 1) if mbit else None)
         out[model] = row
     return out
 

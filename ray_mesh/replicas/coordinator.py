@@ -5,7 +5,7 @@ data that travels through Ray to every rank of the group)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ray_mesh.errors import GroupDropped
@@ -29,6 +29,9 @@ class Decision:
     restore: tuple[int, str] | None = None  # (step, path): the donor loads this first
     done: bool = False          # the run has finished: return
     waited_s: float = 0.0       # how long this group waited at the quorum for the others
+    # indices of every member holding the newest step, the donor first: the healers take
+    # the state from all of them at once (link.send_state_); [donor] when restoring
+    donors: list[int] = field(default_factory=list)
 
     @property
     def heal(self) -> bool:
@@ -36,8 +39,14 @@ class Decision:
 
     @property
     def moves_state(self) -> bool:
-        """This member sends the donor's state or heals from it (the others hold it)."""
-        return self.donor is not None and (self.heal or self.index == self.donor)
+        """This member sends (part of) the newest state or heals from it (the others hold
+        it)."""
+        return self.donor is not None and (self.heal or self.index in self.sources)
+
+    @property
+    def sources(self) -> list[int]:
+        """The members that send a heal's state: every holder of the newest step."""
+        return self.donors or ([] if self.donor is None else [self.donor])
 
     @property
     def contributes(self) -> bool:

@@ -66,7 +66,7 @@ from ray_mesh.replicas.reshard import (
     to_local_,
 )
 from ray_mesh.replicas.shares import inner_steps
-from ray_mesh.replicas.state import local_of, materialize, tensors_and_likes
+from ray_mesh.replicas.state import local_of, materialize, shared_entries, tensors_and_likes
 
 if TYPE_CHECKING:
     from ray_mesh.core.diloco_config import DiLoCoConfig
@@ -254,15 +254,15 @@ class ReplicaGroup:
             abort = self._abort(d)
             pg = self.link.group(d.epoch, d.index, len(d.members), abort)
             # Contributions first: a DiLoCo member's pseudo-gradient is of its own round,
-            # and only healers take the donor's state (it is sent to them alone).
+            # and only healers take the donors' state (it is sent to them alone).
             mine = self._contribution()
             weight = float(sum(n for _, n in self.ranges)) if d.contributes else 0.0
             if d.restore is not None and d.index == d.donor:
                 self._restore(d.restore[1])
             if d.moves_state:
                 t0 = time.perf_counter()
-                got = send_state_(self._state_and_likes()[0], d.donor, d.healers, pg, d.index,
-                                  abort)
+                got = send_state_(self._state_and_likes()[0], d.sources, d.healers, pg,
+                                  d.index, abort, self._shared())
                 if d.heal:
                     self._adopt_counters()
                     self.stats["rejoin_bytes"] += got
@@ -291,11 +291,12 @@ class ReplicaGroup:
                 self._restore(d.restore[1])
             if d.moves_state:
                 state, state_likes = self._state_and_likes()
-                full = (to_full(state, state_likes) if d.index == d.donor
+                full = (to_full(state, state_likes) if d.index in d.sources
                         else [full_like(t, lk) for t, lk in zip(state, state_likes, strict=True)])
                 t0, got = time.perf_counter(), 0
+                shared = self._shared()
                 ok, _ = self._as_leader(leader, lambda pg, ab: send_state_(
-                    full, d.donor, d.healers, pg, d.index, ab), d)
+                    full, d.sources, d.healers, pg, d.index, ab, shared), d)
                 ok, _ = leader_outcome(ok, 0.0)
                 if not ok:
                     return False, False
@@ -448,6 +449,11 @@ class ReplicaGroup:
         self._counters[:] = torch.tensor([self.step, dl.inner_steps if dl else 0,
                                           dl.outer_steps if dl else 0])
         return tensors_and_likes(self.model, self.optimizer, dl, self._counters)
+
+    def _shared(self) -> list[bool]:
+        """Which entries of the state every holder of the newest step holds equal (a heal
+        takes those from all of them at once, :func:`~.state.shared_entries`)."""
+        return shared_entries(self.model, self.optimizer, self.diloco)
 
     def _adopt_counters(self) -> None:
         step, inner, outer = (int(x) for x in self._counters)

@@ -215,23 +215,59 @@ def _summed_as(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def send_state_(tensors: Sequence[torch.Tensor], src: int, healers: Sequence[int],
-                group: dist.ProcessGroup | None, me: int, abort: Abort | None = None) -> int:
-    """Member ``src``'s ``tensors`` to the ``healers`` only, point to point, written in place
-    on each healer; returns the bytes that came in (0 on the sender and on the members that
-    need nothing). The other members already hold this state, so nothing goes to them: a
-    broadcast sent them a copy to drop, one more payload through the donor's link per
-    member (``benchmarks/scale_exchange.py``)."""
-    if group is None or not healers or (me != src and me not in healers):
+def state_sources(sizes: Sequence[int], shared: Sequence[bool], donors: int) -> list[int]:
+    """Which of ``donors`` sends each entry of a heal (by position in the donor list): an
+    entry not ``shared`` (equal on every donor) from the first, whole; the shared ones
+    whole too, largest first, each to the donor with the fewest bytes so far (ties: the
+    lowest). The same on every member, from the sizes alone. Each donor's link then carries
+    about ``1/donors`` of the state: on boxes whose uplink is slower than their downlink (a
+    home line), a heal from k live groups takes about 1/k of the time."""
+    part = [0] * len(sizes)
+    load = [0] * max(1, donors)
+    for n, sh in zip(sizes, shared, strict=True):
+        if not sh or donors <= 1:
+            load[0] += n
+    for i in sorted((i for i, sh in enumerate(shared) if sh and donors > 1),
+                    key=lambda i: (-sizes[i], i)):
+        j = min(range(donors), key=lambda k: (load[k], k))
+        part[i], load[j] = j, load[j] + sizes[i]
+    return part
+
+
+def send_state_(tensors: Sequence[torch.Tensor], src: int | Sequence[int],
+                healers: Sequence[int], group: dist.ProcessGroup | None, me: int,
+                abort: Abort | None = None, shared: Sequence[bool] | None = None) -> int:
+    """The donors' ``tensors`` to the ``healers`` only, point to point, written in place on
+    each healer; returns the bytes that came in (0 on a donor and on the members that need
+    nothing). ``src``: one donor, or every member holding the state (the first one first),
+    each sending its part (:func:`state_sources`; ``shared`` says which entries are equal on
+    all of them, none by default). The other members already hold this state, so nothing
+    goes to them: a broadcast sent them a copy to drop, one more payload through the
+    donor's link per member (``benchmarks/scale_exchange.py``)."""
+    srcs = [src] if isinstance(src, int) else list(src)
+    if group is None or not healers or not srcs or (me not in srcs and me not in healers):
         return 0
-    flats = flat_by_dtype(tensors)  # its dtypes in the same order on every member
-    if me == src:
-        _wait_p2p([group.send([f], h, tag) for h in healers
-                   for tag, f in enumerate(flats.values())], abort)
-        return 0
-    _wait_p2p([group.recv([f], src, tag) for tag, f in enumerate(flats.values())], abort)
-    scatter_back(tensors, flats)
-    return sum(f.numel() * f.element_size() for f in flats.values())
+    part = state_sources([t.numel() * t.element_size() for t in tensors],
+                         [False] * len(tensors) if shared is None else shared, len(srcs))
+    works: list[Any] = []
+    received: list[tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]] = []
+    for j, s in enumerate(srcs):
+        if me != s and me not in healers:
+            continue
+        mine = [t for t, k in zip(tensors, part, strict=True) if k == j]
+        if not mine:
+            continue
+        flats = flat_by_dtype(mine)  # its dtypes in the same order on every member
+        if me == s:
+            works += [group.send([f], h, tag) for h in healers
+                      for tag, f in enumerate(flats.values())]
+        else:
+            works += [group.recv([f], s, tag) for tag, f in enumerate(flats.values())]
+            received.append((mine, flats))
+    _wait_p2p(works, abort)
+    for mine, flats in received:
+        scatter_back(mine, flats)
+    return sum(f.numel() * f.element_size() for _, flats in received for f in flats.values())
 
 
 def _wait_p2p(works: Sequence[Any], abort: Abort | None) -> None:

@@ -10,8 +10,9 @@ closes a DiLoCo round. There the quorum
   ``dead_after_s``, longer for a jittery box: :mod:`.liveness`) and has arrived. A group
   that stops beating is dropped (its ranks get "dropped" on their next call and fail, so
   that Ray Train replaces that group alone);
-* picks a donor (the lowest group holding the newest step) and the groups to heal from it
-  over the network: a group that joins or returns, or one left behind by a failed step;
+* picks the donors (every group holding the newest step, the lowest first) and the groups
+  to heal from them over the network, each donor sending a part: a group that joins or
+  returns, or one left behind by a failed step;
 * hands each member the samples of its next segment (``segment_samples`` sample indices per
   group per boundary on average, as ``(start, length)`` ranges; by measured speed with
   ``shares="speed"``, :mod:`.shares`), and keeps the books so that no sample is skipped or
@@ -260,9 +261,11 @@ class Quorum:
         if restore:  # the donor loads the checkpoint; every other member heals from it
             donor_gid = members[0]
             healers = members[1:]
+            holders = [donor_gid]
             contributors: list[int] = []
-        else:
-            donor_gid = min(g for g in members if steps[g] == top)
+        else:  # every holder of the newest step sends a part of it (link.send_state_)
+            holders = [g for g in members if steps[g] == top]
+            donor_gid = holders[0]
             healers = [g for g in members if steps[g] < top]
             contributors = [g for g in members
                             if g not in healers and arrived[g].arrival["holding"]]
@@ -281,12 +284,15 @@ class Quorum:
         self._last = (top, membership)
         self._formed += 1
         self._max_step_seen = max(self._max_step_seen, top)
+        source = (f"group {donor_gid}" if len(holders) == 1 else
+                  "groups " + ", ".join(str(g) for g in holders))
         for gid in healers:
-            self._event("healed", gid, f"state of step {top} from group {donor_gid}", step=top)
+            self._event("healed", gid, f"state of step {top} from {source}", step=top)
         finished = top >= self.total_steps
         idx = {gid: i for i, gid in enumerate(members)}
         now, heal_idx, contrib_idx = self.clock(), [idx[h] for h in healers], [
             idx[c] for c in contributors]  # one list for every decision: O(groups), not squared
+        donor_idx = [idx[g] for g in holders] if (healers or restore) else []
         shares = split_samples(self.segment_samples, {gid: (
             arrived[gid].beats.ranks, arrived[gid].pace.rate, arrived[gid].pace.fixed_s)
             for gid in members}, self.shares)
@@ -299,7 +305,8 @@ class Quorum:
                 donor=idx[donor_gid] if (healers or restore) else None,
                 healers=heal_idx, contributors=contrib_idx,
                 ranges=list(g.assigned), restore=restore if gid == donor_gid else None,
-                done=finished, waited_s=max(0.0, now - g.arrival["since"]))
+                done=finished, waited_s=max(0.0, now - g.arrival["since"]),
+                donors=donor_idx)
             g.arrival = None
         self._arrived_n, self._first_since = 0, math.inf  # every arrival was a member
         if finished:

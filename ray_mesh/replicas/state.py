@@ -8,6 +8,11 @@ then the counters. Every group builds it the same way. Groups of one layout pair
 transfer; groups of different layouts (:mod:`.reshard`) send the same list as full tensors,
 for which :func:`tensors_and_likes` gives each entry's sharding (the fallback checkpoint
 saves each entry by that sharding's global shape, so any layout reads it back).
+
+A joining group heals from every group that holds the newest step at once
+(:func:`~.link.send_state_`), each sending a part of the list. Only entries that are equal
+on every such group may come from different ones (:func:`shared_entries`); the others come
+from the first donor, whole.
 """
 
 from __future__ import annotations
@@ -85,3 +90,23 @@ def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             diloco: DiLoCo | None, counters: torch.Tensor) -> list[torch.Tensor]:
     """This rank's part of the group's state (:func:`tensors_and_likes` without the likes)."""
     return tensors_and_likes(model, optimizer, diloco, counters)[0]
+
+
+def shared_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   diloco: DiLoCo | None) -> list[bool]:
+    """For each entry of :func:`tensors_and_likes` (same order), True when every group that
+    holds the newest step holds it bitwise equal at a boundary, so a healer may take it from
+    any of them. Sync groups apply the same decoded average with the same optimizer:
+    parameters and optimizer state are equal. DiLoCo groups share only the outer state
+    (global parameters, momentum): their parameters at a boundary are their own round's and
+    their inner optimizers their own. Buffers (a BatchNorm's running statistics) follow each
+    group's own data; the counters are equal by construction."""
+    sync = diloco is None
+    out = [sync for _ in model.parameters()] + [False for _ in model.buffers()]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            out += [sync for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+    if diloco is not None:
+        out += [True] * (len(diloco.global_params) + len(diloco.momentum))
+    return [*out, True]

@@ -245,3 +245,41 @@ def test_a_heal_reaches_the_healer_alone_across_polled_waits():
     assert torch.equal(tensors[1][0], torch.zeros(6)) and int(tensors[1][1]) == 1
     for link in links:
         link.forget()
+
+
+def test_a_heal_from_two_donors_takes_each_shared_part_once_and_the_rest_from_the_first():
+    """Members 0 and 2 hold the newest step, 3 heals, 1 is a bystander. Each donor sends a
+    part of the shared entries (``state_sources``); the unshared one (a donor's own, here
+    different on the two) comes from the first donor whole. The healer ends with the first
+    donor's state, every byte once; the bystander gets and waits for nothing."""
+    store, (host, port, key) = serve_store("127.0.0.1")
+    links = [CrossLink(host, port, 0, TIMEOUT_S, key=key) for _ in range(4)]
+    groups = _build(links, 1)
+    assert all(_built(g) for g in groups), groups
+
+    def state(fill: float, own: float) -> list[torch.Tensor]:
+        return [torch.full((300,), fill), torch.full((200,), fill + 1),
+                torch.arange(100, dtype=torch.float64) + fill, torch.full((4,), own),
+                torch.tensor([5], dtype=torch.int64)]
+
+    shared = [True, True, True, False, True]
+    tensors = [state(1.0, 10.0), state(0.0, 0.0), state(1.0, 20.0), state(0.0, 0.0)]
+    got: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            got[i] = send_state_(tensors[i], [0, 2], [3], groups[i], i, abort=lambda: False,
+                                 shared=shared)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            got[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT_S)
+    total = sum(t.numel() * t.element_size() for t in tensors[0])
+    assert got == {0: 0, 1: 0, 2: 0, 3: total}, got
+    for mine, first in zip(tensors[3], tensors[0], strict=True):
+        assert torch.equal(mine, first), (mine, first)
+    assert float(tensors[1][0][0]) == 0.0  # the bystander's own, untouched

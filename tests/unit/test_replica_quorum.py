@@ -128,13 +128,18 @@ def test_a_failed_collective_keeps_the_contributions_and_rebuilds_the_link():
 
 def test_a_returning_group_heals_from_the_lowest_group_at_the_newest_step():
     q, clock = make(3)
-    boundary(q, {g: (0, []) for g in range(3)})
+    d = boundary(q, {g: (0, []) for g in range(3)})
+    assert d[0].donors == [] and not any(d[g].moves_state for g in range(3))  # no heal
     q.register(1, "b1", 1)  # group 1's second attempt
     clock.now += 0.5
     d = boundary(q, {0: (5, []), 1: (0, []), 2: (5, [])}, inc={1: "b1"})
     assert d[1].heal and d[1].donor == 0 and not d[1].contributes
     assert d[0].step == 5
-    assert any(e["kind"] == "healed" and e["group"] == 1 for e in q.events)
+    # both holders of step 5 send a part of it (link.send_state_), the lowest first
+    assert all(d[g].donors == [0, 2] and d[g].sources == [0, 2] for g in range(3))
+    assert d[0].moves_state and d[1].moves_state and d[2].moves_state
+    assert [e["detail"] for e in q.events if e["kind"] == "healed" and e["group"] == 1] == [
+        "state of step 5 from groups 0, 2"]
     with pytest.raises(GroupDropped, match="no longer a member"):
         q.arrive(1, "a1", 5, [], False, timeout_s=1)
 
@@ -152,6 +157,7 @@ def test_every_group_gone_restores_the_checkpoint_and_its_sample_books():
     clock.now += 0.5
     d = boundary(q, {0: (0, [])}, inc={0: "r0"})  # the first one back restores
     assert d[0].restore == (1, "/ckpt/step_1") and d[0].step == 1
+    assert d[0].donors == [0]  # it loads the checkpoint: the one source of the step
     assert d[0].contributors == [] and not d[0].heal
     assert any(e["kind"] == "restore" for e in q.events)
     # the samples not yet used at step 1 are handed out again, first
@@ -159,6 +165,7 @@ def test_every_group_gone_restores_the_checkpoint_and_its_sample_books():
     # the second one back heals from it over the network, not from storage
     d = boundary(q, {1: (0, []), 0: (1, d[0].ranges)}, inc={0: "r0", 1: "r1"})
     assert d[1].heal and d[1].restore is None and d[1].donor == 0
+    assert d[1].donors == [0]  # the one that restored holds the step
 
 
 def test_an_uploading_checkpoint_is_restored_only_once_in_storage_with_its_own_books():

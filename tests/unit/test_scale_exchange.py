@@ -17,6 +17,7 @@ def test_fit_recovers_a_line():
 def test_wire_bytes_of_each_path():
     assert se.wire_bytes("heal", 100.0, 3) == 100.0  # the donor sends to the one healer
     assert se.wire_bytes("heal", 100.0, 3, healers=2) == 200.0
+    assert se.wire_bytes("heal_2donors", 100.0, 3) == 50.0  # each donor half of it
     assert se.wire_bytes("exchange", 300.0, 3) == pytest.approx(400.0)  # ring: 2(m-1)/m
     assert se.wire_bytes("exchange", 300.0, 2) == pytest.approx(300.0)
     assert se.wire_bytes("exchange_int8", 400.0, 3) == pytest.approx(
@@ -32,4 +33,10 @@ def test_projection_adds_the_tunnel_to_the_fit():
     assert heal["loopback_s"] == pytest.approx(0.01 + 96.0, rel=1e-6)
     assert heal["tunnel_s"] == pytest.approx(heal["loopback_s"] + 96e9 * 8 / 100e6, abs=0.1)
     assert got["125M"]["exchange_int8"]["sent_bytes"] < got["125M"]["exchange"]["sent_bytes"]
+    two = big["heal_2donors"]  # half the bytes up each donor's link, the whole payload in
+    assert two["sent_bytes"] == 48e9 and two["tunnel_s"] == pytest.approx(
+        two["loopback_s"] + 48e9 * 8 / 100e6, abs=0.1)
+    assert two["tunnel_s_symmetric"] == pytest.approx(two["loopback_s"] + 96e9 * 8 / 100e6,
+                                                      abs=0.1)
+    assert heal["tunnel_s_symmetric"] == heal["tunnel_s"]
     assert se.project(fits, 3, mbit=None)["1B"]["exchange"]["tunnel_s"] is None
