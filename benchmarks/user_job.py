@@ -29,11 +29,12 @@ boxes' share of the machine's two cores.
    leans high and the figure low. tokens/s: committed steps' tokens over their commit
    times after the first ``warmup`` steps, the whole job's and each box alone's over its
    own steps.
-2. **the laptop dropped** (the same sync job; the laptop's every process killed
-   ``first_s`` after the run's first committed step and then every ``every_s``, Ray started
-   on it again ``down_s`` later with the page's step 4): ``survivor_max_step_gap_s`` (the
-   longest wait
-   between two committed steps of the other groups around any drop), ``survivor_steps_lost``,
+2. **the laptop dropped** (the same job, sync unless ``drops.mode`` names another of the
+   modes run in part 1, whose uninterrupted run is then the loss reference; the laptop's
+   every process killed ``first_s`` after the run's first committed step and then every
+   ``every_s``, Ray started on it again ``down_s`` later with the page's step 4):
+   ``survivor_max_step_gap_s`` (the longest wait between two committed steps of the other
+   groups around any drop: under DiLoCo a committed step is a round), ``survivor_steps_lost``,
    ``rejoin_s`` (the first drop to the laptop group's first step of its next attempt),
    samples used twice / skipped, ``final_loss_rel_diff`` (its held-out loss against the
    uninterrupted sync run of 1, the same job);
@@ -101,7 +102,8 @@ SETTINGS: dict[str, Any] = {
     "diloco": {"every": 16, "rounds": 10, "segment_samples": 128, "alone_counted": 3,
                "compress": "int8"},
     # from the run's first committed step; both shapes get the same schedule
-    "drops": {"first_s": 15.0, "every_s": 45.0, "down_s": 10.0},
+    # mode: the groups' mode under drops (its uninterrupted run is the loss reference)
+    "drops": {"first_s": 15.0, "every_s": 45.0, "down_s": 10.0, "mode": "sync"},
     "mesh": {"checkpoint_every": 5, "batch_size": 24, "max_failures": 50, "cut_s": 180.0},
     "goodput": True, "timeout_s": 420.0, "quiet_wait_s": 120.0, "lock_wait_s": 3600.0,
 }
@@ -172,9 +174,10 @@ def dropped(lab, cfg: dict, seq_len: int, clean: dict) -> dict:
     from harness.lab_job import LAPTOP
 
     drops = cfg["drops"]
-    ur.log(f"replica groups, the laptop dropped at {drops['first_s']:g} s and every "
+    mode = drops.get("mode", "sync")  # the groups' mode (its uninterrupted run: ``clean``)
+    ur.log(f"replica groups ({mode}), the laptop dropped at {drops['first_s']:g} s and every "
            f"{drops['every_s']:g} s, {drops['down_s']:g} s down")
-    ran = ur.run_all(lab, {"groups-drops": ur.groups_job(lab, "groups-drops", cfg, "sync")},
+    ran = ur.run_all(lab, {"groups-drops": ur.groups_job(lab, "groups-drops", cfg, mode)},
                      cfg["timeout_s"], drops)
     g = read_groups(ran["groups-drops"], seq_len, cfg["warmup"])
     logs, events = rc.read(g["steps_dir"]), g["drops"]
@@ -195,7 +198,7 @@ def dropped(lab, cfg: dict, seq_len: int, clean: dict) -> dict:
              rejoins_s=[uf.rejoin_after(logs, killed, e["t_kill"]) for e in events])
     out = {"runs": {"groups-drops": g}, "figures": figures,
            "sides": {k: ["groups-drops"] for k in figures}}
-    out["sides"]["final_loss_rel_diff"].append("sync-whole")
+    out["sides"]["final_loss_rel_diff"].append(f"{mode}-whole")
     if not cfg["goodput"]:
         return out
     ur.log("one mesh with checkpoint-restart, the same drops")
@@ -266,8 +269,10 @@ def measure(settings: dict | None = None) -> dict:
         seq_len = int(lab.page.job["data"]["seq_len"])
         parts = [(mode, lambda m=mode: throughput(lab, cfg, m, seq_len))
                  for mode in cfg["modes"]]
-        if "sync" in cfg["modes"] and cfg.get("drops"):
-            parts.append(("drops", lambda: dropped(lab, cfg, seq_len, runs["sync-whole"])))
+        drop_mode = (cfg.get("drops") or {}).get("mode", "sync")
+        if drop_mode in cfg["modes"] and cfg.get("drops"):
+            parts.append(("drops", lambda: dropped(lab, cfg, seq_len,
+                                                   runs[f"{drop_mode}-whole"])))
         for name, fn in parts:  # a part that fails leaves the others' figures
             try:
                 part = fn()

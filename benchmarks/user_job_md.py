@@ -87,7 +87,8 @@ def markdown(u: dict) -> str:
              "", "| figure | value | target |", "|---|---|---|"]
     if u.get("status", "ok") != "ok":
         lines[-2:-2] = [f"Parts that failed (their figures are missing): {u['status'][:600]}", ""]
-    for key in ("two_runs", "rejoin_note"):  # recorded by hand beside a run's figures
+    # recorded by hand beside a run's figures (figures of several runs, a run left out)
+    for key in ("two_runs", "runs_merged", "rejoin_note", "diloco_drops_failed"):
         note = u.get(key)
         if note:
             lines[-2:-2] = [f"{key}: {note['why'] if isinstance(note, dict) else note}.", ""]
