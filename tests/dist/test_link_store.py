@@ -140,21 +140,27 @@ def _built(group: object) -> bool:
     return group is not None and not isinstance(group, BaseException)
 
 
-def _build(links: list[CrossLink], epoch: int) -> list:
-    out: list = [None] * len(links)
+def _on_threads(n: int, fn) -> list:  # noqa: ANN001 - fn(i) for member i
+    """``fn(i)`` for ``i < n``, each on a thread of its own, all at once: what each returned,
+    or the exception it raised (bounded: a thread not done in TIMEOUT_S leaves None)."""
+    out: list = [None] * n
 
     def run(i: int) -> None:
         try:
-            out[i] = links[i].group(epoch, i, len(links))
+            out[i] = fn(i)
         except Exception as exc:  # noqa: BLE001 - checked by the caller
             out[i] = exc
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(links))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(TIMEOUT_S)
     return out
+
+
+def _build(links: list[CrossLink], epoch: int) -> list:
+    return _on_threads(len(links), lambda i: links[i].group(epoch, i, len(links)))
 
 
 def test_a_link_between_members_still_works():
@@ -214,6 +220,19 @@ def test_values_a_member_did_not_write_are_refused_before_gloo_reads_them(kind):
     assert "deploy/tailscale/firewall.sh" in text
 
 
+def _send_on_threads(tensors: list, groups: list, src, healers: list[int],
+                     shared: list[bool] | None = None, late: dict[int, float] | None = None
+                     ) -> dict[int, object]:
+    """``send_state_`` on every member at once (``late[i]`` seconds later for member i):
+    what each returned, or raised."""
+    def send(i: int) -> object:
+        time.sleep((late or {}).get(i, 0.0))
+        return send_state_(tensors[i], src, healers, groups[i], i, abort=lambda: False,
+                           shared=shared)
+
+    return dict(enumerate(_on_threads(len(tensors), send)))
+
+
 def test_a_heal_reaches_the_healer_alone_across_polled_waits():
     """send_state_ goes to the healers only (a third member gets nothing and waits for
     nothing), and a receive that waits longer than the link's abort poll still completes:
@@ -225,21 +244,8 @@ def test_a_heal_reaches_the_healer_alone_across_polled_waits():
     assert all(_built(g) for g in groups), groups
     tensors = [[torch.arange(6.0), torch.tensor([7])], [torch.zeros(6), torch.tensor([1])],
                [torch.zeros(6), torch.tensor([2])]]
-    got: dict[int, object] = {}
-
-    def run(i: int) -> None:
-        if i == 0:
-            time.sleep(3 * POLL_S)  # the healer is already waiting, past several polls
-        try:
-            got[i] = send_state_(tensors[i], 0, [2], groups[i], i, abort=lambda: False)
-        except Exception as exc:  # noqa: BLE001 - checked below
-            got[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(TIMEOUT_S)
+    # the healer is already waiting when the donor sends, past several polls
+    got = _send_on_threads(tensors, groups, 0, [2], late={0: 3 * POLL_S})
     assert got == {0: 0, 1: 0, 2: 6 * 4 + 8}, got
     assert torch.equal(tensors[2][0], torch.arange(6.0)) and int(tensors[2][1]) == 7
     assert torch.equal(tensors[1][0], torch.zeros(6)) and int(tensors[1][1]) == 1
@@ -264,20 +270,7 @@ def test_a_heal_from_two_donors_takes_each_shared_part_once_and_the_rest_from_th
 
     shared = [True, True, True, False, True]
     tensors = [state(1.0, 10.0), state(0.0, 0.0), state(1.0, 20.0), state(0.0, 0.0)]
-    got: dict[int, object] = {}
-
-    def run(i: int) -> None:
-        try:
-            got[i] = send_state_(tensors[i], [0, 2], [3], groups[i], i, abort=lambda: False,
-                                 shared=shared)
-        except Exception as exc:  # noqa: BLE001 - checked below
-            got[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(TIMEOUT_S)
+    got = _send_on_threads(tensors, groups, [0, 2], [3], shared=shared)
     total = sum(t.numel() * t.element_size() for t in tensors[0])
     assert got == {0: 0, 1: 0, 2: 0, 3: total}, got
     for mine, first in zip(tensors[3], tensors[0], strict=True):
