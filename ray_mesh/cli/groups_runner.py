@@ -109,7 +109,9 @@ def _group_rates(metrics: dict[str, Any], share: dict[str, Any],
 
 def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome
                    ) -> tuple[list[str], bool]:
-    """The final summary of a run of replica groups, and whether every group finished."""
+    """The final summary of a run of replica groups, and whether it succeeded: no group
+    ended with an error (a group whose node had not come back by the end is said, not a
+    failure: the others took every step)."""
     res = outcome.result
     status = res.status
     layouts = status.get("layouts", {})
@@ -130,6 +132,10 @@ def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome
         if got.get("error"):
             ok = False
             lines.append(head + f"ended with {str(got['error'])[:300]}")
+            continue
+        if got.get("absent"):  # the others took every step: not a failed run
+            lines.append(head + f"not there at the end: {str(got['absent'])[:300]}; the "
+                         f"other groups took its samples")
             continue
         for unit, v in rates.items():
             totals[unit] += v if did else 0.0

@@ -128,7 +128,9 @@ class _GroupRunner:
 class ReplicaGroupsResult:
     """What :func:`fit_replica_groups` returns."""
 
-    groups: dict[int, dict[str, Any]]   # per group: its last reported metrics, or why it ended
+    # per group: its last reported metrics, or why it ended ("error"), or why it was not
+    # there at the end ("absent": its node had not come back)
+    groups: dict[int, dict[str, Any]]
     status: dict[str, Any]              # the coordinator's books: events, step, samples used
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -320,9 +322,11 @@ def fit_replica_groups(train_fn: Any, *,
             ended_at = time.monotonic()
         if ended_at is not None and time.monotonic() - ended_at > ENDED_GRACE_S:
             for gid in set(refs) - set(results):  # still waiting for a node: end it
+                # not an error: every step was taken, by the others (its box never came
+                # back in time); the run's exit status stays that of its training
                 ray.kill(runners[gid])
-                results[gid] = {"metrics": None, "error": "ended: the run finished while "
-                                "this group was still waiting for a node"}
+                results[gid] = {"metrics": None, "error": None, "absent": "its node did not "
+                                "come back before the run finished"}
     status = ray.get(coordinator.status.remote(), timeout=60)
     _write_status(storage_path, name, groups, status, storage_endpoint)
     for r in runners.values():

@@ -121,6 +121,17 @@ def test_the_summary_shows_each_groups_tokens_per_s_and_their_sum():
     text = "\n".join(lines)
     assert "  group 1 (dp_shard=1): pace 4 samples/s, step=5" in text, text
     assert "  throughput:  72 samples used in 12.0 s, 6 samples/s (start-up included" in text
+    # a group whose box had not come back at the end: said, and the run still succeeded;
+    # a group that ended with an error fails it
+    result.groups[1] = {"metrics": None, "error": None,
+                        "absent": "its node did not come back before the run finished"}
+    lines, ok = groups_summary("rg", None, GroupsOutcome(result, 12.0, None))
+    text = "\n".join(lines)
+    assert ok and "  group 1 (dp_shard=1): pace 4 samples/s, not there at the end: its node " \
+        "did not come back before the run finished; the other groups took its samples" in text
+    result.groups[1] = {"metrics": None, "error": "RuntimeError: boom"}
+    lines, ok = groups_summary("rg", None, GroupsOutcome(result, 12.0, None))
+    assert not ok and "ended with RuntimeError: boom" in "\n".join(lines)
 
 
 def test_compress_is_one_of_the_modes_and_not_beside_diloco():
