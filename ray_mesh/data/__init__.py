@@ -42,11 +42,17 @@ _EXPORTS: dict[str, str] = {  # name -> the module of this package that defines 
     "unigram_entropy": "text",
 }
 
-if TYPE_CHECKING:  # what type checkers, editors and the API reference see
-    from ray_mesh.data.indexed import TokenSamples, group_samples
-    from ray_mesh.data.indexed_ray import from_ray_dataset
-    from ray_mesh.data.spec import DataSpec, DataSpecError
-    from ray_mesh.data.text import load_split, pack, ray_dataset, ray_datasets, unigram_entropy
+if TYPE_CHECKING:  # what type checkers and editors see (``X as X``: a re-export)
+    from ray_mesh.data.indexed import TokenSamples as TokenSamples
+    from ray_mesh.data.indexed import group_samples as group_samples
+    from ray_mesh.data.indexed_ray import from_ray_dataset as from_ray_dataset
+    from ray_mesh.data.spec import DataSpec as DataSpec
+    from ray_mesh.data.spec import DataSpecError as DataSpecError
+    from ray_mesh.data.text import load_split as load_split
+    from ray_mesh.data.text import pack as pack
+    from ray_mesh.data.text import ray_dataset as ray_dataset
+    from ray_mesh.data.text import ray_datasets as ray_datasets
+    from ray_mesh.data.text import unigram_entropy as unigram_entropy
 
 
 def __getattr__(name: str) -> Any:
@@ -60,17 +66,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
-
-
-__all__ = [
-    "DataSpec",
-    "DataSpecError",
-    "TokenSamples",
-    "from_ray_dataset",
-    "group_samples",
-    "load_split",
-    "pack",
-    "ray_dataset",
-    "ray_datasets",
-    "unigram_entropy",
-]
