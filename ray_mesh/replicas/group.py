@@ -453,7 +453,7 @@ class ReplicaGroup:
     def _shared(self) -> list[bool]:
         """Which entries of the state every holder of the newest step holds equal (a heal
         takes those from all of them at once, :func:`~.state.shared_entries`)."""
-        return shared_entries(self.model, self.optimizer, self.diloco)
+        return shared_entries(self.model, self.optimizer, self.diloco, self._counters)
 
     def _adopt_counters(self) -> None:
         step, inner, outer = (int(x) for x in self._counters)

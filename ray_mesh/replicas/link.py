@@ -223,12 +223,11 @@ def state_sources(sizes: Sequence[int], shared: Sequence[bool], donors: int) -> 
     about ``1/donors`` of the state: on boxes whose uplink is slower than their downlink (a
     home line), a heal from k live groups takes about 1/k of the time."""
     part = [0] * len(sizes)
-    load = [0] * max(1, donors)
-    for n, sh in zip(sizes, shared, strict=True):
-        if not sh or donors <= 1:
-            load[0] += n
-    for i in sorted((i for i, sh in enumerate(shared) if sh and donors > 1),
-                    key=lambda i: (-sizes[i], i)):
+    own = sum(n for n, sh in zip(sizes, shared, strict=True) if not sh)  # the first's
+    if donors <= 1:
+        return part
+    load = [own] + [0] * (donors - 1)
+    for i in sorted((i for i, sh in enumerate(shared) if sh), key=lambda i: (-sizes[i], i)):
         j = min(range(donors), key=lambda k: (load[k], k))
         part[i], load[j] = j, load[j] + sizes[i]
     return part

@@ -54,35 +54,47 @@ def materialize(optimizer: torch.optim.Optimizer) -> None:
                     local_of(v).zero_()
 
 
+def _entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             diloco: DiLoCo | None, counters: torch.Tensor
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[bool]]:
+    """The one walk of a group's state: each entry, its DTensor like, and whether every
+    holder of the newest step holds it equal (:func:`shared_entries` says why)."""
+    out: list[torch.Tensor] = []
+    likes: list[torch.Tensor | None] = []
+    shared: list[bool] = []
+    sync = diloco is None
+
+    def add(t: torch.Tensor, like: torch.Tensor | None, equal: bool) -> None:
+        out.append(local_of(t).data if isinstance(t, torch.nn.Parameter) else local_of(t))
+        likes.append(like if isinstance(like, DTensor) else None)
+        shared.append(equal)
+
+    for p in model.parameters():
+        add(p, p, sync)
+    for b in model.buffers():
+        add(b, b, False)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            for k in sorted(st):
+                if isinstance(st[k], torch.Tensor):
+                    add(st[k], st[k], sync)
+    if diloco is not None:
+        for i, g in enumerate(diloco.global_params):
+            add(g, diloco.params[i], True)
+        for i, m in enumerate(diloco.momentum):
+            add(m, diloco.params[i], True)
+    add(counters, None, True)
+    return out, likes, shared
+
+
 def tensors_and_likes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       diloco: DiLoCo | None, counters: torch.Tensor
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """This rank's part of the group's state, in the order every group uses (see above),
     and for each entry the DTensor whose sharding it has (None: the same whole tensor on
     every rank of the group, e.g. a step counter)."""
-    out: list[torch.Tensor] = []
-    likes: list[torch.Tensor | None] = []
-
-    def add(t: torch.Tensor, like: torch.Tensor | None) -> None:
-        out.append(local_of(t).data if isinstance(t, torch.nn.Parameter) else local_of(t))
-        likes.append(like if isinstance(like, DTensor) else None)
-
-    for p in model.parameters():
-        add(p, p)
-    for b in model.buffers():
-        add(b, b)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state.get(p, {})
-            for k in sorted(st):
-                if isinstance(st[k], torch.Tensor):
-                    add(st[k], st[k])
-    if diloco is not None:
-        for i, g in enumerate(diloco.global_params):
-            add(g, diloco.params[i])
-        for i, m in enumerate(diloco.momentum):
-            add(m, diloco.params[i])
-    add(counters, None)
+    out, likes, _ = _entries(model, optimizer, diloco, counters)
     return out, likes
 
 
@@ -93,20 +105,12 @@ def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def shared_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   diloco: DiLoCo | None) -> list[bool]:
-    """For each entry of :func:`tensors_and_likes` (same order), True when every group that
-    holds the newest step holds it bitwise equal at a boundary, so a healer may take it from
-    any of them. Sync groups apply the same decoded average with the same optimizer:
-    parameters and optimizer state are equal. DiLoCo groups share only the outer state
-    (global parameters, momentum): their parameters at a boundary are their own round's and
-    their inner optimizers their own. Buffers (a BatchNorm's running statistics) follow each
-    group's own data; the counters are equal by construction."""
-    sync = diloco is None
-    out = [sync for _ in model.parameters()] + [False for _ in model.buffers()]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state.get(p, {})
-            out += [sync for k in sorted(st) if isinstance(st[k], torch.Tensor)]
-    if diloco is not None:
-        out += [True] * (len(diloco.global_params) + len(diloco.momentum))
-    return [*out, True]
+                   diloco: DiLoCo | None, counters: torch.Tensor) -> list[bool]:
+    """For each entry of :func:`tensors_and_likes` (same walk, same order), True when every
+    group that holds the newest step holds it bitwise equal at a boundary, so a healer may
+    take it from any of them. Sync groups apply the same decoded average with the same
+    optimizer: parameters and optimizer state are equal. DiLoCo groups share only the outer
+    state (global parameters, momentum): their parameters at a boundary are their own
+    round's and their inner optimizers their own. Buffers (a BatchNorm's running
+    statistics) follow each group's own data; the counters are equal by construction."""
+    return _entries(model, optimizer, diloco, counters)[2]

@@ -47,8 +47,9 @@ def _model_and_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def test_sync_groups_share_parameters_and_optimizer_state_not_buffers():
     model, optim = _model_and_adam()
-    tensors, _ = tensors_and_likes(model, optim, None, torch.zeros(3, dtype=torch.int64))
-    shared = shared_entries(model, optim, None)
+    counters = torch.zeros(3, dtype=torch.int64)
+    tensors, _ = tensors_and_likes(model, optim, None, counters)
+    shared = shared_entries(model, optim, None, counters)
     assert len(shared) == len(tensors)
     n_params, n_buffers = len(list(model.parameters())), len(list(model.buffers()))
     assert shared[:n_params] == [True] * n_params
@@ -59,8 +60,9 @@ def test_sync_groups_share_parameters_and_optimizer_state_not_buffers():
 def test_diloco_groups_share_only_the_outer_state_and_the_counters():
     model, optim = _model_and_adam()
     diloco = DiLoCo(model, None, DiLoCoConfig(every=4))
-    tensors, _ = tensors_and_likes(model, optim, diloco, torch.zeros(3, dtype=torch.int64))
-    shared = shared_entries(model, optim, diloco)
+    counters = torch.zeros(3, dtype=torch.int64)
+    tensors, _ = tensors_and_likes(model, optim, diloco, counters)
+    shared = shared_entries(model, optim, diloco, counters)
     assert len(shared) == len(tensors)
     outer = len(diloco.global_params) + len(diloco.momentum)
     assert shared[-outer - 1:] == [True] * (outer + 1)
