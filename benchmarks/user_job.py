@@ -33,8 +33,9 @@ boxes' share of the machine's two cores.
    modes run in part 1, whose uninterrupted run is then the loss reference; the laptop's
    every process killed ``first_s`` after the run's first committed step and then every
    ``every_s``, Ray started on it again ``down_s`` later with the page's step 4):
-   ``survivor_max_step_gap_s`` (the longest wait between two committed steps of the other
-   groups around any drop: under DiLoCo a committed step is a round), ``survivor_steps_lost``,
+   ``survivor_max_step_gap_s`` (the longest wait between two steps of the other groups
+   around any drop: committed steps with sync, optimizer steps under DiLoCo, whose commit is
+   once a round, ``harness/lab_train.py``), ``survivor_steps_lost``,
    ``rejoin_s`` (the first drop to the laptop group's first step of its next attempt),
    samples used twice / skipped, ``final_loss_rel_diff`` (its held-out loss against the
    uninterrupted sync run of 1, the same job);
@@ -186,8 +187,11 @@ def dropped(lab, cfg: dict, seq_len: int, clean: dict) -> dict:
                            "sync.steps or lower drops.first_s")
     killed = group_on(g, lab.cluster.nodes[LAPTOP].ip)
     twice, skipped = rc.sample_use(rc.read_used(g["steps_dir"]))
+    # DiLoCo commits once a round (``every`` inner steps): its survivors' pause is read from
+    # their optimizer steps; sync takes its one step inside the commit
+    gaps = rc.read_inner(g["steps_dir"]) if mode == "diloco" else logs
     figures = {
-        "survivor_max_step_gap_s": max(rc.survivor_gaps(logs, killed, e["t_kill"])
+        "survivor_max_step_gap_s": max(rc.survivor_gaps(gaps, killed, e["t_kill"])
                                        for e in events),
         "survivor_steps_lost": rc.steps_lost(logs, killed),
         "rejoin_s": uf.rejoin_after(logs, killed, events[0]["t_kill"]),
@@ -196,6 +200,7 @@ def dropped(lab, cfg: dict, seq_len: int, clean: dict) -> dict:
     g.update(killed_group=killed, restarted_group=uf.killed_group(logs, events[0]["t_kill"]),
              samples_twice=len(twice), samples_skipped=len(skipped),
              rejoins_s=[uf.rejoin_after(logs, killed, e["t_kill"]) for e in events])
+    g["survivor_gap_read_from"] = "inner steps" if mode == "diloco" else "committed steps"
     out = {"runs": {"groups-drops": g}, "figures": figures,
            "sides": {k: ["groups-drops"] for k in figures}}
     out["sides"]["final_loss_rel_diff"].append(f"{mode}-whole")

@@ -112,7 +112,13 @@ def markdown(u: dict) -> str:
         lines += ["", f"Laptop dropped (replica groups): group {g['killed_group']} (the "
                   f"laptop's); rejoins after each drop {_list(g['rejoins_s'])} s; samples "
                   f"used twice {g['samples_twice']}, skipped {g['samples_skipped']}; "
-                  f"goodput {_f(g.get('goodput_tokens_per_h'), ',.0f')} useful tokens/h."]
+                  f"goodput {_f(g.get('goodput_tokens_per_h'), ',.0f')} useful tokens/h"
+                  + (f"; the survivors' pause read from their {g['survivor_gap_read_from']}"
+                     if g.get("survivor_gap_read_from") else "")
+                  + (f"; the laptop's Ray started twice after {len(woke)} drop(s) (its "
+                     "raylet exited at once)" if (woke := [e for e in g.get("drops", [])
+                                                            if e.get("wake_attempts", 1) > 1])
+                     else "") + "."]
     if m := runs.get("mesh-drops"):
         lines += ["", f"One mesh, the same drops: attempts (start step, highest step) "
                   f"{m['attempts']}, {m['wasted_steps']} steps redone, kill -> first step "

@@ -211,8 +211,7 @@ def drive(lab, run: Running, drops: dict, until: float) -> list[dict]:
         ev["kill_took_s"] = time.time() - ev["t_kill"]
         time.sleep(max(0.0, ev["t_kill"] + drops["down_s"] - time.time()))
         ev["t_back"] = time.time()
-        lab.sh(LAPTOP, wake, f"{run.tag}.{BOXES[LAPTOP]}.wake{k}.log", 240)
-        lab.throttle([LAPTOP])
+        ev.update(lab.wake(LAPTOP, wake, f"{run.tag}.{BOXES[LAPTOP]}.wake{k}.log"))
         ev["t_started"] = time.time()
         events.append(ev)
     return events

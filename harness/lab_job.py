@@ -140,6 +140,16 @@ def _under_raylet(pids: list[int]) -> list[int]:
     return sorted(keep)
 
 
+def _raylet(pids: list[int]) -> bool:
+    """Whether one of ``pids`` is a raylet (by its command name in /proc)."""
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            head = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[0]
+            if head.split("(", 1)[1] == "raylet":
+                return True
+    return False
+
+
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
@@ -273,6 +283,35 @@ class Lab:
         if proc.returncode != 0:
             raise RuntimeError(f"{BOXES[box]} (rc {proc.returncode}), {lines}:\n{text[-5000:]}")
         return text
+
+    def wake(self, box: int, lines: list[str], log: str, settle_s: float = 20.0,
+             attempts: int = 2) -> dict[str, Any]:
+        """Start ``box`` anew with ``lines`` (the page's step 4) and watch its raylet for
+        ``settle_s``: Ray pre-picks the dashboard agent's ports at random, and when one is
+        taken by the time the agent binds it the raylet exits at once with it
+        (ray-project/ray#18053, seen once in 2 restarts of the laptop here, Ray 2.60), as a
+        user who opens the lid would see it and start Ray again. So does this: at most
+        ``attempts`` starts, each one's raylet tail kept in ``work``; what happened is
+        returned (``wake_attempts``, ``wake_failures``). The box is put under its quota
+        (:meth:`throttle`) as soon as each start returns."""
+        node = self.cluster.nodes[box]
+        failures: list[str] = []
+        for attempt in range(attempts):
+            self.sh(box, lines, f"{log}.{attempt}" if attempt else log, 240)
+            with contextlib.suppress(RuntimeError):  # a box that has a quota, under it now
+                self.throttle([box])
+            deadline = time.monotonic() + settle_s
+            while time.monotonic() < deadline and _raylet(node.work_pids()):
+                time.sleep(0.5)
+            if _raylet(node.work_pids()):
+                return {"wake_attempts": attempt + 1, "wake_failures": failures}
+            self.keep_ray_logs()
+            tail = (self.work / f"{BOXES[box]}.ray_logs.txt").read_text()[-1500:]
+            (self.work / f"{log}.{attempt}.raylet_died.txt").write_text(tail)
+            failures.append(tail.strip().splitlines()[-1] if tail.strip() else "no log")
+            node.kill_work()
+        raise RuntimeError(f"{BOXES[box]}: its raylet exited right after each of {attempts} "
+                           f"starts; last log lines: {failures}")
 
     @staticmethod
     def each(boxes: list[int], fn: Any) -> None:

@@ -7,11 +7,11 @@ With ``config["step_log"]`` (a directory every node reaches), each group's rank 
 one JSON line per committed step its samples entered (the sample ranges behind its
 contribution, the groups present, the time, its attempt) to ``g<i>.jsonl``, and one line
 per finished attempt (the held-out loss the loop evaluated at the end, the bytes and seconds
-its heal took) to ``g<i>.final.json``: the format ``harness/replica_check.py`` reads; and
-one line per attempt to ``g<i>.phases.jsonl``: when its worker process and its train
-function started, when its
-group was made (registered with the quorum) and when its first commit returned (joined,
-healed) -- where a rejoin's seconds go.
+its heal took) to ``g<i>.final.json``: the format ``harness/replica_check.py`` reads; one
+line per optimizer step to ``g<i>.inner.jsonl`` (DiLoCo's inner steps: a survivor's pause
+read per step); and one line per attempt to ``g<i>.phases.jsonl``: when its worker process
+and its train function started, when its group was made (registered with the quorum) and
+when its first commit returned (joined, healed) -- where a rejoin's seconds go.
 
 ``ref_segment`` (the reference run, :mod:`harness.lab_reference`): the same loop as one
 group on a quorum in this process.
@@ -78,6 +78,12 @@ def run_logged(config: dict, make_group: Any) -> dict:
         phases["t_group"] = time.time()
         made.append(rg)
         if log_dir is not None and dist.get_rank() == 0:
+            def stepped(*_: Any) -> None:  # every optimizer step: DiLoCo's inner ones too
+                with (log_dir / f"g{rg.gid}.inner.jsonl").open("a") as f:
+                    f.write(json.dumps({"step": rg.step, "t": time.time(),
+                                        "attempt": rg.incarnation}) + "\n")
+
+            optim.register_step_post_hook(stepped)
             first = rg.commit
 
             def commit() -> bool:  # the first one: joined the run (healed if behind)

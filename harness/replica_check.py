@@ -42,6 +42,13 @@ def read(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     return _per_group(log_dir, ".jsonl")
 
 
+def read_inner(log_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """Per group, its optimizer steps (``g<i>.inner.jsonl``: one row per step its rank 0
+    took, ``harness/lab_train.py``): under DiLoCo the inner steps between two commits, so
+    a survivor's pause is read per step, not per round of ``every`` steps."""
+    return _per_group(log_dir, ".inner.jsonl")
+
+
 def write_held(log_dir: str | Path, gid: int, step: int, ranges: list, attempt: str) -> None:
     """Before a group's commit of ``step``: the samples it holds (``g<i>.held.jsonl``). A
     group killed after the average took its contribution but before it logged the step

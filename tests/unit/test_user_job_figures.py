@@ -5,6 +5,7 @@ lineage under restarts, and the load rule that keeps a busy machine's figure unp
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -325,3 +326,66 @@ def test_cgroup_cpu_s_reads_the_processes_of_a_cgroup_folder(tmp_path):
     got = uf.cgroup_cpu_s(tmp_path)
     assert list(got) == [os.getpid()] and got[os.getpid()] > 0  # a gone pid is left out
     assert uf.cgroup_cpu_s(tmp_path / "gone") == {}
+
+
+def test_a_box_whose_raylet_exits_right_after_its_start_is_started_again(tmp_path,
+                                                                         monkeypatch):
+    """Ray pre-picks the dashboard agent's ports at random; when one is taken by the time
+    the agent binds, the raylet exits at once (ray-project/ray#18053): the laptop's second
+    restart in a DiLoCo run under drops left its group out for the rest of the run. The
+    lab starts the box again, says so, and refuses past ``attempts``."""
+    from types import SimpleNamespace
+
+    from harness import lab_job
+    from harness.lab_job import Lab
+
+    raylet = tmp_path / "raylet"  # a shell named "raylet": /proc/PID/stat says so
+    raylet.write_bytes(Path("/bin/sh").read_bytes())
+    raylet.chmod(0o755)
+    procs: list[subprocess.Popen] = []
+    lives = iter([0, 30, 0, 0])  # seconds each start's raylet stays up
+
+    def sh(box, lines, log, timeout):
+        procs.append(subprocess.Popen([str(raylet), "-c", f"sleep {next(lives)}"]))
+        return ""
+
+    def kept():
+        (tmp_path / "laptop.ray_logs.txt").write_text("== raylet.out\nagent port conflict\n")
+
+    node = SimpleNamespace(ns="l", kill_work=lambda: [p.kill() for p in procs],
+                           work_pids=lambda: [p.pid for p in procs if p.poll() is None])
+    lab = Lab(tmp_path)
+    lab.cluster = SimpleNamespace(nodes=[None, None, node], head=None)
+    monkeypatch.setattr(lab, "sh", sh)
+    monkeypatch.setattr(lab, "keep_ray_logs", kept)
+    monkeypatch.setattr(lab, "throttle", lambda boxes: None)
+    try:
+        got = lab.wake(lab_job.LAPTOP, ["ray start"], "wake0.log", settle_s=1.5)
+        assert got == {"wake_attempts": 2, "wake_failures": ["agent port conflict"]}
+        assert (tmp_path / "wake0.log.0.raylet_died.txt").exists()
+        for p in procs:  # the lid closed again
+            p.kill()
+            p.wait(timeout=10)
+        with pytest.raises(RuntimeError, match="laptop: its raylet exited right after each "
+                                               "of 2 starts.*agent port conflict"):
+            lab.wake(lab_job.LAPTOP, ["ray start"], "wake1.log", settle_s=1.0)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_a_survivors_pause_under_diloco_is_read_from_its_inner_steps(tmp_path):
+    """A DiLoCo group commits once a round: its committed steps, 10 s apart, would read as a
+    10 s pause; its optimizer steps (``g<i>.inner.jsonl``) show the real one."""
+    from harness import replica_check as rc
+
+    for gid in (0, 1):
+        (tmp_path / f"g{gid}.jsonl").write_text("".join(
+            json.dumps({"step": s, "t": 10.0 * s, "ranges": []}) + "\n" for s in (1, 2, 3)))
+        inner = [1.0 * k for k in range(31) if not (gid == 0 and 12 < k < 16)]
+        (tmp_path / f"g{gid}.inner.jsonl").write_text("".join(
+            json.dumps({"step": int(t // 10), "t": t, "attempt": "a"}) + "\n" for t in inner))
+    assert rc.survivor_gaps(rc.read(tmp_path), killed=1, t_kill=11.0) == 10.0
+    assert rc.survivor_gaps(rc.read_inner(tmp_path), killed=1, t_kill=11.0) == 4.0
+    assert sorted(rc.read(tmp_path)) == [0, 1]  # the inner log is not read as commits
