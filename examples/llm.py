@@ -374,6 +374,7 @@ def train_as_group(config: dict, make_group) -> dict:
     summary: dict = {"params": num_params(model), "losses": {}, "data": data.fingerprint}
     trained, window, timer, timed = 0, [], time.perf_counter(), 0
     rg.commit()  # join the run: heal from a live group, get this group's samples
+    timer = time.perf_counter()  # a rejoin's heal is not the first window's training time
     while rg.running:
         held = sum(n for _, n in rg.ranges)
         parts = (rg.inner_batches(rank, size) if diloco else [rg.sample_ids(rank, size)])
@@ -394,10 +395,13 @@ def train_as_group(config: dict, make_group) -> dict:
             continue
         took = time.perf_counter() - timer
         loss = sum(window) / max(1, len(window))
-        metrics = {"step": rg.step, "loss": loss, "lr": optim.param_groups[0]["lr"],
-                   "samples": trained, "tokens": trained * data.seq_len, **rg.metrics()}
-        summary["losses"][rg.step] = loss
+        # tokens_per_s: this window's, by the loop's clock; the progress line shows it where
+        # it has no rate of its own (a group's first report, after a late rejoin the only one)
         summary["tokens_per_s"] = timed * data.seq_len / took
+        metrics = {"step": rg.step, "loss": loss, "lr": optim.param_groups[0]["lr"],
+                   "samples": trained, "tokens": trained * data.seq_len,
+                   "tokens_per_s": summary["tokens_per_s"], **rg.metrics()}
+        summary["losses"][rg.step] = loss
         if rg.step % cfg["eval_every"] == 0 or not rg.running:
             val, entropy = evaluate(model, mesh, cfg, max(1, spec.global_batch // size))
             metrics.update(val_loss=val, val_bpb=bits_per_byte(val), unigram_entropy_bpb=entropy)

@@ -9,8 +9,9 @@ every rank, as Ray Train documents it, and ray_mesh's report recorder
 The step count comes from the reported ``step`` key (else the number of reports), ``/40``
 and the ETA from ``MeshConfig(total_steps=...)`` (``ray-mesh run`` passes the job's
 ``config.steps``), the rates from the recorder's clock between reports, samples/s and
-tokens/s from reported ``samples`` / ``tokens`` counts. Every other number in the report is
-shown as ``key value``.
+tokens/s from reported ``samples`` / ``tokens`` counts; a first report has no interval, so
+rates it carries itself (``tokens_per_s``, a loop that times itself) are shown for it. Every
+other number in the report is shown as ``key value``.
 
 Lines go through logging: Ray Train's worker logging shows a logger's INFO line once on the
 driver's console, while a ``print`` in a train function shows twice where Ray Train's print
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 COUNTERS = ("step", "samples", "tokens")  # counts; their rates are shown instead
 RATES = (("steps_per_s", "steps/s", ".3g"), ("samples_per_s", "samples/s", ".4g"),
          ("tokens_per_s", "tokens/s", ".4g"))
+_RATE_KEYS = {key for key, _, _ in RATES}  # a reported rate is shown as a rate, not a number
 
 
 def duration(seconds: float) -> str:
@@ -49,7 +51,7 @@ def progress_line(name: str, step: float, total: int | None, numbers: dict[str, 
     when known, samples_per_s / tokens_per_s."""
     head = f"{name}: step {step:g}" + (f"/{total}" if total else "")
     shown = [f"{key} {_number(key, value)}" for key, value in numbers.items()
-             if key not in COUNTERS]
+             if key not in COUNTERS and key not in _RATE_KEYS]
     parts = [" ".join([head, *shown])]
     parts += [f"{format(rates[key], spec)} {unit}" for key, unit, spec in RATES if key in rates]
     speed = rates.get("steps_per_s")
@@ -100,7 +102,9 @@ def report_progress(name: str, metrics: dict[str, float], total_steps: int | Non
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(progress_line(name, metrics.get("step", 0), total_steps, metrics, {}), flush=True)
+        rates = {key: metrics[key] for key in _RATE_KEYS if key in metrics}  # the loop's own
+        print(progress_line(name, metrics.get("step", 0), total_steps, metrics, rates),
+              flush=True)
 
 
 def report_due(step: int, steps: int, every: int) -> bool:

@@ -136,6 +136,26 @@ def test_progress_lines_every_report_of_ten_steps_but_not_every_step():
     assert len(lines) == 5, lines
 
 
+def test_a_first_report_shows_the_rate_it_carries_and_later_ones_the_clocks():
+    """A replica group that rejoined late may report once in its attempt (seen on a busy
+    machine: the laptop back at step 30 of 40, one report at 40): the recorder has no
+    interval of its own, so the loop's own tokens_per_s is the line's and the summary's
+    rate; from the second report on, the recorder's clock rules, and a reported rate is
+    never shown as a plain number."""
+    clock, lines = FakeClock(), []
+    rec = ReportRecorder(None, name="lab-g2", total_steps=40, show=lines.append, clock=clock)
+    clock.sleep(40.0)  # the rejoin and heal: no step's time
+    rec.observe({"step": 40, "loss": 2.5, "tokens": 5120, "tokens_per_s": 812.0})
+    assert lines == ["lab-g2: step 40/40 loss 2.5000  812 tokens/s"]
+    assert rec.summary()["last"]["tokens_per_s"] == 812.0
+    rec = ReportRecorder(None, name="lab-g0", total_steps=40, show=lines.append, clock=clock)
+    rec.observe({"step": 10, "loss": 3.0, "tokens": 1000, "tokens_per_s": 50.0})
+    clock.sleep(2.0)
+    rec.observe({"step": 20, "loss": 2.0, "tokens": 3000, "tokens_per_s": 999.0})
+    assert lines[-1] == "lab-g0: step 20/40 loss 2.0000  5 steps/s  1000 tokens/s  ETA 4s"
+    assert rec.summary()["last"]["tokens_per_s"] == 1000.0
+
+
 def test_report_without_step_counts_reports_and_shows_other_numbers():
     clock, lines = FakeClock(), []
     rec = ReportRecorder(None, name="x", show=lines.append, clock=clock)

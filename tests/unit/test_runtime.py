@@ -59,4 +59,6 @@ def test_report_progress_prints_the_progress_line_outside_ray_train(capsys):
 
     report_progress("hsdp", {"step": 10, "loss": 0.40531}, 40)
     assert capsys.readouterr().out == "hsdp: step 10/40 loss 0.4053\n"
+    report_progress("llm", {"step": 10, "loss": 0.4, "tokens_per_s": 1234.5}, 40)
+    assert capsys.readouterr().out == "llm: step 10/40 loss 0.4000  1234 tokens/s\n"
     assert [s for s in range(10) if report_due(s, 10, 4)] == [0, 3, 7, 9]
