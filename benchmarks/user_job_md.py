@@ -14,7 +14,10 @@ TARGETS = {"throughput_of_sum_sync": ">= 0.85", "throughput_of_sum_sync_int8": "
            "throughput_of_sum_diloco": ">= 0.92",
            "survivor_max_step_gap_s": "< 10", "survivor_steps_lost": "0",
            "rejoin_s": "report", "final_loss_rel_diff": "<= 0.03",
-           "goodput_vs_restart": ">= 1.3"}
+           "goodput_vs_restart": ">= 1.3",
+           "survivor_max_step_gap_s_diloco": "< 10", "survivor_steps_lost_diloco": "0",
+           "rejoin_s_diloco": "report", "final_loss_rel_diff_diloco": "<= 0.03",
+           "goodput_vs_restart_diloco": ">= 1.3"}
 WHAT = {
     "throughput_of_sum_sync": "sync: whole job tokens/s / sum of each box alone",
     "throughput_of_sum_sync_int8": "sync, gradients between groups as int8: the same ratio",
@@ -24,6 +27,15 @@ WHAT = {
     "rejoin_s": "laptop dropped: first drop -> its group's next step, s (Ray back included)",
     "final_loss_rel_diff": "laptop dropped: held-out loss vs the uninterrupted run, rel.",
     "goodput_vs_restart": "useful tokens/h, replica groups / one mesh with checkpoint-restart",
+    # the same drops with the groups in DiLoCo (``drops.mode: diloco``; the survivors' pause
+    # read from their inner steps)
+    "survivor_max_step_gap_s_diloco": "DiLoCo, laptop dropped: survivors' longest step gap, s",
+    "survivor_steps_lost_diloco": "DiLoCo, laptop dropped: survivor steps lost",
+    "rejoin_s_diloco": "DiLoCo, laptop dropped: first drop -> its group's next step, s",
+    "final_loss_rel_diff_diloco": "DiLoCo, laptop dropped: held-out loss vs the uninterrupted "
+                                  "DiLoCo run, rel.",
+    "goodput_vs_restart_diloco": "DiLoCo: useful tokens/h, replica groups / one mesh with "
+                                 "checkpoint-restart",
 }
 
 
@@ -36,7 +48,7 @@ def value(u: dict, name: str, full: bool = False) -> str:
     v = u.get(name)
     if v is None:
         return "-"
-    if name == "goodput_vs_restart" and u.get("goodput_vs_restart_is_lower_bound"):
+    if name.startswith("goodput_vs_restart") and u.get(f"{name}_is_lower_bound"):
         return f">= {v:.3g} (the one mesh did not finish)"
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
@@ -46,8 +58,15 @@ def rows(u: dict) -> list[tuple[str, str, str, str]]:
     out = []
     if u.get("status", "ok") != "ok":
         out.append(("k user job", "status", str(u["status"])[:300], ""))
-    return out + [("k user job", WHAT[n] + " (single run)", value(u, n), TARGETS[n])
+    return out + [("k user job", f"{WHAT[n]} ({statistic(u, n)})", value(u, n), TARGETS[n])
                   for n in WHAT if n in u or n in u.get("invalid", {})]
+
+
+def statistic(u: dict, name: str) -> str:
+    """What a figure is: ``single run``, or ``median of N runs`` where several full runs of
+    the same code and setting measured it (``u["medians"][name]``: each run's value)."""
+    runs = u.get("medians", {}).get(name)
+    return f"median of {len(runs['values'])} runs" if runs else "single run"
 
 
 def _load(run: dict) -> str:
@@ -60,6 +79,10 @@ def _load(run: dict) -> str:
 
 def _f(v: Any, spec: str = ".4g") -> str:
     return "-" if v is None else format(v, spec)
+
+
+def _list3(values: list) -> str:
+    return ", ".join(_f(v, ".3g") for v in values)
 
 
 def _list(values: list) -> str:
@@ -88,12 +111,15 @@ def markdown(u: dict) -> str:
     if u.get("status", "ok") != "ok":
         lines[-2:-2] = [f"Parts that failed (their figures are missing): {u['status'][:600]}", ""]
     # recorded by hand beside a run's figures (figures of several runs, a run left out)
+    for name, runs in u.get("medians", {}).items():
+        lines[-2:-2] = [f"{name}: the median of {len(runs['values'])} full runs of the same "
+                        f"setting, {_list3(runs['values'])} ({runs['why']}).", ""]
     for key in ("two_runs", "runs_merged", "rejoin_note", "diloco_drops_failed"):
         note = u.get(key)
         if note:
             lines[-2:-2] = [f"{key}: {note['why'] if isinstance(note, dict) else note}.", ""]
-    lines += [f"| {WHAT[n]} | {value(u, n, full=True)} | {TARGETS[n]} |" for n in WHAT
-              if n in u or n in u.get("invalid", {})]
+    lines += [f"| {WHAT[n]} ({statistic(u, n)}) | {value(u, n, full=True)} | {TARGETS[n]} |"
+              for n in WHAT if n in u or n in u.get("invalid", {})]
     lines += ["", "| run | tokens/s | held-out loss | mean samples per step per group | "
               "useful tokens | drops | 1-min load start / end / max; others' runnable mean |",
               "|---|---|---|---|---|---|---|"]
@@ -108,8 +134,10 @@ def markdown(u: dict) -> str:
               "borrowed the idle boxes' share) and at the batch it trained in the whole job "
               "(`segment_samples`), stopped once it counted `alone_counted` steps (settings)."]
     runs = u["runs"]
-    if g := runs.get("groups-drops"):
-        lines += ["", f"Laptop dropped (replica groups): group {g['killed_group']} (the "
+    for tag, g in runs.items():
+        if not tag.endswith("groups-drops"):
+            continue
+        lines += ["", f"`{tag}`, laptop dropped (replica groups): group {g['killed_group']} (the "
                   f"laptop's); rejoins after each drop {_list(g['rejoins_s'])} s; samples "
                   f"used twice {g['samples_twice']}, skipped {g['samples_skipped']}; "
                   f"goodput {_f(g.get('goodput_tokens_per_h'), ',.0f')} useful tokens/h"
@@ -119,14 +147,18 @@ def markdown(u: dict) -> str:
                      "raylet exited at once)" if (woke := [e for e in g.get("drops", [])
                                                             if e.get("wake_attempts", 1) > 1])
                      else "") + "."]
-    if m := runs.get("mesh-drops"):
-        lines += ["", f"One mesh, the same drops: attempts (start step, highest step) "
+    for tag, m in runs.items():
+        if not tag.endswith("mesh-drops"):
+            continue
+        lines += ["", f"`{tag}`, one mesh, the same drops: attempts (start step, highest step) "
                   f"{m['attempts']}, {m['wasted_steps']} steps redone, kill -> first step "
                   f"of the next attempt {_list(m['resumes_s'])} s, "
                   + ("cut before it finished" if m["cut"] else "finished")
                   + f"; goodput {_f(m.get('goodput_tokens_per_h'), ',.0f')} useful tokens/h."]
-    if gm := u.get("goodput_model"):
-        lines += ["", "`goodput_model` (a model from the measured parts, not a measurement): "
+    for key in ("goodput_model", "goodput_model_diloco"):
+        if not (gm := u.get(key)):
+            continue
+        lines += ["", f"`{key}` (a model from the measured parts, not a measurement): "
                   f"loss per drop {gm['loss_per_drop_groups_s']:.1f} s of the groups' rate "
                   f"({gm['tokens_per_s_groups']:.0f} tokens/s) against "
                   f"{gm['loss_per_drop_mesh_s']:.1f} s of the one mesh's "

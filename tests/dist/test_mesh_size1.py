@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
 from torchrun import torchrun
 
 SCRIPT = textwrap.dedent("""
@@ -93,18 +94,35 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _torchrun_4(script_text: str, tmp_path) -> list[dict]:
-    """Run a script on 4 local ranks with ray_mesh's defaults; each rank's JSON record."""
-    script = tmp_path / "script.py"
-    script.write_text(script_text)
-    proc = torchrun(script, str(tmp_path), timeout=300,
-                    env={"RAY_MESH_REAL_SIZE1_GROUPS": None})
+def _phases(texts: list[str]) -> str:
+    """One script that runs each of ``texts`` in turn in the same 4 ranks (a fresh namespace
+    each, ``sys.argv[1]`` its own output folder): each launch of 4 ranks costs ~6 s of the
+    suite's 2 cores. Each text ends with shutdown_mesh(), which frees every group."""
+    return textwrap.dedent(f"""
+        import os, sys
+        out = sys.argv[1]
+        for i, text in enumerate({texts!r}):
+            os.makedirs(os.path.join(out, str(i)), exist_ok=True)
+            sys.argv[1:] = [os.path.join(out, str(i))]
+            exec(compile(text, f"<phase {{i}}>", "exec"), {{"__name__": "__main__"}})
+    """)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[list[dict]]:
+    """Per script (:data:`SCRIPT`, :data:`TWIN_SCRIPT`), each rank's JSON record, from one
+    torchrun with ray_mesh's defaults."""
+    tmp = tmp_path_factory.mktemp("size1")
+    script = tmp / "script.py"
+    script.write_text(_phases([SCRIPT, TWIN_SCRIPT]))
+    proc = torchrun(script, str(tmp), timeout=300, env={"RAY_MESH_REAL_SIZE1_GROUPS": None})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(4)]
+    return [[json.loads((tmp / str(i) / f"{rank}.json").read_text()) for rank in range(4)]
+            for i in range(2)]
 
 
-def test_size1_dims_are_fake_groups_with_one_rank_semantics(tmp_path):
-    for rank, o in enumerate(_torchrun_4(SCRIPT, tmp_path)):
+def test_size1_dims_are_fake_groups_with_one_rank_semantics(ranks):
+    for rank, o in enumerate(ranks[0]):
         size1 = ("pp", "dp_replicate", "cp", "tp")
         for d in size1:
             assert o["backends"][d] == "fake", (d, o["backends"])
@@ -186,9 +204,9 @@ TWIN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_flattened_dims_that_repeat_a_dim_share_its_group(tmp_path):
+def test_flattened_dims_that_repeat_a_dim_share_its_group(ranks):
     """pp=2 x dp_shard=2, cp=1: dp, dp_shard_cp and dp_cp are dp_shard's groups, not copies."""
-    for rank, o in enumerate(_torchrun_4(TWIN_SCRIPT, tmp_path)):
+    for rank, o in enumerate(ranks[1]):
         assert o["twins"] == {"dp": "dp_shard", "dp_shard_cp": "dp_shard", "dp_cp": "dp_shard"}
         g = o["groups"]
         pair = [0, 1] if rank < 2 else [2, 3]

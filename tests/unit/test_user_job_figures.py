@@ -389,3 +389,16 @@ def test_a_survivors_pause_under_diloco_is_read_from_its_inner_steps(tmp_path):
     assert rc.survivor_gaps(rc.read(tmp_path), killed=1, t_kill=11.0) == 10.0
     assert rc.survivor_gaps(rc.read_inner(tmp_path), killed=1, t_kill=11.0) == 4.0
     assert sorted(rc.read(tmp_path)) == [0, 1]  # the inner log is not read as commits
+
+
+def test_a_figure_of_several_runs_says_so_and_a_lower_bound_of_any_goodput_too():
+    u = {"throughput_of_sum_diloco": 0.80, "goodput_vs_restart_diloco": 3.68,
+         "goodput_vs_restart_diloco_is_lower_bound": True, "rejoin_s": 44.8,
+         "medians": {"throughput_of_sum_diloco": {"values": [0.80, 0.92, 0.78], "why": "x"}}}
+    got = {figure: (v, target) for _, figure, v, target in md.rows(u)}
+    assert got["diloco: whole job tokens/s / sum of each box alone (median of 3 runs)"] == (
+        "0.8", ">= 0.92")
+    assert got["DiLoCo: useful tokens/h, replica groups / one mesh with checkpoint-restart "
+               "(single run)"] == (">= 3.68 (the one mesh did not finish)", ">= 1.3")
+    assert got["laptop dropped: first drop -> its group's next step, s (Ray back included) "
+               "(single run)"] == ("44.8", "report")
