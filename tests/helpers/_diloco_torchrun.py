@@ -6,6 +6,7 @@ on rank 0 or raises on every rank.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -129,8 +130,7 @@ def checkpoint_resume_bitwise(mesh) -> None:
     train(model, opt, 3, mesh, dl)
     saved = (full_parameters(model), [g.clone() for g in dl.global_params],
              [m.clone() for m in dl.momentum], [e.clone() for e in dl.error])
-    tmp = tempfile.mkdtemp(prefix="diloco_ckpt_") if dist.get_rank() == 0 else None
-    path = Path(sharded.broadcast_from_rank0(tmp, None)) / "ckpt"
+    path = scratch() / "ckpt"
     save(path, dl, model, opt, step=3)
     model, opt, dl = build()
     progress = replicas.load(path, dl, model, opt)
@@ -205,8 +205,7 @@ def overlap_checkpoint_resume_bitwise(mesh) -> None:
     straight = full_parameters(model)
     model, opt, dl = build()
     train(model, opt, 4, mesh, dl)
-    tmp = tempfile.mkdtemp(prefix="diloco_ckpt_") if dist.get_rank() == 0 else None
-    path = Path(sharded.broadcast_from_rank0(tmp, None)) / "ckpt"
+    path = scratch() / "ckpt"
     save(path, dl, model, opt, step=4)
     model, opt, dl = build()
     replicas.load(path, dl, model, opt)
@@ -215,6 +214,17 @@ def overlap_checkpoint_resume_bitwise(mesh) -> None:
     resumed = full_parameters(model)
     check("overlap_resume_bitwise", all(torch.equal(straight[k], resumed[k])
                                         for k in straight))
+
+
+_SCRATCH: list[Path] = []  # rank 0's checkpoint folders, removed when the script ends
+
+
+def scratch() -> Path:
+    """A new folder every rank sees (rank 0 makes it), removed at the end of :func:`main`."""
+    tmp = tempfile.mkdtemp(prefix="diloco_ckpt_") if dist.get_rank() == 0 else None
+    path = Path(sharded.broadcast_from_rank0(tmp, None))
+    _SCRATCH.append(path)
+    return path
 
 
 def bad_inputs(mesh) -> None:
@@ -245,6 +255,8 @@ def main() -> None:
     bad_inputs(mesh)
     dist.barrier()
     if dist.get_rank() == 0:
+        for path in _SCRATCH:
+            shutil.rmtree(path, ignore_errors=True)
         print("ALL_DONE", flush=True)
     ray_mesh.shutdown_mesh()
 

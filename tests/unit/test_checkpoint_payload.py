@@ -130,15 +130,14 @@ def test_metadata_is_read_once(tmp_path, monkeypatch):
     sharded.load(path, fresh, torch.optim.AdamW(fresh.parameters()))
 
 
-def test_restricted_unpickler_refuses_build_on_a_type():
+def test_restricted_unpickler_refuses_build_on_a_type(tmp_path):
     """``BUILD`` on a class would set class attributes in the loading process."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     # GLOBAL Metadata, then BUILD (None, {"x": 1}): setattr(Metadata, "x", 1)
     data = (b"\x80\x04c" + b"torch.distributed.checkpoint.metadata\nMetadata\n"
             + b"N}\x8c\x01x\x94K\x01s\x86b.")
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"build_{os.getpid()}"
-    path.mkdir(exist_ok=True)
+    path = tmp_path
     (path / integrity.METADATA).write_bytes(data)
     with pytest.raises(ValueError, match="BUILD"):
         integrity.read_metadata(path)
