@@ -28,6 +28,7 @@ PERIOD_US = 10_000
 SHARES = 262_144  # cgroup v1's largest cpu.shares (the default is 1024)
 FREE_SHARES = 4_096  # a box without a quota
 IDLE_SHARES = 2  # cgroup v1's smallest: runs on what every other process leaves idle
+DEFAULT_SHARES = 1024  # cgroup v1's default: the weight of a process in no cgroup of its own
 
 
 def cpu_quota_unavailable_reason() -> str | None:
@@ -56,6 +57,14 @@ def make_cgroup(name: str, cores: float | None, shares: int | None = None) -> Pa
     return path
 
 
+def set_shares(path: Path, shares: int = DEFAULT_SHARES) -> None:
+    """Weigh the cgroup at ``path`` anew (default: the kernel's default weight, as any
+    process outside a cgroup of its own): e.g. work that ran on idle CPU only while a job
+    ran, and must now get its fair share beside whatever else runs (a CPU hog starves a
+    cgroup at :data:`IDLE_SHARES` for good)."""
+    (path / "cpu.shares").write_text(str(shares))
+
+
 def in_cgroup(path: Path, cmd: list[str]) -> list[str]:
     """``cmd`` run inside the cgroup at ``path`` (it and every process it starts)."""
     return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(path), *cmd]
@@ -67,5 +76,6 @@ def remove_cgroup(path: Path) -> None:
         path.rmdir()
 
 
-__all__ = ["CPU_ROOT", "IDLE_SHARES", "cpu_quota_unavailable_reason", "in_cgroup", "make_cgroup",
+__all__ = ["CPU_ROOT", "DEFAULT_SHARES", "IDLE_SHARES", "cpu_quota_unavailable_reason",
+           "in_cgroup", "make_cgroup", "set_shares",
            "remove_cgroup"]
