@@ -372,7 +372,7 @@ def train_as_group(config: dict, make_group) -> dict:
            f" ranks (dp {size} x tp {mesh['tp'].size()}), {len(data)} training rows of "
            f"{data.seq_len + 1} tokens by index, {'DiLoCo' if diloco else 'sync'}")
     summary: dict = {"params": num_params(model), "losses": {}, "data": data.fingerprint}
-    trained, window, timer, timed = 0, [], time.perf_counter(), 0
+    trained, window, timed = 0, [], 0
     rg.commit()  # join the run: heal from a live group, get this group's samples
     timer = time.perf_counter()  # a rejoin's heal is not the first window's training time
     while rg.running:

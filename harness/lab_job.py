@@ -131,21 +131,25 @@ def _under_raylet(pids: list[int]) -> list[int]:
     parent, keep = {}, set()
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
-            parent[pid] = int(tail.split()[1])
-            if head.split("(", 1)[1] == "raylet":
+            name, parent[pid] = _stat(pid)
+            if name == "raylet":
                 keep.add(pid)
     while more := {p for p, pp in parent.items() if pp in keep} - keep:
         keep |= more
     return sorted(keep)
 
 
+def _stat(pid: int) -> tuple[str, int]:
+    """A process's command name and parent pid, from /proc (raises OSError once it is gone)."""
+    head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+    return head.split("(", 1)[1], int(tail.split()[1])
+
+
 def _raylet(pids: list[int]) -> bool:
     """Whether one of ``pids`` is a raylet (by its command name in /proc)."""
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            head = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[0]
-            if head.split("(", 1)[1] == "raylet":
+            if _stat(pid)[0] == "raylet":
                 return True
     return False
 

@@ -53,7 +53,7 @@ def make_cgroup(name: str, cores: float | None, shares: int | None = None) -> Pa
     # hogs beside it take a small part, not so much that the suite's niced unit tests
     # (weight 110) get no CPU while the box runs (a 30 s bound there failed once).
     weight = shares if shares is not None else SHARES if cores is not None else FREE_SHARES
-    (path / "cpu.shares").write_text(str(weight))
+    set_shares(path, weight)
     return path
 
 
