@@ -83,7 +83,8 @@ def run_groups_outcome(job: Job, address: str | None = None,
         wall_s = time.monotonic() - t0
         # Each group's last progress line printed before the summary (console_tail).
         tail.wait(final_steps({f"{job.name}-g{gid}": got.get("metrics") or {}
-                               for gid, got in result.groups.items() if not got.get("error")},
+                               for gid, got in result.groups.items()
+                               if not got.get("error") and got.get("fresh", True)},
                               section.steps), say=_say)
         return GroupsOutcome(result, wall_s, job.data.seq_len if job.data is not None else None)
 

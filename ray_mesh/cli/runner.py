@@ -29,6 +29,7 @@ from ray_mesh.cli.preray import check_before_ray, user_error_inside
 from ray_mesh.core.priority import RAY_NICENESS_ENV
 from ray_mesh.errors import ConfigurationError, UserInputError
 from ray_mesh.network.interfaces import NetworkError, host_port, split_host_port
+from ray_mesh.observability.report import last_report
 from ray_mesh.raytrain.auth import secure_token_file
 from ray_mesh.raytrain.backend import BringUpError
 from ray_mesh.raytrain.driver import CLI_ENV
@@ -219,17 +220,6 @@ class RunOutcome:
     metrics: dict[str, Any]  # rank 0's last report (:func:`last_report`)
 
 
-def last_report(result: Result) -> dict[str, Any]:
-    """Rank 0's last report: Ray Train keeps a report's metrics in ``Result`` only with a
-    checkpoint, so the summary rank 0 saved fills in
-    (upstream: ray-train-result-metrics-need-checkpoint)."""
-    from ray_mesh.observability.report import read_summary
-
-    saved = read_summary(str(result.path), filesystem=getattr(result, "filesystem", None)) \
-        if result.path else {}
-    return {**saved.get("last", {}), **dict(result.metrics or {})}
-
-
 def node_metrics_url(nodes: list[dict[str, Any]], node_id: str) -> str | None:
     """``http://<ip>:<port>/metrics`` of node ``node_id`` in ``ray.nodes()``, or None when it
     opened no metrics port: Ray then answers -1 (or 0), not an address to show."""
@@ -267,7 +257,7 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
         parts = run_parts(job, storage_path, train_fn=train_fn, verbose=verbose)
         trainer = parts.trainer()
         url = metrics_url()
-        t0 = time.monotonic()
+        t0, since = time.monotonic(), time.time()
         try:
             result = trainer.fit()
         except Exception as exc:
@@ -281,8 +271,10 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
                 raise ours from None
             raise
         wall_s = time.monotonic() - t0
-        metrics = last_report(result) if result.error is None else {}
-        # The last progress line printed before the summary (and before ray.shutdown()).
-        tail.wait(final_steps({job.name: metrics}, parts.mesh_config.total_steps),
+        metrics, fresh = last_report(result, since) if result.error is None else ({}, False)
+        # The last progress line printed before the summary (and before ray.shutdown()):
+        # only a line this fit printed.
+        tail.wait(final_steps({job.name: metrics} if fresh else {},
+                              parts.mesh_config.total_steps),
                   say=lambda line: print(f"ray-mesh: {line}", flush=True))
         return RunOutcome(result, wall_s, url, started, metrics)

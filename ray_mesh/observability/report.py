@@ -216,8 +216,11 @@ class ReportRecorder:
 
     def summary(self) -> dict[str, Any]:
         """What the run's summary needs: the last numbers with the run's rates (steps/s,
-        samples/s, tokens/s from the first report to the last), reports and their span."""
-        out: dict[str, Any] = {"reports": self.calls,
+        samples/s, tokens/s from the first report to the last), reports and their span, and
+        when it was made (``saved_at``, wall clock): a run resumed at its last step reports
+        nothing and leaves the previous run's summary, which the driver must not take for
+        this run's."""
+        out: dict[str, Any] = {"reports": self.calls, "saved_at": time.time(),
                                "last": {**dict(numeric_items(self.latest)), **self.rates}}
         if self.first_t is not None:
             out["report_seconds"] = self.last_t - self.first_t
@@ -304,3 +307,26 @@ def read_summary(run_path: str, timeout_s: float = 30.0,
     if not isinstance(doc, dict) or not isinstance(doc.get("last", {}), dict):
         return {}
     return doc
+
+
+CLOCK_SKEW_S = 5.0
+"""Slack for rank 0's clock behind the driver's: its summary is saved at the end of the fit,
+after Ray Train's start-up (10 s or more), so a fresh one is seen as fresh with clocks that
+far apart too. A rerun started within this of the previous run's summary may wait for a line
+that never comes (at most ``console_tail.TAIL_WAIT_S``)."""
+
+
+def last_report(result: Any, since: float | None = None) -> tuple[dict[str, Any], bool]:
+    """Rank 0's last report in a Ray Train ``Result``, and whether it was made by this fit
+    (started at wall time ``since``). Ray Train keeps a report's metrics in ``Result`` only
+    with a checkpoint, so the summary rank 0 saved fills in
+    (upstream: ray-train-result-metrics-need-checkpoint).
+    A run resumed at its last step reports nothing: the summary and the checkpoint's metrics
+    are the previous fit's, whose progress lines will never reach this console. A summary
+    without ``saved_at`` (an older ray_mesh) counts as this fit's; rank 0's clock may be
+    another machine's, hence the :data:`CLOCK_SKEW_S` of slack."""
+    saved = read_summary(str(result.path), filesystem=getattr(result, "filesystem", None)) \
+        if result.path else {}
+    at = saved.get("saved_at")
+    fresh = since is None or not isinstance(at, int | float) or at >= since - CLOCK_SKEW_S
+    return {**saved.get("last", {}), **dict(result.metrics or {})}, fresh

@@ -112,15 +112,16 @@ class _GroupRunner:
         from ray.train.torch import TorchTrainer
 
         os.environ.update(train_env or {})  # before fit() reads them: see _train_env
+        since = time.time()
         result = TorchTrainer(train_fn, train_loop_config=config, **trainer_kwargs).fit()
         # Ray Train keeps a report's metrics in Result only with a checkpoint: the last
         # report is also in the summary ray_mesh saves in the run's directory
-        # (upstream: ray-train-result-metrics-need-checkpoint).
-        from ray_mesh.observability.report import read_summary
+        # (upstream: ray-train-result-metrics-need-checkpoint); "fresh": this fit's
+        # (observability.report.last_report).
+        from ray_mesh.observability.report import last_report
 
-        last = read_summary(str(result.path), filesystem=result.filesystem).get("last", {}) \
-            if result.path else {}
-        return {"metrics": {**last, **dict(result.metrics or {})},
+        metrics, fresh = last_report(result, since)
+        return {"metrics": metrics, "fresh": fresh,
                 "error": repr(result.error) if result.error else None}
 
 

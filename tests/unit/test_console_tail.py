@@ -61,3 +61,36 @@ def test_a_driver_that_does_not_print_worker_output_waits_for_nothing():
     t0 = time.monotonic()
     assert tail.wait({"run": 8.0}, timeout_s=5, say=said.append) == []
     assert time.monotonic() - t0 < 1 and said == []
+
+
+def _result(tmp_path, summary: dict | None, metrics: dict):
+    import json
+    from types import SimpleNamespace
+
+    from ray_mesh.observability.report import SUMMARY_FILE
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    if summary is not None:
+        (tmp_path / SUMMARY_FILE).write_text(json.dumps(summary))
+    return SimpleNamespace(path=str(tmp_path), metrics=metrics, filesystem=None)
+
+
+def test_a_run_resumed_at_its_last_step_waits_for_no_line(tmp_path):
+    """A rerun of a finished run resumes at its last step and reports nothing: rank 0's
+    summary and the checkpoint's metrics are the previous fit's. Waiting for that fit's last
+    progress line cost the whole bound (15 s) and then blamed a busy node (seen,
+    2026-11-29, `ray-mesh run` of examples/diloco.yaml twice on one storage path)."""
+    from ray_mesh.observability.report import CLOCK_SKEW_S, ReportRecorder, last_report
+
+    now = time.time()
+    old = {"reports": 3, "saved_at": now - 120, "last": {"step": 6, "loss": 3.5}}
+    metrics, fresh = last_report(_result(tmp_path, old, {"step": 6}), since=now)
+    assert metrics["step"] == 6 and metrics["loss"] == 3.5 and not fresh
+    assert final_steps({"d": metrics} if fresh else {}, 6) == {}
+    # this fit's summary (clocks a little apart) and one without a time are this fit's
+    skewed = {**old, "saved_at": now - CLOCK_SKEW_S / 2}
+    for i, summary in enumerate((skewed, {"last": {"step": 6}}, None)):
+        assert last_report(_result(tmp_path / str(i), summary, {"step": 6}),
+                           since=now)[1]
+    # the recorder's summary carries the time it was made
+    assert abs(ReportRecorder().summary()["saved_at"] - time.time()) < 5
