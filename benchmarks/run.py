@@ -65,6 +65,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import paired, report, settings  # noqa: E402
 from benchmarks.common import REPO, median, run_torchrun  # noqa: E402
 
+QUICK_SECTIONS = ("bringup", "steps", "metrics", "scaling", "llm", "recovery", "meshbuild",
+                  "crossnode")
+"""What ``--quick`` runs without ``--only``: every kind of harness path once (a local Ray's
+fits, paired contenders, torchrun, Ray Data, a kill and resume, one namespace cluster with
+its head driver) in under ``QUICK_BUDGET_S`` on 2 cores. Each other section starts its own
+virtual cluster and times several layouts or runs (1-5 minutes each even at its smallest:
+measured 2026-11-29, slowlinks 123 s, wireguard over 7 minutes); ``--quick --only NAME``
+smokes it alone."""
+QUICK_BUDGET_S = 600.0
 SECTIONS = ("bringup", "steps", "metrics", "crossnode", "scaling", "meshbuild", "recovery",
             "slowlinks", "wireguard", "rendezvous", "diloco", "slow", "llm", "replica_groups",
             "mixed_nodes", "user_job")
@@ -289,12 +298,22 @@ def _keep_other_sections(results: dict, out: str, selected: list[str]) -> dict:
 
 
 def _section(name: str, fn, *args, **kwargs) -> dict:
-    """One section; an exception becomes its status (the others still run; exit code 1)."""
+    """One section; an exception becomes its status (the others still run; exit code 1).
+    Its wall time is logged and kept in :data:`SECTION_S` (results' ``section_s``: ``--quick``
+    must stay a smoke run, under ``QUICK_BUDGET_S`` in all)."""
+    t0 = time.monotonic()
     try:
         return fn(*args, **kwargs)
     except Exception:  # noqa: BLE001 - reported in the table and the exit code
         log(f"{name} failed")
         return {"status": f"failed: {traceback.format_exc()}"[-4000:]}
+    finally:
+        SECTION_S[name] = round(time.monotonic() - t0, 1)
+        log(f"{name}: {SECTION_S[name]:.0f} s")
+
+
+SECTION_S: dict[str, float] = {}
+"""Each section's wall time in this run (seconds), by name."""
 
 
 # ----------------------------------------------------------------------------- main
@@ -310,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                         '--set \'bringup_modes=["plain","ray_mesh"]\'')
     args = p.parse_args(argv)
     args.out = args.out or str(QUICK_OUT if args.quick else OUT)
-    selected = args.only or list(SECTIONS)
+    selected = args.only or list(QUICK_SECTIONS if args.quick else SECTIONS)
     cfg = settings.config(args.quick)
     for item in args.set:
         key, _, value = item.partition("=")
@@ -322,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                      "quick": args.quick, "config": cfg, "machine": machine(),
                      "out": os.path.relpath(args.out, REPO),
                      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    t_start = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="rmbench_")
     storage = os.path.join(tmp, "results")
     ray_started = False
@@ -414,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
 
             ray.shutdown()
         results["machine"]["loadavg_end"] = os.getloadavg()
+        results["total_s"] = round(time.monotonic() - t_start, 1)
+        results["section_s"] = dict(SECTION_S)
         results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         Path(args.out).write_text(json.dumps(_keep_other_sections(results, args.out, selected),
                                              indent=1, default=str))
@@ -427,7 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = report.failures(results, selected)
     results["failed"] = failed
     Path(args.out).write_text(json.dumps(results, indent=1, default=str))
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {args.out} ({results['total_s']:.0f} s)")
+    if args.quick and not args.only and results["total_s"] > QUICK_BUDGET_S:
+        print(f"\nthe smoke run took {results['total_s']:.0f} s, past its budget of "
+              f"{QUICK_BUDGET_S:.0f} s (QUICK_SECTIONS in benchmarks/run.py): a section grew, "
+              f"or the machine was busy (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     if args.results_md:
         report.write_markdown(args.results_md, results, rows)  # keeps the hand-written notes
         print(f"wrote {args.results_md}")

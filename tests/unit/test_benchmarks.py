@@ -29,7 +29,10 @@ def test_quick_meshbuild_writes_every_field(tmp_path):
     assert res["quick"] is True
     for key in ("nproc", "mem_gib", "torch", "ray", "python", "loadavg_start", "loadavg_end"):
         assert key in res["machine"], key
-    assert set(res) >= {"command", "config", "started", "finished", "table", "meshbuild"}
+    assert set(res) >= {"command", "config", "started", "finished", "table", "meshbuild",
+                        "total_s", "section_s"}
+    # each section's wall time, and the run's: the smoke run's budget is read from them
+    assert 0 < res["section_s"]["meshbuild"] <= res["total_s"], res["total_s"]
     row = res["meshbuild"]["ranks_4"]
     assert set(row) == {"needed_dims_only", "ray_mesh", "all_dims_real"}
     for variant in row.values():
@@ -184,3 +187,18 @@ def test_mixed_nodes_reads_where_each_groups_step_went(tmp_path):
     assert got["0"] == pytest.approx({"compute_s": 0.4, "own_boundary_s": 0.05, "wait_s": 0.1})
     assert got["1"] == pytest.approx({"compute_s": 0.5, "own_boundary_s": 0.05, "wait_s": 0.0})
     assert "g0: 0.40 / 0.05 / 0.10" in mn.cycle_text({"cycle": got})
+
+
+def test_the_smoke_run_is_a_named_subset_the_docs_list():
+    """``--quick`` without ``--only`` runs QUICK_SECTIONS (under 10 minutes on 2 cores, its
+    wall time in results_quick.json's ``total_s``); every section is still reachable alone
+    with ``--quick --only``; the benchmarks page names what the smoke run covers."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.run import QUICK_BUDGET_S, QUICK_SECTIONS, SECTIONS
+
+    assert set(QUICK_SECTIONS) < set(SECTIONS) and QUICK_BUDGET_S == 600
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    smoke = page[page.index("`--quick` is a smoke run"):].split("Sections:")[0]
+    assert all(name in smoke for name in QUICK_SECTIONS), smoke
+    assert "--quick --only SECTION" in smoke
+
