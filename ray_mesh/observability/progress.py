@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,14 @@ COUNTERS = ("step", "samples", "tokens")  # counts; their rates are shown instea
 RATES = (("steps_per_s", "steps/s", ".3g"), ("samples_per_s", "samples/s", ".4g"),
          ("tokens_per_s", "tokens/s", ".4g"))
 _RATE_KEYS = {key for key, _, _ in RATES}  # a reported rate is shown as a rate, not a number
+
+
+def carried_rates(metrics: dict[str, Any]) -> dict[str, float]:
+    """The rates a report carries (a loop that times itself), those above 0 only: a loop
+    that has no interval yet reports 0, which is not a rate to show."""
+    return {key: float(metrics[key]) for key, _, _ in RATES
+            if isinstance(metrics.get(key), int | float) and not isinstance(metrics[key], bool)
+            and metrics[key] > 0}
 
 
 def duration(seconds: float) -> str:
@@ -102,8 +111,8 @@ def report_progress(name: str, metrics: dict[str, float], total_steps: int | Non
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        rates = {key: metrics[key] for key in _RATE_KEYS if key in metrics}  # the loop's own
-        print(progress_line(name, metrics.get("step", 0), total_steps, metrics, rates),
+        print(progress_line(name, metrics.get("step", 0), total_steps, metrics,
+                            carried_rates(metrics)),
               flush=True)
 
 

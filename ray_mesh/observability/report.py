@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ray_mesh.observability.export import Exporter, mesh_tags, run_name
-from ray_mesh.observability.progress import RATES, progress_line
+from ray_mesh.observability.progress import carried_rates, progress_line
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,7 @@ class ReportRecorder:
             self.first_t, self._w_start, self._first = now, now, dict(counters)
             # no interval of its own yet: the rates the report carries, if any (a loop that
             # times itself; a group that rejoined late may report only once)
-            self.rates = {key: numbers[key] for key, _, _ in RATES
-                          if numbers.get(key, 0.0) > 0}
+            self.rates = carried_rates(numbers)
         else:
             for key, value in counters.items():
                 before = self._prev.get(key)

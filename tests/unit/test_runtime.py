@@ -61,4 +61,7 @@ def test_report_progress_prints_the_progress_line_outside_ray_train(capsys):
     assert capsys.readouterr().out == "hsdp: step 10/40 loss 0.4053\n"
     report_progress("llm", {"step": 10, "loss": 0.4, "tokens_per_s": 1234.5}, 40)
     assert capsys.readouterr().out == "llm: step 10/40 loss 0.4000  1234 tokens/s\n"
+    # a rate of 0 (the loop had no interval yet) is not shown, as under Ray Train
+    report_progress("llm", {"step": 1, "loss": 0.4, "tokens_per_s": 0.0}, 40)
+    assert capsys.readouterr().out == "llm: step 1/40 loss 0.4000\n"
     assert [s for s in range(10) if report_due(s, 10, 4)] == [0, 3, 7, 9]
