@@ -231,8 +231,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         what="Ray Train keeps a report's metrics in Result only when the report carried a "
              "checkpoint. Rank 0 saves a summary file (the last report included) in the run "
              "directory, and the driver's summary reads it.",
-        where=("ray_mesh/observability/report.py", "ray_mesh/raytrain/replica_groups.py",
-               "ray_mesh/cli/runner.py"),
+        where=("ray_mesh/observability/report.py", "ray_mesh/raytrain/replica_groups.py"),
         remove_when="Result.metrics holds the last report whether or not it had a checkpoint.",
     ),
     Workaround(

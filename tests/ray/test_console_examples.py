@@ -143,8 +143,11 @@ def _run(cmd: list[str], timeout: int, dedup: bool = True) -> str:
 
 def _check(out: str, name: str, steps: int) -> None:
     bad = problems(out)
-    assert not bad, "unexpected console lines:\n" + "\n".join(bad[:40])
     shown = lines(out)
+    # with the lines before the first one: a C++ stack's frames name no message of their own
+    first = shown.index(bad[0]) if bad else 0
+    assert not bad, "unexpected console lines:\n" + "\n".join(bad[:40]) + \
+        "\n--- the console before the first of them:\n" + "\n".join(shown[max(0, first - 15):first])
     progress = [x for x in shown if re.match(rf"[\w.-]+: step \d+/{steps} loss ", x)]
     assert progress and progress[-1].startswith(f"{name}: step {steps}/{steps} "), \
         "\n".join(shown[-60:])
