@@ -6,8 +6,11 @@ heals with :func:`~ray_mesh.replicas.link.send_state_`: a live group's state (pa
 optimizer state, counters) sent to the healers only, and every boundary averages with
 :func:`~ray_mesh.replicas.link.weighted_mean` (``compress: int8``:
 :func:`~ray_mesh.replicas.link.compressed_weighted_mean`). Between groups of different
-layouts (``exchange: full``) both go through each group's rank 0, which holds the full
-tensors (:mod:`ray_mesh.replicas.reshard`).
+layouts (``exchange: full``) a heal goes through each group's rank 0, and so does the
+average when a member group has a single rank; with every group of two ranks or more the
+average is spread over them, rank ``i`` carrying slice ``i`` (:mod:`ray_mesh.replicas.reshard`,
+measured for correctness in tests/dist/test_replica_layouts.py; the figures here are the
+leaders' path: a lane's are the same functions on ``1/lanes`` of the payload).
 
 Measured: those three functions on the real link (:class:`~ray_mesh.replicas.link.CrossLink`
 over a store from :func:`~ray_mesh.replicas.link_store.serve_store`, signed), between

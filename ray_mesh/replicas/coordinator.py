@@ -32,6 +32,10 @@ class Decision:
     # indices of every member holding the newest step, the donor first: the healers take
     # the state from all of them at once (link.send_state_); [donor] when restoring
     donors: list[int] = field(default_factory=list)
+    # the rank count every member has (the smallest group's): between groups of different
+    # layouts, ranks 0..lanes-1 of each group each carry a slice of the full tensors
+    # (replicas.group, ``exchange="full"``); 1: the leaders carry all of it
+    lanes: int = 1
 
     @property
     def heal(self) -> bool:

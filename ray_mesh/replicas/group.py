@@ -46,6 +46,7 @@ import torch.distributed as dist
 from ray_mesh.checkpointing.sharded import broadcast_from_rank0
 from ray_mesh.core.diloco_config import check_group_compress, check_group_diloco
 from ray_mesh.errors import CheckpointError, GroupDropped
+from ray_mesh.parallel.compress import CHUNK
 from ray_mesh.replicas.coordinator import Coordinator, Decision, Range, meet_quorum
 from ray_mesh.replicas.fallback import Fallback
 from ray_mesh.replicas.link import (
@@ -53,15 +54,18 @@ from ray_mesh.replicas.link import (
     CrossLink,
     compressed_weighted_mean,
     send_state_,
+    split_flat,
     weighted_mean,
 )
 from ray_mesh.replicas.reshard import (
     all_ranks_agree,
     check_exchange,
     full_like,
+    lane_bounds,
     leader_outcome,
     locals_of,
     share_from_leader,
+    share_lanes,
     to_full,
     to_local_,
 )
@@ -121,8 +125,10 @@ class ReplicaGroup:
         # the step: not the wait for others) and the seconds of compute for its samples.
         self._since: float | None = None
         self._decided_at, self._fixed_s, self._meet_s = 0.0, None, 0.0
+        # lane_bytes: what this rank's own slices of full-tensor exchanges came to (float32
+        # bytes sent), spread over the group's ranks (_mean_over_lanes)
         self.stats: dict[str, float] = {"rejoin_bytes": 0, "heal_s": 0.0, "retries": 0,
-                                        "live_groups": 0}
+                                        "live_groups": 0, "lane_bytes": 0}
         # Where a boundary's seconds go, summed since the last metrics(): meeting the quorum
         # (its own part), waiting there for the other groups, the exchange on the link with
         # the optimizer step, and the group's ranks agreeing on the outcome.
@@ -308,18 +314,14 @@ class ReplicaGroup:
                     self.stats["rejoin_bytes"] += got
                     self.stats["heal_s"] += time.perf_counter() - t0
                     self._drop_contribution()
-            ok, result = self._as_leader(
-                leader, lambda pg, ab: self._average(mine, weight, pg, ab), d)
-            ok, total = leader_outcome(ok, result[1] if ok and leader else 0.0)
-            if not ok:
+            got = (self._mean_over_lanes(mine, weight, d) if d.lanes > 1
+                   else self._mean_by_leader(mine, weight, d))
+            if got is None:
                 return False, False
+            total, avg, own = got
             if total <= 0:
                 return True, False
-            avg = result[0] if leader else [torch.empty_like(m) for m in mine]
-            share_from_leader(avg)
-            if self._error_feedback():  # what compression left of each rank's own shard
-                own = result[2] if leader else [torch.empty_like(m) for m in mine]
-                share_from_leader(own)
+            if own is not None:  # what compression left of each rank's own shard
                 self._hold_error(mine_local, locals_of(own, likes, mine_local), weight)
             self._apply(locals_of(avg, likes, mine_local), total)
         except RuntimeError as exc:  # this group's own world broke: the MIN after says so
@@ -327,9 +329,62 @@ class ReplicaGroup:
             return False, False
         return True, True
 
+    def _mean_by_leader(self, mine: list[torch.Tensor], weight: float, d: Decision
+                        ) -> tuple[float, list[torch.Tensor], list[torch.Tensor] | None] | None:
+        """The members' weighted mean of the full tensors ``mine``, averaged by the leaders
+        and shared from this group's: (total weight, mean, what this group's own contribution
+        decoded to, with error feedback), the same on every rank; None if it failed."""
+        leader = self.rank == 0
+        ok, result = self._as_leader(
+            leader, lambda pg, ab: self._average(mine, weight, pg, ab), d)
+        ok, total = leader_outcome(ok, result[1] if ok and leader else 0.0)
+        if not ok:
+            return None
+        if total <= 0:
+            return total, [], None
+        avg = result[0] if leader else [torch.empty_like(m) for m in mine]
+        share_from_leader(avg)
+        own = None
+        if self._error_feedback():
+            own = result[2] if leader else [torch.empty_like(m) for m in mine]
+            share_from_leader(own)
+        return total, avg, own
+
+    def _mean_over_lanes(self, mine: list[torch.Tensor], weight: float, d: Decision
+                         ) -> tuple[float, list[torch.Tensor], list[torch.Tensor] | None] | None:
+        """:meth:`_mean_by_leader` spread over ``d.lanes`` ranks (:mod:`.reshard`): rank
+        ``i`` of every member averages slice ``i`` of the full tensors (one float32 buffer)
+        on its own link, then this group's ranks share the slices."""
+        compressed = (self.diloco.config.compress if self.diloco is not None
+                      else self.compress) == "int8"
+        flat = torch.cat([m.detach().reshape(-1).float().cpu() for m in mine])
+        bounds = lane_bounds(flat.numel(), d.lanes, CHUNK if compressed else 1)
+        lo, hi = bounds[self.rank] if self.rank < d.lanes else (0, 0)
+        ok, result = True, None
+        if hi > lo:
+            ok, result = self._as_leader(
+                True, lambda pg, ab: self._average([flat[lo:hi]], weight, pg, ab), d)
+        if not all_ranks_agree(ok):
+            return None
+        self.stats["lane_bytes"] += 4 * (hi - lo)
+        _, total = leader_outcome(True, result[1] if result is not None else 0.0)
+        if total <= 0:
+            return total, [], None
+        avg, own = torch.zeros_like(flat), None
+        if result is not None:
+            avg[lo:hi] = result[0][0].cpu()
+        avg = share_lanes(avg, bounds)
+        if self._error_feedback():
+            own = torch.zeros_like(flat)
+            if result is not None:
+                own[lo:hi] = result[2][0].cpu()
+            own = split_flat(share_lanes(own, bounds), mine)
+        return total, split_flat(avg, mine), own
+
     def _as_leader(self, leader: bool, step: Any, d: Decision) -> tuple[bool, Any]:
-        """Run ``step(pg, abort)`` on the leaders' link, on the leader only: (it worked, its
-        result). A failure is kept, so the group hears of it in :func:`leader_outcome`."""
+        """Run ``step(pg, abort)`` on this rank's link (its inner rank's: the leaders' for
+        rank 0), if ``leader``: (it worked, its result). A failure is kept, so the group hears
+        of it (:func:`leader_outcome`, :func:`all_ranks_agree`)."""
         if not leader:
             return True, None
         try:

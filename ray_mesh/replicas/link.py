@@ -197,10 +197,10 @@ def compressed_weighted_mean(tensors: Sequence[torch.Tensor], weight: float,
     summed = pending.wait() * pending.n  # the mean of the weighted terms, times the members
     mean = summed / w_all if w_all > 0 else summed
     own = pending.own / weight if weight > 0 else flat
-    return _split(mean, tensors), w_all, _split(own, tensors)
+    return split_flat(mean, tensors), w_all, split_flat(own, tensors)
 
 
-def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def split_flat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``flat`` (float32, ``like`` concatenated) back as tensors shaped like ``like``, each
     in its own dtype and device."""
     out, offset = [], 0

@@ -296,6 +296,7 @@ class Quorum:
         shares = split_samples(self.segment_samples, {gid: (
             arrived[gid].beats.ranks, arrived[gid].pace.rate, arrived[gid].pace.fixed_s)
             for gid in members}, self.shares)
+        lanes = min(arrived[gid].beats.ranks for gid in members)
         for gid in members:
             g = arrived[gid]
             g.share = 0 if finished else shares[gid]
@@ -306,7 +307,7 @@ class Quorum:
                 healers=heal_idx, contributors=contrib_idx,
                 ranges=list(g.assigned), restore=restore if gid == donor_gid else None,
                 done=finished, waited_s=max(0.0, now - g.arrival["since"]),
-                donors=donor_idx)
+                donors=donor_idx, lanes=lanes)
             g.arrival = None
         self._arrived_n, self._first_since = 0, math.inf  # every arrival was a member
         if finished:

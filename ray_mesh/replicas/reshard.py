@@ -15,6 +15,14 @@ pieces of the same model, so what crosses between them is the *full* state:
 
 The bytes across groups are the same as in the same-layout case (one copy of each tensor per
 group); what is added is an intra-node gather and broadcast.
+
+Step 2 spreads over ``lanes`` ranks when every member group has that many (the quorum's
+``Decision.lanes``, the smallest group's rank count): the full tensors, as one float32
+buffer, are cut into ``lanes`` slices (:func:`lane_bounds`), rank ``i`` of every group
+averages slice ``i`` on its own link (inner rank ``i``'s), and the group's ranks share
+their slices (:func:`share_lanes`). Each rank then carries ``1/lanes`` of what crosses,
+on a connection and a CPU of its own, instead of the leader carrying it all. A 1-rank
+member makes it 1: the leaders' path above.
 """
 
 from __future__ import annotations
@@ -85,6 +93,29 @@ def share_from_leader(tensors: Sequence[torch.Tensor]) -> None:
     for flat in flats.values():
         dist.broadcast(flat, src=0)
     scatter_back(tensors, flats)
+
+
+def lane_bounds(n: int, lanes: int, block: int = 1) -> list[tuple[int, int]]:
+    """Lane ``i``'s slice ``[lo, hi)`` of a flat buffer of ``n`` values cut over ``lanes``
+    ranks in whole ``block``s (int8's scale chunks, so each lane quantizes exactly the
+    chunks the whole buffer would have); the last lanes' slices may be empty. The same on
+    every member group: it depends on the model's size and the decision only."""
+    blocks = -(-n // max(1, block))
+    per = -(-blocks // max(1, lanes)) * max(1, block)
+    return [(min(i * per, n), min((i + 1) * per, n)) for i in range(max(1, lanes))]
+
+
+def share_lanes(flat: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Every lane's slice of ``flat`` (rank ``i`` holds slice ``i``; the other values
+    are ignored) on every rank of this group's world: one broadcast per non-empty slice.
+    Returns ``flat`` on this group's device."""
+    flat = flat.to(_device())
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flat
+    for i, (lo, hi) in enumerate(bounds):
+        if hi > lo:
+            dist.broadcast(flat[lo:hi], src=i)
+    return flat
 
 
 def leader_outcome(ok: bool, total: float) -> tuple[bool, float]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -128,18 +129,31 @@ def _reference(steps_ranges: list[list[list[int]]]) -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("compress", ["none", "int8"])
-def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path, compress):
+@pytest.mark.parametrize("compress, other", [("none", "plain"), ("none", "tp"), ("int8", "tp")])
+def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path, compress, other):
     """Uncompressed, each step's update is the mean gradient over both groups' samples:
     both groups end with the parameters of one model trained on the union of the samples.
     With ``compress="int8"`` the gradients cross as int8 with error feedback: both groups
-    still end equal (each decodes the same bytes), close to that model but not bitwise."""
+    still end equal (each decodes the same bytes), close to that model but not bitwise.
+
+    Beside an unsharded group of 1 the leaders carry the whole exchange; beside a ``tp=2``
+    group (2 ranks each) it is spread over both ranks of each group, each carrying its own
+    slice on its own link (``Decision.lanes``, :mod:`ray_mesh.replicas.reshard`)."""
     steps = 6
     served = _Served(steps, expected_groups=2)
     env = {"COMPRESS": compress}
     procs = [_launch(0, "fsdp", 2, served.port, steps, tmp_path, extra_env=env),
-             _launch(1, "plain", 1, served.port, steps, tmp_path, extra_env=env)]
-    _finish(procs, 200)
+             _launch(1, other, 1 if other == "plain" else 2, served.port, steps, tmp_path,
+                     extra_env=env)]
+    outs = _finish(procs, 200)
+    lanes = {(int(g), int(r)): int(b) for out in outs
+             for g, r, b in re.findall(r"LANES group (\d) rank (\d) bytes (\d+)", out)}
+    if other == "plain":  # the leaders' path: no lane carried a slice
+        assert set(lanes.values()) == {0}, lanes
+    else:  # every rank of both groups carried a slice of every step, about half each
+        assert set(lanes) == {(0, 0), (0, 1), (1, 0), (1, 1)}, lanes
+        assert all(b > 0 for b in lanes.values()), lanes
+        assert lanes[(0, 0)] == lanes[(1, 0)] and lanes[(0, 1)] == lanes[(1, 1)], lanes
     a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
     rows = {g: _rows(tmp_path, g) for g in (0, 1)}
     assert [r["step"] for r in rows[0]] == list(range(1, steps + 1)), rows
@@ -154,7 +168,8 @@ def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path, compress):
     if compress != "none":  # int8 of each 1,024 values: ~0.4% of the largest, fed back
         assert 1e-5 < worst < 0.01, worst
     print(f"compress {compress}: largest difference from one model {worst:.2e}")
-    assert served.coordinator.layouts == {0: "fsdp=2", 1: "plain=1"}
+    assert served.coordinator.layouts == {0: "fsdp=2", 1: "plain=1" if other == "plain"
+                                          else "tp=2"}
 
 
 @pytest.mark.timeout(240)

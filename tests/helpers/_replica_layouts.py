@@ -145,6 +145,7 @@ def main() -> None:
             dist.barrier()
             os._exit(0)
     rg.finish()
+    print(f"LANES group {gid} rank {rank} bytes {rg.stats['lane_bytes']}", flush=True)
     full = [p.full_tensor() if isinstance(p, DTensor) else p.detach()
             for p in model.parameters()]
     if rank == 0:

@@ -24,6 +24,10 @@ from ray_mesh.network.probe import (
     probe_peers,
 )
 
+# How late a thread of this process may wake on a busy machine: the bounds below are the
+# product's (a listener's lifetime, the nonce timeout) plus this, never a speed.
+SCHEDULING_SLACK_S = 8.0
+
 
 def _connect(port: int, timeout: float = 0.5) -> socket.socket | None:
     s = socket.socket()
@@ -75,15 +79,18 @@ def test_flood_of_300_connections_keeps_threads_bounded_and_closes_in_time():
     # With the flood gone, this run's own probe is served before the listener's lifetime ends.
     res = probe_peers("127.0.0.1", [Target(1, "127.0.0.1", facts.port)], 3.0, nonce)
     assert res[1].ok, (res[1], time.monotonic() - start)
-    # Nobody closes it: it stops on its own at its lifetime (+ the 0.2 s accept tick).
-    while time.monotonic() - start < lifetime + 1.5:
+    # Nobody closes it: it stops on its own at its lifetime (+ the 0.2 s accept tick). A
+    # bound, not a timing: the unit stream runs niced beside the heavy tests, and beside two
+    # CPU hogs its threads were seen waking 2-3 s late (a run of 2026-11-29: closed at
+    # lifetime + 3.1 s); what is checked is that it closes by itself, not how promptly.
+    while time.monotonic() - start < lifetime + SCHEDULING_SLACK_S:
         probe = _connect(facts.port, timeout=0.5)
         if probe is None:
             break
         probe.close()
         time.sleep(0.2)
     assert _connect(facts.port) is None, "the listener outlived its lifetime"
-    assert time.monotonic() - start < lifetime + 2.0
+    assert time.monotonic() - start < lifetime + SCHEDULING_SLACK_S + 1.0
     close_listeners(facts.token)
 
 
@@ -97,11 +104,15 @@ def test_clients_without_the_nonce_get_nothing():
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                 s.sendall(first_line)
                 assert _closed_without_answer(s)
-        # A client that sends nothing is closed after NONCE_TIMEOUT_S, with nothing sent.
-        with socket.create_connection(("127.0.0.1", port), timeout=NONCE_TIMEOUT_S + 3) as s:
+        # A client that sends nothing is closed after NONCE_TIMEOUT_S, with nothing sent
+        # (not before it: the wait is the gate's; not never: the client's own timeout would
+        # end the recv with an error first).
+        with socket.create_connection(("127.0.0.1", port),
+                                      timeout=NONCE_TIMEOUT_S + SCHEDULING_SLACK_S) as s:
             t0 = time.monotonic()
             assert _closed_without_answer(s)
-            assert time.monotonic() - t0 < NONCE_TIMEOUT_S + 2
+            assert NONCE_TIMEOUT_S - 0.5 < time.monotonic() - t0 < (NONCE_TIMEOUT_S
+                                                                    + SCHEDULING_SLACK_S)
         # The probe with another run's nonce reports that something else answers...
         wrong = probe_peers("127.0.0.1", [Target(1, "127.0.0.1", port)], 3.0, new_nonce())
         assert not wrong[1].ok and "not the pre-flight listener" in wrong[1].error

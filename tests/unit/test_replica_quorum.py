@@ -469,3 +469,19 @@ def test_a_leader_waits_in_short_calls_and_the_arrival_stands_between_them():
     assert q.await_decision(0, "a0", wait_s=0.1) is d0  # asked again: the same decision
     with pytest.raises(GroupDropped):
         q.await_decision(0, "another-attempt", wait_s=0.1)
+
+
+def test_a_decision_names_the_lanes_every_member_has():
+    """``lanes``: the smallest member's rank count, the ranks of each group that carry a
+    slice of a full-tensor exchange (ray_mesh.replicas.reshard)."""
+    clock = Clock()
+    q = Quorum(segment_samples=SEG, total_steps=10, expected_groups=3, clock=clock)
+    for gid, ranks in ((0, 2), (1, 4), (2, 2)):
+        q.register(gid, f"a{gid}", ranks)
+    got = boundary(q, {0: (0, []), 1: (0, []), 2: (0, [])})
+    assert {g: d.lanes for g, d in got.items()} == {0: 2, 1: 2, 2: 2}
+    q.register(1, "b1", 1)  # group 1 again, on 1 rank: its leader carries everything again
+    clock.now += 0.5
+    got = boundary(q, {0: (1, []), 1: (0, []), 2: (1, [])}, inc={1: "b1"})
+    assert {len(d.members) for d in got.values()} == {3}, got
+    assert {d.lanes for d in got.values()} == {1}
