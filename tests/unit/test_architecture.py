@@ -50,6 +50,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -471,3 +472,40 @@ def test_ray_glue_modules_import():
 
 if __name__ == "__main__":
     print(report())
+
+
+def _process_state(path: Path) -> set[str]:
+    """A module's process-wide state: the module-level names a function rebinds with
+    ``global``, and the private ones that start as an empty container (a registry)."""
+    tree = ast.parse(path.read_text())
+    rebound = {name for node in ast.walk(tree) if isinstance(node, ast.Global)
+               for name in node.names}
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            names, value = [t.id for t in node.targets if isinstance(t, ast.Name)], node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names, value = [node.target.id], node.value
+        else:
+            continue
+        empty = (isinstance(value, ast.Dict) and not value.keys) or (
+            isinstance(value, (ast.List, ast.Set)) and not value.elts) or (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+            and value.func.id in ("dict", "list", "set") and not value.args)
+        found |= {n for n in names if n in rebound or (empty and n.startswith("_"))}
+    return found
+
+
+def test_process_wide_state_is_only_what_the_docs_list():
+    """No module global but what a process can only have one of, each named with its reason
+    in docs/development.md ("Process-wide state"): the rest is passed."""
+    found = {f"{p.relative_to(PKG).as_posix()} {name}" for p in sorted(PKG.rglob("*.py"))
+             for name in _process_state(p)}
+    page = (ROOT / "docs" / "development.md").read_text()
+    table = page.split("## Process-wide state", 1)[1].split("\n## ", 1)[0]
+    listed = {f"{m} {n}" for m, n in re.findall(r"^\| `([\w/]+\.py)` `(\w+)` \|", table,
+                                                 flags=re.M)}
+    assert found == listed, (f"undocumented: {sorted(found - listed)}; "
+                             f"listed but gone: {sorted(listed - found)}")
+    assert len(listed) >= 6  # the parser still reads the table
+
