@@ -201,13 +201,17 @@ def test_a_tp_group_heals_from_an_unsharded_one_and_both_end_equal(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_diloco_groups_of_different_layouts_end_with_the_same_model(tmp_path):
-    """DiLoCo across an FSDP2 group of 2 and an unsharded one: the pseudo-gradients and the
-    outer state (global parameters, momentum) cross as full tensors; both groups end equal."""
+@pytest.mark.parametrize("other", ["plain", "tp"])
+def test_diloco_groups_of_different_layouts_end_with_the_same_model(tmp_path, other):
+    """DiLoCo across an FSDP2 group of 2 and an unsharded one (the leaders carry the
+    exchange) or a ``tp=2`` one (spread over both ranks of each): the pseudo-gradients and
+    the outer state (global parameters, momentum) cross as full tensors; both groups end
+    equal."""
     steps = 5
     served = _Served(steps, expected_groups=2)
     _finish([_launch(0, "fsdp", 2, served.port, steps, tmp_path, diloco_every=2),
-             _launch(1, "plain", 1, served.port, steps, tmp_path, diloco_every=2)], 200)
+             _launch(1, other, 1 if other == "plain" else 2, served.port, steps, tmp_path,
+                     diloco_every=2)], 200)
     a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
     for x, y in zip(a, b, strict=True):
         assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()
