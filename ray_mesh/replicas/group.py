@@ -301,7 +301,7 @@ class ReplicaGroup:
                         else [full_like(t, lk) for t, lk in zip(state, state_likes, strict=True)])
                 t0, got = time.perf_counter(), 0
                 shared = self._shared()
-                ok, _ = self._as_leader(leader, lambda pg, ab: send_state_(
+                ok, _ = self._on_link(leader, lambda pg, ab: send_state_(
                     full, d.sources, d.healers, pg, d.index, ab, shared), d)
                 ok, _ = leader_outcome(ok, 0.0)
                 if not ok:
@@ -335,7 +335,7 @@ class ReplicaGroup:
         and shared from this group's: (total weight, mean, what this group's own contribution
         decoded to, with error feedback), the same on every rank; None if it failed."""
         leader = self.rank == 0
-        ok, result = self._as_leader(
+        ok, result = self._on_link(
             leader, lambda pg, ab: self._average(mine, weight, pg, ab), d)
         ok, total = leader_outcome(ok, result[1] if ok and leader else 0.0)
         if not ok:
@@ -355,14 +355,13 @@ class ReplicaGroup:
         """:meth:`_mean_by_leader` spread over ``d.lanes`` ranks (:mod:`.reshard`): rank
         ``i`` of every member averages slice ``i`` of the full tensors (one float32 buffer)
         on its own link, then this group's ranks share the slices."""
-        compressed = (self.diloco.config.compress if self.diloco is not None
-                      else self.compress) == "int8"
         flat = torch.cat([m.detach().reshape(-1).float().cpu() for m in mine])
-        bounds = lane_bounds(flat.numel(), d.lanes, CHUNK if compressed else 1)
+        bounds = lane_bounds(flat.numel(), d.lanes,
+                             CHUNK if self._compress_mode() == "int8" else 1)
         lo, hi = bounds[self.rank] if self.rank < d.lanes else (0, 0)
         ok, result = True, None
         if hi > lo:
-            ok, result = self._as_leader(
+            ok, result = self._on_link(
                 True, lambda pg, ab: self._average([flat[lo:hi]], weight, pg, ab), d)
         if not all_ranks_agree(ok):
             return None
@@ -381,11 +380,11 @@ class ReplicaGroup:
             own = split_flat(share_lanes(own, bounds), mine)
         return total, split_flat(avg, mine), own
 
-    def _as_leader(self, leader: bool, step: Any, d: Decision) -> tuple[bool, Any]:
+    def _on_link(self, run: bool, step: Any, d: Decision) -> tuple[bool, Any]:
         """Run ``step(pg, abort)`` on this rank's link (its inner rank's: the leaders' for
-        rank 0), if ``leader``: (it worked, its result). A failure is kept, so the group hears
+        rank 0), if ``run``: (it worked, its result). A failure is kept, so the group hears
         of it (:func:`leader_outcome`, :func:`all_ranks_agree`)."""
-        if not leader:
+        if not run:
             return True, None
         try:
             abort = self._abort(d)
@@ -425,10 +424,15 @@ class ReplicaGroup:
         """The weighted mean over the link, sent as ``compress`` (DiLoCo's, with DiLoCo)
         says, float32 uncompressed, and what this member's own contribution decoded to
         (None uncompressed)."""
-        mode = self.diloco.config.compress if self.diloco is not None else self.compress
+        mode = self._compress_mode()
         if mode == "none":
             return (*weighted_mean(mine, weight, pg, abort), None)
         return compressed_weighted_mean(mine, weight, pg, mode, abort)
+
+    def _compress_mode(self) -> str:
+        """How contributions cross the link: DiLoCo's ``compress`` with DiLoCo, else the
+        group's own."""
+        return self.diloco.config.compress if self.diloco is not None else self.compress
 
     def _error_feedback(self) -> bool:
         if self.diloco is not None:

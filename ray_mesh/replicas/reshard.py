@@ -100,9 +100,10 @@ def lane_bounds(n: int, lanes: int, block: int = 1) -> list[tuple[int, int]]:
     ranks in whole ``block``s (int8's scale chunks, so each lane quantizes exactly the
     chunks the whole buffer would have); the last lanes' slices may be empty. The same on
     every member group: it depends on the model's size and the decision only."""
-    blocks = -(-n // max(1, block))
-    per = -(-blocks // max(1, lanes)) * max(1, block)
-    return [(min(i * per, n), min((i + 1) * per, n)) for i in range(max(1, lanes))]
+    block, lanes = max(1, block), max(1, lanes)
+    blocks = -(-n // block)
+    per = -(-blocks // lanes) * block  # whole blocks per lane, rounded up
+    return [(min(i * per, n), min((i + 1) * per, n)) for i in range(lanes)]
 
 
 def share_lanes(flat: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
