@@ -8,6 +8,11 @@ started again, heals from the live one and trains to the end. Every sample index
 entered an average was used exactly once (none twice, none skipped below the highest),
 both groups built the same samples from their own reading of the files (one manifest),
 and both end with the same parameters.
+
+Two DiLoCo groups (FSDP2 of 2, unsharded) end with the same model. Their run rides on the
+rejoin test's processes once its run is over (the helper's ``THEN``): the restarted FSDP group
+and the unsharded one go on to a second quorum with fresh models, sparing a torchrun start;
+the DiLoCo test starts its own groups when that run did not happen (the test run alone).
 """
 
 from __future__ import annotations
@@ -56,24 +61,36 @@ def _wait(proc: subprocess.Popen, deadline: float, what: str) -> str:
     return out
 
 
+# The DiLoCo run (its quorum, its output folder) the rejoin test's groups ran after theirs.
+_DILOCO: dict = {}
+DILOCO_STEPS = 4
+DILOCO_ENV = {"DILOCO_EVERY": "2", "DILOCO_COMPRESS": "int8"}
+
+
 def _rows(out: Path, gid: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"g{gid}.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(420)
-def test_two_lm_groups_use_every_sample_once_across_a_group_dying_and_rejoining(tmp_path):
+def test_two_lm_groups_use_every_sample_once_across_a_group_dying_and_rejoining(
+        tmp_path, tmp_path_factory):
     steps = 40
     served = LocalQuorum(steps=steps, expected_groups=2, segment_samples=8)
+    # then the DiLoCo test's run, on the restarted group 0 and on group 1 (see the docstring)
+    diloco = LocalQuorum(steps=DILOCO_STEPS, expected_groups=2, segment_samples=8)
+    diloco_dir = tmp_path_factory.mktemp("diloco")
+    then = json.dumps({"port": diloco.port, "steps": DILOCO_STEPS, "out": str(diloco_dir),
+                       "env": DILOCO_ENV})
     t0 = time.monotonic()
     deadline = t0 + 380
     # Group 1 (one rank) takes at least 1.5 s a step while alone: the restarted group finds
     # steps left (~50 s after the death).
     alone = _launch(1, "plain", 1, served.port, steps, tmp_path, ALONE_STEP_S="1.5",
-                    WAIT_GROUPS="2")
+                    WAIT_GROUPS="2", THEN=then)
     dying = _launch(0, "fsdp", 2, served.port, steps, tmp_path, DIE_AT_STEP="3")
     # group 0 started again: launched now, it joins the run once the dying world is gone
     gate = tmp_path / "rejoin"
-    back = _launch(0, "fsdp", 2, served.port, steps, tmp_path, JOIN_AFTER=str(gate))
+    back = _launch(0, "fsdp", 2, served.port, steps, tmp_path, JOIN_AFTER=str(gate), THEN=then)
     try:
         out_dying = _wait(dying, deadline, "the dying group")
         assert dying.returncode != 0 and "FAILED group 0 rank 0 at step 3" in out_dying, \
@@ -86,6 +103,7 @@ def test_two_lm_groups_use_every_sample_once_across_a_group_dying_and_rejoining(
     for proc, out in zip((back, alone), outs, strict=True):
         assert proc.returncode == 0, out[-6000:]
     wall = time.monotonic() - t0
+    _DILOCO["out"] = diloco_dir
 
     events = [(e["kind"], e["group"]) for e in served.quorum.status()["events"]]
     assert ("left", 0) in events and ("healed", 0) in events, events
@@ -122,16 +140,17 @@ def test_two_diloco_lm_groups_end_with_the_same_model(tmp_path):
     round here), the commit averages the pseudo-gradients, sent as int8 with error feedback
     (``compress``, honoured between groups as within a mesh); both end equal, every index
     of the rounds used once."""
-    steps = 4
-    served = LocalQuorum(steps=steps, expected_groups=2, segment_samples=8)
-    procs = [_launch(0, "fsdp", 2, served.port, steps, tmp_path, DILOCO_EVERY="2",
-                     DILOCO_COMPRESS="int8"),
-             _launch(1, "plain", 1, served.port, steps, tmp_path, DILOCO_EVERY="2",
-                     DILOCO_COMPRESS="int8")]
-    deadline = time.monotonic() + 240
-    for proc, out in zip(procs, [_wait(p, deadline, f"group {g}") for g, p in
-                                 enumerate(procs)], strict=True):
-        assert proc.returncode == 0, out[-6000:]
+    steps = DILOCO_STEPS
+    if "out" in _DILOCO:  # run by the rejoin test's groups after theirs
+        tmp_path = _DILOCO["out"]
+    else:
+        served = LocalQuorum(steps=steps, expected_groups=2, segment_samples=8)
+        procs = [_launch(0, "fsdp", 2, served.port, steps, tmp_path, **DILOCO_ENV),
+                 _launch(1, "plain", 1, served.port, steps, tmp_path, **DILOCO_ENV)]
+        deadline = time.monotonic() + 240
+        for proc, out in zip(procs, [_wait(p, deadline, f"group {g}") for g, p in
+                                     enumerate(procs)], strict=True):
+            assert proc.returncode == 0, out[-6000:]
     rows = {g: _rows(tmp_path, g) for g in (0, 1)}
     ids = sorted(i for logged in rows.values() for row in logged
                  for start, n in row["ranges"] for i in range(start, start + n))

@@ -15,6 +15,10 @@
 A group that joins late is started with the others and let into the run (registered with
 the quorum) only when its turn comes (``JOIN_AFTER``): the quorum sees the same late
 arrival, and the test does not wait out a torchrun start in the middle.
+
+The runs of an FSDP2 group beside an unsharded or a ``tp=2`` one (the full exchange with
+each compression, DiLoCo) share one torchrun start per pair of layouts (``_pair_runs``):
+each run has its own quorum, a fresh model and optimizer, and is checked by its own test.
 """
 
 from __future__ import annotations
@@ -65,15 +69,17 @@ class _Served:
 
 
 def _launch(gid: int, layout: str, nproc: int, port: int, steps: int, out: Path,
-            step_s: float = 0.0, diloco_every: int = 0, wait_groups: int = 0,
+            step_s: float = 0.0, wait_groups: int = 0,
             die_at: int = -1, pg_timeout_s: float = 600.0,
-            extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+            extra_env: dict[str, str] | None = None,
+            runs: list[dict] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     env.update(extra_env or {})
+    if runs:  # several runs one after the other (the helper's RUNS)
+        env["RUNS"] = json.dumps(runs)
     env["PG_TIMEOUT_S"] = str(pg_timeout_s)
     env["STEP_S"], env["WAIT_GROUPS"] = str(step_s), str(wait_groups)
     env["DIE_AT_STEP"] = str(die_at)
-    env["DILOCO_EVERY"] = str(diloco_every)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen(
@@ -128,9 +134,50 @@ def _reference(steps_ranges: list[list[list[int]]]) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
+# The runs of each pair of layouts (an FSDP2 group of 2 beside ``other``): (kind, compress,
+# steps). One torchrun start per group serves them all, one after the other.
+PAIR_RUNS = {"plain": [("full", "none", 6), ("diloco", "none", 5)],
+             "tp": [("full", "none", 6), ("full", "int8", 6), ("diloco", "none", 5)]}
+
+
+@pytest.fixture(scope="module")
+def pair_runs(tmp_path_factory):
+    """``pair_runs(other)``: {(kind, compress): (served quorum, out dir)} of the pair's runs,
+    done once for the module (at the first test that asks), its failure kept for the rest."""
+    done: dict[str, dict | BaseException] = {}
+
+    def get(other: str) -> dict:
+        if other not in done:
+            try:
+                done[other] = _run_pair(other, tmp_path_factory)
+            except BaseException as exc:
+                done[other] = exc
+        got = done[other]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+    return get
+
+
+def _run_pair(other: str, tmp_path_factory) -> dict:
+    runs, result = [], {}
+    for kind, compress, steps in PAIR_RUNS[other]:
+        served = _Served(steps, expected_groups=2)
+        out = tmp_path_factory.mktemp(f"{other}-{kind}-{compress}")
+        env = {"COMPRESS": compress, "DILOCO_EVERY": "2" if kind == "diloco" else "0"}
+        runs.append({"port": served.port, "steps": steps, "out": str(out), "env": env})
+        result[kind, compress] = served, out
+    first = runs[0]
+    _finish([_launch(0, "fsdp", 2, first["port"], first["steps"], Path(first["out"]),
+                     runs=runs),
+             _launch(1, other, 1 if other == "plain" else 2, first["port"], first["steps"],
+                     Path(first["out"]), runs=runs)], 200)
+    return result
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("compress, other", [("none", "plain"), ("none", "tp"), ("int8", "tp")])
-def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path, compress, other):
+def test_fsdp_and_unsharded_groups_train_as_one_model(pair_runs, compress, other):
     """Uncompressed, each step's update is the mean gradient over both groups' samples:
     both groups end with the parameters of one model trained on the union of the samples.
     With ``compress="int8"`` the gradients cross as int8 with error feedback: both groups
@@ -140,14 +187,10 @@ def test_fsdp_and_unsharded_groups_train_as_one_model(tmp_path, compress, other)
     group (2 ranks each) it is spread over both ranks of each group, each carrying its own
     slice on its own link (``Decision.lanes``, :mod:`ray_mesh.replicas.reshard`)."""
     steps = 6
-    served = _Served(steps, expected_groups=2)
-    env = {"COMPRESS": compress}
-    procs = [_launch(0, "fsdp", 2, served.port, steps, tmp_path, extra_env=env),
-             _launch(1, other, 1 if other == "plain" else 2, served.port, steps, tmp_path,
-                     extra_env=env)]
-    outs = _finish(procs, 200)
-    lanes = {(int(g), int(r)): int(b) for out in outs
-             for g, r, b in re.findall(r"LANES group (\d) rank (\d) bytes (\d+)", out)}
+    served, tmp_path = pair_runs(other)["full", compress]
+    lanes = {(int(g), int(r)): int(f.read_text())
+             for f in tmp_path.glob("lanes_g*_r*")
+             for g, r in re.findall(r"lanes_g(\d)_r(\d)$", f.name)}
     if other == "plain":  # the leaders' path: no lane carried a slice
         assert set(lanes.values()) == {0}, lanes
     else:  # every rank of both groups carried a slice of every step, about half each
@@ -202,16 +245,12 @@ def test_a_tp_group_heals_from_an_unsharded_one_and_both_end_equal(tmp_path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("other", ["plain", "tp"])
-def test_diloco_groups_of_different_layouts_end_with_the_same_model(tmp_path, other):
+def test_diloco_groups_of_different_layouts_end_with_the_same_model(pair_runs, other):
     """DiLoCo across an FSDP2 group of 2 and an unsharded one (the leaders carry the
     exchange) or a ``tp=2`` one (spread over both ranks of each): the pseudo-gradients and
     the outer state (global parameters, momentum) cross as full tensors; both groups end
-    equal."""
-    steps = 5
-    served = _Served(steps, expected_groups=2)
-    _finish([_launch(0, "fsdp", 2, served.port, steps, tmp_path, diloco_every=2),
-             _launch(1, other, 1 if other == "plain" else 2, served.port, steps, tmp_path,
-                     diloco_every=2)], 200)
+    equal. (5 steps, a round every 2: ``PAIR_RUNS``.)"""
+    _, tmp_path = pair_runs(other)["diloco", "none"]
     a, b = (torch.load(tmp_path / f"g{g}.pt") for g in (0, 1))
     for x, y in zip(a, b, strict=True):
         assert torch.allclose(x, y, atol=1e-6), (x - y).abs().max()

@@ -19,6 +19,11 @@ steps a round (``DILOCO_COMPRESS``: their ``compress``). ``JOIN_AFTER`` (a path)
 group starts (torch, its mesh, its data and model) but joins the run (makes its
 ``ReplicaGroup``) only once that file exists: the test starts a restarted group ahead and
 lets it in when the dead one is gone.
+
+``THEN`` set (JSON ``{"port", "steps", "out", "env"}``): once its run is over, the group takes
+part in a second run on that quorum, from a fresh model, with ``env`` as its only settings
+above (the first run's are not inherited): the DiLoCo test's run rides on the processes of
+the rejoin test's, not on a torchrun start of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -60,23 +66,33 @@ def main() -> None:
     gid, layout, port, steps, out = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
                                      int(sys.argv[4]), Path(sys.argv[5]))
     ray_mesh.init_mesh(ray_mesh.MeshSpec.from_dict({"dp_shard": -1}))
+    train(gid, layout, port, steps, out, os.environ)
+    then = json.loads(os.environ.get("THEN") or "null")
+    if then:
+        train(gid, layout, int(then["port"]), int(then["steps"]), Path(then["out"]),
+              {"MANIFEST": os.environ.get("MANIFEST", ""), **then.get("env", {})})
+    ray_mesh.shutdown_mesh()
+
+
+def train(gid: int, layout: str, port: int, steps: int, out: Path,
+          env: Mapping[str, str]) -> None:
+    """One run: this group on the quorum at ``port``, from a fresh model to the end."""
     rank = dist.get_rank()
     size = dist.get_world_size()
-    die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
-    alone_s, wait = float(os.environ.get("ALONE_STEP_S", "0")), int(os.environ.get(
-        "WAIT_GROUPS", "0"))
+    die_at = int(env.get("DIE_AT_STEP", "-1"))
+    alone_s, wait = float(env.get("ALONE_STEP_S", "0")), int(env.get("WAIT_GROUPS", "0"))
     if die_at >= 0:  # rank 0 outlives torchrun's SIGTERM long enough to report (see above)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     client = connect(port)
-    config = {**CONFIG, "data_index": {"manifest": os.environ.get("MANIFEST") or None}}
-    if os.environ.get("DILOCO_EVERY"):  # DiLoCo groups: AdamW inner steps, commit = outer
-        config["diloco"] = {"every": int(os.environ["DILOCO_EVERY"]), "outer_lr": 0.7,
+    config = {**CONFIG, "data_index": {"manifest": env.get("MANIFEST") or None}}
+    if env.get("DILOCO_EVERY"):  # DiLoCo groups: AdamW inner steps, commit = outer
+        config["diloco"] = {"every": int(env["DILOCO_EVERY"]), "outer_lr": 0.7,
                             "outer_momentum": 0.9,
-                            "compress": os.environ.get("DILOCO_COMPRESS", "none")}
+                            "compress": env.get("DILOCO_COMPRESS", "none")}
     box: dict = {}
 
     def make_group(model, optim, **kwargs) -> ReplicaGroup:
-        gate, until = os.environ.get("JOIN_AFTER"), time.monotonic() + 300
+        gate, until = env.get("JOIN_AFTER"), time.monotonic() + 300
         while gate and not os.path.exists(gate):
             if time.monotonic() > until:
                 raise TimeoutError(f"{gate} did not appear within 300 s")
@@ -118,7 +134,6 @@ def main() -> None:
         torch.save([t.clone() for t in full], out / f"g{gid}.pt")
         (out / f"g{gid}.json").write_text(json.dumps(summary))
         print(f"DONE group {gid} step {summary['step']}", flush=True)
-    ray_mesh.shutdown_mesh()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ set: DiLoCo replica groups (AdamW inner steps, the outer step at each commit). T
 reaches the run's coordinator (a ``Quorum`` served by the test process through a
 ``multiprocessing`` manager) and trains harness/replica_train.py's MLP with
 ``exchange="full"``. Rank 0 writes ``g<GROUP>.jsonl`` (one line per committed step: the
-samples behind it, and when) and ``g<GROUP>.pt`` (the final full parameters).
+samples behind it, and when) and ``g<GROUP>.pt`` (the final full parameters); every rank
+writes ``lanes_g<GROUP>_r<RANK>`` (the bytes its lane of the exchange carried).
 
 ``DIE_AT_STEP`` set: once this group's rank 1 holds that step (0: as the group joins), it
 exits before meeting the others; rank 0 then fails in the boundary, reports the error to the
@@ -24,6 +25,12 @@ commit (a restore, when the run is in that state), rank 0 writes ``g<GROUP>.firs
 joins the run (registers with the coordinator) only once that file exists: a test starts a
 late or joining group ahead and lets it in when its turn comes, without waiting out its
 start then.
+
+``RUNS`` set (a JSON list of ``{"port", "steps", "out", "env"}``): the group takes part in
+those runs one after the other, each on its own quorum (``port``) with a fresh model and
+optimizer, ``env`` overriding ``COMPRESS`` / ``DILOCO_EVERY`` for that run (argv's PORT STEPS
+OUT are then ignored): the tests of a pair of layouts pay one torchrun start for all their
+runs, not one each.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from multiprocessing.managers import BaseManager
 from pathlib import Path
@@ -73,31 +81,41 @@ def build(layout: str, size: int) -> nn.Module:
 
 
 def main() -> None:
-    gid, layout, port, steps, out = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
-                                     int(sys.argv[4]), Path(sys.argv[5]))
+    gid, layout = int(sys.argv[1]), sys.argv[2]
     # PG_TIMEOUT_S: the group's own collectives' bound (MeshConfig's hang watch sets
     # hang_timeout_s + 15 s), to show a long quorum wait does not trip it
     timeout = float(os.environ.get("PG_TIMEOUT_S", "600"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    runs = json.loads(os.environ.get("RUNS") or "null") or [
+        {"port": int(sys.argv[3]), "steps": int(sys.argv[4]), "out": sys.argv[5]}]
+    for run in runs:
+        train(gid, layout, int(run["port"]), int(run["steps"]), Path(run["out"]),
+              {**os.environ, **run.get("env", {})})
+    dist.destroy_process_group()
+
+
+def train(gid: int, layout: str, port: int, steps: int, out: Path,
+          env: Mapping[str, str]) -> None:
+    """One run: this group on the quorum at ``port``, from a fresh model to the end."""
     rank, size = dist.get_rank(), dist.get_world_size()
     manager = Manager(address=("127.0.0.1", port), authkey=AUTHKEY)
     manager.connect()
     model = build(layout, size)
-    wait_for(os.environ.get("JOIN_AFTER"))
-    every = int(os.environ.get("DILOCO_EVERY", "0"))
+    wait_for(env.get("JOIN_AFTER"))
+    every = int(env.get("DILOCO_EVERY", "0"))
     diloco = DiLoCoConfig(every=every, outer_lr=0.7, outer_momentum=0.9) if every else None
     optim = (torch.optim.AdamW(model.parameters(), lr=0.01) if diloco else
              torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     rg = ReplicaGroup(model, optim, client=manager.coordinator(), group_id=gid,
                       total_steps=steps, segment_samples=8, exchange="full",
                       layout=f"{layout}={size}", timeout_s=20, diloco=diloco,
-                      compress=os.environ.get("COMPRESS", "none"),
-                      checkpoint_dir=os.environ.get("CKPT_DIR") or None,
-                      checkpoint_every=int(os.environ.get("CKPT_EVERY", "0")),
-                      checkpoint_endpoint=os.environ.get("CKPT_ENDPOINT") or None)
-    leave_at = int(os.environ.get("LEAVE_AT_STEP", "-1"))
+                      compress=env.get("COMPRESS", "none"),
+                      checkpoint_dir=env.get("CKPT_DIR") or None,
+                      checkpoint_every=int(env.get("CKPT_EVERY", "0")),
+                      checkpoint_endpoint=env.get("CKPT_ENDPOINT") or None)
+    leave_at = int(env.get("LEAVE_AT_STEP", "-1"))
     dp_rank, dp_size = (rank, size) if layout == "fsdp" else (0, 1)
-    die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
+    die_at = int(env.get("DIE_AT_STEP", "-1"))
     if die_at >= 0:  # rank 0 outlives torchrun's SIGTERM long enough to report (see above)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -129,8 +147,8 @@ def main() -> None:
             nn.functional.mse_loss(model(x), y).backward()
         # STEP_S a step until WAIT_GROUPS groups take part (a joiner finds steps left),
         # then at full speed.
-        alone = len(rg.last.members) < int(os.environ.get("WAIT_GROUPS", "0"))
-        time.sleep(float(os.environ.get("STEP_S", "0.05")) if alone else 0.0)
+        alone = len(rg.last.members) < int(env.get("WAIT_GROUPS", "0"))
+        time.sleep(float(env.get("STEP_S", "0.05")) if alone else 0.0)
         before = rg.step
         commit()
         if rank == 0 and rg.step > before:
@@ -145,7 +163,8 @@ def main() -> None:
             dist.barrier()
             os._exit(0)
     rg.finish()
-    print(f"LANES group {gid} rank {rank} bytes {rg.stats['lane_bytes']}", flush=True)
+    # the bytes this rank's lane carried, per run (a group's stdout holds all its runs)
+    (out / f"lanes_g{gid}_r{rank}").write_text(str(rg.stats["lane_bytes"]))
     full = [p.full_tensor() if isinstance(p, DTensor) else p.detach()
             for p in model.parameters()]
     if rank == 0:
@@ -155,7 +174,6 @@ def main() -> None:
     loss = eval_loss(model)  # every rank: a sharded model's forward is a collective
     if rank == 0:
         (out / f"g{gid}.eval").write_text(str(loss))
-    dist.destroy_process_group()
 
 
 def wait_for(path: str | None, timeout_s: float = 300.0) -> None:
