@@ -319,18 +319,9 @@ def test_prometheus_recipe_targets_are_in_rays_service_discovery_file(cluster):
     assert f"{cluster.node_ip}:{cluster.metrics}" in targets, targets
 
 
-def test_grafana_dashboard_queries_live_series(cluster):
-    """Every ray_mesh series the Grafana dashboard plots exists on a CPU run's endpoint."""
-    from grafana import dashboard_metric_names
-
-    live = {n for n, _, _ in _reported_past_gauge_expiry(cluster)}
-    # CUDA memory, tokens (this run counts samples) and node links (one node: none measured)
-    cuda_or_tokens = {m.prometheus_name for m in METRICS
-                      if "device_memory" in m.name or "token" in m.name or "link" in m.name}
-    missing = dashboard_metric_names() - cuda_or_tokens - live
-    assert not missing, f"dashboard queries series the run does not export: {missing}"
-
-
+# pytest runs a module's tests in the order written: the two checks that read no metrics run
+# here, during the GAUGE_EXPIRY_S that the checks below wait out after the series were first
+# seen (run after those checks, they added ~5 s that this wait now covers).
 def test_dashboard_train_api_shows_the_run(cluster):
     def running():
         runs = cluster.dashboard_json("/api/train/v2/runs/v1")["train_runs"]
@@ -344,6 +335,39 @@ def test_dashboard_train_api_shows_the_run(cluster):
     assert sorted(w["world_rank"] for w in workers) == [0, 1, 2, 3]
     assert {w["node_ip"] for w in workers} == {cluster.node_ip}
     assert run["run_settings"]["run_config"]["storage_path"] == str(cluster.storage)
+
+
+def test_dashboard_screenshot_shows_the_run(cluster, tmp_path):
+    if shutil.which("chromium") is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from dashboard_screenshot import screenshot
+    finally:
+        sys.path.pop(0)
+    jobs = cluster.dashboard_json("/api/jobs/")
+    job_id = next(j["job_id"] for j in jobs if f"{RUN}.yaml" in (j.get("entrypoint") or ""))
+    out = tmp_path / "dashboard_actors.png"  # pytest keeps the last runs' tmp dirs: look at it
+    # The Actors page lists the run's Train workers (its driver's job id) while it runs.
+    text = screenshot(cluster.dashboard, str(out), page="#/actors", wait_for="RayTrainWorker",
+                      timeout_s=90)
+    assert job_id in text and "ALIVE" in text, text[:1000]
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1600, 1000)
+
+
+def test_grafana_dashboard_queries_live_series(cluster):
+    """Every ray_mesh series the Grafana dashboard plots exists on a CPU run's endpoint."""
+    from grafana import dashboard_metric_names
+
+    live = {n for n, _, _ in _reported_past_gauge_expiry(cluster)}
+    # CUDA memory, tokens (this run counts samples) and node links (one node: none measured)
+    cuda_or_tokens = {m.prometheus_name for m in METRICS
+                      if "device_memory" in m.name or "token" in m.name or "link" in m.name}
+    missing = dashboard_metric_names() - cuda_or_tokens - live
+    assert not missing, f"dashboard queries series the run does not export: {missing}"
 
 
 def _status_rows(out: str, run: str) -> list[dict[str, str]]:
@@ -379,27 +403,6 @@ def test_status_shows_nodes_run_layout_and_latest_metrics(cluster):
     # The wait sampler's series reach status with no code in the example: per dim the
     # slowest rank, and a verdict line (which one depends on the load of this host).
     assert "dp_shard      slowest rank" in out and "\n  verdict: " in out, out
-
-
-def test_dashboard_screenshot_shows_the_run(cluster, tmp_path):
-    if shutil.which("chromium") is None:
-        pytest.skip("chromium is not installed (apt-get install -y chromium)")
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from dashboard_screenshot import screenshot
-    finally:
-        sys.path.pop(0)
-    jobs = cluster.dashboard_json("/api/jobs/")
-    job_id = next(j["job_id"] for j in jobs if f"{RUN}.yaml" in (j.get("entrypoint") or ""))
-    out = tmp_path / "dashboard_actors.png"  # pytest keeps the last runs' tmp dirs: look at it
-    # The Actors page lists the run's Train workers (its driver's job id) while it runs.
-    text = screenshot(cluster.dashboard, str(out), page="#/actors", wait_for="RayTrainWorker",
-                      timeout_s=90)
-    assert job_id in text and "ALIVE" in text, text[:1000]
-    data = out.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (1600, 1000)
 
 
 def test_run_stops_cleanly_and_saved_its_layout(cluster):
