@@ -6,10 +6,13 @@ Each ``ray-mesh run examples/X.yaml`` runs as a cluster user runs it, ``--addres
 running Ray (the session's ``ray_local``), on a short copy of the example's YAML (few steps, a
 small model: the console, not the training, is under test; the training is tested in
 test_parallel_examples.py, test_llm_ray.py, ...). The console of an embedded Ray (its start
-and stop, what a user without a cluster sees) is checked twice elsewhere, each on a full run:
-the README's main job (test_main_job.py) and the python driver, ``python examples/driver.py
---steps N``, below. An embedded Ray's start and stop cost ~15-25 s per job on this 2-core
-machine, which is why the other examples do not repeat them.
+and stop, what a user without a cluster sees) is checked on the README's main job
+(test_main_job.py), a full run. The python driver's console is checked on a cluster by the
+deploy walkthrough (tests/netns/test_walkthrough.py runs ``python examples/driver.py
+--address ...`` as the page shows it); its run on an embedded Ray, ``python
+examples/driver.py --steps N`` below, is in the slow tier. An embedded Ray's start and stop
+cost ~15-25 s per job on this 2-core machine, which is why the other examples do not repeat
+them.
 
 ``RAY_MESH_CONSOLE_OUT=DIR`` keeps every console.
 """
@@ -221,6 +224,9 @@ def test_llm_groups_console_is_clean_and_shows_tokens_per_s(ray_local, tmp_path)
     assert "training rows read into the object store" in out, out[-3000:]
 
 
+# Slow tier (~32 s): the driver's console on a cluster is the walkthrough's (default tier),
+# an embedded Ray's console the main job's (test_main_job.py).
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_python_driver_console_is_clean():
     out = _run([sys.executable, str(EXAMPLES / "driver.py"), "--steps", str(DRIVER_STEPS)],
