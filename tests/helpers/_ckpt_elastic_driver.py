@@ -1,6 +1,6 @@
 """Driver for the elastic checkpoint test; runs inside the namespace cluster's head node.
 
-    python _ckpt_elastic_driver.py fixed|elastic|grow|storage|bitwise|diloco|probe <workdir> \
+    python _ckpt_elastic_driver.py fixed|elastic|grow|storage|kill|diloco|probe <workdir> \
         <s3://bucket/runs> <endpoint>
 
 Runs the checkpoint test's train function on 2 workers per node (custom resource ``slot``)
@@ -10,9 +10,9 @@ with an HSDP mesh whose dp_replicate follows the nodes. The test kills a node wh
 ``grow``: (2, 4) workers started on one node; the test adds a node and Ray's elastic
 policy restarts the group at 4 workers, from the last checkpoint.
 ``storage``: a storage_path only the driver sees -> refused at start as node-local.
-``bitwise``: two runs ``ref`` and ``kill`` of 4 workers, 8 steps with dropout; in ``kill``
-rank 1 SIGKILLs itself at step 5 and the restart resumes from the bucket (the test compares
-the final parameters).
+``kill``: 4 workers, 8 steps with dropout; rank 1 SIGKILLs itself at step 5 and the restart
+resumes from the bucket (the test compares the final parameters with those of the same
+training uninterrupted, tests/helpers/_ckpt_reference.py).
 ``diloco``: the same two runs (``diloco-ref``, ``diloco-kill``) with DiLoCo across the nodes
 (outer step every 3 inner steps, FSDP inside each node): the restart resumes the outer state
 (outer step, momentum, the global parameters) and each replica's state from the bucket.
@@ -83,7 +83,7 @@ def probe(storage_uri: str, endpoint: str) -> dict:
 
 def _config(mode: str, work: Path) -> dict:
     files = {"log": str(work / f"{mode}.log"), "final": str(work / f"{mode}.pt")}
-    if mode in ("ref", "kill", "diloco-ref", "diloco-kill"):
+    if mode in ("kill", "diloco-ref", "diloco-kill"):
         kill = {"kill_at": 5, "kill_marker": str(work / f"{mode}ed")} \
             if mode.endswith("kill") else {}
         # bitwise: dropout draws, restored with the checkpoint (the DiLoCo train function has
@@ -101,9 +101,8 @@ def main(mode: str, work: Path, storage_uri: str, endpoint: str) -> dict:
         return storage_refused(work)
     if mode == "probe":
         return probe(storage_uri, endpoint)
-    if mode in ("bitwise", "diloco"):  # one driver for both runs: a driver start less
-        runs = ("ref", "kill") if mode == "bitwise" else ("diloco-ref", "diloco-kill")
-        for run in runs:
+    if mode == "diloco":  # one driver for both runs: a driver start less
+        for run in ("diloco-ref", "diloco-kill"):
             res = fit(run, work, storage_uri, endpoint)
             if not res["ok"]:
                 return {**res, "run": run}

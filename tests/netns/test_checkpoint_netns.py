@@ -24,7 +24,8 @@ the WireGuard tunnel; the nodes share no storage. (The step log and final parame
 the test's own instrumentation, in pytest's ``tmp_path``.) The default-tier test, on the
 dashboard cluster of tests/netns/conftest.py (whose nodes have the bucket's key; the slow
 tier, which loses nodes, starts its own):
-a worker SIGKILLed mid-run resumes from the bucket bitwise equal to an uninterrupted run;
+a worker SIGKILLed mid-run resumes from the bucket bitwise equal to an uninterrupted run (the
+same training on 4 local ranks without Ray, beside it: tests/helpers/_ckpt_reference.py);
 a shard object flipped in the bucket is refused by the manifest check on what comes back;
 ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the per-rank layout the
 run wrote into the bucket. In the slow tier, besides the node kills: a DiLoCo run across
@@ -45,6 +46,7 @@ from pathlib import Path
 import pytest
 import torch
 from moto_s3 import KEY_NAMES, S3Server, new_credentials
+from ports import free_port
 from require_all import SLOW_ENV
 
 from harness.ckpt_train import attempts, steps
@@ -53,6 +55,7 @@ from harness.netns import REPO, NetnsCluster, netns_unavailable_reason
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
 DRIVER = Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_elastic_driver.py"
+REFERENCE = DRIVER.with_name("_ckpt_reference.py")
 STEPS = 10  # as in the driver
 
 
@@ -135,8 +138,8 @@ else:
 
 
 # Run in the head's namespace (the bucket's endpoint is on the tailnet): load checkpoint 8
-# of the reference run from the bucket (clean), flip one bit of a shard object of
-# checkpoint 6 in the bucket, and load that (refused).
+# of the killed run (written after its restart) from the bucket (clean), flip one bit of a
+# shard object of its checkpoint 6 in the bucket, and load that (refused).
 _TAMPER = """
 import copy, sys
 import pyarrow.fs, torch
@@ -146,7 +149,7 @@ from ray_mesh.errors import CheckpointError
 
 uri, endpoint = sys.argv[1], sys.argv[2]
 fs, root = filesystem(uri, endpoint)
-files = [i.path for i in fs.get_file_info(pyarrow.fs.FileSelector(root + "/ref",
+files = [i.path for i in fs.get_file_info(pyarrow.fs.FileSelector(root + "/kill",
                                                                  recursive=True))
          if i.type == pyarrow.fs.FileType.File]
 def ckpt(step):
@@ -186,8 +189,25 @@ def _ref_and_kill(cluster: NetnsCluster, mode: str, work: Path, log: str,
 
 @pytest.mark.timeout(600)
 def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster, tmp_path):
-    """Default tier: no node is lost, so the slow tests below still find both nodes."""
-    first, second = _ref_and_kill(cluster, "bitwise", tmp_path, "kill.log", 400)
+    """Default tier: no node is lost, so the slow tests below still find both nodes.
+
+    The uninterrupted reference is the same training (model, seed, dropout, batches, the
+    2 x 2 HSDP mesh, gloo) on 4 ranks forked on this host, no Ray: bitwise what an
+    uninterrupted run under Ray Train ends with (it replaced one, whose bring-up of 4 workers
+    cost ~25 s; its ~7 s run beside the killed one's start)."""
+    os.chmod(tmp_path, 0o777)  # the driver runs in the head's namespace
+    with open(tmp_path / "reference.out", "w") as out:
+        ref = subprocess.Popen([sys.executable, str(REFERENCE), str(tmp_path / "ref.pt"),
+                                str(free_port())], stdout=out, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        res = _result(_launch(cluster, "kill", tmp_path), tmp_path, "kill", 400)
+        assert res["ok"], res
+        rc = ref.wait(timeout=300)
+    finally:
+        ref.kill()
+    assert rc == 0, (tmp_path / "reference.out").read_text()[-3000:]
+    first, second = attempts(tmp_path / "kill.log")
     assert steps(first) == [1, 2, 3, 4], first
     assert second[0].startswith("start 4 checkpoint_00000004_"), second  # from the bucket
     assert steps(second) == [5, 6, 7, 8], second

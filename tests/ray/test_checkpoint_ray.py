@@ -1,34 +1,42 @@
 """Checkpoints through Ray Train: recovery from a SIGKILLed worker, corrupt checkpoints, storage.
 
-Real local Ray (the shared ``ray_local`` fixture), 4 CPU workers with gloo, HSDP 2x2, FSDP2.
-Two fits:
+Real local Ray (the shared ``ray_local`` fixture), 4 CPU workers with gloo, HSDP 2x2, FSDP2,
+direct mode with ``dcp.async_save``: on the first attempt rank 1 flips one bit in the middle
+of a shard of the newest registered checkpoint (its length stays: only the checksum finds
+it) and SIGKILLs itself while the next one is half written; ``FailureConfig(max_failures=1)``:
+Ray restarts the group, which skips the corrupt and the partial checkpoint (with warnings)
+and resumes from the one before. A ``checkpoint_000005`` another tool left in the run
+directory is never deleted.
 
-1. uninterrupted, upload mode (each rank's shards staged locally and merged by Ray);
-2. direct mode with ``dcp.async_save``; on the first attempt rank 1 flips one bit in the
-   middle of a shard of the newest registered checkpoint (its length stays: only the
-   checksum finds it) and SIGKILLs itself while the next one is half written;
-   ``FailureConfig(max_failures=1)``: Ray restarts the group, which skips the corrupt and
-   the partial checkpoint (with warnings) and resumes from the one before. A
-   ``checkpoint_000005`` another tool left in the run directory is never deleted.
-
-Both runs use dropout: run 2 must end with parameters bitwise equal to run 1's, which needs
-each rank's random state restored with the checkpoint.
+The run uses dropout: it must end with parameters bitwise equal to the same training
+uninterrupted, which needs each rank's random state restored with the checkpoint. That
+reference is 4 ranks forked on this host without Ray (tests/helpers/_ckpt_reference.py,
+beside the run): bitwise what an uninterrupted fit ends with. It replaced an uninterrupted
+fit in upload mode (~25 s of Ray Train bring-up); the upload mode (each rank's shards staged
+locally, merged by Ray) is what a run to a bucket uses, killed and resumed bitwise in the
+default tier on the WireGuard cluster (tests/netns/test_checkpoint_netns.py).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 from ray_fit import fit
 
 from harness.ckpt_train import attempts, steps
 from ray_mesh.checkpointing import StorageError, check_storage, sharded
 from ray_mesh.cli.job import Job
 
-TRAIN = str(Path(__file__).resolve().parents[2] / "harness" / "ckpt_train.py") + ":train_loop"
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = str(REPO / "harness" / "ckpt_train.py") + ":train_loop"
+REFERENCE = REPO / "tests" / "helpers" / "_ckpt_reference.py"
 STEPS = 12
 EVERY = 3
 
@@ -56,18 +64,14 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     storage = str(tmp_path / "results")
 
-    # 1. uninterrupted reference, upload mode (Ray merges the ranks' staged shards)
-    ref = _fit("reference", storage, {"upload": True, "log": str(tmp_path / "ref.log"),
-                                      "final": str(tmp_path / "ref.pt"), "dropout": 0.3})
-    assert ref.error is None
-    (ref_run,) = attempts(tmp_path / "ref.log")
-    assert ref_run[0].startswith("start 0 - ")
-    assert steps(ref_run) == list(range(1, STEPS + 1))
-    assert ref.checkpoint is not None and sharded.step_of(ref.checkpoint.path) == 12
-    assert sharded.problem(ref.checkpoint.path) is None
-    assert len(list(Path(ref.checkpoint.path).glob("*.distcp"))) == 4
+    # The uninterrupted reference, without Ray, beside the run (see the module docstring).
+    with open(tmp_path / "reference.out", "w") as out:
+        ref = subprocess.Popen([sys.executable, str(REFERENCE), str(tmp_path / "ref.pt"),
+                                str(free_port()), str(STEPS)], stdout=out,
+                               stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
 
-    # 2. async saves; at step 10 rank 1 flips a bit in a shard of checkpoint 6 (the newest one
+    # Async saves; at step 10 rank 1 flips a bit in a shard of checkpoint 6 (the newest one
     # Ray has registered; checkpoint 9 is still being written, without marker) and SIGKILLs
     # itself. Ray restarts the group; 6 is skipped as corrupt, 9 is not complete: step 3.
     log = tmp_path / "kill.log"
@@ -78,7 +82,12 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
     cfg = {"async_save": True, "kill_at": 10, "kill_marker": str(tmp_path / "killed"),
            "corrupt": str(run_dir / "checkpoint_00000006_*"), "corrupt_mode": "flip",
            "dropout": 0.3, "log": str(log), "final": str(tmp_path / "kill.pt")}
-    res = _fit("killed", storage, cfg, max_failures=1)
+    try:
+        res = _fit("killed", storage, cfg, max_failures=1)
+        rc = ref.wait(timeout=300)
+    finally:
+        ref.kill()
+    assert rc == 0, (tmp_path / "reference.out").read_text()[-3000:]
     assert res.error is None
     assert (tmp_path / "killed").exists()
     first, second = attempts(log)

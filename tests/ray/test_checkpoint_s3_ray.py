@@ -13,7 +13,9 @@ endpoint))`` -- an ``S3FileSystem`` at the endpoint, credentials from the enviro
    the shard. And ``ray-mesh status --storage s3://... --storage-endpoint ...`` reads the
    per-rank layout the run wrote into the bucket.
 2. DiLoCo over 2 replicas to the bucket: killed at step 5, the restart resumes the outer
-   state (outer step, outer momentum) and each replica's state from the bucket, bitwise.
+   state (outer step, outer momentum) and each replica's state from the bucket, bitwise
+   equal to the same training uninterrupted (2 ranks forked on this host, without Ray:
+   tests/helpers/_ckpt_reference.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +32,7 @@ import pyarrow.fs
 import pytest
 import torch
 from moto_s3 import S3Server
+from ports import free_port
 
 from harness.ckpt_train import attempts, steps
 from ray_mesh.checkpointing import sharded
@@ -36,6 +41,7 @@ from ray_mesh.errors import CheckpointError
 REPO = Path(__file__).resolve().parents[2]
 HSDP_TRAIN = str(REPO / "harness" / "ckpt_train.py") + ":train_loop"
 DILOCO_TRAIN = str(REPO / "tests" / "helpers" / "_diloco_train.py") + ":train_loop"
+REFERENCE = REPO / "tests" / "helpers" / "_ckpt_reference.py"
 
 
 @pytest.fixture(scope="module")
@@ -194,15 +200,23 @@ def test_diloco_outer_state_resumes_from_the_bucket(ray_local, s3, tmp_path, mon
     mesh = ray_mesh.MeshConfig(mesh={"dp_replicate": 2, "dp_shard": 1}, replicate=replicate,
                                measure_links=False)
     base = {"steps": 8, "every": 2}
-    ref = _fit(s3, DILOCO_TRAIN, "diloco-ref", {**base, "log": str(tmp_path / "ref.log"),
-                                                "final": str(tmp_path / "ref")}, mesh, 2,
-               num_to_keep=4)
-    assert ref.error is None
-    log = tmp_path / "kill.log"
-    res = _fit(s3, DILOCO_TRAIN, "diloco-killed",
-               {**base, "kill_at": 5, "kill_marker": str(tmp_path / "killed"),
-                "log": str(log), "final": str(tmp_path / "kill")}, mesh, 2, max_failures=1,
-               num_to_keep=4)
+    # The uninterrupted reference: the same training on 2 ranks forked on this host, no Ray
+    # (tests/helpers/_ckpt_reference.py: bitwise what an uninterrupted fit ends with, which
+    # it replaced, ~15 s of Ray Train bring-up), beside the killed run's start.
+    with open(tmp_path / "reference.out", "w") as out:
+        ref = subprocess.Popen([sys.executable, str(REFERENCE), "diloco", str(tmp_path / "ref"),
+                                str(free_port())], stdout=out, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        log = tmp_path / "kill.log"
+        res = _fit(s3, DILOCO_TRAIN, "diloco-killed",
+                   {**base, "kill_at": 5, "kill_marker": str(tmp_path / "killed"),
+                    "log": str(log), "final": str(tmp_path / "kill")}, mesh, 2,
+                   max_failures=1, num_to_keep=4)
+        rc = ref.wait(timeout=300)
+    finally:
+        ref.kill()
+    assert rc == 0, (tmp_path / "reference.out").read_text()[-3000:]
     assert res.error is None
     first, second = attempts(log)
     # checkpoint 4 (after the outer step at 3, between syncs) came back from the bucket
