@@ -5,6 +5,7 @@ Each prints one line ``RESULT <json>`` that the test parses; everything else on 
 
     python tests/helpers/_multinode_driver.py fits  STORAGE_DIR
     python tests/helpers/_multinode_driver.py cli   UNREACHABLE_ADDRESS
+    python tests/helpers/_multinode_driver.py cli1  ARGV...   (one command; ``cli`` runs it)
     python tests/helpers/_multinode_driver.py linkcut GO_FILE [CUT_BOUND_S]
 """
 
@@ -14,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -137,15 +139,41 @@ def _cli(argv: list[str]) -> dict:
             "seconds": round(time.monotonic() - start, 1)}
 
 
-def cli(unreachable: str) -> None:
+def _import_cli() -> None:
     import ray_mesh.cli.runner  # noqa: F401
     import ray_mesh.planning.cluster  # noqa: F401 - imports first: time only the commands
     import ray_mesh.raytrain.cluster  # noqa: F401
 
+
+def cli1(*argv: str) -> None:
+    """One command in a process of its own (see ``cli``)."""
+    _import_cli()
+    _result(_cli(list(argv)))
+
+
+def _start_cli1(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "cli1", *argv],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _cli1_result(proc: subprocess.Popen) -> dict:
+    text, _ = proc.communicate(timeout=120)
+    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"rc": f"no result (exit {proc.returncode})", "out": text[-3000:], "err": "",
+                "seconds": None}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def cli(unreachable: str) -> None:
     address = os.environ["RAY_ADDRESS"]
+    # An address nobody answers on, before any ray.init in its process: asked from a process
+    # of its own, which waits out the command's 5 s bound (no work) while this one runs the
+    # others (one at a time: each redirects this process's stdout). Timed inside that
+    # process, as here.
+    bad_address = _start_cli1(["plan", "--address", unreachable])
+    _import_cli()
     out = {}
-    # Before any ray.init in this process: an address nobody answers on.
-    out["bad_address"] = _cli(["plan", "--address", unreachable])
     out["plan"] = _cli(["plan", "--address", address, "--resource", "slot"])
     out["plan_uneq"] = _cli(["plan", "--address", address, "--resource", "uneq"])
     out["plan_tp"] = _cli(["plan", "--address", address, "--resource", "slot",
@@ -153,6 +181,7 @@ def cli(unreachable: str) -> None:
     out["doctor"] = _cli(["doctor", "--address", address])
     out["doctor_decoy"] = _cli(["doctor", "--address", address, "--interface", "eth0"])
     out["doctor_missing"] = _cli(["doctor", "--address", address, "--interface", "wlan0"])
+    out["bad_address"] = _cli1_result(bad_address)
     _result(out)
 
 
@@ -188,4 +217,4 @@ def linkcut(go_file: str, cut_bound_s: str = "20") -> None:
 
 
 if __name__ == "__main__":
-    {"fits": fits, "cli": cli, "linkcut": linkcut}[sys.argv[1]](*sys.argv[2:])
+    {"fits": fits, "cli": cli, "cli1": cli1, "linkcut": linkcut}[sys.argv[1]](*sys.argv[2:])

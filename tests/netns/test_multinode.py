@@ -203,8 +203,11 @@ def test_plan_doctor_and_unreachable_address(cluster):
 
 
 # The pre-flight's bound after the cut (the driver's first pre-flight, links up, keeps the
-# default 20 s): the test waits it out, so a short one (the healthy head answers in < 1 s).
-CUT_BOUND_S = 8
+# default 20 s): the test waits out its listen step, 0.6 of it (2.4 s here), for the cut
+# node, so a short one. The healthy head's agent, started and called once already, answers
+# in < 1 s; on a box too busy for it to answer in 2.4 s the head is named as well, and every
+# assertion below still holds (they are about the cut node and the bound's wording).
+CUT_BOUND_S = 4
 
 
 def test_zz_link_cut_after_join_fails_preflight_within_bound(cluster, tmp_path):

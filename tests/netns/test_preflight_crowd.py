@@ -15,6 +15,7 @@ strangers must be closed at once and the node's crowd by the nonce deadline.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import subprocess
 import sys
@@ -32,15 +33,24 @@ from ray_mesh.raytrain.preflight import Outcome, run_preflight  # noqa: E402
 pytestmark = pytest.mark.netns
 _REASON = netns_unavailable_reason()
 PER_TARGET = 20  # clients per listener, from each crowd
-CROWD_S = 8.0  # how long a crowd process keeps trickling (longer than the pre-flight)
+# How long a crowd process keeps trickling at most: longer than the pre-flight. The test
+# stops the crowds as soon as the pre-flight returned (its listeners are closed by then), so
+# this is only a bound: a crowd that ran on past the pre-flight met only refused connects.
+CROWD_S = 8.0
+# After the stop: how long a crowd keeps its open connections (trickling, no new ones) to
+# see them closed: a node's crowd is held up to the nonce deadline, plus a beat and slack.
+DRAIN_S = NONCE_TIMEOUT_S + 1.5
 
 # A crowd process: PER_TARGET clients per target, a byte every 0.5 s, each one closed is
 # replaced on the next beat; prints "ready" once connected, then at the end one JSON line:
 # how long each connection lived (connect -> seen closed; a reset that comes before
-# connect() returns counts from the connect) and how many got any answer.
+# connect() returns counts from the connect) and how many got any answer. A line (or EOF)
+# on stdin stops it: no new connections, and it ends once the open ones are seen closed
+# (at most DRAIN_S later).
 _CROWD = r"""
 import json, select, socket, sys, time
 targets, n, duration = json.loads(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+drain = float(sys.argv[4])
 open_, lifetimes, answered = {}, [], 0
 def connect(addr, port):
     s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
@@ -61,7 +71,10 @@ for addr, port in targets:
     for _ in range(n): connect(addr, port)
 print("ready", flush=True)
 end = time.monotonic() + duration
-while time.monotonic() < end:
+stopping = False
+while time.monotonic() < end and not (stopping and not open_):
+    if not stopping and select.select([sys.stdin], [], [], 0)[0]:
+        stopping, end = True, min(end, time.monotonic() + drain)
     beat = time.monotonic() + 0.5
     while open_ and (left := beat - time.monotonic()) > 0:
         for s in select.select(list(open_), [], [], left)[0]:
@@ -73,7 +86,7 @@ while time.monotonic() < end:
     for s in list(open_):
         try: s.send(b"a")
         except OSError: closed(s)
-    for addr, port in targets:
+    for addr, port in [] if stopping else targets:
         while sum(1 for v in open_.values() if v[1:] == (addr, port)) < n:
             before = len(open_); connect(addr, port)
             if len(open_) == before: break
@@ -94,8 +107,8 @@ class CrowdedAgentExecutor:
         for src in (3, 1):
             proc = subprocess.Popen(
                 [*self.cluster.nodes[src].exec_prefix(), sys.executable, "-c", _CROWD,
-                 json.dumps(targets), str(PER_TARGET), str(CROWD_S)],
-                stdout=subprocess.PIPE, text=True)
+                 json.dumps(targets), str(PER_TARGET), str(CROWD_S), str(DRAIN_S)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             self.crowds[(src, at)] = proc
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
 
@@ -117,6 +130,13 @@ class CrowdedAgentExecutor:
                 Outcome("ok", h.result()) for h in handles]
 
     def results(self) -> dict[tuple[int, int], dict]:
+        """Stop every crowd (the pre-flight is over: its listeners are closed) and read what
+        each saw."""
+        for proc in self.crowds.values():
+            with contextlib.suppress(BrokenPipeError):  # a crowd that already ended
+                assert proc.stdin is not None
+                proc.stdin.write("stop\n")
+                proc.stdin.flush()
         out = {}
         for key, proc in self.crowds.items():
             try:

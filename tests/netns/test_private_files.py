@@ -71,8 +71,10 @@ _FIT = textwrap.dedent("""\
         load_function(sys.argv[2] + ":train_loop"),
         train_loop_config={"steps": 6, "every": 4, "log": log, "final": log + ".pt",
                            "upload": False},
-        scaling_config=ScalingConfig(num_workers=4,
-                                     resources_per_worker={"CPU": 0.5, "slot": 1}),
+        # One worker per node (each has slot: 2): a rank on each side of the node-local
+        # path is all the check needs, and half the workers to start.
+        scaling_config=ScalingConfig(num_workers=2,
+                                     resources_per_worker={"CPU": 0.5, "slot": 2}),
         torch_config=ray_mesh.MeshConfig(mesh=ray_mesh.MeshSpec.hsdp()),
         run_config=RunConfig(name="nodelocal", storage_path="/tmp/ray-mesh-node/results"))
     try:
