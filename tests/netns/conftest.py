@@ -24,6 +24,7 @@ right after its last test, not at the end of the session.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,12 @@ BUCKET_CREDENTIALS = new_credentials()
 # Fixture name -> NetnsCluster arguments.
 SHARED = {
     # A busy machine can push `ray start` past Ray's fixed 30 s raylet wait: more tries.
+    # Ray's metrics exported every 2 s, not 10: the slow-link verdict that
+    # tests/netns/test_slow_netns.py waits for is read from them (~8 s sooner).
     "dashboard_cluster": dict(resources=[{"slot": 2, "uneq": 3}, {"slot": 2, "uneq": 1}],
                               dashboard=True, start_attempts=4, ray_start_timeout_s=180,
-                              env=BUCKET_CREDENTIALS),
+                              env={**BUCKET_CREDENTIALS,
+                                   "RAY_metrics_report_interval_ms": "2000"}),
     "plain_cluster": dict(resources=[{"slot": 2}, {"slot": 2}]),
 }
 # The order of the modules that share a cluster (others: after these, in file order).
@@ -49,6 +53,21 @@ ORDER = {"dashboard_cluster": ["test_exposure.py", "test_slow_netns.py",
          "plain_cluster": ["test_diloco_netns.py", "test_mesh_auto.py",
                            "test_private_files.py"]}
 _live: dict[str, NetnsCluster] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_preemption_watcher():
+    """The namespace tests' Python drivers (and every node's Ray, which copies this
+    process's environment) start no Ray Train preemption watcher, as ``ray-mesh run`` and
+    the shared local Ray of tests/ray (tests/conftest.py) do: one actor less per
+    worker-group start, ~2 s of a busy machine each."""
+    from ray_mesh.raytrain.driver import PREEMPTION_WATCHER_ENV
+
+    had = os.environ.get(PREEMPTION_WATCHER_ENV)
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
+    yield
+    if had is None:
+        os.environ.pop(PREEMPTION_WATCHER_ENV, None)
 
 
 def _start(name: str) -> NetnsCluster:
