@@ -48,6 +48,14 @@ def train_fn(config: dict) -> None:
     dist.all_reduce(world_sum)
     shard = torch.tensor([float(rank + 1)])
     dist.all_reduce(shard, group=mesh.get_group("dp_shard"))
+    # Every named dim and flattened dim answers (size 1 ones too), with the right sums.
+    groups, sums = {}, {}
+    for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"):
+        groups[d] = dist.get_process_group_ranks(mesh.get_group(d))
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=mesh.get_group(d))
+        sums[d] = t.item()
+    state = ray_mesh.get_state()
     me = {
         "rank": rank,
         "world": world,
@@ -63,6 +71,12 @@ def train_fn(config: dict) -> None:
         "rep_sum": rep.item(),
         "shard_sum": shard.item(),
         "world_sum": world_sum.item(),
+        "groups": groups, "sums": sums, "device": str(state.device),
+        "coordinate": state.coordinate,
+        "mesh_coordinate": dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True)),
+        # MeshConfig sets every thread of the worker (gloo's, the training thread) to 0
+        "niceness": sorted({os.getpriority(os.PRIO_PROCESS, int(t))
+                            for t in os.listdir("/proc/self/task")}),
     }
     everyone = [None] * world
     dist.all_gather_object(everyone, me)

@@ -117,6 +117,22 @@ def test_hsdp_across_two_nodes_and_bad_runs(cluster, tmp_path):
         assert r["rep_sum"] == sum(x + 1 for x in r["replicate_group"])
         assert r["shard_sum"] == sum(x + 1 for x in r["shard_group"])
         assert r["world_sum"] == 10.0
+        # Every named and flattened dim answers, the size-1 ones included, with its sum;
+        # the coordinates follow the node-aligned ranks.
+        g = r["groups"]
+        assert g["dp_replicate"] == r["replicate_group"] and g["dp_shard"] == r["shard_group"]
+        assert g["dp"] == g["dp_cp"] == [0, 1, 2, 3] and g["dp_shard_cp"] == g["dp_shard"]
+        assert g["tp"] == g["cp"] == g["pp"] == [r["rank"]], g
+        for d, members in g.items():
+            assert r["sums"][d] == sum(x + 1 for x in members), (r["rank"], d)
+        assert (r["coordinate"]["dp_replicate"], r["coordinate"]["dp_shard"]) == (
+            r["rank"] // 2, r["rank"] % 2), r["coordinate"]
+        assert r["mesh_coordinate"] == {
+            k: r["coordinate"][k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+        assert r["device"] == "cpu"
+        # Ray starts workers at niceness 15; MeshConfig sets every thread to 0, like
+        # torchrun's ranks (the namespace nodes run as root, who may lower it).
+        assert r["niceness"] == [0], r["niceness"]
         env = r["env"]
         assert env["NCCL_SOCKET_IFNAME"] == "=tailscale0"
         assert env["GLOO_SOCKET_IFNAME"] == "tailscale0"

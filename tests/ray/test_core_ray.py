@@ -67,6 +67,11 @@ def _records(out: Path, n: int) -> list[dict]:
     return [json.loads((out / f"{r}.json").read_text()) for r in range(n)]
 
 
+# Slow tier (~23 s): the same checks (groups and sums of every named and flattened dim,
+# coordinates, the env MeshConfig sets, niceness 0 on every thread) run in the default tier
+# on the HSDP run across two namespace nodes (tests/netns/test_multinode.py); the mesh's
+# groups for a layout are checked under torchrun (tests/dist/test_bootstrap.py).
+@pytest.mark.slow
 def test_tutorial_hsdp_groups_collectives_and_env(ray_local, storage, tmp_path, monkeypatch):
     import ray_mesh
 
