@@ -99,7 +99,7 @@ def test_hsdp_across_two_nodes_and_bad_runs(cluster, tmp_path):
     assert "unequal number of workers" in uneq["error"]
     assert f"{ips[0]}" in uneq["error"] and ": 3" in uneq["error"] and ": 1" in uneq["error"]
 
-    # --- the good run, after three failed ones from the same driver
+    # --- the good run, after two failed ones (decoy, unequal placement) from the same driver
     good = out["good"]
     assert good["ok"], good.get("error")
     everyone = sorted(good["everyone"], key=lambda r: r["rank"])
