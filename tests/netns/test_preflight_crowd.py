@@ -9,7 +9,8 @@ of them, each client trickling a byte every 0.5 s and never sending the nonce:
   address the listeners must serve.
 
 The pre-flight must pass within its bound, the probes must not wait for a serving slot,
-strangers must be closed at once and the node's crowd by the nonce deadline.
+strangers must be closed at once and the node's crowd no later than the nonce deadline (the
+listeners close with the pre-flight, before it; tests/unit/test_gate_crowd.py reaches it).
 """
 
 from __future__ import annotations
@@ -188,5 +189,8 @@ def test_preflight_passes_through_a_stranger_crowd_and_a_peer_crowd(net):
         assert out["lifetimes"], (src, at, out)
         if src == 3:  # strangers: closed right after accept
             assert max(out["lifetimes"]) < NONCE_TIMEOUT_S / 2, (src, at, out)
-        else:  # a run node's own address: served up to the nonce deadline, not beyond
+        else:  # a run node's own address: served, but never past the nonce deadline.
+            # The pre-flight (~0.4 s) closes its listeners before that deadline comes, so
+            # here this is only the upper bound; the deadline itself, reached by a
+            # trickling crowd, is tests/unit/test_gate_crowd.py's.
             assert max(out["lifetimes"]) < NONCE_TIMEOUT_S + 0.2 + 1.0, (src, at, out)
