@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                     "AWS_EC2_METADATA_DISABLED": "true"}
 START_TIMEOUT_S = 60.0
+PORT_ATTEMPTS = 4  # ports tried when the chosen one is taken where the server listens
 KEY_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
@@ -72,19 +73,30 @@ class S3Server:
         it serves (default: the one it makes at start)."""
         from ray_mesh.cli.storage_guard import read_key_file, write_key_file
 
-        self.bucket, self.host, self.port = bucket, host, free_port()
-        self.endpoint = f"http://{host}:{self.port}"
+        self.bucket, self.host = bucket, host
         self.key_dir = Path(tempfile.mkdtemp(prefix="ray_mesh_s3key_"))  # 0700, shared
         key_file = self.key_dir / "storage.env"
         if credentials is not None:
             write_key_file(key_file, (credentials[KEY_NAMES[0]], credentials[KEY_NAMES[1]]))
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "ray_mesh.cli", "storage", "serve", "--host", host,
-             "--port", str(self.port), "--bucket", bucket, "--key-file", str(key_file)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-        self.banner = self._wait_ready()
+        # The port is free here, but the server may listen in another network namespace (a
+        # virtual node's), where a Ray process can hold it (seen once: "Address already in
+        # use" on the head's tailnet address): another port then, a few times.
+        for attempt in range(PORT_ATTEMPTS):
+            self.port = free_port()
+            self.endpoint = f"http://{host}:{self.port}"
+            self.proc = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "ray_mesh.cli", "storage", "serve", "--host",
+                 host, "--port", str(self.port), "--bucket", bucket, "--key-file",
+                 str(key_file)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+            try:
+                self.banner = self._wait_ready()
+                break
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                    raise
         key = read_key_file(key_file)
         self.credentials = {KEY_NAMES[0]: key[0], KEY_NAMES[1]: key[1],
                             "AWS_EC2_METADATA_DISABLED": "true"}
