@@ -37,14 +37,24 @@ def log_line(config: dict, line: str) -> None:
         f.write(f"{line} @{time.time():.2f}\n")
 
 
+# The DiLoCo train function's (tests/helpers/_diloco_train.py) and its reference's.
+DILOCO_DROPOUT = 0.2
+
+
+def make_model(dropout: float) -> nn.Module:
+    """The checkpoint tests' MLP, seeded: the train functions and their Ray-free references
+    (tests/helpers/_ckpt_reference.py) build the same one. ``dropout``: random draws in every
+    step, so a resume is bitwise only when the random state is restored with the checkpoint
+    (0: none)."""
+    torch.manual_seed(0)
+    drop = [nn.Dropout(dropout)] if dropout else []
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), *drop, nn.Linear(16, 6))
+
+
 def train_loop(config: dict) -> None:
     mesh = ray_mesh.get_mesh()
     rank = torch.distributed.get_rank()
-    torch.manual_seed(0)
-    # config["dropout"]: random draws in every step, so a resume is bitwise only when the
-    # random state is restored with the checkpoint.
-    drop = [nn.Dropout(config["dropout"])] if config.get("dropout") else []
-    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), *drop, nn.Linear(16, 6))
+    model = make_model(config.get("dropout", 0.0))
     fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
     optim = torch.optim.AdamW(model.parameters(), lr=0.02)
     ckpt = Checkpointer(model, optim, every=config["every"],

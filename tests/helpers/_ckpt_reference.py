@@ -34,7 +34,7 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import ray_mesh  # noqa: E402
-from harness.ckpt_train import batch  # noqa: E402
+from harness.ckpt_train import DILOCO_DROPOUT, batch, make_model  # noqa: E402
 from ray_mesh.checkpointing import full_model_state  # noqa: E402
 from ray_mesh.parallel import dp_rank as dp_rank_of  # noqa: E402
 from ray_mesh.parallel import parallelize, replicate_dp_mode, wrap_replicate  # noqa: E402
@@ -62,9 +62,7 @@ def rank_main(rank: int, mode: str, out: str, port: int, steps: int) -> None:
 
 def hsdp(rank: int, out: str, steps: int) -> None:
     mesh = ray_mesh.init_mesh(ray_mesh.MeshSpec(dp_replicate=2, dp_shard=2))
-    # as harness/ckpt_train.train_loop with config {"dropout": 0.3}
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 6))
+    model = make_model(0.3)  # as harness/ckpt_train.train_loop with config {"dropout": 0.3}
     fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
     optim = torch.optim.AdamW(model.parameters(), lr=0.02)
     dp_rank = dp_rank_of(mesh)
@@ -83,9 +81,7 @@ def hsdp(rank: int, out: str, steps: int) -> None:
 def diloco(rank: int, out: str, steps: int) -> None:
     """As tests/helpers/_diloco_train.train_loop, less its checkpoints and log."""
     mesh = ray_mesh.init_mesh(layout=DILOCO_LAYOUT)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 6))
-    model = parallelize(model, mesh, dp=replicate_dp_mode())
+    model = parallelize(make_model(DILOCO_DROPOUT), mesh, dp=replicate_dp_mode())
     optim = torch.optim.AdamW(model.parameters(), lr=0.02)
     dl = wrap_replicate(model, mesh)
     replica = mesh["dp_replicate"].get_local_rank()

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import ray_mesh
-from harness.ckpt_train import batch, log_line
+from harness.ckpt_train import DILOCO_DROPOUT, batch, log_line, make_model
 from ray_mesh.checkpointing import Checkpointer
 from ray_mesh.parallel import parallelize, replicate_dp_mode, wrap_replicate
 from ray_mesh.parallel.diloco import replicas_equal
@@ -28,9 +28,7 @@ from ray_mesh.parallel.diloco import replicas_equal
 def train_loop(config: dict) -> None:
     mesh = ray_mesh.get_mesh()
     rank = torch.distributed.get_rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 6))
-    model = parallelize(model, mesh, dp=replicate_dp_mode())
+    model = parallelize(make_model(DILOCO_DROPOUT), mesh, dp=replicate_dp_mode())
     optim = torch.optim.AdamW(model.parameters(), lr=0.02)
     dl = wrap_replicate(model, mesh)
     assert dl is not None, "the test runs with replicate: {mode: diloco}"
