@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ray_mesh.parallel.compose import full_tensor
 from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
@@ -49,15 +49,74 @@ def full_like(local: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
 def to_full(tensors: Sequence[torch.Tensor], likes: Sequence[torch.Tensor | None]
             ) -> list[torch.Tensor]:
     """The full tensors of this rank's shards (a collective on the group's world: every rank
-    of the group calls it with the same list)."""
-    out = []
-    for t, like in zip(tensors, likes, strict=True):
+    of the group calls it with the same list).
+
+    The shards of an FSDP group (every DTensor ``Shard(0)`` on one 1-D mesh) go in one
+    all-gather per dtype (:func:`_gather_dim0`); any other layout, one gather per tensor.
+    Per tensor, a 2-rank group at 0.2 cores a rank took 0.23-0.43 s a step for the LM's
+    ~30 tensors, on the critical path of every boundary."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    batched = _dim0_batch(likes)
+    if batched is not None:
+        for dtype in {tensors[i].dtype for i in batched}:
+            idx = [i for i in batched if tensors[i].dtype == dtype]
+            for i, full in zip(idx, _gather_dim0([tensors[i] for i in idx],
+                                                 [likes[i] for i in idx]), strict=True):
+                out[i] = full
+    for i, (t, like) in enumerate(zip(tensors, likes, strict=True)):
+        if out[i] is not None:
+            continue
         if isinstance(like, DTensor):
             dt = DTensor.from_local(t, like.device_mesh, like.placements, run_check=False,
                                     shape=like.shape, stride=like.stride())
-            out.append(full_tensor(dt))
+            out[i] = full_tensor(dt)
         else:
-            out.append(t)
+            out[i] = t
+    return out  # type: ignore[return-value]
+
+
+def _dim0_batch(likes: Sequence[torch.Tensor | None]) -> list[int] | None:
+    """The indices of ``likes`` that are DTensors sharded on dim 0 over one 1-D mesh (the
+    same mesh for all), or None when there are none or their meshes differ."""
+    idx = [i for i, lk in enumerate(likes) if isinstance(lk, DTensor)]
+    if not idx:
+        return None
+    meshes = {id(likes[i].device_mesh) for i in idx}  # type: ignore[union-attr]
+    mesh = likes[idx[0]].device_mesh  # type: ignore[union-attr]
+    if len(meshes) != 1 or mesh.ndim != 1:
+        return None
+    picked = [i for i in idx if tuple(likes[i].placements) == (Shard(0),)]  # type: ignore
+    return picked or None
+
+
+def _gather_dim0(locals_: Sequence[torch.Tensor], likes: Sequence[torch.Tensor | None]
+                 ) -> list[torch.Tensor]:
+    """Full tensors of ``Shard(0)`` shards on one 1-D mesh in one all-gather: each rank's
+    shards, each padded to the largest rank's rows (``torch.chunk``'s split, as DTensor
+    cuts), go in one flat buffer; each full tensor is the ranks' rows back to back."""
+    mesh = likes[0].device_mesh  # type: ignore[union-attr]
+    group, size = mesh.get_group(), mesh.size()
+    shapes = [tuple(lk.shape) for lk in likes]  # type: ignore[union-attr]
+    chunk = [-(-s[0] // size) if s else 0 for s in shapes]  # rows a full chunk holds
+    row = [int(torch.Size(s[1:]).numel()) for s in shapes]
+    padded = [c * r for c, r in zip(chunk, row, strict=True)]
+    device, dtype = locals_[0].device, locals_[0].dtype
+    mine = torch.zeros(sum(padded), dtype=dtype, device=device)
+    at = 0
+    for t, n in zip(locals_, padded, strict=True):
+        flat = t.detach().reshape(-1)
+        mine[at:at + flat.numel()].copy_(flat)
+        at += n
+    everyone = torch.empty(size * mine.numel(), dtype=dtype, device=device)
+    dist.all_gather_single(everyone, mine, group=group)
+    per_rank = everyone.view(size, -1)
+    out, at = [], 0
+    for s, c, r, n in zip(shapes, chunk, row, padded, strict=True):
+        rows = [max(0, min(c, s[0] - k * c)) for k in range(size)]  # rank k's real rows
+        parts = [per_rank[k, at:at + rows[k] * r] for k in range(size) if rows[k]]
+        out.append(torch.cat(parts).view(s) if parts else torch.empty(s, dtype=dtype,
+                                                                      device=device))
+        at += n
     return out
 
 
