@@ -45,8 +45,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_reference_run import reference_beside
 from moto_s3 import KEY_NAMES, S3Server, new_credentials
-from ports import free_port
 from require_all import SLOW_ENV
 
 from harness.ckpt_train import attempts, steps
@@ -55,7 +55,6 @@ from harness.netns import REPO, NetnsCluster, netns_unavailable_reason
 pytestmark = [pytest.mark.ray, pytest.mark.netns]
 
 DRIVER = Path(__file__).resolve().parents[1] / "helpers" / "_ckpt_elastic_driver.py"
-REFERENCE = DRIVER.with_name("_ckpt_reference.py")
 STEPS = 10  # as in the driver
 
 
@@ -196,17 +195,9 @@ def test_bucket_resume_is_bitwise_tampering_refused_and_status_reads_it(cluster,
     uninterrupted run under Ray Train ends with (it replaced one, whose bring-up of 4 workers
     cost ~25 s; its ~7 s run beside the killed one's start)."""
     os.chmod(tmp_path, 0o777)  # the driver runs in the head's namespace
-    with open(tmp_path / "reference.out", "w") as out:
-        ref = subprocess.Popen([sys.executable, str(REFERENCE), str(tmp_path / "ref.pt"),
-                                str(free_port())], stdout=out, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
+    with reference_beside(tmp_path / "ref.pt", tmp_path):
         res = _result(_launch(cluster, "kill", tmp_path), tmp_path, "kill", 400)
         assert res["ok"], res
-        rc = ref.wait(timeout=300)
-    finally:
-        ref.kill()
-    assert rc == 0, (tmp_path / "reference.out").read_text()[-3000:]
     first, second = attempts(tmp_path / "kill.log")
     assert steps(first) == [1, 2, 3, 4], first
     assert second[0].startswith("start 4 checkpoint_00000004_"), second  # from the bucket

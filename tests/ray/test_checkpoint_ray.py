@@ -19,15 +19,12 @@ default tier on the WireGuard cluster (tests/netns/test_checkpoint_netns.py).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from ports import free_port
+from ckpt_reference_run import reference_beside
 from ray_fit import fit
 
 from harness.ckpt_train import attempts, steps
@@ -36,7 +33,6 @@ from ray_mesh.cli.job import Job
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "harness" / "ckpt_train.py") + ":train_loop"
-REFERENCE = REPO / "tests" / "helpers" / "_ckpt_reference.py"
 STEPS = 12
 EVERY = 3
 
@@ -64,13 +60,6 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     storage = str(tmp_path / "results")
 
-    # The uninterrupted reference, without Ray, beside the run (see the module docstring).
-    with open(tmp_path / "reference.out", "w") as out:
-        ref = subprocess.Popen([sys.executable, str(REFERENCE), str(tmp_path / "ref.pt"),
-                                str(free_port()), str(STEPS)], stdout=out,
-                               stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-
     # Async saves; at step 10 rank 1 flips a bit in a shard of checkpoint 6 (the newest one
     # Ray has registered; checkpoint 9 is still being written, without marker) and SIGKILLs
     # itself. Ray restarts the group; 6 is skipped as corrupt, 9 is not complete: step 3.
@@ -82,12 +71,9 @@ def test_kill_resume_corrupt_bitwise(ray_local, tmp_path, monkeypatch):
     cfg = {"async_save": True, "kill_at": 10, "kill_marker": str(tmp_path / "killed"),
            "corrupt": str(run_dir / "checkpoint_00000006_*"), "corrupt_mode": "flip",
            "dropout": 0.3, "log": str(log), "final": str(tmp_path / "kill.pt")}
-    try:
+    # The uninterrupted reference, without Ray, beside the run (see the module docstring).
+    with reference_beside(tmp_path / "ref.pt", tmp_path, steps=STEPS):
         res = _fit("killed", storage, cfg, max_failures=1)
-        rc = ref.wait(timeout=300)
-    finally:
-        ref.kill()
-    assert rc == 0, (tmp_path / "reference.out").read_text()[-3000:]
     assert res.error is None
     assert (tmp_path / "killed").exists()
     first, second = attempts(log)

@@ -23,16 +23,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pyarrow.fs
 import pytest
 import torch
+from ckpt_reference_run import reference_beside
 from moto_s3 import S3Server
-from ports import free_port
 
 from harness.ckpt_train import attempts, steps
 from ray_mesh.checkpointing import sharded
@@ -41,7 +39,6 @@ from ray_mesh.errors import CheckpointError
 REPO = Path(__file__).resolve().parents[2]
 HSDP_TRAIN = str(REPO / "harness" / "ckpt_train.py") + ":train_loop"
 DILOCO_TRAIN = str(REPO / "tests" / "helpers" / "_diloco_train.py") + ":train_loop"
-REFERENCE = REPO / "tests" / "helpers" / "_ckpt_reference.py"
 
 
 @pytest.fixture(scope="module")
@@ -203,20 +200,12 @@ def test_diloco_outer_state_resumes_from_the_bucket(ray_local, s3, tmp_path, mon
     # The uninterrupted reference: the same training on 2 ranks forked on this host, no Ray
     # (tests/helpers/_ckpt_reference.py: bitwise what an uninterrupted fit ends with, which
     # it replaced, ~15 s of Ray Train bring-up), beside the killed run's start.
-    with open(tmp_path / "reference.out", "w") as out:
-        ref = subprocess.Popen([sys.executable, str(REFERENCE), "diloco", str(tmp_path / "ref"),
-                                str(free_port())], stdout=out, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        log = tmp_path / "kill.log"
+    log = tmp_path / "kill.log"
+    with reference_beside(tmp_path / "ref", tmp_path, mode="diloco"):
         res = _fit(s3, DILOCO_TRAIN, "diloco-killed",
                    {**base, "kill_at": 5, "kill_marker": str(tmp_path / "killed"),
                     "log": str(log), "final": str(tmp_path / "kill")}, mesh, 2,
                    max_failures=1, num_to_keep=4)
-        rc = ref.wait(timeout=300)
-    finally:
-        ref.kill()
-    assert rc == 0, (tmp_path / "reference.out").read_text()[-3000:]
     assert res.error is None
     first, second = attempts(log)
     # checkpoint 4 (after the outer step at 3, between syncs) came back from the bucket
