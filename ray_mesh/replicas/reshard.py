@@ -54,15 +54,12 @@ def to_full(tensors: Sequence[torch.Tensor], likes: Sequence[torch.Tensor | None
     The shards of an FSDP group (every DTensor ``Shard(0)`` on one 1-D mesh) go in one
     all-gather per dtype (:func:`_gather_dim0`); any other layout, one gather per tensor.
     Per tensor, a 2-rank group at 0.2 cores a rank took 0.23-0.43 s a step for the LM's
-    ~30 tensors, on the critical path of every boundary."""
+    39 tensors, on the critical path of every boundary (``benchmarks/reshard_gather.py``)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    batched = _dim0_batch(likes)
-    if batched is not None:
-        for dtype in {tensors[i].dtype for i in batched}:
-            idx = [i for i in batched if tensors[i].dtype == dtype]
-            for i, full in zip(idx, _gather_dim0([tensors[i] for i in idx],
-                                                 [likes[i] for i in idx]), strict=True):
-                out[i] = full
+    for idx in by_dtype(tensors, _dim0_batch(likes) or []):
+        for i, full in zip(idx, _gather_dim0([tensors[i] for i in idx],
+                                             [likes[i] for i in idx]), strict=True):
+            out[i] = full
     for i, (t, like) in enumerate(zip(tensors, likes, strict=True)):
         if out[i] is not None:
             continue
@@ -73,6 +70,16 @@ def to_full(tensors: Sequence[torch.Tensor], likes: Sequence[torch.Tensor | None
         else:
             out[i] = t
     return out  # type: ignore[return-value]
+
+
+def by_dtype(tensors: Sequence[torch.Tensor], picked: Sequence[int]) -> list[list[int]]:
+    """``picked`` (indices of ``tensors``) grouped by dtype, in the order each dtype first
+    appears: the same on every rank, so the ranks' collectives pair up (a set of dtypes is
+    ordered by their hashes, which are addresses and differ between processes)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i in picked:
+        groups.setdefault(tensors[i].dtype, []).append(i)
+    return list(groups.values())
 
 
 def _dim0_batch(likes: Sequence[torch.Tensor | None]) -> list[int] | None:

@@ -38,3 +38,15 @@ def test_int8_lanes_quantize_the_chunks_the_whole_buffer_would():
     parts = [dequantize_int8(*quantize_int8(x[lo:hi]), x[lo:hi])
              for lo, hi in lane_bounds(x.numel(), 3, CHUNK) if hi > lo]
     assert torch.equal(torch.cat(parts), whole)
+
+
+def test_a_gather_per_dtype_goes_in_the_order_the_dtypes_first_appear():
+    """Every rank must issue the per-dtype gathers in one order: first appearance, not a
+    set's (torch.dtype hashes by address, which differs between worker processes)."""
+    from ray_mesh.replicas.reshard import by_dtype
+
+    ts = [torch.zeros(1, dtype=d) for d in
+          (torch.bfloat16, torch.float32, torch.bfloat16, torch.float16, torch.float32)]
+    assert by_dtype(ts, range(5)) == [[0, 2], [1, 4], [3]]
+    assert by_dtype(ts, [4, 3, 0]) == [[4], [3], [0]]
+    assert by_dtype(ts, []) == []
