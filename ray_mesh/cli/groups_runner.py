@@ -147,7 +147,7 @@ def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome
     if any(totals.values()):
         lines.append("  throughput:  " + ", ".join(
             f"{v:.4g} {unit}" for unit, v in totals.items() if v) + " (the reporting groups' "
-            f"rates summed, training steps only); {used} samples used")
+            f"rates summed, each from its first report to its last); {used} samples used")
     elif used and outcome.wall_s > 0:
         lines.append(f"  throughput:  {used} samples used in {outcome.wall_s:.1f} s, "
                      f"{used / outcome.wall_s:.4g} samples/s (start-up included; a 'pace' "

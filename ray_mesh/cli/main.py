@@ -101,7 +101,10 @@ def summary_lines(name: str, outcome) -> list[str]:
         ("steps_per_s", "steps/s"), ("samples_per_s", "samples/s"),
         ("tokens_per_s", "tokens/s")) if k in metrics]
     if rates:
-        lines.append("  throughput:  " + ", ".join(rates) + " (training steps only)")
+        # the recorder's rates span the first report to the last: an evaluation or a
+        # checkpoint between two reports counts, the start-up before the first does not
+        lines.append("  throughput:  " + ", ".join(rates)
+                     + " (first report to last: start-up left out)")
     shown = {k: v for k, v in metrics.items()
              if k not in ("step", "steps_per_s", "samples_per_s", "tokens_per_s")}
     if shown:

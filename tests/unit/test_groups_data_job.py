@@ -113,7 +113,7 @@ def test_the_summary_shows_each_groups_tokens_per_s_and_their_sum():
     # no counts reported: its pace for shares, said as such, and not summed as throughput
     assert "  group 1 (dp_shard=1): pace 4 samples/s, 128 tokens/s, step=5, loss=2.6" in text
     assert "  throughput:  8 samples/s, 256 tokens/s (the reporting groups' rates summed, " \
-           "training steps only); 72 samples used" in text
+           "each from its first report to its last); 72 samples used" in text
     assert "tokens_per_s=" not in text and "replica_groups/" not in text
     # no group reported counts (examples/replica_groups.py): what the run did, start-up in
     result.groups = {0: {"metrics": {"step": 5}}, 1: {"metrics": {"step": 5}}}
