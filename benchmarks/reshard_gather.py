@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, rounds: int, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     model = make_model()
-    for block in model.layers.values() if hasattr(model.layers, "values") else model.layers:
+    for block in model.layers:  # an nn.ModuleList of blocks, each its own FSDP unit
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     likes = list(model.parameters())
