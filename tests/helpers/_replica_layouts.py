@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from harness.replica_train import eval_loss, make_model, samples
+from ray_mesh import shutdown_mesh
 from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.replicas import ReplicaGroup
 
@@ -91,7 +92,10 @@ def main() -> None:
     for run in runs:
         train(gid, layout, int(run["port"]), int(run["steps"]), Path(run["out"]),
               {**os.environ, **run.get("env", {})})
-    dist.destroy_process_group()
+    # not a bare destroy_process_group(): every run's mesh keeps its gloo group alive till
+    # interpreter exit, where a gloo worker can abort the rank after its last line
+    # (ray_mesh.core.teardown); shutdown_mesh frees them all with the interpreter whole
+    shutdown_mesh()
 
 
 def train(gid: int, layout: str, port: int, steps: int, out: Path,
