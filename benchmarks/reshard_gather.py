@@ -50,6 +50,7 @@ def _rank(rank: int, port: int, rounds: int, out) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from ray_mesh import shutdown_mesh
     from ray_mesh.replicas.reshard import to_full
 
     torch.set_num_threads(1)
@@ -75,7 +76,8 @@ def _rank(rank: int, port: int, rounds: int, out) -> None:
     if rank == 0:
         out.put({"tensors": len(likes), "values": sum(p.numel() for p in likes),
                  **{k: v[2:] for k, v in times.items()}})
-    dist.destroy_process_group()
+    del model, grads, likes, got, mesh
+    shutdown_mesh()  # frees the mesh's gloo group now, not at exit (ray_mesh.core.teardown)
 
 
 def measure(rounds: int, cores: float | None) -> dict:
