@@ -269,12 +269,12 @@ NOTES = """\
   the niceness reset alone. Every contender's idle rank 0 polls the baton directory
   (`baton.POLL_S`) while the others run, the same for all of them.
 - **e metrics**: one `MeshConfig` run per repeat, windows alternate plain / with every step's
-  loss handed to `ReportRecorder.observe` (what ray_mesh adds to a `ray.train.report`; paired
+  loss handed to `ReportRecorder.observe` (what `ray_mesh.report` adds to `ray.train.report`; paired
   median of metered/plain); plus the cost of one `observe` call (20 000 calls; the recorder
   flushes every 2 s and 20 000 calls take well under that, so no flush falls in that figure,
   while the step windows above do include the flushes that fall in them). Figures dated
   before 2026-11-25 measured the former `StepMeter.step()` instead (removed: one way to
-  report a step, `ray.train.report`). Which of the two window
+  report a step, `ray_mesh.report`). Which of the two window
   kinds comes first alternates from run to run (since 2026-11-23; before, plain first).
 - **c cross-node**: namespace cluster (2 nodes x 2 workers, veth + bridge, `tailscale0`);
   each node's local rank 0 reads its own `/sys/class/net/tailscale0/statistics` around the

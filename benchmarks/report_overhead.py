@@ -1,11 +1,11 @@
-"""Per-report cost of ray_mesh's bookkeeping on ``ray.train.report`` as a fraction of a step.
+"""Per-report cost of ray_mesh's bookkeeping (``ray_mesh.report``) as a fraction of a step.
 
     python benchmarks/report_overhead.py [--steps 2000]
 
 Runs in a Ray actor (where ``ray.util.metrics`` exports, as in a Train worker) the HSDP
 example's toy model (a small step: the worst case for a fixed per-step cost), one process,
-one optimizer step per step. What is added per step is what ray_mesh's wrapper of
-``ray.train.report`` does before handing the dict on, ``ReportRecorder.observe({"step",
+one optimizer step per step. What is added per step is what ``ray_mesh.report`` does
+before handing the dict to ``ray.train.report``, ``ReportRecorder.observe({"step",
 "loss"})`` (a dict update per call, Ray metric writes every 2 s; no progress line: that is
 rank 0's, at most one a second); the report itself is Ray Train's cost, see docs/monitoring.md.
 Statistic ``overhead_fraction``: mean cost of one call over 20000 calls / median plain step

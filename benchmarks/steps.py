@@ -2,7 +2,7 @@
 
 Same model and HSDP mesh as the step benchmark (``paired.py``); timing windows
 (``workloads.time_windows``) alternate with and without ray_mesh's report bookkeeping on every
-step (``ReportRecorder.observe``: what ray_mesh adds to each ``ray.train.report``, without the
+step (``ReportRecorder.observe``: what ``ray_mesh.report`` adds to ``ray.train.report``, without the
 report's own wait for Ray Train's controller).
 """
 

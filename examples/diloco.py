@@ -56,7 +56,7 @@ def train_loop(config: dict) -> None:
         if dl is not None:
             dl.step()  # the outer step, on the steps it is due
         metrics = {"loss": loss.item(), **(dl.metrics() if dl is not None else {})}
-        # ray.train.report, through the Checkpointer (which saves when due): ray_mesh shows
+        # ray_mesh.report, through the Checkpointer (which saves when due): ray_mesh shows
         # rank 0's progress line (at most one a second) and exports the numbers from it.
         ckpt.report(step + 1, metrics, data_position={"next_step": step + 1})
     if dl is not None:

@@ -1,10 +1,11 @@
 """HSDP toy training with ray_mesh metrics: what a monitored run looks like.
 
-The loop only calls ``ray.train.report`` every ``report_every`` steps, with the step, the
-loss and the samples seen so far. ray_mesh reads those reports: rank 0's progress line on
-the console, and step time, steps/s, samples/s, loss and memory in Ray's metrics with this
-rank's mesh coordinate as tags (``ray_mesh.observability.metrics``); the wait sampler adds
-each dim's wait share with no code here. ``probe_dims`` measures every mesh dim's
+The loop only calls ``ray_mesh.report`` (``ray.train.report`` plus ray_mesh's bookkeeping)
+every ``report_every`` steps, with the step, the loss and the samples seen so far. ray_mesh
+reads those reports: rank 0's progress line on the console, and step time, steps/s,
+samples/s, loss and memory in Ray's metrics with this rank's mesh coordinate as tags
+(``ray_mesh.observability.metrics``); the wait sampler adds each dim's wait share with no
+code here. ``probe_dims`` measures every mesh dim's
 all-reduce once at start. Rank 0 saving the mesh layout next to the results is done by the
 backend.
 
@@ -38,8 +39,6 @@ def _batch(step: int, dp_rank: int, batch: int, device: torch.device):
 
 
 def train_loop(config: dict) -> None:
-    import ray.train
-
     mesh = ray_mesh.get_mesh()
     device = ray_mesh.get_state().device
     steps, batch = int(config.get("steps", 60)), int(config.get("batch_size", 16))
@@ -73,7 +72,7 @@ def train_loop(config: dict) -> None:
             flag = float(bool(stop_file) and os.path.exists(stop_file))
             stop = torch.tensor(flag, device=device)
             dist.all_reduce(stop)
-            ray.train.report({"step": step + 1, "loss": avg.item() / dp,
-                              "samples": (step + 1) * batch * dp})
+            ray_mesh.report({"step": step + 1, "loss": avg.item() / dp,
+                             "samples": (step + 1) * batch * dp})
             if stop.item():
                 break

@@ -13,7 +13,6 @@ See docs/replica_groups.md.
 
 from __future__ import annotations
 
-import ray.train
 import torch
 import torch.nn as nn
 
@@ -47,6 +46,6 @@ def train_loop(config: dict) -> None:
         loss.backward()
         rg.commit()  # average with the groups present, optimizer step
         if rg.step % config.get("report_every", 5) == 0 or not rg.running:
-            ray.train.report({"step": rg.step, "loss": float(loss.detach()),
-                              **rg.metrics()})
+            ray_mesh.report({"step": rg.step, "loss": float(loss.detach()),
+                             **rg.metrics()})
     rg.finish()

@@ -138,6 +138,4 @@ def train_loop(config: dict) -> None:
     if log and rank == 0:
         with (Path(config["log_dir"]) / f"g{gid}.final.json").open("a") as f:
             f.write(json.dumps({**final, "attempt": rg.incarnation}) + "\n")
-    import ray.train
-
-    ray.train.report(final)
+    ray_mesh.report(final)

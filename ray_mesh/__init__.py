@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what type checkers, editors and the API reference see
     )
     from ray_mesh.observability.dim_probe import probe_dims
     from ray_mesh.observability.owner import watch_mesh
-    from ray_mesh.observability.progress import report_due, report_progress
+    from ray_mesh.observability.report import report, report_due, report_progress
     from ray_mesh.planning.inputs import PlanInputs
     from ray_mesh.raytrain.backend import MeshConfig
     from ray_mesh.raytrain.data import MeshDataConfig, ResumableShard
@@ -75,6 +75,7 @@ __all__ = [
     "parse_layout",
     "probe_dims",
     "replica_group",
+    "report",
     "report_due",
     "report_progress",
     "run_storage",
@@ -105,8 +106,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "PlanInputs": ("ray_mesh.planning.inputs", "PlanInputs"),
     "probe_dims": ("ray_mesh.observability.dim_probe", "probe_dims"),
     "watch_mesh": ("ray_mesh.observability.owner", "watch_mesh"),
-    "report_due": ("ray_mesh.observability.progress", "report_due"),
-    "report_progress": ("ray_mesh.observability.progress", "report_progress"),
+    "report": ("ray_mesh.observability.report", "report"),
+    "report_due": ("ray_mesh.observability.report", "report_due"),
+    "report_progress": ("ray_mesh.observability.report", "report_progress"),
     "parallel": ("ray_mesh.parallel", ""),  # TP/FSDP/PP helpers: the subpackage itself
 }
 

@@ -44,6 +44,7 @@ from ray_mesh.checkpointing.sharded import CheckpointError, Progress
 from ray_mesh.checkpointing.staging import StagingDir
 from ray_mesh.checkpointing.storage import check_seen_by_all_ranks
 from ray_mesh.core.safe import safe_text
+from ray_mesh.observability.report import record
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +327,7 @@ class Checkpointer:
         data_position: Mapping[str, Any] | None = None,
         save: bool | None = None,
     ) -> None:
-        """``ray.train.report`` for ``step`` (steps done so far), with a checkpoint when due.
+        """``ray_mesh.report`` for ``step`` (steps done so far), with a checkpoint when due.
 
         Call it on every rank, once per step you report. ``data_position`` is what your data
         loader needs to continue after ``step`` (e.g. epoch and offset); it must be the same on
@@ -347,11 +348,13 @@ class Checkpointer:
     def _report(self, metrics: dict[str, Any], step: int,
                 attach: tuple[Checkpoint, Progress] | None) -> None:
         metrics.setdefault("step", step)
+        if attach is not None:
+            metrics["checkpoint_step"] = attach[1].step
+        record(metrics)  # ray_mesh's progress line, metrics and summary (ray_mesh.report)
         if attach is None:
             ray.train.report(metrics)
             return
         checkpoint, progress = attach
-        metrics["checkpoint_step"] = progress.step
         name = sharded.dir_name(progress.step, self._tag)
         if self.upload:
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,

@@ -7,8 +7,8 @@ progress clock still holding its first step):
 * ``start(mesh)`` creates them in order: the metrics exporter and the report recorder
   first (they need nothing), then the hang watch (it bounds the mesh's groups), then the
   wait sampler (it samples the training thread and exports through the exporter);
-* ``train_thread()`` is the training thread's part: the sampler watches that thread and
-  ``ray.train.report`` feeds the recorder for the duration of the train function;
+* ``train_thread()`` is the training thread's part: the sampler watches that thread, and
+  the recorder (fed by ``ray_mesh.report``) saves the run's summary at its end;
 * ``stop()`` stops them in reverse order and forgets the owner; ``start`` after ``stop``
   builds everything afresh.
 
@@ -34,7 +34,7 @@ from ray_mesh.errors import CollectiveHangError
 from ray_mesh.observability import active, progress
 from ray_mesh.observability.export import Exporter, WindowExporter
 from ray_mesh.observability.hang import HangWatch, mesh_groups, start_watch
-from ray_mesh.observability.report import ReportRecorder, wrap_train_report
+from ray_mesh.observability.report import ReportRecorder, recording
 from ray_mesh.observability.waits import DEFAULT_INTERVAL_S, WaitSampler
 
 logger = logging.getLogger(__name__)
@@ -132,13 +132,14 @@ class Observability:
     @contextmanager
     def train_thread(self) -> Iterator[None]:
         """Entered in the training thread for the train function: the sampler samples this
-        thread only, and ``ray.train.report`` feeds the recorder (``report.wrap_train_report``)."""
+        thread only; at its end the recorder saves the run's summary (``report.recording``;
+        ``ray_mesh.report`` feeds the recorder)."""
         if self.sampler is not None:
             self.sampler.watch_thread()
         if self.recorder is None:
             yield
             return
-        with wrap_train_report(self.recorder):
+        with recording(self.recorder):
             yield
 
     def explain(self, exc: BaseException | None) -> CollectiveHangError | None:

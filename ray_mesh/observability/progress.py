@@ -1,7 +1,7 @@
-"""The console's progress line, read from what the train function passes to ``ray.train.report``.
+"""The console's progress line, read from what the train function passes to ``ray_mesh.report``.
 
-A run's progress is what its reports say: ``ray.train.report({"step": 10, "loss": 0.4})`` on
-every rank, as Ray Train documents it, and ray_mesh's report recorder
+A run's progress is what its reports say: ``ray_mesh.report({"step": 10, "loss": 0.4})`` on
+every rank (``ray.train.report`` with ray_mesh's bookkeeping), and ray_mesh's report recorder
 (:mod:`ray_mesh.observability.report`) shows one line per report on world rank 0::
 
     hsdp: step 10/40 loss 0.4053  23.1 steps/s  1481 samples/s  ETA 1s
@@ -89,40 +89,3 @@ def show(line: str) -> None:
     """One line on the driver's console, once (see the module docstring)."""
     logger.info("%s", line)
 
-
-def report_progress(name: str, metrics: dict[str, float], total_steps: int | None = None
-                    ) -> None:
-    """Report ``metrics`` the way the run was started; call it on every rank.
-
-    Under Ray Train: ``ray.train.report(metrics)``, and ray_mesh's recorder shows the progress
-    line on the driver, exports the numbers and the run's summary reads them. Under torchrun
-    (no Ray Train) world rank 0 prints the same line itself. So one train function serves
-    both launchers (the examples are run either way).
-
-    Stability: experimental
-    """
-    from ray_mesh.core.runtime import in_ray_train
-
-    if in_ray_train():
-        import ray.train
-
-        ray.train.report(metrics)
-        return
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(progress_line(name, metrics.get("step", 0), total_steps, metrics,
-                            carried_rates(metrics)),
-              flush=True)
-
-
-def report_due(step: int, steps: int, every: int) -> bool:
-    """Whether 0-based ``step`` of ``steps`` reports: the first, every ``every``-th and the
-    last (the same answer on every rank, so every rank reports together).
-
-    Stability: experimental
-    """
-    return step == 0 or (step + 1) % every == 0 or step + 1 == steps
-
-
-__all__ = ["report_due", "report_progress"]

@@ -1,12 +1,14 @@
-"""Every number a train function passes to ``ray.train.report`` becomes a metric, a progress
-line and the run's summary, with no extra code.
+"""Every number a train function reports becomes a metric, a progress line and the run's
+summary: :func:`report` is ``ray.train.report`` plus that.
 
-The one way to report a step is Ray Train's own: ``ray.train.report(metrics)`` on every rank.
-Inside a ``MeshConfig`` run, the training thread's context (``raytrain.backend``) wraps the
-public ``ray.train.report`` for the duration of the train function (:func:`wrap_train_report`)
-and hands each dict to this process's :class:`ReportRecorder` before passing it on. Why wrap
-rather than ask for a call of ours: the metrics then come from code that already exists,
-unchanged, and the wrapper only looks at the dict.
+A step is reported with ``ray_mesh.report(metrics)`` on every rank (same arguments as
+``ray.train.report``, which it calls), or with :func:`report_progress`, which is
+:func:`report` under Ray Train and a progress line printed on rank 0 under torchrun. Each
+dict goes to this process's :class:`ReportRecorder`, the running observability owner's
+(``observability.active``), then to Ray Train. Why a call of ours rather than a wrapper
+around Ray's: a replaced ``ray.train.report`` misses every name bound before it was
+replaced (``from ray.train import report``) and changes a library function under code that
+did not ask for it; an explicit call is seen wherever it is bound and says what it does.
 
 What the recorder takes from a report (all optional):
 
@@ -36,6 +38,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ray_mesh.errors import ConfigurationError
+from ray_mesh.observability import active
 from ray_mesh.observability.export import Exporter, mesh_tags, run_name
 from ray_mesh.observability.progress import carried_rates, progress_line
 
@@ -226,32 +230,85 @@ class ReportRecorder:
         return out
 
 
-@contextmanager
-def wrap_train_report(recorder: ReportRecorder) -> Iterator[None]:
-    """While active, ``ray.train.report`` also hands its metrics to ``recorder``.
+def report(metrics: dict[str, Any], checkpoint: Any = None, **kwargs: Any) -> None:
+    """Report a step: ``ray.train.report(metrics, checkpoint, **kwargs)``, and ray_mesh's
+    progress line, metrics and run summary from the numbers in ``metrics``.
 
-    Wraps the public ``ray.train.report`` attribute: code that calls ``ray.train.report(...)``
-    (the documented form, and ``Checkpointer``) is seen; a name bound earlier with
-    ``from ray.train import report`` is not, and still works unchanged. At the end the last
-    window is flushed and rank 0 saves the summary (:func:`save_summary`).
+    Call it on every rank where you would call ``ray.train.report`` (same arguments, same
+    wait for Ray Train's controller). A plain ``ray.train.report`` still works and still
+    saves checkpoints, but ray_mesh sees nothing of it: no progress line, no
+    ``ray_mesh_report_*`` series, no summary. Outside Ray Train there is no Ray report to
+    make: use :func:`report_progress`, which serves both launchers.
+
+    Stability: experimental
     """
+    from ray_mesh.core.runtime import in_ray_train
+
+    if not in_ray_train():
+        raise ConfigurationError(
+            "ray_mesh.report() runs inside a Ray Train worker (a TorchTrainer's train "
+            "function); here there is no Ray Train run to report to. Under torchrun call "
+            "ray_mesh.report_progress(name, metrics, total_steps), which prints the progress "
+            "line on rank 0 there and reports through Ray Train under Ray.")
     import ray.train
 
-    original = ray.train.report
+    record(metrics)
+    ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
 
-    def wrapped(metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        try:
-            recorder.observe(metrics)
-        except Exception:  # noqa: BLE001 - recording must never break a report
-            logger.debug("ray_mesh: could not record reported metrics", exc_info=True)
-        return original(metrics, *args, **kwargs)
 
-    wrapped.__doc__, wrapped.__wrapped__ = original.__doc__, original  # type: ignore[attr-defined]
-    ray.train.report = wrapped
+def record(metrics: dict[str, Any]) -> None:
+    """Hand ``metrics`` to the running owner's recorder, if any; never raises (recording
+    must never break a report)."""
+    recorder = getattr(active.current(), "recorder", None)
+    if recorder is None:
+        return
+    try:
+        recorder.observe(metrics)
+    except Exception:  # noqa: BLE001 - recording must never break a report
+        logger.debug("ray_mesh: could not record reported metrics", exc_info=True)
+
+
+def report_progress(name: str, metrics: dict[str, float], total_steps: int | None = None
+                    ) -> None:
+    """Report ``metrics`` the way the run was started; call it on every rank.
+
+    Under Ray Train: :func:`report` (``ray.train.report`` and ray_mesh's recorder: the
+    progress line on the driver, the exported numbers, the run's summary). Under torchrun
+    (no Ray Train) world rank 0 prints the same line itself. So one train function serves
+    both launchers (the examples are run either way).
+
+    Stability: experimental
+    """
+    from ray_mesh.core.runtime import in_ray_train
+
+    if in_ray_train():
+        report(metrics)
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(progress_line(name, metrics.get("step", 0), total_steps, metrics,
+                            carried_rates(metrics)),
+              flush=True)
+
+
+def report_due(step: int, steps: int, every: int) -> bool:
+    """Whether 0-based ``step`` of ``steps`` reports: the first, every ``every``-th and the
+    last (the same answer on every rank, so every rank reports together).
+
+    Stability: experimental
+    """
+    return step == 0 or (step + 1) % every == 0 or step + 1 == steps
+
+
+@contextmanager
+def recording(recorder: ReportRecorder) -> Iterator[None]:
+    """For the duration of the train function: at its end the last window is flushed and
+    rank 0 saves the summary (:func:`save_summary`). Reports reach ``recorder`` through
+    :func:`report` (the running owner's), never by replacing Ray's function."""
     try:
         yield
     finally:
-        ray.train.report = original
         recorder.flush()
         save_summary(recorder)
 
@@ -264,13 +321,15 @@ def save_summary(recorder: ReportRecorder) -> None:
     directory (through Ray Train's storage filesystem, as the layout is), for the driver's
     final summary: Ray Train keeps a report's metrics in ``Result`` only when the report
     carried a checkpoint (upstream: ray-train-result-metrics-need-checkpoint). Never raises."""
+    if not recorder.calls:  # nothing reported (or not through ray_mesh.report)
+        return
     try:
         import json
 
         import ray.train
 
         ctx = ray.train.get_context()
-        if ctx.get_world_rank() != 0 or not recorder.calls:
+        if ctx.get_world_rank() != 0:
             return
         storage = ctx.get_storage()
         fs, run_dir = storage.storage_filesystem, storage.experiment_fs_path
@@ -329,3 +388,6 @@ def last_report(result: Any, since: float | None = None) -> tuple[dict[str, Any]
     at = saved.get("saved_at")
     fresh = since is None or not isinstance(at, int | float) or at >= since - CLOCK_SKEW_S
     return {**saved.get("last", {}), **dict(result.metrics or {})}, fresh
+
+
+__all__ = ["report", "report_due", "report_progress"]

@@ -117,9 +117,10 @@ class MeshConfig(MeshOptions, TorchConfig):
         total_steps: the run's number of steps, for the progress line's ``step i/N`` and
             its ETA (``ray-mesh run`` passes the job's ``config.steps``); None: unknown.
 
-    Inside the train function, ``ray.train.report`` also feeds ray_mesh's metrics and
-    console (see ``ray_mesh.observability.report``): every number reported becomes a
-    mesh-tagged metric, and world rank 0 shows a progress line per report.
+    Inside the train function, ``ray_mesh.report`` (``ray.train.report`` with ray_mesh's
+    bookkeeping) feeds ray_mesh's metrics and console (see ``ray_mesh.observability.report``):
+    every number reported becomes a mesh-tagged metric, and world rank 0 shows a progress
+    line per report. A plain ``ray.train.report`` reaches Ray Train alone.
 
     Stability: stable
     """
@@ -203,7 +204,7 @@ class _TrainThreadContext:
     """Entered by Ray Train in the training thread: make the mesh's device current there,
     give threads started since bring-up the workers' niceness, enter the worker's
     observability for the train function (``Observability.train_thread``: the wait sampler
-    watches this thread, ``ray.train.report`` feeds the recorder), and turn an error of a
+    watches this thread, the recorder saves the run's summary at its end), and turn an error of a
     collective the hang watch reported on into a ``CollectiveHangError`` carrying the report."""
 
     def __init__(self) -> None:

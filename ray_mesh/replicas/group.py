@@ -541,7 +541,7 @@ class ReplicaGroup:
             self._broken_epoch = broken
 
     def metrics(self) -> dict[str, float]:
-        """Plain scalars for ``ray.train.report``: ``replica_groups/live`` and friends, and
+        """Plain scalars for ``ray_mesh.report``: ``replica_groups/live`` and friends, and
         the mean seconds per boundary of each of its phases since the last call
         (``replica_groups/meet_s``, ``wait_s``, ``exchange_s``, ``agree_s``: where a step's
         time beyond the compute goes)."""

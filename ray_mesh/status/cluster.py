@@ -357,7 +357,7 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
         out.append(text_table(run["ranks"], LAYOUT_COLUMNS + metric_cols))
     if not metric_cols:
         out.append("(no step metrics yet: they appear ~10-20 s after the train function's "
-                   "first ray.train.report)")
+                   "first ray_mesh.report)")
     if run.get("slow"):
         out += ["Slowest rank per dim, links, verdict:", *format_analysis(run["slow"])]
     if run.get("replica_groups"):

@@ -62,10 +62,10 @@ def slow_proxy(target: str) -> ThreadingHTTPServer:
 
 
 def train_loop(config: dict) -> None:
-    import ray.train
+    import ray_mesh
 
     for step in range(3):
-        ray.train.report({"step": step})
+        ray_mesh.report({"step": step})
 
 
 def main() -> None:

@@ -51,7 +51,7 @@ def write_job(path: Path, *, name: str, mesh: str, steps: int, report: int,
 
 def losses(out: str, steps: int) -> list[float]:
     """The training losses the example printed (rank 0), in step order."""
-    # The progress line ray_mesh shows from each ray.train.report, named after the run.
+    # The progress line ray_mesh shows from each ray_mesh.report, named after the run.
     return [float(x) for x in re.findall(rf"[\w.-]+: step \d+/{steps} loss ([0-9.naif]+)",
                                          out)]
 

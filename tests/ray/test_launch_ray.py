@@ -58,7 +58,7 @@ def f(config):
     for step in range(1, config["steps"] + 1):
         if step == config["steps"] and ray.train.get_context().get_world_rank() == 0:
             hold_log_monitor(config.get("hold_s", 0))
-        ray.train.report({"step": step, "loss": 1.0 / step})
+        ray_mesh.report({"step": step, "loss": 1.0 / step})
 """
 HOLD_S = 3  # the log monitor's pause at the last report (one mesh)
 

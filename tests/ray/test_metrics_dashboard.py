@@ -289,8 +289,8 @@ def test_prometheus_series_carry_mesh_tags_and_plausible_values(cluster):
 
 
 def test_numbers_passed_to_ray_train_report_become_mesh_tagged_series(cluster):
-    """examples/hsdp_metrics.py calls plain ray.train.report; MeshConfig's training-thread
-    context turns each number into ray_mesh_report_<key>, plus a derived step rate."""
+    """examples/hsdp_metrics.py calls ray_mesh.report; the run's recorder turns each number
+    into ray_mesh_report_<key>, plus a derived step rate."""
 
     def ready():
         s = _samples(cluster)

@@ -62,20 +62,54 @@ def test_recorder_derives_step_time_from_the_step_key():
 
 
 def test_one_way_to_report_a_step():
-    """ray.train.report is the way: no ray_mesh.report, no meter object, no log_step."""
+    """ray_mesh.report (Ray Train's report plus the recorder) is the way: no meter object,
+    no log_step, and Ray's own function is never replaced, not even while a run records."""
     import importlib
+
+    import ray.train
 
     import ray_mesh
 
-    assert "report" not in ray_mesh.__all__
-    with pytest.raises(AttributeError):
-        ray_mesh.report  # noqa: B018
+    assert "report" in ray_mesh.__all__ and ray_mesh.report is rep.report
     for gone in ("ray_mesh.observability.meter",):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(gone)
     from ray_mesh.observability import progress
 
-    assert not hasattr(progress, "log_step") and not hasattr(rep, "recorder")
+    assert not hasattr(progress, "log_step") and not hasattr(rep, "wrap_train_report")
+    original = ray.train.report
+    with rep.recording(rep.ReportRecorder()):
+        assert ray.train.report is original
+
+
+def test_report_outside_ray_train_names_the_torchrun_call():
+    """No Ray Train run to report to: refused at once, naming report_progress."""
+    from ray_mesh.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"report_progress\(name, metrics"):
+        rep.report({"step": 1})
+
+
+def test_a_report_reaches_the_running_owners_recorder():
+    """record() hands the dict to the running owner's recorder, and a recorder that fails
+    does not fail the report."""
+    from ray_mesh.observability import active
+
+    class Owner:
+        recorder = rep.ReportRecorder()
+
+    owner = Owner()
+    active.install(owner)
+    try:
+        rep.record({"step": 3, "loss": 0.5})
+        assert owner.recorder.calls == 1 and owner.recorder.latest["loss"] == 0.5
+        owner.recorder = None
+        rep.record({"step": 4})  # no recorder: nothing to do
+        owner.recorder = object()  # no observe(): logged at DEBUG, not raised
+        rep.record({"step": 5})
+    finally:
+        active.clear(owner)
+    rep.record({"step": 6})  # no owner at all
 
 
 # ----------------------------------------------------------------------------- end of a run

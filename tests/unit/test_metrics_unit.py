@@ -91,7 +91,7 @@ class RecordingExporter(Exporter):
 
 
 def test_reports_give_rates_window_metrics_and_summary_from_the_clock():
-    """What a train function passes to ray.train.report is the only input: step, samples,
+    """What a train function passes to ray_mesh.report is the only input: step, samples,
     loss. Rates come from the clock between reports; the window from the last flush."""
     clock, lines, exporter = FakeClock(), [], RecordingExporter()
     rec = ReportRecorder(exporter, name="hsdp", total_steps=40, show=lines.append,

@@ -55,7 +55,7 @@ def test_one_definition():
 def test_report_progress_prints_the_progress_line_outside_ray_train(capsys):
     """The examples' one train function under torchrun (here: no process group, no Ray
     Train): the line ray_mesh's recorder shows under Ray Train, printed by the process."""
-    from ray_mesh.observability.progress import report_due, report_progress
+    from ray_mesh.observability.report import report_due, report_progress
 
     report_progress("hsdp", {"step": 10, "loss": 0.40531}, 40)
     assert capsys.readouterr().out == "hsdp: step 10/40 loss 0.4053\n"

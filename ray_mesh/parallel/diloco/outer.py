@@ -270,7 +270,7 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float | int]:
-        """Numbers to pass to ``ray.train.report`` (or any logger), all plain scalars:
+        """Numbers to pass to ``ray_mesh.report`` (or any logger), all plain scalars:
 
         - ``diloco/inner_step``, ``diloco/outer_step``: counters (an outer step per fragment
           sync with streaming, counted when it lands);
