@@ -106,6 +106,16 @@ def set_mesh_group(mesh: Any, group: Any) -> None:
     mesh._dim_group_names = [group.group_name]
 
 
+def root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced or flattened from (``mesh`` itself for a root mesh).
+
+    Internal: ``DeviceMesh._get_root_mesh`` (torch 2.13.0; a slice ``mesh["tp"]`` and a
+    flattened dim both answer the mesh they came from). Public replacement: none in torch
+    2.13 (a slice keeps no public link to its parent).
+    """
+    return mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+
+
 def release_mesh_groups(mesh: Any) -> list[Any]:
     """Empty the process-group registry of ``mesh``, of its root and of the root's flattened
     meshes; returns the groups they held, each once.
@@ -118,7 +128,7 @@ def release_mesh_groups(mesh: Any) -> list[Any]:
     resolve anyway. Public replacement: none in torch 2.13 (no DeviceMesh teardown, and
     ``destroy_process_group`` leaves the registry alone).
     """
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    root = root_mesh(mesh)
     groups: dict[int, Any] = {}
     for m in (mesh, root, *getattr(root, "_flatten_mapping", {}).values()):
         registry = getattr(m, "_pg_registry", None)

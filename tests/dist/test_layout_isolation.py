@@ -84,11 +84,13 @@ def _worker(rank: int, ports: tuple[int, int], out: str) -> None:
     # 3. a trial of a bf16 layout while that mesh exists: the trial's own mesh carries it
     def make_step(mesh, config):
         config["box"]["trial"] = {**_what_the_helpers_see(mesh), "bf16": _reduced_in_bf16(mesh, 2)}
+        # a slice of it too (torch copies no attribute onto a slice): its root's layout
+        config["box"]["slice"] = _what_the_helpers_see(mesh["dp_shard"])
         return lambda: None
 
     record: dict = {"box": {}}  # run_trials hands make_step a copy of the mapping
     run_trials([parse_layout(TRIAL)], make_step, record, steps=1, budget_s=60)
-    seen["trial"] = record["box"]["trial"]
+    seen["trial"], seen["slice"] = record["box"]["trial"], record["box"]["slice"]
     # 4. and after it, the process's mesh is as it was
     seen["after_trial"] = {**_what_the_helpers_see(), "bf16": _reduced_in_bf16(state.mesh, 3)}
     gc.collect()
@@ -109,5 +111,7 @@ def test_layouts_and_trials_one_after_another_do_not_see_each_other(tmp_path):
         # the trial's mesh reduces in its own dtype...
         assert seen["trial"] == {"layout": TRIAL, "diloco": None, "dp_mode": "auto",
                                  "wrapped": False, "bf16": True}, seen
+        # a slice of the trial's mesh: the trial's layout, not none (fp32/sync)
+        assert seen["slice"] == {k: v for k, v in seen["trial"].items() if k != "bf16"}, seen
         # ...and changed nothing for the process's mesh
         assert seen["after_trial"] == seen["second"], seen

@@ -138,6 +138,18 @@ print("ok")
     assert out.strip() == "ok", out
 
 
+def test_root_mesh():
+    out = run_python(FAKE_WORLD + """
+flat = pa.flatten_mesh(mesh[("b", "c")], "bc")
+assert pa.root_mesh(mesh) is mesh
+assert pa.root_mesh(mesh["a"]) is mesh, "a slice no longer answers its root"
+assert pa.root_mesh(mesh[("a", "b")]) is mesh
+assert pa.root_mesh(flat) is mesh, "a flattened dim no longer answers its root"
+print("ok")
+""")
+    assert out.strip() == "ok", out
+
+
 def test_release_mesh_groups():
     out = run_python(FAKE_WORLD + """
 import gc, weakref
