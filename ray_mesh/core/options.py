@@ -43,6 +43,13 @@ class MeshOptions:
         check_option_values({f.name: getattr(self, f.name) for f in fields(MeshOptions)
                              if f.name != "mesh"})
 
+    def worker_options(self) -> MeshOptions:
+        """These options as a plain ``MeshOptions`` for the workers (``mesh`` left None: a
+        worker is given the resolved mesh in its layout). One generic copy, so a new option
+        reaches the workers without a new field anywhere."""
+        return MeshOptions(**{f.name: getattr(self, f.name) for f in fields(MeshOptions)
+                              if f.name != "mesh"})
+
     def options_dict(self) -> dict[str, Any]:
         """Every option by name, the mesh as a dict (for ``MeshConfig.to_dict``)."""
         out = {f.name: getattr(self, f.name) for f in fields(MeshOptions)}

@@ -54,7 +54,12 @@ from ray_mesh.raytrain.links import (
 )
 from ray_mesh.raytrain.preflight import check_worker_group
 from ray_mesh.raytrain.trials import trial_pick
-from ray_mesh.raytrain.worker_setup import WorkerSetup, setup_on_worker, shutdown_on_worker
+from ray_mesh.raytrain.worker_setup import (
+    Placement,
+    WorkerSetup,
+    setup_on_worker,
+    shutdown_on_worker,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -300,17 +305,17 @@ def _setups(plan: MeshPlan, choices: list[Choice], config: MeshConfig, fixed: di
     """What each worker is told at bring-up, in rank order. The layout table and the links
     go to rank 0 only, which alone logs and exports them (each is O(ranks) or O(nodes²):
     sent to every rank, the bring-up carried ranks² rows of table)."""
+    layout = replace(pick.layout if pick else config.layout or Layout(), mesh=plan.spec)
+    options = config.worker_options()
     return [WorkerSetup(
-        spec=plan.spec, rank=w.rank, world_size=len(plan.workers), local_rank=w.local_rank,
-        local_world_size=plan.workers_per_node, node_rank=plan.node_rank(w.rank),
-        fixed_env=fixed, collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults),
-        backend=config.backend, device=w.device, timeout_s=float(config.timeout_s),
-        choice=choices[w.rank], layout_table=table if w.rank == 0 else "",
-        niceness=config.worker_niceness,
-        hang_timeout_s=config.hang_timeout_s, verbose=config.verbose,
-        wait_sample_s=config.wait_sample_s, links=links if w.rank == 0 else None,
-        total_steps=config.total_steps,
-        layout=replace(pick.layout if pick else config.layout or Layout(), mesh=plan.spec),
+        placement=Placement(
+            rank=w.rank, world_size=len(plan.workers), local_rank=w.local_rank,
+            local_world_size=plan.workers_per_node, node_rank=plan.node_rank(w.rank),
+            device=w.device, choice=choices[w.rank], fixed_env=fixed,
+            collective_env=collective_env(choices[w.rank], config.nccl_vpn_defaults)),
+        layout=layout, options=options, backend=config.backend,
+        timeout_s=float(config.timeout_s), total_steps=config.total_steps,
+        layout_table=table if w.rank == 0 else "", links=links if w.rank == 0 else None,
         picked=pick.why if pick else "") for w in plan.workers]
 
 

@@ -149,6 +149,23 @@ def test_job_file_takes_the_layout_in_one_key_or_from_mesh_and_replicate():
         Job.from_dict({"train": "x.py:f", "layout": "dp_shard=4/fp32/diloco"})
 
 
+def test_workers_get_every_option_whole_and_the_mesh_in_the_layout():
+    """MeshConfig's options reach a worker as one MeshOptions (raytrain.worker_setup), every
+    option as given but the mesh, which the worker gets resolved in its layout."""
+    from dataclasses import fields
+
+    from ray_mesh.core.options import MeshOptions
+    from ray_mesh.raytrain.backend import MeshConfig
+
+    cfg = MeshConfig(mesh="fsdp", hang_timeout_s=7.0, wait_sample_s=None, verbose=True,
+                     worker_niceness=None, link_probe_s=2.0)
+    got = cfg.worker_options()
+    assert type(got) is MeshOptions and got.mesh is None
+    for f in fields(MeshOptions):
+        if f.name != "mesh":
+            assert getattr(got, f.name) == getattr(cfg, f.name), f.name
+
+
 def test_meshconfig_takes_a_layout_and_holds_the_one_it_runs():
     from ray_mesh.raytrain.backend import MeshConfig
 
