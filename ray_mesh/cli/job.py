@@ -46,7 +46,7 @@ from ray_mesh.cli.job_checks import (
 from ray_mesh.core.diloco_config import check_mesh as check_replicate_mesh
 from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.object_store import check_location
-from ray_mesh.core.options import OPTION_DEFAULTS, check_option_values
+from ray_mesh.core.options import OPTION_DEFAULTS, MeshOptions, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
 from ray_mesh.core.values import MAX_SECONDS, brief, describe, read_bool, read_int, read_str
 from ray_mesh.errors import LayoutError, ParallelError, StorageURIError
@@ -123,41 +123,36 @@ class ScalingSection:
 
 @dataclass(frozen=True)
 class NetworkSection:
-    """``network:`` the ``MeshConfig`` options (bring-up, interfaces, process group, priority).
+    """``network:`` the ``MeshConfig`` options (bring-up, interfaces, process group,
+    priority) as one :class:`~ray_mesh.core.options.MeshOptions`, where their defaults and
+    checks live, plus Ray's ``backend`` and ``timeout_s``: left unset they keep
+    ``TorchConfig``'s defaults (nccl on GPUs else gloo; 1800 s). Build it with
+    :meth:`from_dict` (the job file's mapping)."""
 
-    ``backend`` and ``timeout_s`` left unset keep ``TorchConfig``'s defaults (nccl on GPUs
-    else gloo; 1800 s).
-    """
-
-    interface: str = OPTION_DEFAULTS["interface"]
-    bringup_timeout_s: float = OPTION_DEFAULTS["bringup_timeout_s"]
-    allow_cross_node_inner: bool = OPTION_DEFAULTS["allow_cross_node_inner"]
+    options: MeshOptions = field(default_factory=MeshOptions)
     backend: str | None = None
     timeout_s: int | None = None
-    preflight: bool = OPTION_DEFAULTS["preflight"]
-    preflight_timeout_s: float = OPTION_DEFAULTS["preflight_timeout_s"]
-    nccl_vpn_defaults: bool | str = OPTION_DEFAULTS["nccl_vpn_defaults"]
-    worker_niceness: int | None = OPTION_DEFAULTS["worker_niceness"]
-    hang_timeout_s: float | None = OPTION_DEFAULTS["hang_timeout_s"]
-    wait_sample_s: float | None = OPTION_DEFAULTS["wait_sample_s"]
-    measure_links: bool | str = OPTION_DEFAULTS["measure_links"]
-    link_probe_s: float = OPTION_DEFAULTS["link_probe_s"]
 
-    def __post_init__(self) -> None:
+    @classmethod
+    def from_dict(cls, data: Any) -> NetworkSection:
+        values = dict(check_keys("network", data, NETWORK_KEYS))
+        backend, timeout_s = values.pop("backend", None), values.pop("timeout_s", None)
         try:
-            check_option_values({k: v for k, v in self.mesh_config_kwargs().items()
-                                 if k in OPTION_DEFAULTS})
+            check_option_values(values)
         except ValueError as exc:
             raise JobError(f"network.{exc}") from exc
-        check_backend("network.backend", self.backend)
-        read_int("network.timeout_s", self.timeout_s, 1, int(MAX_SECONDS), example=1800,
+        check_backend("network.backend", backend)
+        read_int("network.timeout_s", timeout_s, 1, int(MAX_SECONDS), example=1800,
                  none_ok=True, error=JobError)
+        return cls(MeshOptions(**values), backend, timeout_s)
 
     def mesh_config_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``MeshConfig`` (unset TorchConfig values left out)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {k: v for k, v in out.items()
-                if v is not None or k not in ("backend", "timeout_s")}
+        """Keyword arguments for ``MeshConfig``: every option of the section (the mesh and
+        ``verbose`` are the job's and the command line's), and Ray's fields when set."""
+        out = {k: getattr(self.options, k) for k in OPTION_KEYS}
+        out.update({k: v for k, v in (("backend", self.backend), ("timeout_s", self.timeout_s))
+                    if v is not None})
+        return out
 
 
 @dataclass(frozen=True)
@@ -197,7 +192,8 @@ def _keys(cls: type) -> tuple[str, ...]:
 TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data", "replicate",
             "plan", "layout", "replica_groups")
 SCALING_KEYS = _keys(ScalingSection)
-NETWORK_KEYS = _keys(NetworkSection)
+OPTION_KEYS = tuple(k for k in OPTION_DEFAULTS if k not in ("mesh", "verbose"))
+NETWORK_KEYS = (*OPTION_KEYS, "backend", "timeout_s")
 RUN_KEYS = _keys(RunSection)
 
 
@@ -328,7 +324,7 @@ class Job:
             config=config,
             mesh=mesh,
             scaling=scaling,
-            network=NetworkSection(**check_keys("network", top.get("network"), NETWORK_KEYS)),
+            network=NetworkSection.from_dict(top.get("network")),
             run=run,
             base_dir=base_dir or Path.cwd(),
             data=data_spec,

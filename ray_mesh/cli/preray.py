@@ -60,9 +60,10 @@ def check_before_ray(job: Job, embedded: bool, workers: int | None = None) -> st
         raise JobError(why)
     # The embedded Ray's only node is this machine, and its workers inherit this environment.
     table = local_interfaces()
-    if job.network.interface != "auto":
+    iface = job.network.options.interface
+    if iface != "auto":
         try:
-            choose_interface("this machine", job.network.interface, table)
+            choose_interface("this machine", iface, table)
         except NetworkError as exc:
             raise JobError(f"network.interface: {exc}") from None
     nccl = job.network.backend is not None and "nccl" in job.network.backend

@@ -78,10 +78,10 @@ def test_job_network_hang_timeout_key():
     from ray_mesh.cli.job import Job, JobError
 
     job = Job.from_dict({"train": "m:f", "network": {"hang_timeout_s": 30}})
-    assert job.network.hang_timeout_s == 30
+    assert job.network.options.hang_timeout_s == 30
     assert job.network.mesh_config_kwargs()["hang_timeout_s"] == 30
     off = Job.from_dict({"train": "m:f", "network": {"hang_timeout_s": None}})
-    assert off.network.hang_timeout_s is None
+    assert off.network.options.hang_timeout_s is None
     with pytest.raises(JobError, match="hang_timeout_s"):
         Job.from_dict({"train": "m:f", "network": {"hang_timeout_s": -1}})
 

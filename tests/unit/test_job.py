@@ -108,9 +108,10 @@ def test_sections_are_typed_and_take_meshconfig_defaults():
     job = Job.from_dict({"train": "a:b"})
     assert isinstance(job.scaling, ScalingSection) and isinstance(job.run, RunSection)
     config = ray_mesh.MeshConfig()
-    for f in dataclasses.fields(NetworkSection):
-        if f.name not in ("backend", "timeout_s"):
-            assert getattr(job.network, f.name) == getattr(config, f.name), f.name
+    assert isinstance(job.network, NetworkSection)
+    for f in dataclasses.fields(job.network.options):  # one type, MeshConfig's base
+        if f.name != "mesh":
+            assert getattr(job.network.options, f.name) == getattr(config, f.name), f.name
     # Unset backend/timeout_s leave TorchConfig's defaults in force.
     built = ray_mesh.MeshConfig(mesh=job.mesh, **job.network.mesh_config_kwargs())
     assert (built.backend, built.timeout_s) == (config.backend, config.timeout_s)
@@ -126,7 +127,7 @@ def test_worker_niceness_from_yaml(tmp_path):
     config = ray_mesh.MeshConfig(mesh=job.mesh, **job.network.mesh_config_kwargs())
     assert config.worker_niceness == 5
     keep = Job.from_yaml(write(tmp_path, "train: a:b\nnetwork: {worker_niceness: null}\n"))
-    assert keep.network.worker_niceness is None
+    assert keep.network.options.worker_niceness is None
     with pytest.raises(JobError, match="network.worker_niceness must be an int from -20 to 19"):
         Job.from_yaml(write(tmp_path, "train: a:b\nnetwork: {worker_niceness: 40}\n"))
 
