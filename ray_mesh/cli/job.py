@@ -20,8 +20,8 @@ A job file::
 
 Each section is a frozen dataclass: ``mesh`` a :class:`~ray_mesh.core.spec.MeshSpec`,
 ``scaling`` a :class:`ScalingSection`, ``network`` a :class:`NetworkSection` (every
-``MeshConfig`` option; its defaults are read from :class:`~ray_mesh.core.options.MeshOptions`,
-the fields ``MeshConfig`` inherits, so the two cannot drift), ``run`` a :class:`RunSection`.
+``MeshConfig`` option as one :class:`~ray_mesh.core.options.MeshOptions`, the type
+``MeshConfig`` inherits, so the two cannot drift), ``run`` a :class:`RunSection`.
 Relative paths in ``train`` resolve against the job file's folder, then the working dir.
 Nothing here imports Ray (``ray.cloudpickle`` only when a train file is loaded).
 """
