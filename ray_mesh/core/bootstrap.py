@@ -220,8 +220,8 @@ def mesh_layout(mesh: DeviceMesh) -> Layout | None:
     """The layout ``mesh`` was built for (:func:`build_device_mesh`), or None for a mesh
     ray_mesh did not build. A slice (``mesh["dp_shard"]``) or flattened dim of such a mesh
     answers its root's: torch does not copy attributes onto the meshes it slices, and a
-    helper given a slice must not fall back to fp32 or sync (upstream: none; the root link
-    is ``private_apis.root_mesh``)."""
+    helper given a slice must not fall back to fp32 or sync (the root link is
+    ``private_apis.root_mesh``)."""
     own = getattr(mesh, _LAYOUT_ATTR, None)
     return own if own is not None else getattr(private_apis.root_mesh(mesh), _LAYOUT_ATTR, None)
 
