@@ -277,6 +277,9 @@ def fit_replica_groups(train_fn: Any, *,
             "run_config": run_config(f"{name}-g{gid}", storage_path, storage_endpoint,
                                      failure=FailureConfig(max_failures=max_group_failures),
                                      num_to_keep=num_to_keep,
+                                     # Ray Train's INFO lines (state transitions, worker
+                                     # group starts) as for one mesh: with verbose only
+                                     verbose=bool(getattr(mesh_config, "verbose", False)),
                                      callbacks=[AttemptWatch(coordinator, gid)]),
         }
         refs[gid] = runners[gid].fit.remote(_guarded(train_fn), run_cfg, trainer_kwargs,
