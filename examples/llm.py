@@ -368,8 +368,10 @@ def train_as_group(config: dict, make_group) -> dict:
     optim.register_step_pre_hook(set_lr)
     rank, size = dp_rank(mesh), dp_size(mesh)  # tp peers read the same samples
     device = next(model.parameters()).device
-    _print(f"llm: {num_params(model) / 1e6:.2f}M parameters, group of {dist.get_world_size()}"
-           f" ranks (dp {size} x tp {mesh['tp'].size()}), {len(data)} training rows of "
+    ranks = dist.get_world_size()
+    _print(f"llm: {num_params(model) / 1e6:.2f}M parameters, group of {ranks}"
+           f" rank{'s' if ranks != 1 else ''} (dp {size} x tp {mesh['tp'].size()}), "
+           f"{len(data)} training rows of "
            f"{data.seq_len + 1} tokens by index, {'DiLoCo' if diloco else 'sync'}")
     summary: dict = {"params": num_params(model), "losses": {}, "data": data.fingerprint}
     trained, window, timed = 0, [], 0
