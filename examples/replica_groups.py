@@ -40,12 +40,17 @@ def train_loop(config: dict) -> None:
     rg = replica_group(model, optim, config)  # joins the run: heals from a live group
     dp = mesh["dp_shard"]
     rg.commit()
+    trained = 0  # the group's samples that went into a step: the summary's samples/s
     while rg.running:
+        held = sum(n for _, n in rg.ranges)  # the group's share of this step's samples
         x, y = samples(rg.sample_ids(dp.get_local_rank(), dp.size()))
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
+        before = rg.step
         rg.commit()  # average with the groups present, optimizer step
+        if rg.step > before and rg.last.contributes:
+            trained += held
         if rg.step % config.get("report_every", 5) == 0 or not rg.running:
             ray_mesh.report({"step": rg.step, "loss": float(loss.detach()),
-                             **rg.metrics()})
+                             "samples": trained, **rg.metrics()})
     rg.finish()
