@@ -5,9 +5,8 @@ every ``report_every`` steps, with the step, the loss and the samples seen so fa
 reads those reports: rank 0's progress line on the console, and step time, steps/s,
 samples/s, loss and memory in Ray's metrics with this rank's mesh coordinate as tags
 (``ray_mesh.observability.metrics``); the wait sampler adds each dim's wait share with no
-code here. ``probe_dims`` measures every mesh dim's
-all-reduce once at start. Rank 0 saving the mesh layout next to the results is done by the
-backend.
+code here. ``probe_dims`` measures every mesh dim's all-reduce once at start. Rank 0 saving
+the mesh layout next to the results is done by the backend.
 
     ray-mesh run examples/hsdp_metrics.yaml
     ray-mesh status            # in another shell, while it runs

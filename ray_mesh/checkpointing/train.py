@@ -44,7 +44,7 @@ from ray_mesh.checkpointing.sharded import CheckpointError, Progress
 from ray_mesh.checkpointing.staging import StagingDir
 from ray_mesh.checkpointing.storage import check_seen_by_all_ranks
 from ray_mesh.core.safe import safe_text
-from ray_mesh.observability.report import record
+from ray_mesh.observability.report import report
 
 logger = logging.getLogger(__name__)
 
@@ -350,20 +350,19 @@ class Checkpointer:
         metrics.setdefault("step", step)
         if attach is not None:
             metrics["checkpoint_step"] = attach[1].step
-        record(metrics)  # ray_mesh's progress line, metrics and summary (ray_mesh.report)
         if attach is None:
-            ray.train.report(metrics)
+            report(metrics)
             return
         checkpoint, progress = attach
         name = sharded.dir_name(progress.step, self._tag)
         if self.upload:
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
-                             checkpoint_upload_mode=CheckpointUploadMode.SYNC,
-                             delete_local_checkpoint_after_upload=True)
+            report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
+                   checkpoint_upload_mode=CheckpointUploadMode.SYNC,
+                   delete_local_checkpoint_after_upload=True)
         else:
-            ray.train.report(metrics, checkpoint=checkpoint if self._rank == 0 else None,
-                             checkpoint_dir_name=name,
-                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+            report(metrics, checkpoint=checkpoint if self._rank == 0 else None,
+                   checkpoint_dir_name=name,
+                   checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         self.last_reported_checkpoint = progress.step
         if self.wait_committed:
             if self._rank == 0:

@@ -250,6 +250,11 @@ def report(metrics: dict[str, Any], checkpoint: Any = None, **kwargs: Any) -> No
             "function); here there is no Ray Train run to report to. Under torchrun call "
             "ray_mesh.report_progress(name, metrics, total_steps), which prints the progress "
             "line on rank 0 there and reports through Ray Train under Ray.")
+    _to_ray_train(metrics, checkpoint, **kwargs)
+
+
+def _to_ray_train(metrics: dict[str, Any], checkpoint: Any = None, **kwargs: Any) -> None:
+    """The recorder first, then Ray Train's report; the caller knows it is in Ray Train."""
     import ray.train
 
     record(metrics)
@@ -282,7 +287,7 @@ def report_progress(name: str, metrics: dict[str, float], total_steps: int | Non
     from ray_mesh.core.runtime import in_ray_train
 
     if in_ray_train():
-        report(metrics)
+        _to_ray_train(metrics)
         return
     import torch.distributed as dist
 

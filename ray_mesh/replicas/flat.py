@@ -4,18 +4,28 @@ cost, and across a VPN it is a round trip)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 
+def by_dtype(tensors: Sequence[torch.Tensor], picked: Iterable[int]) -> list[list[int]]:
+    """``picked`` (indices of ``tensors``) grouped by dtype, in the order each dtype first
+    appears: the same on every rank, so the ranks' collectives pair up (a set of dtypes is
+    ordered by their hashes, which are addresses and differ between processes)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i in picked:
+        groups.setdefault(tensors[i].dtype, []).append(i)
+    return list(groups.values())
+
+
 def flat_by_dtype(tensors: Sequence[torch.Tensor], device: str | torch.device = "cpu"
                   ) -> dict[torch.dtype, torch.Tensor]:
-    """Each dtype's tensors, detached and concatenated on ``device`` in their order."""
-    out: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault(t.dtype, []).append(t.detach().reshape(-1).to(device))
-    return {dt: torch.cat(parts) for dt, parts in out.items()}
+    """Each dtype's tensors, detached and concatenated on ``device`` in their order; the
+    dtypes in :func:`by_dtype`'s order."""
+    return {tensors[idx[0]].dtype: torch.cat([tensors[i].detach().reshape(-1).to(device)
+                                              for i in idx])
+            for idx in by_dtype(tensors, range(len(tensors)))}
 
 
 def scatter_back(tensors: Sequence[torch.Tensor], flats: dict[torch.dtype, torch.Tensor]

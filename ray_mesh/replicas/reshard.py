@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ray_mesh.parallel.compose import full_tensor
-from ray_mesh.replicas.flat import flat_by_dtype, scatter_back
+from ray_mesh.replicas.flat import by_dtype, flat_by_dtype, scatter_back
 
 EXCHANGES = ("shards", "full")  # same layouts: shard with shard; different: full tensors
 
@@ -70,16 +70,6 @@ def to_full(tensors: Sequence[torch.Tensor], likes: Sequence[torch.Tensor | None
         else:
             out[i] = t
     return out  # type: ignore[return-value]
-
-
-def by_dtype(tensors: Sequence[torch.Tensor], picked: Sequence[int]) -> list[list[int]]:
-    """``picked`` (indices of ``tensors``) grouped by dtype, in the order each dtype first
-    appears: the same on every rank, so the ranks' collectives pair up (a set of dtypes is
-    ordered by their hashes, which are addresses and differ between processes)."""
-    groups: dict[torch.dtype, list[int]] = {}
-    for i in picked:
-        groups.setdefault(tensors[i].dtype, []).append(i)
-    return list(groups.values())
 
 
 def _dim0_batch(likes: Sequence[torch.Tensor | None]) -> list[int] | None:

@@ -43,7 +43,7 @@ def test_int8_lanes_quantize_the_chunks_the_whole_buffer_would():
 def test_a_gather_per_dtype_goes_in_the_order_the_dtypes_first_appear():
     """Every rank must issue the per-dtype gathers in one order: first appearance, not a
     set's (torch.dtype hashes by address, which differs between worker processes)."""
-    from ray_mesh.replicas.reshard import by_dtype
+    from ray_mesh.replicas.flat import by_dtype
 
     ts = [torch.zeros(1, dtype=d) for d in
           (torch.bfloat16, torch.float32, torch.bfloat16, torch.float16, torch.float32)]
