@@ -13,6 +13,7 @@ from ray_mesh.core import deprecation as _deprecation
 from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.core.layout import Layout, parse_layout
 from ray_mesh.core.object_store import run_storage
+from ray_mesh.core.options import MeshOptions
 from ray_mesh.core.spec import DIM_NAMES, FLATTENED_DIMS, MeshSpec
 from ray_mesh.errors import (
     ClusterError,
@@ -56,6 +57,7 @@ __all__ = [
     "Layout",
     "MeshConfig",
     "MeshDataConfig",
+    "MeshOptions",
     "MeshSpec",
     "MeshSpecError",
     "MeshState",

@@ -46,7 +46,7 @@ from ray_mesh.cli.job_checks import (
 from ray_mesh.core.diloco_config import check_mesh as check_replicate_mesh
 from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.object_store import check_location
-from ray_mesh.core.options import OPTION_DEFAULTS, MeshOptions, check_option_values
+from ray_mesh.core.options import OPTION_NAMES, MeshOptions, check_option_values
 from ray_mesh.core.spec import MeshSpec, MeshSpecError, load_yaml
 from ray_mesh.core.values import MAX_SECONDS, brief, describe, read_bool, read_int, read_str
 from ray_mesh.errors import LayoutError, ParallelError, StorageURIError
@@ -146,10 +146,10 @@ class NetworkSection:
                  none_ok=True, error=JobError)
         return cls(MeshOptions(**values), backend, timeout_s)
 
-    def mesh_config_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``MeshConfig``: every option of the section (the mesh and
-        ``verbose`` are the job's and the command line's), and Ray's fields when set."""
-        out = {k: getattr(self.options, k) for k in OPTION_KEYS}
+    def mesh_config_kwargs(self, verbose: bool = False) -> dict[str, Any]:
+        """Keyword arguments for ``MeshConfig``: the section's options whole (``verbose``
+        is the command line's; the mesh is the job's), and Ray's fields when set."""
+        out: dict[str, Any] = {"options": replace(self.options, verbose=verbose)}
         out.update({k: v for k, v in (("backend", self.backend), ("timeout_s", self.timeout_s))
                     if v is not None})
         return out
@@ -192,7 +192,7 @@ def _keys(cls: type) -> tuple[str, ...]:
 TOP_KEYS = ("name", "train", "config", "mesh", "scaling", "network", "run", "data", "replicate",
             "plan", "layout", "replica_groups")
 SCALING_KEYS = _keys(ScalingSection)
-OPTION_KEYS = tuple(k for k in OPTION_DEFAULTS if k not in ("mesh", "verbose"))
+OPTION_KEYS = tuple(k for k in OPTION_NAMES if k != "verbose")  # verbose: the command line's
 NETWORK_KEYS = (*OPTION_KEYS, "backend", "timeout_s")
 RUN_KEYS = _keys(RunSection)
 

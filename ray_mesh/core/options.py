@@ -22,7 +22,15 @@ MeshLike = MeshSpec | Mapping[str, Any] | str | None
 
 @dataclass
 class MeshOptions:
-    """The options ``MeshConfig`` adds to ``TorchConfig`` (see its docstring for each)."""
+    """The options ``MeshConfig`` adds to ``TorchConfig`` (see its docstring for each).
+
+    ``MeshConfig(layout=..., options=MeshOptions(...))`` gives a run's settings as two
+    objects: the layout says how the ranks are laid out, these say how the mesh is brought
+    up and watched. A job file's ``network:`` section is one of these (its ``mesh`` stays
+    None there: the mesh is the layout's).
+
+    Stability: experimental
+    """
 
     mesh: MeshLike = None
     interface: str = "auto"
@@ -38,17 +46,19 @@ class MeshOptions:
     wait_sample_s: float | None = 0.02
     verbose: bool = False
 
+    def option_values(self) -> dict[str, Any]:
+        """Every option but the mesh, by name (``OPTION_NAMES``)."""
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
     def check_options(self) -> None:
         """Raise ``ValueError`` naming the option and the fix for a bad value (mesh aside)."""
-        check_option_values({f.name: getattr(self, f.name) for f in fields(MeshOptions)
-                             if f.name != "mesh"})
+        check_option_values(self.option_values())
 
     def worker_options(self) -> MeshOptions:
         """These options as a plain ``MeshOptions`` for the workers (``mesh`` left None: a
         worker is given the resolved mesh in its layout). One generic copy, so a new option
         reaches the workers without a new field anywhere."""
-        return MeshOptions(**{f.name: getattr(self, f.name) for f in fields(MeshOptions)
-                              if f.name != "mesh"})
+        return MeshOptions(**self.option_values())
 
     def options_dict(self) -> dict[str, Any]:
         """Every option by name, the mesh as a dict (for ``MeshConfig.to_dict``)."""
@@ -59,6 +69,10 @@ class MeshOptions:
 
 OPTION_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(MeshOptions)}
 """Option name -> default, read from the dataclass (job sections use this)."""
+
+OPTION_NAMES: tuple[str, ...] = tuple(name for name in OPTION_DEFAULTS if name != "mesh")
+"""The options proper: every field but ``mesh``, which a :class:`~ray_mesh.core.layout.Layout`
+carries (resolved) from the driver on. Checks, the workers' copy and the job's keys read it."""
 
 
 def check_option_values(values: Mapping[str, Any]) -> None:

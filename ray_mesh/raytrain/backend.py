@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import InitVar, dataclass, replace
 from typing import Any
 
 import ray
@@ -25,9 +25,10 @@ import ray_mesh.private_apis as private_apis
 from ray_mesh.core import bootstrap, priority
 from ray_mesh.core.diloco_config import check_mesh as check_replicate_mesh
 from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
-from ray_mesh.core.options import MeshOptions
+from ray_mesh.core.options import OPTION_DEFAULTS, OPTION_NAMES, MeshOptions
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
+from ray_mesh.core.values import describe
 from ray_mesh.network.interfaces import (
     Choice,
     NetworkError,
@@ -121,6 +122,12 @@ class MeshConfig(MeshOptions, TorchConfig):
             this field holds the run's Layout (None with ``mesh='auto'``, which picks it).
         total_steps: the run's number of steps, for the progress line's ``step i/N`` and
             its ETA (``ray-mesh run`` passes the job's ``config.steps``); None: unknown.
+        options: every option above at once, as a
+            :class:`~ray_mesh.core.options.MeshOptions` (its ``mesh`` left None: the mesh
+            is ``mesh=``'s or ``layout=``'s), instead of one by one;
+            ``MeshConfig(layout=..., options=...)`` is a run's settings in two objects.
+            Read at construction only (the fields above then hold the values), so
+            ``dataclasses.replace`` works on the result as on any config.
 
     Inside the train function, ``ray_mesh.report`` (``ray.train.report`` with ray_mesh's
     bookkeeping) feeds ray_mesh's metrics and console (see ``ray_mesh.observability.report``):
@@ -134,13 +141,16 @@ class MeshConfig(MeshOptions, TorchConfig):
     replicate: Any = None
     layout: Any = None
     total_steps: int | None = None
+    options: InitVar[MeshOptions | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, options: MeshOptions | None = None) -> None:
         # Parse here so bad input fails on the driver, before any worker starts.
+        if options is not None:
+            self._take_options(options)
         given = None
         if self.layout is not None:
             given = parse_layout(self.layout)
-            if self.mesh is not None or self.replicate is not None:
+            if not self._agrees(given):
                 raise ValueError("give MeshConfig(layout=...) or mesh=/replicate=, not both: "
                                  f"the layout {given} already says the mesh and replicate mode")
             self.mesh, self.replicate = given.mesh, given.diloco
@@ -172,6 +182,34 @@ class MeshConfig(MeshOptions, TorchConfig):
         if self.init_method != "env":
             raise ValueError("MeshConfig sets MASTER_ADDR/MASTER_PORT itself: use "
                              f"init_method='env' (got {self.init_method!r}).")
+
+    def _take_options(self, options: MeshOptions) -> None:
+        """Set every option from ``options``; refuse a mesh in it, or options also given
+        one by one (which of the two would win is not something to guess)."""
+        if not isinstance(options, MeshOptions):
+            raise ValueError(f"options must be a ray_mesh.MeshOptions (e.g. MeshOptions("
+                             f"interface='tailscale0')), got {describe(options)}.")
+        if options.mesh is not None:
+            raise ValueError("options.mesh is set: the mesh is MeshConfig's own (mesh=... or "
+                             "layout=...); build the MeshOptions without it.")
+        twice = [n for n in OPTION_NAMES if getattr(self, n) != OPTION_DEFAULTS[n]]
+        if twice:
+            raise ValueError(f"give the options in options=MeshOptions(...) or one by one, "
+                             f"not both: {', '.join(twice)} given beside options= (move "
+                             f"{'it' if len(twice) == 1 else 'them'} into the MeshOptions).")
+        for name, value in options.option_values().items():
+            setattr(self, name, value)
+
+    def _agrees(self, layout: Layout) -> bool:
+        """Whether ``mesh``/``replicate`` are unset or already this layout's (a config made
+        by ``dataclasses.replace`` of a built one carries both)."""
+        if self.mesh is None and self.replicate is None:
+            return True
+        try:
+            return (MeshSpec.from_dict(self.mesh) == layout.mesh
+                    and parse_replicate(self.replicate) == layout.diloco)
+        except (ValueError, TypeError):
+            return False
 
     @property
     def backend_cls(self):

@@ -145,16 +145,15 @@ def mesh_config(job: Any, verbose: bool = False) -> MeshConfig:
     ETA. Replica groups: ``dp_shard`` over each group (its layout replaces it) and the
     section's ``steps``."""
     if job.replica_groups is not None:
-        return MeshConfig(mesh={"dp_shard": -1}, verbose=verbose,
-                          total_steps=job.replica_groups.steps,
-                          **job.network.mesh_config_kwargs())
+        return MeshConfig(mesh={"dp_shard": -1}, total_steps=job.replica_groups.steps,
+                          **job.network.mesh_config_kwargs(verbose))
     where = ({"mesh": "auto", "replicate": job.replicate} if job.layout is None
              else {"layout": job.layout})
     steps = (job.config or {}).get("steps")
     total = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 \
         else None
-    return MeshConfig(plan=job.plan, verbose=verbose, total_steps=total, **where,
-                      **job.network.mesh_config_kwargs())
+    return MeshConfig(plan=job.plan, total_steps=total, **where,
+                      **job.network.mesh_config_kwargs(verbose))
 
 
 def groups_use_gpu(job: Any, cluster: dict[str, float]) -> bool:

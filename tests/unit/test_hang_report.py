@@ -79,7 +79,7 @@ def test_job_network_hang_timeout_key():
 
     job = Job.from_dict({"train": "m:f", "network": {"hang_timeout_s": 30}})
     assert job.network.options.hang_timeout_s == 30
-    assert job.network.mesh_config_kwargs()["hang_timeout_s"] == 30
+    assert job.network.mesh_config_kwargs()["options"].hang_timeout_s == 30
     off = Job.from_dict({"train": "m:f", "network": {"hang_timeout_s": None}})
     assert off.network.options.hang_timeout_s is None
     with pytest.raises(JobError, match="hang_timeout_s"):

@@ -180,6 +180,34 @@ def test_meshconfig_takes_a_layout_and_holds_the_one_it_runs():
         MeshConfig(layout="dp_shard=4/fp17/sync")
 
 
+def test_meshconfig_is_a_layout_and_options_and_replace_keeps_both():
+    """MeshConfig(layout=..., options=...) is a run's settings in two objects; the options
+    are read at construction, so dataclasses.replace of a built config (mesh, replicate and
+    layout all set, options not a field) builds the same run."""
+    import dataclasses
+
+    from ray_mesh import MeshOptions
+    from ray_mesh.raytrain.backend import MeshConfig
+
+    opts = MeshOptions(interface="wg0", hang_timeout_s=None, link_probe_s=2.0)
+    cfg = MeshConfig(layout="dp_replicate=nodes,dp_shard=2/bf16/diloco:every=8", options=opts)
+    assert (cfg.interface, cfg.hang_timeout_s, cfg.link_probe_s) == ("wg0", None, 2.0)
+    assert cfg.worker_options() == opts
+    again = dataclasses.replace(cfg, total_steps=7)
+    assert again.layout == cfg.layout and again.layout.reduce == "bf16"
+    assert again.worker_options() == opts and again.total_steps == 7
+    with pytest.raises(ValueError, match="interface given beside options="):
+        MeshConfig(options=opts, interface="eth0")
+    with pytest.raises(ValueError, match="options.mesh is set"):
+        MeshConfig(options=MeshOptions(mesh="fsdp"))
+    with pytest.raises(ValueError, match="must be a ray_mesh.MeshOptions"):
+        MeshConfig(options={"interface": "wg0"})
+    with pytest.raises(ValueError, match="link_probe_s"):
+        MeshConfig(options=MeshOptions(link_probe_s=99))
+    with pytest.raises(ValueError, match="not both"):  # a different mesh is still refused
+        dataclasses.replace(cfg, mesh={"dp_replicate": 2, "dp_shard": 4})
+
+
 def _plan():
     from ray_mesh.planning.inputs import PlanInputs
 
