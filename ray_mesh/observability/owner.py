@@ -25,11 +25,12 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from ray_mesh.core.options import MeshOptions
 from ray_mesh.errors import CollectiveHangError
 from ray_mesh.observability import active, progress
 from ray_mesh.observability.export import Exporter, WindowExporter
@@ -40,22 +41,28 @@ from ray_mesh.observability.waits import DEFAULT_INTERVAL_S, WaitSampler
 logger = logging.getLogger(__name__)
 
 
+def _watch_off() -> MeshOptions:
+    """The options an owner built without a run's has: no hang watch (under torchrun it is
+    asked for with :func:`watch_mesh`), the wait sampler at its default interval."""
+    return MeshOptions(hang_timeout_s=None, wait_sample_s=DEFAULT_INTERVAL_S)
+
+
 @dataclass(frozen=True)
 class ObservabilitySettings:
-    """What a run observes (``MeshConfig``'s options; None turns a part off).
+    """What a run observes: the run's options whole, and what only the bring-up knows.
 
     Attributes:
-        hang_timeout_s: the hang watch's timeout (``observability.hang``).
+        options: the run's :class:`~ray_mesh.core.options.MeshOptions`; the owner reads
+            ``hang_timeout_s`` (the hang watch, ``observability.hang``) and ``wait_sample_s``
+            (the wait sampler, ``observability.waits``) there; None turns a part off.
         pg_timeout_s: the process-group timeout, an upper bound for the watched groups'.
-        wait_sample_s: the wait sampler's interval (``observability.waits``).
         links: the measured link matrix, exported with the wait windows (rank 0 passes it).
         total_steps: the run's step count, for the progress line's ``/N`` and ETA.
         export: write metrics to Ray's pipeline (inside Ray Train only).
     """
 
-    hang_timeout_s: float | None = None
+    options: MeshOptions = field(default_factory=_watch_off)
     pg_timeout_s: float | None = None
-    wait_sample_s: float | None = DEFAULT_INTERVAL_S
     links: list[dict[str, Any]] | None = None
     total_steps: int | None = None
     export: bool = True
@@ -92,17 +99,17 @@ class Observability:
             self.exporter.check_endpoint_async()
         self.recorder = ReportRecorder(self.exporter, total_steps=s.total_steps, device=device,
                                        show=progress.show if rank == 0 else None)
-        if s.hang_timeout_s:
+        if s.options.hang_timeout_s:
             self.watch = _try("the hang watch", "a hung collective is reported only by the "
                               "process-group timeout. MeshConfig(hang_timeout_s=None)",
-                              lambda: start_watch(mesh, s.hang_timeout_s,
+                              lambda: start_watch(mesh, s.options.hang_timeout_s,
                                                   pg_timeout_s=s.pg_timeout_s))
-        if s.wait_sample_s:
+        if s.options.wait_sample_s:
             window = WindowExporter(self.exporter, s.links) if self.exporter else None
             self.sampler = _try("the wait sampler", "no per-dim wait metrics. "
                                 "MeshConfig(wait_sample_s=None)",
                                 lambda: WaitSampler(mesh_groups(mesh), window,
-                                                    interval_s=s.wait_sample_s).start())
+                                                    interval_s=s.options.wait_sample_s).start())
         self.running = True
         active.install(self)
         return self
@@ -165,7 +172,8 @@ def watch_mesh(mesh: Any, timeout_s: float, **kwargs: Any) -> Iterator[HangWatch
 
     Stability: experimental
     """
-    obs = Observability(ObservabilitySettings(wait_sample_s=None, export=False))
+    obs = Observability(ObservabilitySettings(
+        MeshOptions(hang_timeout_s=None, wait_sample_s=None), export=False))
     obs.start(mesh)  # an owner with no watch yet: the recorder only, never exported
     obs.watch = start_watch(mesh, timeout_s, **kwargs)  # raises: torchrun asked for it
     try:

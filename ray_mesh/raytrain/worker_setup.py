@@ -111,8 +111,7 @@ def setup_on_worker(w: WorkerSetup) -> priority.NicenessResult | None:
                            timeout_s=w.timeout_s, env=in_force, layout=w.layout,
                            picked=w.picked)
     Observability(ObservabilitySettings(
-        hang_timeout_s=opts.hang_timeout_s, pg_timeout_s=w.timeout_s,
-        wait_sample_s=opts.wait_sample_s, links=w.links if p.rank == 0 else None,
+        opts, pg_timeout_s=w.timeout_s, links=w.links if p.rank == 0 else None,
         total_steps=w.total_steps)).start(bootstrap.get_mesh(), rank=p.rank,
                                           device=bootstrap.get_state().device)
     if w.rank == 0:

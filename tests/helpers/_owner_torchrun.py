@@ -18,8 +18,8 @@ from ray_mesh.observability import active, hang
 from ray_mesh.observability.owner import Observability, ObservabilitySettings, watch_mesh
 
 THREADS = ("ray_mesh-hang-watch", "ray_mesh-wait-sampler")
-SETTINGS = ObservabilitySettings(hang_timeout_s=30.0, wait_sample_s=0.02, export=False,
-                                 total_steps=3)
+SETTINGS = ObservabilitySettings(ray_mesh.MeshOptions(hang_timeout_s=30.0, wait_sample_s=0.02),
+                                 export=False, total_steps=3)
 
 
 def _ours() -> list[str]:
