@@ -41,10 +41,11 @@ DEFAULTS = {**ex.DEFAULTS, "steps": 40, "checkpoint_every": 10, "lr": 0.003}
 
 def train_loop(config: dict) -> None:
     cfg = {**DEFAULTS, **(config or {})}
-    mesh = ray_mesh.get_mesh()
-    model = parallelize(ex.make_model(cfg), mesh, dp=replicate_dp_mode())
+    state = ray_mesh.get_state()  # the mesh and the run's layout (replicate mode, dtype)
+    mesh = state.mesh
+    model = parallelize(ex.make_model(cfg), state, dp=replicate_dp_mode(state))
     optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
-    dl = wrap_replicate(model, mesh)  # None in replicate mode sync
+    dl = wrap_replicate(model, state)  # None in replicate mode sync
     ckpt = Checkpointer(model, optim, every=cfg["checkpoint_every"], diloco=dl)
     start = ckpt.restore()
     for step in range(start.step, cfg["steps"]):

@@ -20,12 +20,13 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ray_mesh.parallel.fsdp import Blocks, Mode, apply_fsdp
 from ray_mesh.parallel.mesh import mesh_device
+from ray_mesh.parallel.picked import MeshOrState, mesh_of
 from ray_mesh.parallel.tp import TPPlan, apply_tp
 
 
 def parallelize(
     module: nn.Module,
-    mesh: DeviceMesh,
+    mesh: MeshOrState,
     *,
     tp_plan: TPPlan | None = None,
     dp: Mode = "auto",
@@ -38,13 +39,15 @@ def parallelize(
 
     ``dp`` is ``auto`` (FSDP, HSDP or DDP as the mesh's dp dims say; see
     :mod:`ray_mesh.parallel.fsdp`), a mode to insist on, or ``none``. Use the return value: the
-    DDP path wraps the module.
+    DDP path wraps the module. ``mesh`` is a mesh, or the worker's
+    :class:`~ray_mesh.MeshState` (``ray_mesh.get_state()``): its mesh with its layout passed
+    explicitly (:mod:`ray_mesh.parallel.picked`).
 
     Stability: stable
     """
-    module = module.to(mesh_device(mesh))
+    module = module.to(mesh_device(mesh_of(mesh)))
     if tp_plan:
-        module = apply_tp(module, mesh, tp_plan, strict=strict_plan)
+        module = apply_tp(module, mesh_of(mesh), tp_plan, strict=strict_plan)
     return apply_fsdp(module, mesh, blocks=blocks, mode=dp, mixed_precision=mixed_precision,
                       reshard_after_forward=reshard_after_forward)
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.mesh import submesh
-from ray_mesh.parallel.picked import layout_precision
+from ray_mesh.parallel.picked import MeshOrState, layout_precision, mesh_of
 
 _DP_HINT = ("Data parallel needs the ray_mesh mesh (dp_replicate, dp_shard, cp and the "
             "flattened dp_shard_cp, dp_cp): get it from ray_mesh.get_mesh() or "
@@ -137,7 +137,7 @@ def _has_dtensor(module: nn.Module) -> bool:
 
 def apply_fsdp(
     module: nn.Module,
-    mesh: DeviceMesh,
+    mesh: MeshOrState,
     *,
     blocks: Blocks = None,
     mode: Mode = "auto",
@@ -150,10 +150,13 @@ def apply_fsdp(
     a ``DistributedDataParallel`` wrapper, so always use the return value. Every rank must
     start from the same weights (one seed): FSDP shards the local copy, it does not broadcast.
     ``mixed_precision=None`` follows the reduce dtype of the layout ``mesh`` was built for
-    (:mod:`ray_mesh.parallel.picked`; fp32 for a mesh without one).
+    (:mod:`ray_mesh.parallel.picked`; fp32 for a mesh without one); ``mesh`` may be the
+    worker's :class:`~ray_mesh.MeshState`, whose layout is then the one followed.
 
     Stability: stable
     """
+    precision = layout_precision(mesh) if mixed_precision is None else mixed_precision
+    mesh = mesh_of(mesh)
     mode = resolve_mode(mesh, mode)
     if mode == "replica" and _size(mesh, "dp_shard_cp") == 1:
         mode = "none"  # a replica of one rank (or one tp group): nothing to shard
@@ -171,8 +174,7 @@ def apply_fsdp(
                                                    device_mesh=submesh(mesh, "dp_cp"))
     dp_mesh = (submesh(mesh, "dp_shard_cp") if mode in ("fsdp", "replica")
                else submesh(mesh, "dp_replicate", "dp_shard_cp"))
-    policy = mixed_precision_policy(layout_precision(mesh) if mixed_precision is None
-                                    else mixed_precision)
+    policy = mixed_precision_policy(precision)
     for block in find_blocks(module, blocks):
         if block is module:
             continue

@@ -1,16 +1,24 @@
-"""The run's layout, as the train function's helpers see it: read off the mesh.
+"""The run's layout, as the train function's helpers see it: passed, or read off the mesh.
 
-Every mesh ray_mesh builds carries the :class:`~ray_mesh.core.layout.Layout` it was built
-for (``ray_mesh.core.bootstrap.mesh_layout``): with ``MeshConfig(mesh="auto", plan=...)``
-the layout the backend picked (families x gradient precisions x replicate modes), else the
-fixed mesh with the job's replicate mode. The helpers a train function already calls read
-it from the mesh they are given, so the function follows the pick without a code change:
+The helpers that follow a layout take either the worker's state or a mesh:
+
+- :class:`~ray_mesh.MeshState` (``ray_mesh.get_state()``, the companion of ``get_mesh()``):
+  its mesh and its ``layout``, passed explicitly, as torchtitan passes its ``ParallelDims``.
+  ``parallelize(model, ray_mesh.get_state())`` needs nothing that is not in its arguments;
+- a ``DeviceMesh``: every mesh ray_mesh builds carries the
+  :class:`~ray_mesh.core.layout.Layout` it was built for
+  (``ray_mesh.core.bootstrap.mesh_layout``; a slice answers its root's), so a function
+  written for a plain mesh follows the layout too. A mesh ray_mesh did not build has none.
+
+With ``MeshConfig(mesh="auto", plan=...)`` the layout is the one the backend picked
+(families x gradient precisions x replicate modes), else the fixed mesh with the job's
+replicate mode; the train function follows the pick without a code change:
 
 - :func:`ray_mesh.parallel.parallelize` / :func:`~ray_mesh.parallel.apply_fsdp` with
   ``mixed_precision`` left unset reduce gradients in the layout's dtype; an explicit
   ``mixed_precision`` (``"fp32"`` too) wins;
-- ``replicate_config(mesh)``, ``dp_mode(mesh)`` and ``wrap_replicate(model, mesh)``
-  (:mod:`ray_mesh.parallel.replicate`) see DiLoCo when the layout has it.
+- ``replicate_config``, ``dp_mode`` and ``wrap_replicate`` (:mod:`ray_mesh.parallel.replicate`)
+  see DiLoCo when the layout has it.
 
 Nothing here is process-global state of its own: a trial's mesh carries the trial's layout,
 the run's mesh the run's. :func:`pick_reason` says why ``mesh="auto"`` picked it.
@@ -22,11 +30,21 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh
 
 from ray_mesh.core import bootstrap
+from ray_mesh.core.bootstrap import MeshState
 from ray_mesh.core.layout import Layout
 
+MeshOrState = DeviceMesh | MeshState
+"""What the layout-following helpers take: a mesh, or the worker's state (mesh and layout)."""
 
-def layout_of(mesh: DeviceMesh | None = None) -> Layout | None:
-    """The layout ``mesh`` (default: this process's, ``ray_mesh.get_mesh()``) was built for;
+
+def mesh_of(where: MeshOrState) -> DeviceMesh:
+    """The mesh of ``where`` (a mesh as is, a state's mesh)."""
+    return where.mesh if isinstance(where, MeshState) else where
+
+
+def layout_of(mesh: MeshOrState | None = None) -> Layout | None:
+    """The layout of ``mesh``: a :class:`~ray_mesh.MeshState`'s own, or the one a
+    ``DeviceMesh`` was built for (default: this process's, ``ray_mesh.get_state()``);
     None when there is no mesh, or for a mesh ray_mesh did not build.
 
     Stability: experimental
@@ -34,7 +52,9 @@ def layout_of(mesh: DeviceMesh | None = None) -> Layout | None:
     if mesh is None:
         if not bootstrap.is_initialized():
             return None
-        mesh = bootstrap.get_mesh()
+        mesh = bootstrap.get_state()
+    if isinstance(mesh, MeshState):
+        return mesh.layout
     return bootstrap.mesh_layout(mesh)
 
 
@@ -48,9 +68,9 @@ def pick_reason() -> str | None:
     return bootstrap.get_state().picked or None
 
 
-def layout_precision(mesh: DeviceMesh | None) -> str | None:
+def layout_precision(mesh: MeshOrState | None) -> str | None:
     """``"bf16_grads"`` when ``mesh``'s layout reduces gradients in bf16, else None (fp32)."""
-    lay = bootstrap.mesh_layout(mesh) if mesh is not None else None
+    lay = layout_of(mesh) if mesh is not None else None
     return lay.precision if lay is not None else None
 
 

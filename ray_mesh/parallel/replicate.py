@@ -31,12 +31,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from ray_mesh.core.bootstrap import get_mesh
 from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.core.layout import parse_replicate as parse_replicate
-from ray_mesh.parallel.picked import layout_of
+from ray_mesh.parallel.picked import MeshOrState, layout_of, mesh_of
 
 if TYPE_CHECKING:
     from ray_mesh.parallel.diloco import DiLoCo
@@ -44,9 +43,9 @@ if TYPE_CHECKING:
 MODES = ("sync", "diloco")
 
 
-def replicate_config(mesh: DeviceMesh | None = None) -> DiLoCoConfig | None:
-    """The DiLoCo settings of ``mesh``'s layout (default: this process's mesh), or None in
-    sync mode (and when there is no mesh).
+def replicate_config(mesh: MeshOrState | None = None) -> DiLoCoConfig | None:
+    """The DiLoCo settings of ``mesh``'s layout (a mesh or a :class:`~ray_mesh.MeshState`;
+    default: this process's), or None in sync mode (and when there is no mesh).
 
     Stability: experimental
     """
@@ -54,7 +53,7 @@ def replicate_config(mesh: DeviceMesh | None = None) -> DiLoCoConfig | None:
     return lay.diloco if lay is not None else None
 
 
-def dp_mode(mesh: DeviceMesh | None = None) -> str:
+def dp_mode(mesh: MeshOrState | None = None) -> str:
     """The ``dp=`` to give :func:`~ray_mesh.parallel.parallelize` for ``mesh``'s replicate
     mode (default: this process's mesh).
 
@@ -63,11 +62,12 @@ def dp_mode(mesh: DeviceMesh | None = None) -> str:
     return "replica" if replicate_config(mesh) is not None else "auto"
 
 
-def wrap(model: torch.nn.Module, mesh: DeviceMesh | None = None,
+def wrap(model: torch.nn.Module, mesh: MeshOrState | None = None,
          config: DiLoCoConfig | None = None) -> DiLoCo | None:
     """A :class:`DiLoCo` around ``model`` when the replicate mode is diloco, else None.
 
-    ``mesh`` defaults to ``ray_mesh.get_mesh()``, ``config`` to ``mesh``'s replicate mode.
+    ``mesh`` (a mesh or a :class:`~ray_mesh.MeshState`) defaults to this process's,
+    ``config`` to ``mesh``'s replicate mode.
     The model must be sharded inside a replica only (``parallelize(..., dp=dp_mode())``).
 
     Stability: experimental
@@ -77,7 +77,7 @@ def wrap(model: torch.nn.Module, mesh: DeviceMesh | None = None,
         return None
     from ray_mesh.parallel.diloco import DiLoCo  # DTensor's imports: only where it runs
 
-    return DiLoCo(model, mesh if mesh is not None else get_mesh(), config)
+    return DiLoCo(model, mesh_of(mesh) if mesh is not None else get_mesh(), config)
 
 
 __all__ = ["dp_mode", "replicate_config", "wrap"]

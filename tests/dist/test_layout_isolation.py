@@ -1,5 +1,6 @@
 """Two layouts, and a trial, one after the other in one process: neither sees the other's
-settings. 2 gloo ranks (spawned), real FSDP2 over ``dp_shard=2``.
+settings; a layout passed with the worker's state wins over the one its mesh carries.
+2 gloo ranks (spawned), real FSDP2 over ``dp_shard=2``.
 
 Before the layout was held by the mesh, the pick (``set_picked_plan``) and the replicate mode
 (``set_replicate_config``) were process globals that ``shutdown_mesh`` left behind: a second
@@ -12,6 +13,7 @@ what the helpers would run."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -36,7 +38,7 @@ def _reduced_in_bf16(mesh, seed: int) -> bool:
 
     torch.manual_seed(0)  # the same weights on every rank
     model = parallelize(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8)), mesh)
-    torch.manual_seed(seed + mesh.get_rank())  # a different batch per rank
+    torch.manual_seed(seed + torch.distributed.get_rank())  # a different batch per rank
     model(torch.randn(16, 32)).square().mean().backward()
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
              for p in model.parameters()]
@@ -80,6 +82,10 @@ def _worker(rank: int, ports: tuple[int, int], out: str) -> None:
     os.environ["MASTER_PORT"] = str(ports[1])
     state = setup(None, parse_layout(SECOND).mesh)
     seen["second"] = {**_what_the_helpers_see(), "bf16": _reduced_in_bf16(state.mesh, 1)}
+    # 2b. the worker's state passed instead of a mesh: the helpers follow the state's layout,
+    # not the one its mesh carries (a state with another layout: a context the caller made)
+    passed = dataclasses.replace(state, layout=parse_layout(TRIAL))
+    seen["passed"] = {**_what_the_helpers_see(passed), "bf16": _reduced_in_bf16(passed, 4)}
 
     # 3. a trial of a bf16 layout while that mesh exists: the trial's own mesh carries it
     def make_step(mesh, config):
@@ -108,6 +114,9 @@ def test_layouts_and_trials_one_after_another_do_not_see_each_other(tmp_path):
         # nothing of the first run's bf16 reduction or DiLoCo is left for the second
         assert seen["second"] == {"layout": SECOND, "diloco": None, "dp_mode": "auto",
                                   "wrapped": False, "bf16": False}, seen
+        # a state passed: its layout, not its mesh's
+        assert seen["passed"] == {"layout": TRIAL, "diloco": None, "dp_mode": "auto",
+                                  "wrapped": False, "bf16": True}, seen
         # the trial's mesh reduces in its own dtype...
         assert seen["trial"] == {"layout": TRIAL, "diloco": None, "dp_mode": "auto",
                                  "wrapped": False, "bf16": True}, seen
