@@ -41,7 +41,9 @@ DEFAULT_PG_TIMEOUT_S = 600.0
 
 @dataclass
 class MeshState:
-    """What this process knows about its place in the mesh.
+    """What this process knows about its place in the mesh, and the context to pass on:
+    every ``ray_mesh.parallel`` helper that takes a mesh takes this too, and follows its
+    ``layout`` (``parallelize(model, ray_mesh.get_state())``).
 
     Stability: stable
     """

@@ -19,8 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ray_mesh.parallel.fsdp import Blocks, Mode, apply_fsdp
-from ray_mesh.parallel.mesh import mesh_device
-from ray_mesh.parallel.picked import MeshOrState, mesh_of
+from ray_mesh.parallel.mesh import MeshOrState, mesh_device, mesh_of
 from ray_mesh.parallel.tp import TPPlan, apply_tp
 
 
@@ -45,7 +44,7 @@ def parallelize(
 
     Stability: stable
     """
-    module = module.to(mesh_device(mesh_of(mesh)))
+    module = module.to(mesh_device(mesh))
     if tp_plan:
         module = apply_tp(module, mesh_of(mesh), tp_plan, strict=strict_plan)
     return apply_fsdp(module, mesh, blocks=blocks, mode=dp, mixed_precision=mixed_precision,

@@ -14,10 +14,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from ray_mesh.errors import ParallelError
-from ray_mesh.parallel.mesh import submesh
+from ray_mesh.parallel.mesh import MeshOrState, submesh
 
 
 def cp_unsupported_reason(device_type: str, backend: str) -> str | None:
@@ -33,7 +32,7 @@ def cp_unsupported_reason(device_type: str, backend: str) -> str | None:
 
 
 def context_parallel_region(
-    mesh: DeviceMesh,
+    mesh: MeshOrState,
     buffers: Sequence[torch.Tensor],
     seq_dims: Sequence[int],
     *,

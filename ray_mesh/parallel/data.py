@@ -19,15 +19,15 @@ from torch.utils.data import DistributedSampler
 
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.data_position import ResumableSampler
-from ray_mesh.parallel.mesh import submesh
+from ray_mesh.parallel.mesh import MeshOrState, submesh
 
 
-def _dp(mesh: DeviceMesh) -> DeviceMesh:
+def _dp(mesh: MeshOrState) -> DeviceMesh:
     """The flattened ``dp`` dim (dp_replicate x dp_shard) that ray_mesh builds on every mesh."""
     return submesh(mesh, "dp")
 
 
-def dp_rank(mesh: DeviceMesh) -> int:
+def dp_rank(mesh: MeshOrState) -> int:
     """This rank's index among the data-parallel replicas (same for its tp/cp/pp peers).
 
     Stability: stable
@@ -35,7 +35,7 @@ def dp_rank(mesh: DeviceMesh) -> int:
     return _dp(mesh).get_local_rank()
 
 
-def dp_size(mesh: DeviceMesh) -> int:
+def dp_size(mesh: MeshOrState) -> int:
     """How many different batches one step reads (dp_replicate x dp_shard).
 
     Stability: stable
@@ -43,7 +43,7 @@ def dp_size(mesh: DeviceMesh) -> int:
     return _dp(mesh).size()
 
 
-def local_batch_size(global_batch: int, mesh: DeviceMesh) -> int:
+def local_batch_size(global_batch: int, mesh: MeshOrState) -> int:
     """The per-replica batch for a global batch, which dp must divide.
 
     Stability: stable
@@ -58,7 +58,7 @@ def local_batch_size(global_batch: int, mesh: DeviceMesh) -> int:
     return global_batch // size
 
 
-def shard_batch(batch: Any, mesh: DeviceMesh) -> Any:
+def shard_batch(batch: Any, mesh: MeshOrState) -> Any:
     """This replica's rows (dim 0) of a global batch: a tensor, or a tuple/list/dict of them.
 
     Stability: stable
@@ -75,7 +75,7 @@ def shard_batch(batch: Any, mesh: DeviceMesh) -> Any:
                         f"with the batch on dim 0.")
 
 
-def dp_mean(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def dp_mean(value: torch.Tensor, mesh: MeshOrState) -> torch.Tensor:
     """The mean of a per-replica value (e.g. the loss) over the dp replicas, for logging.
 
     tp/cp/pp peers hold the same value, so only the flattened ``dp`` group is reduced.
@@ -84,11 +84,11 @@ def dp_mean(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     Stability: stable
     """
     out = value.detach().clone()
-    dist.all_reduce(out, group=mesh.get_group("dp"))
+    dist.all_reduce(out, group=_dp(mesh).get_group())
     return out / dp_size(mesh)
 
 
-def distributed_sampler(dataset: Sized, mesh: DeviceMesh, **kwargs: Any) -> DistributedSampler:
+def distributed_sampler(dataset: Sized, mesh: MeshOrState, **kwargs: Any) -> DistributedSampler:
     """A ``DistributedSampler`` over the dp replicas (kwargs: shuffle, seed, drop_last).
 
     Stability: stable
@@ -96,7 +96,7 @@ def distributed_sampler(dataset: Sized, mesh: DeviceMesh, **kwargs: Any) -> Dist
     return DistributedSampler(dataset, num_replicas=dp_size(mesh), rank=dp_rank(mesh), **kwargs)
 
 
-def resumable_sampler(dataset: Sized | int, mesh: DeviceMesh,
+def resumable_sampler(dataset: Sized | int, mesh: MeshOrState,
                       position: Mapping[str, Any] | None = None,
                       **kwargs: Any) -> ResumableSampler:
     """A :class:`ResumableSampler` over the dp replicas, resuming at ``position``.

@@ -29,8 +29,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ray_mesh.errors import ParallelError
-from ray_mesh.parallel.mesh import submesh
-from ray_mesh.parallel.picked import MeshOrState, layout_precision, mesh_of
+from ray_mesh.parallel.mesh import MeshOrState, mesh_of, submesh
+from ray_mesh.parallel.picked import layout_precision
 
 _DP_HINT = ("Data parallel needs the ray_mesh mesh (dp_replicate, dp_shard, cp and the "
             "flattened dp_shard_cp, dp_cp): get it from ray_mesh.get_mesh() or "

@@ -27,19 +27,10 @@ Ray-free; under torchrun, ``ray_mesh.init_mesh(spec, layout=...)`` sets it.
 
 from __future__ import annotations
 
-from torch.distributed.device_mesh import DeviceMesh
-
 from ray_mesh.core import bootstrap
 from ray_mesh.core.bootstrap import MeshState
 from ray_mesh.core.layout import Layout
-
-MeshOrState = DeviceMesh | MeshState
-"""What the layout-following helpers take: a mesh, or the worker's state (mesh and layout)."""
-
-
-def mesh_of(where: MeshOrState) -> DeviceMesh:
-    """The mesh of ``where`` (a mesh as is, a state's mesh)."""
-    return where.mesh if isinstance(where, MeshState) else where
+from ray_mesh.parallel.mesh import MeshOrState
 
 
 def layout_of(mesh: MeshOrState | None = None) -> Layout | None:

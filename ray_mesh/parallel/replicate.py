@@ -35,7 +35,8 @@ import torch
 from ray_mesh.core.bootstrap import get_mesh
 from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.core.layout import parse_replicate as parse_replicate
-from ray_mesh.parallel.picked import MeshOrState, layout_of, mesh_of
+from ray_mesh.parallel.mesh import MeshOrState, mesh_of
+from ray_mesh.parallel.picked import layout_of
 
 if TYPE_CHECKING:
     from ray_mesh.parallel.diloco import DiLoCo

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ray_mesh.errors import ParallelError
-from ray_mesh.parallel.mesh import divisors, submesh
+from ray_mesh.parallel.mesh import MeshOrState, divisors, mesh_of, submesh
 
 Style = ParallelStyle | str
 TPPlan = Mapping[str, Style]
@@ -141,13 +141,13 @@ def validate_tp_plan(module: nn.Module, plan: TPPlan, tp: int, *,
     return expanded
 
 
-def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def tp_mesh(mesh: MeshOrState) -> DeviceMesh:
     """``mesh["tp"]``, with an error that says how to get one when the mesh has no tp dim."""
     return submesh(mesh, "tp", hint="Build it with ray_mesh (MeshConfig or init_mesh), or "
                                     "pass the 1-D tp mesh itself.")
 
 
-def apply_tp(module: nn.Module, mesh: DeviceMesh, plan: TPPlan, *,
+def apply_tp(module: nn.Module, mesh: MeshOrState, plan: TPPlan, *,
              strict: bool = True) -> nn.Module:
     """Shard ``module`` over ``mesh["tp"]`` by ``plan`` (in place; returns it).
 
@@ -158,6 +158,7 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh, plan: TPPlan, *,
 
     Stability: stable
     """
+    mesh = mesh_of(mesh)
     sub = mesh if mesh.ndim == 1 and mesh.mesh_dim_names in (None, ("tp",)) else tp_mesh(mesh)
     tp = sub.size()
     expanded = validate_tp_plan(module, plan, tp, strict=strict)

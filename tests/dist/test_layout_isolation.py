@@ -58,6 +58,27 @@ def _what_the_helpers_see(mesh=None) -> dict:
             "dp_mode": replicate_dp_mode(mesh), "wrapped": dl is not None}
 
 
+def _every_helper(where) -> dict:
+    """What each public helper that takes a mesh answers for ``where`` (a mesh or a state)."""
+    import torch
+    from torch import nn
+
+    from ray_mesh import parallel as P
+
+    rank = torch.distributed.get_rank()
+    with P.context_parallel_region(where, [], []):
+        pass  # cp=1: a no-op region, entered through the state or the mesh alike
+    return {"dp_rank": P.dp_rank(where), "dp_size": P.dp_size(where),
+            "local_batch": P.local_batch_size(8, where),
+            "rows": P.shard_batch(torch.arange(8), where).tolist(),
+            "dp_mean": P.dp_mean(torch.tensor(float(rank)), where).item(),
+            "dp_shard": P.dim_size(where, "dp_shard"), "device": str(P.mesh_device(where)),
+            "submesh": P.submesh(where, "dp_shard_cp").size(),
+            "sampler": list(P.distributed_sampler(range(8), where, shuffle=False)),
+            "resumable": list(P.resumable_sampler(8, where, shuffle=False)),
+            "tp": type(P.apply_tp(nn.Linear(2, 2), where, {})).__name__}
+
+
 def _worker(rank: int, ports: tuple[int, int], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
     from ray_mesh.core import bootstrap
@@ -74,6 +95,7 @@ def _worker(rank: int, ports: tuple[int, int], out: str) -> None:
     first = parse_layout(FIRST)
     state = setup(FIRST, first.mesh)
     seen["first"] = _what_the_helpers_see()
+    seen["first_state"] = _what_the_helpers_see(state)  # DiLoCo built from the state too
     gc.collect()  # the DiLoCo built above holds the mesh's groups
     bootstrap.shutdown_mesh()
     # 2. the next mesh in the same process, given no layout: fp32, sync. On its own port, as
@@ -86,6 +108,7 @@ def _worker(rank: int, ports: tuple[int, int], out: str) -> None:
     # not the one its mesh carries (a state with another layout: a context the caller made)
     passed = dataclasses.replace(state, layout=parse_layout(TRIAL))
     seen["passed"] = {**_what_the_helpers_see(passed), "bf16": _reduced_in_bf16(passed, 4)}
+    seen["every_helper"] = [_every_helper(state), _every_helper(state.mesh)]
 
     # 3. a trial of a bf16 layout while that mesh exists: the trial's own mesh carries it
     def make_step(mesh, config):
@@ -114,6 +137,10 @@ def test_layouts_and_trials_one_after_another_do_not_see_each_other(tmp_path):
         # nothing of the first run's bf16 reduction or DiLoCo is left for the second
         assert seen["second"] == {"layout": SECOND, "diloco": None, "dp_mode": "auto",
                                   "wrapped": False, "bf16": False}, seen
+        assert seen["first_state"] == seen["first"], seen
+        # every helper that takes a mesh takes the state, and answers the same
+        by_state, by_mesh = seen["every_helper"]
+        assert by_state == by_mesh and by_mesh["dp_size"] == 2, seen
         # a state passed: its layout, not its mesh's
         assert seen["passed"] == {"layout": TRIAL, "diloco": None, "dp_mode": "auto",
                                   "wrapped": False, "bf16": True}, seen

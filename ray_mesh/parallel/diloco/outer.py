@@ -58,12 +58,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.errors import ParallelError
 from ray_mesh.parallel.compress import PendingAverage, start_average, wire_bytes
+from ray_mesh.parallel.mesh import MeshOrState, mesh_of
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -101,9 +101,10 @@ class DiLoCo:
     Stability: experimental
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh | None,
+    def __init__(self, model: torch.nn.Module, mesh: MeshOrState | None,
                  config: DiLoCoConfig | None = None, *, dim: str = "dp_replicate") -> None:
         self.config = config or DiLoCoConfig()
+        mesh = None if mesh is None else mesh_of(mesh)
         if mesh is None:  # replica groups (ray_mesh.replicas) average across groups
             self.replicas, self.group = 1, None
         else:

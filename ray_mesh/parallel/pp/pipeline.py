@@ -32,7 +32,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ray_mesh.errors import ParallelError
-from ray_mesh.parallel.mesh import dim_size, mesh_device, submesh
+from ray_mesh.parallel.mesh import MeshOrState, dim_size, mesh_device, submesh
 from ray_mesh.parallel.pp.plan import (
     PipelinePlan,
     named_layers,
@@ -42,10 +42,10 @@ from ray_mesh.parallel.tp import validate_tp_plan
 ParallelizeFn = Callable[..., nn.Module]
 """``fn(stage_module, mesh, *, tp_plan, dp, mixed_precision, strict_plan, reshard_after_forward)``
 -> module: the step that puts TP and data parallel on one stage (``ray_mesh.parallel.parallelize``
-has this signature)."""
+has this signature); ``mesh`` is what the Pipeline was given, a mesh or a ``MeshState``."""
 
 
-def _pp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def _pp_mesh(mesh: MeshOrState) -> DeviceMesh:
     return submesh(mesh, "pp", hint="Build it with ray_mesh (MeshConfig or init_mesh) and a pp "
                                     "size, e.g. mesh: {pp: 2}.")
 
@@ -75,7 +75,7 @@ class Pipeline:
     def __init__(
         self,
         model: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module],
-        mesh: DeviceMesh,
+        mesh: MeshOrState,
         *,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         n_microbatches: int,
@@ -130,7 +130,7 @@ class Pipeline:
         self.outputs: Any = None
 
     @classmethod
-    def _stage_step(cls, parallelize_fn: ParallelizeFn | None, mesh: DeviceMesh,
+    def _stage_step(cls, parallelize_fn: ParallelizeFn | None, mesh: MeshOrState,
                     layers: list[tuple[str, nn.Module]], *, tp_plan: Mapping[str, Any] | None,
                     dp: str, mixed_precision: Any) -> Callable[[nn.Module], nn.Module]:
         """``stage -> parallelize_fn(stage, mesh, ...)`` with the stage options filled in."""
