@@ -43,7 +43,6 @@ from ray_mesh.cli.job_checks import (
     check_train_ref,
     load_function,
 )
-from ray_mesh.core.diloco_config import check_mesh as check_replicate_mesh
 from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.object_store import check_location
 from ray_mesh.core.options import OPTION_NAMES, MeshOptions, check_option_values
@@ -306,8 +305,8 @@ class Job:
         try:
             replicate = (given.diloco if given is not None
                          else parse_replicate(top.get("replicate")))
-            if mesh != "auto":
-                check_replicate_mesh(replicate, mesh.dp_replicate)
+            layout = None if mesh == "auto" else replace(given or Layout(), mesh=mesh,
+                                                         diloco=replicate)
         except (ParallelError, LayoutError) as exc:
             raise JobError(str(exc)) from exc
         run = RunSection(**check_keys("run", top.get("run"), RUN_KEYS))
@@ -317,8 +316,7 @@ class Job:
             check_mesh_fits(mesh, scaling.num_workers, run.min_workers)
         return cls(
             replicate=replicate,
-            layout=None if mesh == "auto" else replace(given or Layout(), mesh=mesh,
-                                                       diloco=replicate),
+            layout=layout,
             name=name,
             train=str(top["train"]),
             config=config,

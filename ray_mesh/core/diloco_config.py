@@ -104,13 +104,13 @@ class DiLoCoConfig:
         return cls(**{k: v for k, v in data.items() if k != "mode"})
 
 
-def check_mesh(config: DiLoCoConfig | None, dp_replicate: Any) -> None:
-    """Driver-side: DiLoCo needs a replicate dim to sync over (>= 2, 'nodes' or -1)."""
-    if config is None:
-        return
-    if isinstance(dp_replicate, int) and 0 <= dp_replicate < 2:
-        raise ParallelError(
-            f"replicate.mode=diloco syncs replicas over dp_replicate, but the mesh has "
+def too_few_replicas(config: DiLoCoConfig | None, dp_replicate: Any) -> str | None:
+    """Why ``config`` cannot run over ``dp_replicate`` (DiLoCo averages replicas: it needs
+    2 or more, ``nodes`` or ``-1`` before they are sized), or None when it can. The rule
+    of :class:`~ray_mesh.core.layout.Layout`, which every layout is checked against."""
+    if config is None or not isinstance(dp_replicate, int) or not 0 <= dp_replicate < 2:
+        return None
+    return (f"replicate.mode=diloco syncs replicas over dp_replicate, but the mesh has "
             f"dp_replicate={dp_replicate}: set mesh.dp_replicate: nodes (one replica per node) "
             f"or a size >= 2, or use replicate.mode: sync")
 

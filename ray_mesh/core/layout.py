@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from ray_mesh.core.diloco_config import DiLoCoConfig
+from ray_mesh.core.diloco_config import DiLoCoConfig, too_few_replicas
 from ray_mesh.core.families import FAMILIES, OLD_FAMILY_SPELLINGS
 from ray_mesh.core.families import check_family as check_family
 from ray_mesh.core.families import family_mesh as family_mesh
@@ -107,6 +107,8 @@ class Layout:
         if self.diloco is not None and not isinstance(self.diloco, DiLoCoConfig):
             raise LayoutError(f"Layout.diloco must be a DiLoCoConfig or None (sync), not "
                               f"{self.diloco!r}")
+        if why := too_few_replicas(self.diloco, self.mesh.dp_replicate):
+            raise LayoutError(why)  # a layout that could not run is never built
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -125,6 +127,11 @@ class Layout:
     def dims(self) -> dict[str, int | str]:
         """The dims that are not 1, outer to inner (what the string shows)."""
         return {d: v for d, v in self.mesh.to_dict().items() if v != 1}
+
+    @property
+    def dims_text(self) -> str:
+        """The dims segment of the string (``dp_replicate=nodes,dp_shard=-1``)."""
+        return ",".join(f"{d}={v}" for d, v in self.dims.items()) or "dp_shard=1"
 
     @property
     def replicate(self) -> str:
@@ -153,8 +160,7 @@ class Layout:
 
     # ------------------------------------------------------------------ printing
     def __str__(self) -> str:
-        dims = ",".join(f"{d}={v}" for d, v in self.dims.items()) or "dp_shard=1"
-        parts = [dims, self.reduce]
+        parts = [self.dims_text, self.reduce]
         if self.schedule is not None or self.microbatches != 1:
             pipe = [f"schedule={self.schedule}"] if self.schedule else []
             pipe += [f"microbatches={self.microbatches}"] if self.microbatches != 1 else []

@@ -23,12 +23,12 @@ from ray.train.torch import TorchConfig
 
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core import bootstrap, priority
-from ray_mesh.core.diloco_config import check_mesh as check_replicate_mesh
 from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.options import OPTION_DEFAULTS, OPTION_NAMES, MeshOptions
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
 from ray_mesh.core.values import describe
+from ray_mesh.errors import LayoutError
 from ray_mesh.network.interfaces import (
     Choice,
     NetworkError,
@@ -175,8 +175,6 @@ class MeshConfig(MeshOptions, TorchConfig):
                                              or self.total_steps < 1):
             raise ValueError(f"total_steps must be a whole number of steps >= 1 (or None when "
                              f"unknown), got {self.total_steps!r}.")
-        if self.mesh != "auto":
-            check_replicate_mesh(self.replicate, self.mesh.dp_replicate)
         self.layout = None if self.mesh == "auto" else replace(
             given or Layout(), mesh=self.mesh, diloco=self.replicate)
         if self.init_method != "env":
@@ -308,6 +306,8 @@ def plan_for(worker_group, config: MeshConfig
     reports = worker_group.execute(_probe_worker)
     spec = MeshSpec.fsdp() if config.mesh == "auto" else config.mesh
     plan = plan_mesh(spec, reports, allow_cross_node_inner=config.allow_cross_node_inner)
+    if config.layout is not None:
+        check_resolved(config.layout, plan)
     gpus = worker_group.get_resources_per_worker().get("GPU", 0)
     if gpus and any(not r.device.startswith("cuda") for r in reports):
         cpu_ranks = [r.rank for r in reports if not r.device.startswith("cuda")]
@@ -320,6 +320,22 @@ def plan_for(worker_group, config: MeshConfig
     nccl = "nccl" in (config.backend or ("nccl" if gpus else "gloo"))  # user's *_IFNAME wins
     check_user_ifnames(reports, worker_group.execute(user_ifname_env), nccl=nccl)
     return plan, choices, reports
+
+
+def check_resolved(layout: Layout, plan: MeshPlan) -> None:
+    """The layout with its dims sized for this cluster must still be one (DiLoCo with
+    ``dp_replicate: nodes`` on one node is not): refused here, before any process group,
+    naming what the dims came to, instead of by ``wrap_replicate`` on every worker."""
+    try:
+        replace(layout, mesh=plan.spec)
+    except LayoutError:
+        sized = Layout(plan.spec).dims_text
+        raise TopologyError(
+            f"replicate.mode=diloco averages 2 or more replicas over dp_replicate, but the "
+            f"mesh {layout.dims_text} comes to {sized} on this cluster ({plan.num_nodes} "
+            f"node(s), {len(plan.workers)} worker(s)): run on 2 or more nodes, set "
+            f"mesh.dp_replicate: 2 (two replicas on one node), or use replicate.mode: sync."
+        ) from None
 
 
 def _warn_niceness(plan: MeshPlan, results: list, target: int | None) -> None:

@@ -1,5 +1,6 @@
 """Bad input that only the nodes can see, under real Ray: an interface the nodes do not have
-(``network.interface``) and a ``GLOO_SOCKET_IFNAME`` the user set on the workers. Both fail
+(``network.interface``), a ``GLOO_SOCKET_IFNAME`` the user set on the workers, and DiLoCo
+over ``dp_replicate: nodes`` on a one-node cluster (one replica). All fail
 at bring-up, before any process group, with our own one-line error, not Ray Train's
 ``ControllerError`` wrapper and its traceback.
 
@@ -59,7 +60,13 @@ def _one_line(proc: subprocess.CompletedProcess, *words: str) -> str:
     pytest.param("gloo", "", {"GLOO_SOCKET_IFNAME": "nosuch0"},
                  ["GLOO_SOCKET_IFNAME=nosuch0", "set by the user", "Unset GLOO_SOCKET_IFNAME"],
                  marks=pytest.mark.slow),
-], ids=["interface", "user-gloo-ifname"])
+    # slow tier (~20 s): the layout's rule on the dims as sized (check_resolved, its logic in
+    # tests/unit/test_topology.py, default tier): 'nodes' on the one node of this cluster
+    pytest.param("diloco", "mesh: {dp_replicate: nodes, dp_shard: -1}\n"
+                 "replicate: {mode: diloco, every: 4}\n", {},
+                 ["dp_replicate=nodes,dp_shard=-1 comes to dp_shard=2", "(1 node(s)",
+                  "dp_replicate: 2 (two replicas on one node)"], marks=pytest.mark.slow),
+], ids=["interface", "user-gloo-ifname", "diloco-one-replica"])
 def test_nodes_refuse_an_interface_they_do_not_have(ray_local, tmp_path, name, extra,
                                                     env_vars, words):
     import ray

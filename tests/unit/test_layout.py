@@ -35,6 +35,11 @@ PIPES = [(None, 1), ("1f1b", 8), ("interleaved1f1b", 4), (None, 2)]
 @pytest.mark.parametrize("mesh, reduce, pipe, diloco",
                          list(itertools.product(MESHES, ("fp32", "bf16"), PIPES, DILOCOS)))
 def test_parse_of_print_is_the_layout(mesh, reduce, pipe, diloco):
+    if diloco is not None and mesh.get("dp_replicate", 1) == 1:  # no replicas to average
+        with pytest.raises(LayoutError, match="dp_replicate=1"):
+            Layout.of(mesh, reduce=reduce, schedule=pipe[0], microbatches=pipe[1],
+                      diloco=diloco)
+        return
     lay = Layout.of(mesh, reduce=reduce, schedule=pipe[0], microbatches=pipe[1], diloco=diloco)
     text = str(lay)
     assert parse_layout(text) == lay, text
@@ -206,6 +211,26 @@ def test_meshconfig_is_a_layout_and_options_and_replace_keeps_both():
         MeshConfig(options=MeshOptions(link_probe_s=99))
     with pytest.raises(ValueError, match="not both"):  # a different mesh is still refused
         dataclasses.replace(cfg, mesh={"dp_replicate": 2, "dp_shard": 4})
+
+
+def test_a_layout_with_diloco_has_replicates_to_average():
+    """DiLoCo needs dp_replicate >= 2 ('nodes' or -1 until sized): a rule of the Layout
+    itself, so no spelling (string, mapping, Layout.of, MeshConfig, job) builds one
+    without, and reading a job needs no torch to say so."""
+    from ray_mesh.core.diloco_config import DiLoCoConfig
+    from ray_mesh.raytrain.backend import MeshConfig
+
+    for text in ("dp_shard=4/fp32/diloco", "dp_replicate=1,dp_shard=2/fp32/diloco:every=5"):
+        with pytest.raises(LayoutError, match="dp_replicate=1: set mesh.dp_replicate: nodes"):
+            parse_layout(text)
+    with pytest.raises(LayoutError, match="dp_replicate=1"):
+        Layout.of({"dp_shard": 4}, diloco=DiLoCoConfig())
+    with pytest.raises(LayoutError, match="dp_replicate=1"):
+        MeshConfig(mesh={"dp_shard": 4}, replicate={"mode": "diloco"})
+    for ok in ("dp_replicate=nodes,dp_shard=-1/fp32/diloco:every=5",
+               "dp_replicate=-1,dp_shard=2/fp32/diloco:every=5",
+               "dp_replicate=2,dp_shard=2/bf16/diloco:every=5"):
+        assert str(parse_layout(ok)) == ok
 
 
 def _plan():

@@ -86,3 +86,19 @@ def test_layout_table_has_a_row_per_rank_with_coordinates():
                                 "pp", "dp_replicate", "dp_shard", "cp", "tp"]
     assert lines[3 + 3].split() == ["3", "1", "100.64.0.2", "1", "cpu", "tailscale0",
                                     "0", "1", "1", "0", "0"]
+
+
+def test_diloco_that_its_cluster_leaves_one_replica_is_refused_before_any_group():
+    """The layout's rule (DiLoCo averages 2 or more replicas) holds for the dims as sized on
+    the cluster: ``dp_replicate: nodes`` on one node is refused at planning, naming what the
+    dims came to and the fixes, not by ``wrap_replicate`` on every worker after the mesh
+    exists. On two nodes the same layout plans."""
+    from ray_mesh.core.layout import parse_layout
+    from ray_mesh.raytrain.backend import check_resolved
+
+    lay = parse_layout("dp_replicate=nodes,dp_shard=-1/fp32/diloco:every=5")
+    with pytest.raises(TopologyError, match=r"mesh dp_replicate=nodes,dp_shard=-1 comes to "
+                       r"dp_shard=4 on this cluster \(1 node\(s\), 4 worker\(s\)\).*"
+                       r"dp_replicate: 2 \(two replicas on one node\)"):
+        check_resolved(lay, plan_mesh(lay.mesh, workers([4])))
+    check_resolved(lay, plan_mesh(lay.mesh, workers([2, 2])))  # two replicas: runs
