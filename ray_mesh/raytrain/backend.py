@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import traceback
 from contextlib import ExitStack
 from dataclasses import InitVar, dataclass, replace
 from typing import Any
@@ -246,7 +247,14 @@ class _TrainThreadContext:
     give threads started since bring-up the workers' niceness, enter the worker's
     observability for the train function (``Observability.train_thread``: the wait sampler
     watches this thread, the recorder saves the run's summary at its end), and turn an error of a
-    collective the hang watch reported on into a ``CollectiveHangError`` carrying the report."""
+    collective the hang watch reported on into a ``CollectiveHangError`` carrying the report.
+
+    A train function that raised leaves its locals (the FSDP model, the optimizer) held by
+    the error's traceback, which Ray Train keeps to report: the mesh's groups could then not
+    be freed at shutdown (each worker warned, with advice the user cannot follow, and the
+    groups' threads lived to interpreter exit, where gloo can abort the process). The frames
+    of the ended function are cleared on the way out: the traceback Ray Train prints (file,
+    line, function, source) is unchanged, the locals it never sends are dropped."""
 
     def __init__(self) -> None:
         self._stack = ExitStack()
@@ -263,9 +271,21 @@ class _TrainThreadContext:
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._stack.close()
         better = self._owner.explain(exc) if self._owner is not None else None
+        _drop_locals(exc)
         if better is not None:  # Ray Train shows 1000 characters: the report, not gloo's text
             raise better from None
         return False
+
+
+def _drop_locals(exc: BaseException | None) -> None:
+    """Clear the ended frames of ``exc``'s tracebacks, its causes and contexts included
+    (``traceback.clear_frames`` leaves a frame that is still running as it is)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 # ----------------------------------------------------------------------------- on workers
