@@ -69,6 +69,12 @@ class LinkAbandoned(ClusterError):  # noqa: N818 - a state the caller reacts to,
     (ray_mesh.replicas.link): the step is retried with the groups that remain."""
 
 
+class TrainFunctionError(ClusterError):
+    """The job's train function raised on some ranks (Ray Train's ``WorkerGroupError``):
+    ``ray-mesh run`` says which ranks and what, in one line; each rank's traceback is on the
+    console above it (ray_mesh.cli.runner)."""
+
+
 class GroupsFailed(ClusterError):
     """A replica group failed several times in a row (twice with the same error) without
     rejoining in between: the train function or the group's setup, not a node coming and

@@ -8,7 +8,8 @@ cluster the same interface checks run on every node during bring-up (``ray_mesh.
 
 :func:`user_error_inside` finds our own error (a ``PreflightError``, say) inside the
 ``ControllerError``/``WorkerGroupError`` that Ray Train wraps it in, so the console shows
-its message as one line, not Ray's wrapper and traceback.
+its message as one line, not Ray's wrapper and traceback; :func:`train_function_failure`
+says in one line which ranks' train function raised what, when the error is the user's.
 """
 
 from __future__ import annotations
@@ -103,3 +104,29 @@ def user_error_inside(exc: BaseException, types: tuple[type[BaseException], ...]
             return current
         todo.extend(_inner(current))
     return None
+
+
+def train_function_failure(exc: BaseException) -> str | None:
+    """``rank(s) 0, 1: ValueError: bad batch`` for a ``WorkerGroupError`` (the train
+    function raised on those ranks; each rank's traceback is on the console already), or
+    None for any other error. Ranks that raised the same are named together."""
+    failures = getattr(exc, "worker_failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None
+    by_text: dict[str, list[int]] = {}
+    for rank, error in sorted(failures.items(), key=lambda kv: str(kv[0])):
+        by_text.setdefault(_last_line(error), []).append(rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}"
+                     for text, r in by_text.items())
+
+
+def _last_line(error: BaseException) -> str:
+    """``Type: message``, from the last line of what a worker's error says (a wrapped
+    error's text ends with the original's ``Type: message`` line), at most 300 characters."""
+    lines = [x for x in str(error).strip().splitlines() if x.strip()]
+    last = lines[-1].strip() if lines else ""
+    name = type(error).__name__
+    head = last.split(":", 1)[0]
+    text = last if head.isidentifier() and head.endswith(("Error", "Exception")) \
+        else f"{name}: {last}" if last else name
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -25,9 +25,9 @@ import ray_mesh.private_apis as private_apis
 from ray_mesh.cli.console_tail import final_steps, progress_tail
 from ray_mesh.cli.flags import address_problem
 from ray_mesh.cli.job import Job, JobError
-from ray_mesh.cli.preray import check_before_ray, user_error_inside
+from ray_mesh.cli.preray import check_before_ray, train_function_failure, user_error_inside
 from ray_mesh.core.priority import RAY_NICENESS_ENV
-from ray_mesh.errors import ConfigurationError, UserInputError
+from ray_mesh.errors import ConfigurationError, TrainFunctionError, UserInputError
 from ray_mesh.network.interfaces import NetworkError, host_port, split_host_port
 from ray_mesh.observability.report import last_report
 from ray_mesh.raytrain.auth import secure_token_file
@@ -269,6 +269,11 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
             ours = user_error_inside(exc, USER_ERROR_TYPES)
             if ours is not None:
                 raise ours from None
+            failed = train_function_failure(exc)  # the user's code raised: say where, once
+            if failed is not None:
+                raise TrainFunctionError(
+                    f"run {job.name!r} failed: its train function raised on {failed} (each "
+                    f"rank's traceback is above; -v adds the driver's)") from exc
             raise
         wall_s = time.monotonic() - t0
         metrics, fresh = last_report(result, since) if result.error is None else ({}, False)

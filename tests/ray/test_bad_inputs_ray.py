@@ -12,6 +12,7 @@ and the check on the workers is what refuses the job.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB = "name: {name}\ntrain: t.py:train_loop\nscaling: {{num_workers: 2}}\n{extra}"
 
 
-def _driver(tmp_path: Path, gcs: str, name: str, extra: str, env_vars: dict[str, str]
-            ) -> subprocess.CompletedProcess:
-    (tmp_path / "t.py").write_text("def train_loop(config):\n    pass\n")
+def _driver(tmp_path: Path, gcs: str, name: str, extra: str, env_vars: dict[str, str],
+            body: str = "pass") -> subprocess.CompletedProcess:
+    (tmp_path / "t.py").write_text(f"def train_loop(config):\n    {body}\n")
     (tmp_path / "job.yaml").write_text(JOB.format(name=name, extra=extra))
     # ray.init with a runtime_env: how a user's variable reaches workers on a cluster.
     code = (
@@ -77,3 +78,20 @@ def test_nodes_refuse_an_interface_they_do_not_have(ray_local, tmp_path, name, e
     # shutdown noise on a loaded machine (its autoscaling coordinator) is not ours to hide.
     ours = [x for x in out.splitlines() if 'File "' in x and "ray_mesh" in x]
     assert not ours, out[-4000:]
+
+
+@pytest.mark.slow  # ~15 s; the line's text: tests/unit/test_bad_inputs_preray.py (default tier)
+@pytest.mark.timeout(600)
+def test_a_train_function_that_raises_ends_in_one_line_naming_its_ranks(ray_local, tmp_path):
+    """The user's own error: each rank's traceback (Ray's), then one closing line naming
+    the ranks and the error, not the driver's traceback through ray_mesh and Ray Train."""
+    import ray
+
+    gcs = ray.get_runtime_context().gcs_address
+    out = _one_line(_driver(tmp_path, gcs, "raises", "", {},
+                            body='raise ValueError("bad batch at step 3")'),
+                    "its train function raised on rank", ": ValueError: bad batch at step 3")
+    # the ranks Ray Train had heard from when it stopped the run: 0, or both
+    assert re.search(r"raised on (rank 0|rank 1|ranks 0, 1): ValueError", out), out[-4000:]
+    assert 'File "' in out and "t.py" in out, out[-4000:]  # the rank's traceback is shown
+    assert not [x for x in out.splitlines() if 'File "' in x and "ray_mesh" in x], out[-4000:]

@@ -128,3 +128,22 @@ def test_our_error_is_found_inside_ray_trains_wrappers():
     group = pickle.loads(pickle.dumps(WorkerGroupError("x", {1: JobError("bad")})))
     assert isinstance(user_error_inside(group, (JobError,)), JobError)
     assert user_error_inside(ControllerError(RuntimeError("other")), (NetworkError,)) is None
+
+
+def test_a_train_function_that_raised_is_one_line_naming_the_ranks():
+    """`ray-mesh run`'s closing line when the user's train function raised (Ray Train's
+    WorkerGroupError, pickled as the controller sends it): the ranks and the error, ranks
+    that raised the same named together; each rank's traceback is on the console above."""
+    from ray.train import ControllerError, WorkerGroupError
+
+    from ray_mesh.cli.preray import train_function_failure
+
+    wrapped_text = RuntimeError("Traceback (most recent call last):\n  File \"t.py\", line 11, "
+                                "in train_loop\n    raise ValueError(\"bad batch\")\n"
+                                "ValueError: bad batch at step 3\n")
+    group = pickle.loads(pickle.dumps(WorkerGroupError("x", {
+        1: ValueError("bad batch at step 3"), 0: wrapped_text, 3: KeyError("shard")})))
+    assert train_function_failure(group) == ("ranks 0, 1: ValueError: bad batch at step 3; "
+                                             "rank 3: KeyError: 'shard'")
+    assert train_function_failure(ControllerError(RuntimeError("other"))) is None
+    assert train_function_failure(RuntimeError("not Ray's")) is None
