@@ -29,7 +29,7 @@ from ray_mesh.cli.flags import (
 )
 from ray_mesh.cli.job import MAX_WORKERS, Job
 from ray_mesh.core.safe import safe_text
-from ray_mesh.errors import exit_code
+from ray_mesh.errors import TrainFunctionError, exit_code
 
 # Help text is plain text (the module docstring is for readers of the code).
 DESCRIPTION = """\
@@ -72,7 +72,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
             job, address=args.address, verbose=args.verbose))
         print("\n".join(lines), file=sys.stdout if ok else sys.stderr)
         return 0 if ok else 1
-    outcome = run_job_outcome(job, address=args.address, verbose=args.verbose)
+    try:
+        outcome = run_job_outcome(job, address=args.address, verbose=args.verbose)
+    except TrainFunctionError as exc:  # the user's code: the run failed, as a group's would
+        if args.verbose:
+            traceback.print_exc()
+        print(f"ray-mesh: run {job.name!r} failed: {safe_text(exc, multiline=True)}",
+              file=sys.stderr)
+        return 1
     result = outcome.result
     if result.error is not None:
         print(f"ray-mesh: the run failed: {safe_text(result.error, multiline=True)}",
@@ -92,6 +99,14 @@ def summary_lines(name: str, outcome) -> list[str]:
     steps = metrics.get("step")
     wall = outcome.wall_s
     head = f"ray-mesh: run {name!r} finished"
+    if not outcome.fresh:  # resumed where an earlier fit of this name and storage ended
+        return [safe_text(line, 2000) for line in (
+            f"{head} in {wall:.1f} s with nothing to train: it resumed from the checkpoint "
+            f"of an earlier fit of the same name and storage path"
+            + (f", at step {int(steps)}," if isinstance(steps, int | float) else "")
+            + " and reported nothing. Another name (name:) or --storage-path trains afresh.",
+            f"  checkpoint:  {result.checkpoint.path if result.checkpoint else 'none saved'}",
+            f"  results:     {result.path}")]
     if isinstance(steps, int | float) and steps:
         head += f": {int(steps)} steps in {wall:.1f} s (start-up included)"
     else:

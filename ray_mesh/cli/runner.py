@@ -218,6 +218,7 @@ class RunOutcome:
     metrics_url: str | None  # the Prometheus endpoint of the driver's node
     embedded: bool  # the endpoint went away with the embedded Ray
     metrics: dict[str, Any]  # rank 0's last report (:func:`last_report`)
+    fresh: bool = True  # False: this fit reported nothing; ``metrics`` are an earlier fit's
 
 
 def node_metrics_url(nodes: list[dict[str, Any]], node_id: str) -> str | None:
@@ -272,8 +273,8 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
             failed = train_function_failure(exc)  # the user's code raised: say where, once
             if failed is not None:
                 raise TrainFunctionError(
-                    f"run {job.name!r} failed: its train function raised on {failed} (each "
-                    f"rank's traceback is above; -v adds the driver's)") from exc
+                    f"its train function raised on {failed} (each rank's traceback is "
+                    f"above)") from exc
             raise
         wall_s = time.monotonic() - t0
         metrics, fresh = last_report(result, since) if result.error is None else ({}, False)
@@ -282,4 +283,4 @@ def run_job_outcome(job: Job, address: str | None = None, verbose: bool = False)
         tail.wait(final_steps({job.name: metrics} if fresh else {},
                               parts.mesh_config.total_steps),
                   say=lambda line: print(f"ray-mesh: {line}", flush=True))
-        return RunOutcome(result, wall_s, url, started, metrics)
+        return RunOutcome(result, wall_s, url, started, metrics, fresh)

@@ -84,14 +84,19 @@ def test_nodes_refuse_an_interface_they_do_not_have(ray_local, tmp_path, name, e
 @pytest.mark.timeout(600)
 def test_a_train_function_that_raises_ends_in_one_line_naming_its_ranks(ray_local, tmp_path):
     """The user's own error: each rank's traceback (Ray's), then one closing line naming
-    the ranks and the error, not the driver's traceback through ray_mesh and Ray Train."""
+    the ranks and the error, exit status 1, not the driver's traceback through ray_mesh and
+    Ray Train."""
     import ray
 
     gcs = ray.get_runtime_context().gcs_address
-    out = _one_line(_driver(tmp_path, gcs, "raises", "", {},
-                            body='raise ValueError("bad batch at step 3")'),
-                    "its train function raised on rank", ": ValueError: bad batch at step 3")
+    proc = _driver(tmp_path, gcs, "raises", "", {}, body='raise ValueError("bad batch at step 3")')
+    out = proc.stdout + proc.stderr
+    closing = [x for x in out.splitlines() if x.startswith("ray-mesh:")]
+    assert proc.returncode == 1, out[-4000:]  # the run failed (as a replica group's would)
     # the ranks Ray Train had heard from when it stopped the run: 0, or both
-    assert re.search(r"raised on (rank 0|rank 1|ranks 0, 1): ValueError", out), out[-4000:]
+    assert len(closing) == 1 and re.fullmatch(
+        r"ray-mesh: run 'raises' failed: its train function raised on (rank 0|rank 1|ranks 0, "
+        r"1): ValueError: bad batch at step 3 \(each rank's traceback is above\)",
+        closing[0]), out[-4000:]
     assert 'File "' in out and "t.py" in out, out[-4000:]  # the rank's traceback is shown
     assert not [x for x in out.splitlines() if 'File "' in x and "ray_mesh" in x], out[-4000:]

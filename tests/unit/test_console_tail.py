@@ -94,3 +94,27 @@ def test_a_run_resumed_at_its_last_step_waits_for_no_line(tmp_path):
                            since=now)[1]
     # the recorder's summary carries the time it was made
     assert abs(ReportRecorder().summary()["saved_at"] - time.time()) < 5
+
+
+def test_a_rerun_with_nothing_to_train_does_not_show_the_earlier_fits_figures(tmp_path):
+    """`ray-mesh run` of a finished job again (same name, same storage path): Ray Train
+    resumes it at its last step, the train function has nothing to do and reports nothing.
+    The summary said "finished: 20 steps in 36.0 s" and the earlier fit's throughput, as if
+    this fit had trained; it says what happened and how to train afresh instead."""
+    from types import SimpleNamespace
+
+    from ray_mesh.cli.main import summary_lines
+    from ray_mesh.cli.runner import RunOutcome
+
+    result = SimpleNamespace(checkpoint=SimpleNamespace(path="/r/d/checkpoint_00000020"),
+                             path="/r/d")
+    earlier = {"step": 20, "loss": 1.766, "steps_per_s": 4.888}
+    lines = summary_lines("d", RunOutcome(result, 26.4, None, True, earlier, fresh=False))
+    assert lines[0] == ("ray-mesh: run 'd' finished in 26.4 s with nothing to train: it "
+                        "resumed from the checkpoint of an earlier fit of the same name and "
+                        "storage path, at step 20, and reported nothing. Another name (name:) "
+                        "or --storage-path trains afresh."), lines
+    assert not any("steps/s" in x or "1.766" in x for x in lines), lines
+    assert lines[1:] == ["  checkpoint:  /r/d/checkpoint_00000020", "  results:     /r/d"]
+    this_fit = summary_lines("d", RunOutcome(result, 26.4, None, True, earlier))
+    assert this_fit[0] == "ray-mesh: run 'd' finished: 20 steps in 26.4 s (start-up included)"
