@@ -24,12 +24,12 @@ from ray.train.torch import TorchConfig
 
 import ray_mesh.private_apis as private_apis
 from ray_mesh.core import bootstrap, priority
+from ray_mesh.core.diloco_config import too_few_replicas
 from ray_mesh.core.layout import Layout, parse_layout, parse_replicate
 from ray_mesh.core.options import OPTION_DEFAULTS, OPTION_NAMES, MeshOptions
 from ray_mesh.core.spec import MeshSpec
 from ray_mesh.core.topology import MeshPlan, TopologyError, WorkerReport, plan_mesh
 from ray_mesh.core.values import describe
-from ray_mesh.errors import LayoutError
 from ray_mesh.network.interfaces import (
     Choice,
     NetworkError,
@@ -343,19 +343,17 @@ def plan_for(worker_group, config: MeshConfig
 
 
 def check_resolved(layout: Layout, plan: MeshPlan) -> None:
-    """The layout with its dims sized for this cluster must still be one (DiLoCo with
-    ``dp_replicate: nodes`` on one node is not): refused here, before any process group,
-    naming what the dims came to, instead of by ``wrap_replicate`` on every worker."""
-    try:
-        replace(layout, mesh=plan.spec)
-    except LayoutError:
+    """The layout's rule (``too_few_replicas``) on its dims as sized for this cluster:
+    DiLoCo with ``dp_replicate: nodes`` on one node has one replica. Refused here, before
+    any process group, naming what the dims came to, instead of by ``wrap_replicate`` on
+    every worker."""
+    if too_few_replicas(layout.diloco, plan.spec.dp_replicate) is not None:
         sized = Layout(plan.spec).dims_text
         raise TopologyError(
             f"replicate.mode=diloco averages 2 or more replicas over dp_replicate, but the "
             f"mesh {layout.dims_text} comes to {sized} on this cluster ({plan.num_nodes} "
             f"node(s), {len(plan.workers)} worker(s)): run on 2 or more nodes, set "
-            f"mesh.dp_replicate: 2 (two replicas on one node), or use replicate.mode: sync."
-        ) from None
+            f"mesh.dp_replicate: 2 (two replicas on one node), or use replicate.mode: sync.")
 
 
 def _warn_niceness(plan: MeshPlan, results: list, target: int | None) -> None:
