@@ -99,14 +99,15 @@ def summary_lines(name: str, outcome) -> list[str]:
     steps = metrics.get("step")
     wall = outcome.wall_s
     head = f"ray-mesh: run {name!r} finished"
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else "none saved"
+    where = [f"  checkpoint:  {checkpoint}", f"  results:     {result.path}"]
     if not outcome.fresh:  # resumed where an earlier fit of this name and storage ended
         return [safe_text(line, 2000) for line in (
             f"{head} in {wall:.1f} s with nothing to train: it resumed from the checkpoint "
             f"of an earlier fit of the same name and storage path"
             + (f", at step {int(steps)}," if isinstance(steps, int | float) else "")
             + " and reported nothing. Another name (name:) or --storage-path trains afresh.",
-            f"  checkpoint:  {result.checkpoint.path if result.checkpoint else 'none saved'}",
-            f"  results:     {result.path}")]
+            *where)]
     if isinstance(steps, int | float) and steps:
         head += f": {int(steps)} steps in {wall:.1f} s (start-up included)"
     else:
@@ -124,9 +125,7 @@ def summary_lines(name: str, outcome) -> list[str]:
              if k not in ("step", "steps_per_s", "samples_per_s", "tokens_per_s")}
     if shown:
         lines.append("  last report: " + ", ".join(f"{k}={_number(v)}" for k, v in shown.items()))
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else "none saved"
-    lines.append(f"  checkpoint:  {checkpoint}")
-    lines.append(f"  results:     {result.path}")
+    lines += where
     if outcome.metrics_url and outcome.embedded:
         lines.append(f"  metrics:     were served at {outcome.metrics_url} while the embedded "
                      f"Ray ran (it stops with the job); run on a cluster (--address) to keep "

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ray_mesh.parallel.fsdp import Blocks, Mode, apply_fsdp
-from ray_mesh.parallel.mesh import MeshOrState, mesh_device, mesh_of
+from ray_mesh.parallel.mesh import MeshOrState, mesh_device
 from ray_mesh.parallel.tp import TPPlan, apply_tp
 
 
@@ -46,7 +46,7 @@ def parallelize(
     """
     module = module.to(mesh_device(mesh))
     if tp_plan:
-        module = apply_tp(module, mesh_of(mesh), tp_plan, strict=strict_plan)
+        module = apply_tp(module, mesh, tp_plan, strict=strict_plan)
     return apply_fsdp(module, mesh, blocks=blocks, mode=dp, mixed_precision=mixed_precision,
                       reshard_after_forward=reshard_after_forward)
 

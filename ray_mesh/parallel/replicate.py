@@ -35,7 +35,7 @@ import torch
 from ray_mesh.core.bootstrap import get_mesh
 from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.core.layout import parse_replicate as parse_replicate
-from ray_mesh.parallel.mesh import MeshOrState, mesh_of
+from ray_mesh.parallel.mesh import MeshOrState
 from ray_mesh.parallel.picked import layout_of
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def wrap(model: torch.nn.Module, mesh: MeshOrState | None = None,
         return None
     from ray_mesh.parallel.diloco import DiLoCo  # DTensor's imports: only where it runs
 
-    return DiLoCo(model, mesh_of(mesh) if mesh is not None else get_mesh(), config)
+    return DiLoCo(model, mesh if mesh is not None else get_mesh(), config)
 
 
 __all__ = ["dp_mode", "replicate_config", "wrap"]
