@@ -67,6 +67,12 @@ class Server:
         self._thread.join(10)
 
 
+def _already_ours(exc: Exception) -> bool:
+    """The bucket exists and is this key's (a retried create whose first answer was lost)."""
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+    return code == "BucketAlreadyOwnedByYou"
+
+
 def start_server(host: str, port: int, bucket: str, key_file: str = DEFAULT_KEY_FILE,
                  timeout_s: float = START_TIMEOUT_S) -> Server:
     """Serve moto's S3 API on ``host:port`` with ``bucket`` created, to requests signed with
@@ -84,18 +90,25 @@ def start_server(host: str, port: int, bucket: str, key_file: str = DEFAULT_KEY_
     _check_port_free(host, port)
     key, made = load_or_make_key(key_file)
     server = Server(host, port, key, made)
-    import pyarrow.fs
+    # boto3 (moto's own dependency), not pyarrow: a pyarrow S3FileSystem made in this
+    # process can deadlock its exit (pyarrow's S3 finalizer at interpreter shutdown,
+    # apache/arrow#50188), and a server that does not stop on SIGTERM is a hang.
+    import boto3
+    from botocore.config import Config
 
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    fs = pyarrow.fs.S3FileSystem(endpoint_override=where, scheme="http", access_key=key[0],
-                                 secret_key=key[1], allow_bucket_creation=True,
-                                 connect_timeout=5, request_timeout=10)
+    s3 = boto3.client("s3", endpoint_url=f"http://{where}", aws_access_key_id=key[0],
+                      aws_secret_access_key=key[1], region_name="us-east-1",
+                      config=Config(connect_timeout=5, read_timeout=10,
+                                    retries={"max_attempts": 1}))
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            fs.create_dir(bucket)
+            s3.create_bucket(Bucket=bucket)
             break
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - connection or S3 errors: retried, bounded
+            if _already_ours(exc):
+                break
             if time.monotonic() > deadline:
                 server.stop()
                 raise StorageError(f"ray-mesh storage serve: could not create bucket "
@@ -109,6 +122,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig()  # the guard's refusals, one line each
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
+    stop = threading.Event()  # set before the banner: a script may stop it as soon as it reads it
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     server = start_server(args.host, args.port, args.bucket, args.key_file)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
@@ -125,9 +141,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"--storage-endpoint {url}\n"
           f"  every node and the driver (before `ray start`): this server's key, {key}",
           flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
         pass
     server.stop()
