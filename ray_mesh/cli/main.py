@@ -109,7 +109,9 @@ def summary_lines(name: str, outcome) -> list[str]:
             + " and reported nothing. Another name (name:) or --storage-path trains afresh.",
             *where)]
     if isinstance(steps, int | float) and steps:
-        head += f": {int(steps)} steps in {wall:.1f} s (start-up included)"
+        # "at step N", not "N steps": a fit that Ray Train resumed from a checkpoint (a run
+        # restarted after its driver died) trained only the steps after it in this time
+        head += f" at step {int(steps)} in {wall:.1f} s (start-up included)"
     else:
         head += f" in {wall:.1f} s"
     lines = [head]

@@ -140,7 +140,7 @@ def test_deploy_readme_walkthrough_runs_on_the_tailnet(tmp_path):
         assert re.search(rf"{re.escape(head)}.*tailscale0", out), out[-6000:]
         assert re.search(rf"{re.escape(other)}.*tailscale0", out), out[-6000:]
         # the CLI run and the python driver both finished, their results in the bucket
-        assert "ray-mesh: run 'hsdp' finished: 40 steps" in out, out[-6000:]
+        assert "ray-mesh: run 'hsdp' finished at step 40 " in out, out[-6000:]
         assert "driver: finished, results in ray-mesh/runs/hsdp-driver" in out, out[-6000:]
         # a console a person can read (tests/helpers/console.py), the python driver's on a
         # cluster included: its embedded-Ray console is the only one the default tier does

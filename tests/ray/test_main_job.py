@@ -72,7 +72,7 @@ def test_ray_mesh_run_hsdp_example(tmp_path):
     losses = [float(re.search(r"loss ([0-9.]+)", x).group(1)) for x in progress]
     assert losses[-1] < 0.5 * losses[0], losses
     # The final summary.
-    assert re.search(r"ray-mesh: run 'hsdp' finished: 40 steps in [0-9.]+ s", out), out[-3000:]
+    assert re.search(r"ray-mesh: run 'hsdp' finished at step 40 in [0-9.]+ s", out), out[-3000:]
     assert re.search(r"throughput: +[0-9.]+ steps/s, [0-9.]+ samples/s", out), out[-3000:]
     assert "checkpoint:" in out and "results:" in out and "metrics:" in out
     # A console a person reads: no tracebacks, nothing twice, no deprecation from our calls.

@@ -117,4 +117,6 @@ def test_a_rerun_with_nothing_to_train_does_not_show_the_earlier_fits_figures(tm
     assert not any("steps/s" in x or "1.766" in x for x in lines), lines
     assert lines[1:] == ["  checkpoint:  /r/d/checkpoint_00000020", "  results:     /r/d"]
     this_fit = summary_lines("d", RunOutcome(result, 26.4, None, True, earlier))
-    assert this_fit[0] == "ray-mesh: run 'd' finished: 20 steps in 26.4 s (start-up included)"
+    # "at step 20", not "20 steps": a fit resumed mid-way trained fewer in its own time
+    assert this_fit[0] == ("ray-mesh: run 'd' finished at step 20 in 26.4 s (start-up "
+                           "included)")
