@@ -82,7 +82,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     result = outcome.result
     if result.error is not None:
-        print(f"ray-mesh: the run failed: {safe_text(result.error, multiline=True)}",
+        print(f"ray-mesh: run {job.name!r} failed: {safe_text(result.error, multiline=True)}",
               file=sys.stderr)
         return 1
     print("\n".join(summary_lines(job.name, outcome)))

@@ -116,8 +116,22 @@ def train_function_failure(exc: BaseException) -> str | None:
     by_text: dict[str, list[int]] = {}
     for rank, error in sorted(failures.items(), key=lambda kv: str(kv[0])):
         by_text.setdefault(_last_line(error), []).append(rank)
+    # The cause first: when one rank raises, ranks in a collective with it fail on the
+    # process group as Ray Train tears the group down (seen: "Could not resolve the process
+    # group registered under the name 0" on a rank still in fully_shard).
+    ordered = sorted(by_text.items(), key=lambda kv: _secondary(kv[0]))
     return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}"
-                     for text, r in by_text.items())
+                     for text, r in ordered)
+
+
+SECONDARY = ("DistBackendError", "DistNetworkError", "DistStoreError", "process group",
+             "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What a rank's error says when it failed because another rank did (torch.distributed's
+errors of a peer gone, in the words gloo and the store use)."""
+
+
+def _secondary(text: str) -> bool:
+    return any(s in text for s in SECONDARY)
 
 
 def _last_line(error: BaseException) -> str:

@@ -145,5 +145,14 @@ def test_a_train_function_that_raised_is_one_line_naming_the_ranks():
         1: ValueError("bad batch at step 3"), 0: wrapped_text, 3: KeyError("shard")})))
     assert train_function_failure(group) == ("ranks 0, 1: ValueError: bad batch at step 3; "
                                              "rank 3: KeyError: 'shard'")
+    # a rank that failed because another did is named after the cause, whatever its rank
+    torn = pickle.loads(pickle.dumps(WorkerGroupError("x", {
+        0: ValueError("Could not resolve the process group registered under the name 0"),
+        1: RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
+        2: ValueError("bad batch at step 3")})))
+    assert train_function_failure(torn) == (
+        "rank 2: ValueError: bad batch at step 3; rank 0: ValueError: Could not resolve the "
+        "process group registered under the name 0; rank 1: RuntimeError: [../gloo/transport/"
+        "tcp/pair.cc:534] Connection closed by peer")
     assert train_function_failure(ControllerError(RuntimeError("other"))) is None
     assert train_function_failure(RuntimeError("not Ray's")) is None
