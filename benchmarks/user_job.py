@@ -153,12 +153,16 @@ def throughput(lab, cfg: dict, mode: str, seq_len: int) -> dict:
     for i, dp in enumerate(ur.BOX_DP):  # one after another, each under its box's quota
         ip, t = lab.cluster.nodes[i].ip, f"{mode}-alone{i}"
         seg = uf.alone_batch(whole["shares"][group_on(whole, ip)], dp)
+        # DiLoCo: the inner steps of the whole job's batch (uf.alone_every), not larger
+        every = (uf.alone_every(seg, dp, cfg[mode]["every"], cfg[mode]["segment_samples"])
+                 if mode.startswith("diloco") else None)
         job = ur.groups_job(lab, t, cfg, mode, [{"mesh": {"dp_shard": dp}, "node": ip}],
-                            seg, steps_factor=100)  # (indices wrap) stopped when counted
+                            seg, steps_factor=100, every=every)  # stopped when counted
         ur.log(f"{mode}: box {i} ({BOXES[i]}) alone")
         ran = ur.run_all(lab, {t: job}, cfg["timeout_s"],
                          stop_when=ur.counted(cfg[mode]["alone_counted"], w), warmup=w)
-        alone[t] = {**ran[t], "segment_samples": seg}
+        alone[t] = {**ran[t], "segment_samples": seg,
+                    **({"every": every} if every is not None else {})}
     ratio, rates = uf.throughput_of_sum(
         whole["tokens_per_s"], {t: rc.read(r["steps_dir"]) for t, r in alone.items()},
         seq_len, w)

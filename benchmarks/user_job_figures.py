@@ -102,6 +102,28 @@ def alone_batch(mean_share: float, dp: int) -> int:
     return max(dp, round(mean_share / dp) * dp)
 
 
+def alone_every(alone_segment: int, dp: int, every: int, whole_segment: int) -> int:
+    """DiLoCo: the ``every`` that gives a box alone the inner steps it took in the whole job.
+
+    An inner step there takes an equal share's batch, ``whole_segment / every`` over the
+    group's ranks (``ray_mesh.replicas.shares.inner_steps``), and a group of a larger share
+    takes more of them. Alone, with the whole job's ``every`` over its own share as
+    ``segment_samples``, the same box took larger steps (the desktop 10 samples a step
+    against 8, 2026-11-30) or smaller (the tower 6 against 8), and an inner step costs a
+    fixed part plus its samples: the sum of the boxes alone was of other work than the
+    whole job's. The ``every`` returned makes the steps of the same batch, so of the same
+    count (the smallest that does)."""
+    from ray_mesh.replicas.shares import inner_steps
+
+    per_rank = -(-alone_segment // dp)
+    want = inner_steps(list(range(per_rank)), per_rank, whole_segment, every, dp)
+    for k in range(1, alone_segment + 1):
+        got = inner_steps(list(range(per_rank)), per_rank, alone_segment, k, dp)
+        if len(got[0]) <= len(want[0]):
+            return k
+    return alone_segment
+
+
 # ----------------------------------------------------------------------------- failures
 def killed_group(logs: dict[int, list[dict[str, Any]]], t_kill: float) -> int | None:
     """The group that lost its node: the one that started a new attempt after ``t_kill``,

@@ -81,12 +81,14 @@ def log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- jobs
 def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
-               segment: int | None = None, steps_factor: int = 1) -> tuple[dict, Path]:
-    """The page's job (its replica groups) for one run: its own name and step log."""
+               segment: int | None = None, steps_factor: int = 1,
+               every: int | None = None) -> tuple[dict, Path]:
+    """The page's job (its replica groups) for one run: its own name and step log;
+    ``every``: a DiLoCo mode's inner steps per round, if not its settings' (a box alone)."""
     over: dict[str, Any] = {"name": f"lab-{tag}", "replica_groups": {}}
     if mode.startswith("diloco"):  # "diloco", or a DiLoCo mode of its own settings
         d = cfg[mode]
-        over["config"] = {"diloco": {"every": d["every"],  # compress: the pseudo-gradients
+        over["config"] = {"diloco": {"every": every or d["every"],  # compress: the pseudo-gradients
                                      **({"compress": d["compress"]} if "compress" in d else {})}}
         over["replica_groups"].update(steps=d["rounds"] * steps_factor,
                                       segment_samples=d["segment_samples"])

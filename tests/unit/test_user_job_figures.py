@@ -68,6 +68,23 @@ def test_goodput_and_the_drop_schedule():
     assert uf.alone_batch(13.6, 2) == 14 and uf.alone_batch(0.4, 2) == 2
 
 
+def test_a_diloco_box_alone_takes_the_inner_steps_it_took_in_the_whole_job():
+    """The whole job of 2026-11-30 (every 16, 128 samples a group): the desktop (2 ranks)
+    took 18 inner steps of 8 samples for its 140, the tower 9 for 72, the laptop (1 rank)
+    22 for 172. With every 16 over its own share alone, the desktop took 14 steps of 10
+    and the tower 12 of 6: other work than the whole job's."""
+    from ray_mesh.replicas.shares import inner_steps
+
+    for seg, dp, steps in ((140, 2, 18), (72, 2, 9), (172, 1, 22)):
+        per_rank = seg // dp
+        ids = list(range(per_rank))
+        whole = inner_steps(ids, per_rank, 128, 16, dp)
+        alone = inner_steps(ids, per_rank, seg, uf.alone_every(seg, dp, 16, 128), dp)
+        assert [len(b) for b in alone] == [len(b) for b in whole] and len(whole) == steps
+    assert len(inner_steps(list(range(70)), 70, 140, 16, 2)) == 14  # what it was
+    assert uf.alone_every(128, 2, 16, 128) == 16  # a box at the equal share: as set
+
+
 def test_the_killed_group_and_its_rejoin():
     logs = {0: [_row(s, float(s), [[0, 1]]) for s in range(1, 30)],
             2: [_row(s, float(s), [[0, 1]]) for s in range(1, 11)]
