@@ -9,7 +9,11 @@ a CPU quota of their own (``box_quotas_cores``: cores per box, the tower the slo
 0.2 a worker, the others at 0.4), set by the Lab once Ray is up on a box and again when a
 box is started anew, in every run below alike. The quotas sum to less than the machine's
 cores (refused otherwise, before anything starts), leaving room for what runs outside
-them: the driver, the head's GCS and bucket, wireguard-go. A quota is a cap: a box does at
+them: the driver, the head's GCS and bucket, wireguard-go, and the actors a run starts on
+the head for every group (Ray Train's controllers and their helpers, the groups'
+coordinator: ``harness.lab_job.HEAD_SERVICES``, moved out as Ray starts them, in the whole
+job and each box alone alike; inside, they took ~0.18 of the desktop's 0.8 cores with three
+groups). A quota is a cap: a box does at
 most its share of work, in the whole job or alone, so a box alone cannot borrow the idle
 boxes' share of the machine's two cores.
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -245,7 +246,7 @@ def run_all(lab, jobs: dict[str, tuple[dict, Path]], timeout_s: float,
     sampler = uf.LoadSampler([n.ns for n in lab.cluster.nodes], cgroups=lab.cpu_cgroups)
     out: dict[str, dict] = {}
     events: list[dict] = []
-    with sampler:
+    with sampler, head_services_freed(lab):
         running = {tag: Running(lab, tag, job, d) for tag, (job, d) in jobs.items()}
         until = min(r.t_launch for r in running.values()) + (cut_s or timeout_s)
         try:
@@ -269,6 +270,25 @@ def run_all(lab, jobs: dict[str, tuple[dict, Path]], timeout_s: float,
         log(f"{tag}: rc {r.proc.returncode}{' (cut)' if cut else ''}, others' load "
             f"{load['others_runnable_mean']}, 1-min load max {load['loadavg_1m_max']:.1f}")
     return out
+
+
+@contextlib.contextmanager
+def head_services_freed(lab, every_s: float = 0.5):
+    """While the runs go: the head's control actors out of the desktop's quota as Ray starts
+    them (``Lab.free_head_services``), in the whole job and each box alone alike."""
+    stop = threading.Event()
+
+    def sweep() -> None:
+        while not stop.wait(every_s):
+            lab.free_head_services()
+
+    thread = threading.Thread(target=sweep, daemon=True, name="head-services")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 def counted_box_cores(sampler, steps_dir: Path, warmup: int) -> dict[str, float | None]:

@@ -419,3 +419,18 @@ def test_a_figure_of_several_runs_says_so_and_a_lower_bound_of_any_goodput_too()
                "(single run)"] == (">= 3.68 (the one mesh did not finish)", ">= 1.3")
     assert got["laptop dropped: first drop -> its group's next step, s (Ray back included) "
                "(single run)"] == ("44.8", "report")
+
+
+def test_the_heads_control_actors_are_told_from_the_training_workers():
+    """What the benchmark moves out of the desktop's quota (harness.lab_job.HEAD_SERVICES):
+    the titles seen in a three-group run's desktop cgroup, 2026-11-30."""
+    from harness.lab_job import head_service
+
+    for title in (b"ray::TrainController.run", b"ray::Coordinator", b"ray::DatasetManager",
+                  b"ray::PlacementGroupCleaner", b"ray::SynchronizationActor\x00",
+                  b"ray::TrainStateActor", b"ray::_AutoscalingCoordinatorActor"):
+        assert head_service(title), title
+    for title in (b"ray::RayTrainWorker", b"ray::RayTrainWorker.run_train_fn", b"ray::IDLE",
+                  b"ray::DashboardAgent", b"/usr/bin/raylet\x00--node", b"python\x00-u", b""):
+        assert not head_service(title), title
+
