@@ -112,7 +112,8 @@ def markdown(u: dict) -> str:
         lines[-2:-2] = [f"Parts that failed (their figures are missing): {u['status'][:600]}", ""]
     # recorded by hand beside a run's figures (figures of several runs, a run left out)
     for name, runs in u.get("medians", {}).items():
-        lines[-2:-2] = [f"{name}: the median of {len(runs['values'])} full runs of the same "
+        kind = runs.get("kind", "full runs")  # e.g. "quick runs" (--quick, one mode)
+        lines[-2:-2] = [f"{name}: the median of {len(runs['values'])} {kind} of the same "
                         f"setting, {_list3(runs['values'])} ({runs['why']}).", ""]
     for key in ("two_runs", "runs_merged", "rejoin_note", "diloco_drops_failed"):
         note = u.get(key)
