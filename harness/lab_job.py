@@ -273,15 +273,19 @@ class Lab:
         so the desktop trained slower in the whole job than alone for work a real head does
         on cores its GPU training leaves idle. Ray starts them after :meth:`throttle`, under
         the raylet (so in its cgroup): call this again while a run starts them."""
-        head = self.cluster.head
-        if BOXES[self.cluster.nodes.index(head)] not in self.box_quotas:
+        box = BOXES[self.cluster.nodes.index(self.cluster.head)]
+        if box not in self.box_quotas:
+            return []
+        try:  # the processes still in its quota's cgroup (those moved before are not)
+            pids = (self.cpu_cgroups[box] / "cgroup.procs").read_text().split()
+        except OSError:  # not made yet, or gone with the cluster
             return []
         moved = []
-        for pid in head.work_pids():
+        for pid in pids:
             with contextlib.suppress(OSError):
                 if head_service(Path(f"/proc/{pid}/cmdline").read_bytes()):
                     (CPU_ROOT / "cgroup.procs").write_text(str(pid))
-                    moved.append(pid)
+                    moved.append(int(pid))
         return moved
 
     @property

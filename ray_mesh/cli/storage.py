@@ -95,6 +95,7 @@ def start_server(host: str, port: int, bucket: str, key_file: str = DEFAULT_KEY_
     # apache/arrow#50188), and a server that does not stop on SIGTERM is a hang.
     import boto3
     from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
 
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     s3 = boto3.client("s3", endpoint_url=f"http://{where}", aws_access_key_id=key[0],
@@ -106,7 +107,7 @@ def start_server(host: str, port: int, bucket: str, key_file: str = DEFAULT_KEY_
         try:
             s3.create_bucket(Bucket=bucket)
             break
-        except Exception as exc:  # noqa: BLE001 - connection or S3 errors: retried, bounded
+        except (BotoCoreError, ClientError) as exc:  # not answering yet, or refused: bounded
             if _already_ours(exc):
                 break
             if time.monotonic() > deadline:
