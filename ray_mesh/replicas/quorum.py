@@ -41,7 +41,7 @@ from ray_mesh.errors import GroupDropped
 from ray_mesh.replicas.books import Books
 from ray_mesh.replicas.coordinator import Decision, Range
 from ray_mesh.replicas.liveness import Beats
-from ray_mesh.replicas.shares import Pace, check_mode, split_samples
+from ray_mesh.replicas.shares import Pace, check_mode, pace_gap, split_samples
 
 SWEEP_S = 0.1  # seconds between sweeps for silent groups (reads all): scale_quorum.py
 
@@ -94,6 +94,7 @@ class Quorum:
         self._changed = False  # a member left, or a group restarted, since the last quorum
         self._fail_ranks: dict[int, set[int]] = {}  # ranks that reported a group's last error
         self.events: list[dict[str, Any]] = []
+        self._paced: set[int] = set()  # groups already named as setting the pace
         # Kept as groups change, so that an arrival costs O(1), not a pass over every group
         # (512 groups: 512 arrivals per boundary, each woken waiter trying to form):
         self._ready_n = 0  # groups with ready set
@@ -293,9 +294,11 @@ class Quorum:
         now, heal_idx, contrib_idx = self.clock(), [idx[h] for h in healers], [
             idx[c] for c in contributors]  # one list for every decision: O(groups), not squared
         donor_idx = [idx[g] for g in holders] if (healers or restore) else []
-        shares = split_samples(self.segment_samples, {gid: (
-            arrived[gid].beats.ranks, arrived[gid].pace.rate, arrived[gid].pace.fixed_s)
-            for gid in members}, self.shares)
+        paces = {gid: (arrived[gid].beats.ranks, arrived[gid].pace.rate,
+                       arrived[gid].pace.fixed_s) for gid in members}
+        shares = split_samples(self.segment_samples, paces, self.shares)
+        if self.shares == "speed" and all(arrived[g].pace.settled for g in members):
+            self._tell_pace(paces, shares, top)
         lanes = min(arrived[gid].beats.ranks for gid in members)
         for gid in members:
             g = arrived[gid]
@@ -327,6 +330,21 @@ class Quorum:
             g.assigned = []
         self.books.settle(self._last is not None and top > self._last[0], contributions,
                           released)
+
+    def _tell_pace(self, paces: dict[int, tuple], shares: dict[int, int], step: int) -> None:
+        """Name, once a run, a group that every boundary waits for at its least share
+        (:func:`~.shares.pace_gap`): the speed split cannot help there, the user can."""
+        gap = pace_gap(self.segment_samples, paces, shares)
+        if gap is None or gap.group in self._paced:
+            return
+        self._paced.add(gap.group)
+        self._event("paces", gap.group, (
+            f"at its least share ({gap.samples} sample{'s' if gap.samples != 1 else ''}, "
+            f"one per rank) a step takes it {gap.cycle_s:.2f} s against "
+            f"{gap.others_s:.2f} s for the other groups, and every step waits for it. "
+            f"Give the others more to do meanwhile (segment_samples: {gap.segment}, now "
+            f"{self.segment_samples}), give this group fewer workers, or leave its box "
+            "out of the groups"), step=step)
 
     def _membership_events(self, members: frozenset[int], step: int) -> None:
         before = self._last[1] if self._last is not None else frozenset()

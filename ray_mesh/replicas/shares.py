@@ -28,6 +28,7 @@ them under its lock.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ class Pace:
         if fixed_s is not None and fixed_s >= 0:
             self._fixed.append(fixed_s)
             self.fixed_s = statistics.median(self._fixed)
+
+    @property
+    def settled(self) -> bool:
+        """A whole window of compute rates measured: one segment no longer moves them."""
+        return len(self._rates) == WINDOW
 
     def speed(self, samples: int) -> float | None:
         """Samples/s of a whole cycle at ``samples`` per segment (what status shows)."""
@@ -144,3 +150,49 @@ def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
                 out[gid] += ranks[gid]
                 left -= ranks[gid]
     return out
+
+
+# A group "sets the pace" when every step waits at least this long for it, and that wait is
+# at least this part of the others' cycle: below both, the hint would be noise (a box's
+# cycle moves by tens of milliseconds from step to step).
+PACE_GAP_S = 0.2
+PACE_GAP_PART = 0.2
+
+
+@dataclass(frozen=True)
+class PaceGap:
+    """A group that the speed split cannot speed up: at its least share (one sample per
+    rank) its cycle still takes ``cycle_s`` against the others' ``others_s``, so every
+    boundary waits for it. ``segment`` is the ``segment_samples`` at which the others' share
+    would fill its cycle (they then do more samples while it does its least)."""
+
+    group: int
+    samples: int
+    cycle_s: float
+    others_s: float
+    segment: int
+
+
+def pace_gap(segment: int, groups: dict[int, tuple], shares: dict[int, int]
+             ) -> PaceGap | None:
+    """The group that every boundary waits for although it already takes its least share,
+    or None. ``groups`` as for :func:`split_samples` (id -> ranks, rate, fixed_s), ``shares``
+    its result. A group's cycle is ``fixed_s + samples / rate``; the split equalizes the
+    cycles of every group it can, so a gap is left only where a group's least share is
+    already too much. The split cannot help then; the user can: more samples per segment
+    (the others do more in the same cycle), fewer ranks in that group, or no such group."""
+    if len(groups) < 2 or any(g[1] is None for g in groups.values()):
+        return None
+    ranks = {gid: g[0] for gid, g in groups.items()}
+    rate = {gid: max(float(g[1]), 1e-9) for gid, g in groups.items()}
+    fixed = {gid: float(g[2] or 0.0) if len(g) > 2 else 0.0 for gid, g in groups.items()}
+    cycle = {gid: fixed[gid] + shares[gid] / rate[gid] for gid in groups}
+    slow = max(cycle, key=lambda gid: cycle[gid])
+    rest = max(c for gid, c in cycle.items() if gid != slow)
+    gap = cycle[slow] - rest
+    if shares[slow] > ranks[slow] or gap < max(PACE_GAP_S, PACE_GAP_PART * rest):
+        return None
+    fill = shares[slow] + sum(max(ranks[g], rate[g] * (cycle[slow] - fixed[g]))
+                              for g in groups if g != slow)
+    return PaceGap(group=slow, samples=shares[slow], cycle_s=cycle[slow], others_s=rest,
+                   segment=max(segment + 1, math.ceil(fill / len(groups))))

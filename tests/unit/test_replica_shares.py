@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ray_mesh.replicas.quorum import Quorum
-from ray_mesh.replicas.shares import WINDOW, Pace, inner_steps, split_samples
+from ray_mesh.replicas.shares import WINDOW, Pace, inner_steps, pace_gap, split_samples
 
 
 def test_equal_until_every_group_has_a_speed():
@@ -187,3 +187,57 @@ def test_the_quorum_gives_the_faster_group_the_larger_segment_and_skips_no_sampl
     shares = q.status()["shares"]
     assert shares[0]["samples"] == 8 and shares[1]["samples"] == 4
     assert shares[0]["samples_per_s"] == 6.0 and shares[1]["samples_per_s"] == 3.0
+
+
+# The virtual cluster's sync job, as its quorum saw it (2026-11-30): the tower's group of
+# two ranks does its least share (2 samples) in 0.9 s and its boundary takes 1.3 s; the
+# desktop and the laptop compute 18 and 20 samples/s with a 1.2 s boundary.
+LAB = {0: (2, 18.0, 1.2), 1: (2, 2.2, 1.3), 2: (1, 20.0, 1.2)}
+
+
+def test_a_group_at_its_least_share_that_every_step_waits_for_is_named_with_a_segment():
+    shares = split_samples(8, LAB, "speed")
+    assert shares[1] == 2  # one sample per rank: the split can give it no less
+    gap = pace_gap(8, LAB, shares)
+    assert gap is not None and gap.group == 1 and gap.samples == 2
+    assert gap.cycle_s == pytest.approx(1.3 + 2 / 2.2)
+    assert gap.others_s < gap.cycle_s - 0.2
+    # at the segment it names, the split fills the tower's cycle: no gap is left
+    assert gap.segment > 8
+    wider = split_samples(gap.segment, LAB, "speed")
+    assert wider[1] == 2 and pace_gap(gap.segment, LAB, wider) is None, wider
+
+
+@pytest.mark.parametrize("groups", [
+    {0: (1, 10.0, 0.5), 1: (1, 5.0, 0.5)},             # the split equalizes: no gap
+    {0: (2, 18.0, 1.2), 1: (2, 2.2, 1.0), 2: (1, 20.0, 1.2)},  # a gap under 0.2 s: noise
+    {0: (1, 10.0, 0.5), 1: (1, None, 0.5)},            # not measured yet
+    {0: (2, 18.0, 1.2)},                               # one group waits for nobody
+])
+def test_no_group_is_named_where_the_split_can_balance_or_nothing_is_known(groups):
+    shares = split_samples(8, groups, "speed")
+    assert pace_gap(8, groups, shares) is None
+
+
+def test_the_quorum_names_the_pacing_group_once_after_its_pace_settles():
+    q = Quorum(segment_samples=2, total_steps=50, expected_groups=2, shares="speed")
+    for g in range(2):
+        q.register(g, f"a{g}", 1)
+    d = _boundary(q, {0: (0, [], None), 1: (0, [], None)})
+    # group 1's least share (1 sample) takes 2 s; group 0 does 3 samples in 0.1 s
+    for step in range(WINDOW + 3):
+        d = _boundary(q, {0: (step, d[0].ranges, 0.1), 1: (step, d[1].ranges, 2.0)})
+    told = [e for e in q.status()["events"] if e["kind"] == "paces"]
+    assert len(told) == 1, told
+    assert told[0]["group"] == 1
+    assert "least share (1 sample, one per rank)" in told[0]["detail"]
+    assert "segment_samples: " in told[0]["detail"] and "now 2" in told[0]["detail"]
+    # not before the window is full: the warm-up and WINDOW measured segments
+    assert told[0]["step"] >= WINDOW
+
+
+def test_the_console_line_says_sets_the_pace():
+    from ray_mesh.raytrain.replica_groups import describe
+
+    line = describe({"kind": "paces", "group": 1, "step": 7, "detail": "x"})
+    assert line == "replica group 1 sets the pace at step 7: x"
