@@ -297,7 +297,7 @@ class Quorum:
         paces = {gid: (arrived[gid].beats.ranks, arrived[gid].pace.rate,
                        arrived[gid].pace.fixed_s) for gid in members}
         shares = split_samples(self.segment_samples, paces, self.shares)
-        if self.shares == "speed" and all(arrived[g].pace.settled for g in members):
+        if all(arrived[g].pace.settled for g in members):
             self._tell_pace(paces, shares, top)
         lanes = min(arrived[gid].beats.ranks for gid in members)
         for gid in members:
@@ -332,19 +332,24 @@ class Quorum:
                           released)
 
     def _tell_pace(self, paces: dict[int, tuple], shares: dict[int, int], step: int) -> None:
-        """Name, once a run, a group that every boundary waits for at its least share
-        (:func:`~.shares.pace_gap`): the speed split cannot help there, the user can."""
-        gap = pace_gap(self.segment_samples, paces, shares)
+        """Name, once a run, a group that every boundary waits for (:func:`~.shares.pace_gap`),
+        with what would help: the speed split, or (when it cannot) the user's settings."""
+        gap = pace_gap(self.segment_samples, paces, shares, self.shares)
         if gap is None or gap.group in self._paced:
             return
         self._paced.add(gap.group)
-        self._event("paces", gap.group, (
-            f"at its least share ({gap.samples} sample{'s' if gap.samples != 1 else ''}, "
-            f"one per rank) a step takes it {gap.cycle_s:.2f} s against "
-            f"{gap.others_s:.2f} s for the other groups, and every step waits for it. "
-            f"Give the others more to do meanwhile (segment_samples: {gap.segment}, now "
-            f"{self.segment_samples}), give this group fewer workers, or leave its box "
-            "out of the groups"), step=step)
+        n = f"{gap.samples} sample{'s' if gap.samples != 1 else ''}"
+        took = (f"a step takes it {gap.cycle_s:.2f} s against {gap.others_s:.2f} s for the "
+                "other groups, and every step waits for it")
+        if gap.fix == "speed":
+            said = (f"at equal shares ({n} each) {took}. shares: speed would size each "
+                    f"group's batch to its speed (this group's to {gap.samples_by_speed})")
+        else:
+            said = (f"at its least share ({n}, one per rank) {took}. Give the others more "
+                    f"to do meanwhile (segment_samples: {gap.segment}, now "
+                    f"{self.segment_samples}), give this group fewer workers, or leave its "
+                    "box out of the groups")
+        self._event("paces", gap.group, said, step=step)
 
     def _membership_events(self, members: frozenset[int], step: int) -> None:
         before = self._last[1] if self._last is not None else frozenset()

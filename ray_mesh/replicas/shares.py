@@ -161,26 +161,32 @@ PACE_GAP_PART = 0.2
 
 @dataclass(frozen=True)
 class PaceGap:
-    """A group that the speed split cannot speed up: at its least share (one sample per
-    rank) its cycle still takes ``cycle_s`` against the others' ``others_s``, so every
-    boundary waits for it. ``segment`` is the ``segment_samples`` at which the others' share
-    would fill its cycle (they then do more samples while it does its least)."""
+    """A group that every boundary waits for: its cycle takes ``cycle_s`` at its share of
+    ``samples`` against the others' ``others_s``. ``fix`` says what would help: ``"speed"``
+    (equal shares: the speed split would size its batch to its speed, ``samples_by_speed``)
+    or ``"segment"`` (it already takes its least share, one sample per rank: ``segment`` is
+    the ``segment_samples`` at which the others' shares would fill its cycle, so that they
+    do more samples while it does its least)."""
 
     group: int
     samples: int
     cycle_s: float
     others_s: float
-    segment: int
+    fix: str
+    segment: int = 0
+    samples_by_speed: int = 0
 
 
-def pace_gap(segment: int, groups: dict[int, tuple], shares: dict[int, int]
-             ) -> PaceGap | None:
-    """The group that every boundary waits for although it already takes its least share,
-    or None. ``groups`` as for :func:`split_samples` (id -> ranks, rate, fixed_s), ``shares``
-    its result. A group's cycle is ``fixed_s + samples / rate``; the split equalizes the
-    cycles of every group it can, so a gap is left only where a group's least share is
-    already too much. The split cannot help then; the user can: more samples per segment
-    (the others do more in the same cycle), fewer ranks in that group, or no such group."""
+def pace_gap(segment: int, groups: dict[int, tuple], shares: dict[int, int],
+             mode: str = "speed") -> PaceGap | None:
+    """The group that every boundary waits for, where a setting would help, or None.
+    ``groups`` as for :func:`split_samples` (id -> ranks, rate, fixed_s), ``shares`` its
+    result in ``mode``. A group's cycle is ``fixed_s + samples / rate``. With equal shares a
+    slow box's gap is the split's to close (``shares: speed``); with the speed split the
+    cycles are equal wherever it can make them so, and a gap is left only where a group's
+    least share is already too much. The split cannot help then; the user can: more samples
+    per segment (the others do more in the same cycle), fewer ranks in that group, or no
+    such group."""
     if len(groups) < 2 or any(g[1] is None for g in groups.values()):
         return None
     ranks = {gid: g[0] for gid, g in groups.items()}
@@ -189,10 +195,16 @@ def pace_gap(segment: int, groups: dict[int, tuple], shares: dict[int, int]
     cycle = {gid: fixed[gid] + shares[gid] / rate[gid] for gid in groups}
     slow = max(cycle, key=lambda gid: cycle[gid])
     rest = max(c for gid, c in cycle.items() if gid != slow)
-    gap = cycle[slow] - rest
-    if shares[slow] > ranks[slow] or gap < max(PACE_GAP_S, PACE_GAP_PART * rest):
+    if cycle[slow] - rest < max(PACE_GAP_S, PACE_GAP_PART * rest):
+        return None
+    found = {"group": slow, "samples": shares[slow], "cycle_s": cycle[slow], "others_s": rest}
+    if mode == "equal":
+        by_speed = split_samples(segment, groups, "speed")
+        return (PaceGap(**found, fix="speed", samples_by_speed=by_speed[slow])
+                if by_speed[slow] < shares[slow] else None)
+    if shares[slow] > ranks[slow]:
         return None
     fill = shares[slow] + sum(max(ranks[g], rate[g] * (cycle[slow] - fixed[g]))
                               for g in groups if g != slow)
-    return PaceGap(group=slow, samples=shares[slow], cycle_s=cycle[slow], others_s=rest,
+    return PaceGap(**found, fix="segment",
                    segment=max(segment + 1, math.ceil(fill / len(groups))))

@@ -241,3 +241,27 @@ def test_the_console_line_says_sets_the_pace():
 
     line = describe({"kind": "paces", "group": 1, "step": 7, "detail": "x"})
     assert line == "replica group 1 sets the pace at step 7: x"
+
+
+def test_at_equal_shares_a_slow_group_is_named_with_the_speed_split_as_the_fix():
+    groups = {0: (1, 10.0, 0.5), 1: (1, 2.0, 0.5)}
+    equal = split_samples(4, groups, "equal")
+    gap = pace_gap(4, groups, equal, "equal")
+    assert gap is not None and gap.group == 1 and gap.fix == "speed"
+    assert gap.samples == 4 and gap.samples_by_speed == split_samples(4, groups, "speed")[1]
+    assert gap.samples_by_speed < 4
+    # the speed split closes it: nothing to say then
+    assert pace_gap(4, groups, split_samples(4, groups, "speed"), "speed") is None
+
+
+def test_the_quorum_at_equal_shares_points_to_the_speed_split():
+    q = Quorum(segment_samples=4, total_steps=50, expected_groups=2, shares="equal")
+    for g in range(2):
+        q.register(g, f"a{g}", 1)
+    d = _boundary(q, {0: (0, [], None), 1: (0, [], None)})
+    for step in range(WINDOW + 3):  # group 1 computes its 4 samples in 2 s, group 0 in 0.2
+        d = _boundary(q, {0: (step, d[0].ranges, 0.2), 1: (step, d[1].ranges, 2.0)})
+    told = [e for e in q.status()["events"] if e["kind"] == "paces"]
+    assert len(told) == 1 and told[0]["group"] == 1, told
+    assert "at equal shares (4 samples each)" in told[0]["detail"]
+    assert "shares: speed" in told[0]["detail"]
