@@ -394,13 +394,13 @@ def _write_status(storage_path: str | None, name: str, groups: int,
             return
 
 
+PHRASES = {"paces": "sets the pace"}  # an event's kind as the console line says it
+
+
 def describe(event: dict[str, Any]) -> str:
     """One console line for a membership event."""
     kind = PHRASES.get(event["kind"], event["kind"])
     return f"replica group {event['group']} {kind} at step {event['step']}: {event['detail']}"
-
-
-PHRASES = {"paces": "sets the pace"}  # an event's kind as the console line says it
 
 
 __all__ = ["fit_replica_groups", "replica_group"]
