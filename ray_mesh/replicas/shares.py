@@ -97,6 +97,15 @@ def check_mode(mode: str) -> None:
                          "group's batch to its measured speed)")
 
 
+def _parts(groups: dict[int, tuple]) -> tuple[dict[int, int], dict[int, float],
+                                               dict[int, float]]:
+    """``groups`` (id -> ranks, rate or None[, fixed_s]) as three maps: ranks, compute rate
+    (samples/s, a tiny positive floor for none) and a boundary's fixed seconds (0 if none)."""
+    return ({gid: g[0] for gid, g in groups.items()},
+            {gid: max(float(g[1] or 0.0), 1e-9) for gid, g in groups.items()},
+            {gid: float(g[2] or 0.0) if len(g) > 2 else 0.0 for gid, g in groups.items()})
+
+
 def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
                   ) -> dict[int, int]:
     """Samples per group for the next segment. ``groups``: id -> (ranks, rate or None[,
@@ -113,9 +122,7 @@ def split_samples(segment: int, groups: dict[int, tuple], mode: str = "equal"
     if mode == "equal" or any(g[1] is None for g in groups.values()):
         return {gid: segment for gid in groups}
     total = segment * len(groups)
-    ranks = {gid: g[0] for gid, g in groups.items()}
-    rate = {gid: max(float(g[1] or 0.0), 1e-9) for gid, g in groups.items()}
-    fixed = {gid: float(g[2] or 0.0) if len(g) > 2 else 0.0 for gid, g in groups.items()}
+    ranks, rate, fixed = _parts(groups)
     # Each group's minimum, in units of its ranks: one sample per rank, and at least half
     # its share by compute rate alone, so that a noisy fixed-cost estimate cannot starve it
     # (without it, a busy head node's slow boundary can pin a group at one sample per rank).
@@ -189,9 +196,7 @@ def pace_gap(segment: int, groups: dict[int, tuple], shares: dict[int, int],
     such group."""
     if len(groups) < 2 or any(g[1] is None for g in groups.values()):
         return None
-    ranks = {gid: g[0] for gid, g in groups.items()}
-    rate = {gid: max(float(g[1]), 1e-9) for gid, g in groups.items()}
-    fixed = {gid: float(g[2] or 0.0) if len(g) > 2 else 0.0 for gid, g in groups.items()}
+    ranks, rate, fixed = _parts(groups)
     cycle = {gid: fixed[gid] + shares[gid] / rate[gid] for gid in groups}
     slow = max(cycle, key=lambda gid: cycle[gid])
     rest = max(c for gid, c in cycle.items() if gid != slow)
