@@ -44,10 +44,18 @@ GLOB_CHARS = set("*?[")
 
 
 def stdlib_files() -> list[Path]:
-    """The standard library's ``*.py`` files (~1,800 on CPython 3.11), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py")
-                  if not {"site-packages", "dist-packages"} & set(p.parts))
+    """The standard library's ``*.py`` files (~1,800 on CPython 3.11), sorted.
+
+    Walked with ``site-packages`` and ``dist-packages`` pruned, not globbed and filtered:
+    they sit inside the standard library's folder and hold every installed package (torch,
+    Ray: ~40,000 files here), which a glob walked on every node and every worker at each
+    start and evaluation (1.1 s a walk on a 2-core box; 0.05 s pruned)."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages")]
+        found += [Path(folder, n) for n in names if n.endswith(".py")]
+    return sorted(found)
 
 
 def _entry_files(entry: str, fmt: str, base_dir: Path) -> list[Path]:
@@ -193,7 +201,8 @@ class DataSpec:
                     f"{self.base_dir} and {os.getcwd()}). Fix the path or glob ('**' "
                     f"recurses), or use '{STDLIB}' for Python's own sources.")
             for p in found:
-                seen.setdefault(str(p.resolve()), p.resolve())
+                real = p.resolve()
+                seen.setdefault(str(real), real)
         return sorted(seen.values())
 
     def split(self, files: list[Path] | None = None) -> tuple[list[Path], list[Path]]:

@@ -156,6 +156,29 @@ def test_stdlib_split_is_deterministic_and_disjoint():
     assert held and all("/json/" in p.as_posix() for p in held)
 
 
+def test_stdlib_files_are_the_globs_without_walking_the_installed_packages(monkeypatch):
+    """The same files as globbing ``**/*.py`` and dropping site-packages (the split and the
+    groups' manifest depend on the list), without entering site-packages: a glob walked
+    every installed package on every worker at each start and evaluation."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    globbed = sorted(p for p in root.rglob("*.py")
+                     if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
+    walked: list[str] = []
+    real_walk = os.walk
+
+    def walk(top, *args, **kwargs):
+        for folder, dirs, names in real_walk(top, *args, **kwargs):
+            walked.append(folder)
+            yield folder, dirs, names
+
+    monkeypatch.setattr(os, "walk", walk)
+    assert stdlib_files() == globbed
+    assert walked and not [f for f in walked if "site-packages" in Path(f).parts
+                           and "site-packages" not in root.parts]
+
+
 def test_load_split_small_jsonl_corpus(tmp_path):
     for i in range(4):
         recs = [{"text": f"doc {i}.{j} " * 20} for j in range(5)]
