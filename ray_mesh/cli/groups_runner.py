@@ -94,18 +94,36 @@ RATE_KEYS = ("steps_per_s", "samples_per_s", "tokens_per_s", "samples", "tokens"
 
 
 def _group_rates(metrics: dict[str, Any], share: dict[str, Any],
-                 tokens_per_sample: int | None) -> tuple[dict[str, float], bool]:
-    """A group's samples/s and tokens/s, and whether they are what it did: from its reports
-    (``samples``/``tokens`` counts, between its first and last report), else its pace as
-    the quorum measured it for ``shares`` (its compute and its own boundary work, waits
-    for the other groups excluded: how fast it would go alone, not what it did in the run;
-    a 1-rank group of a small model shows 1e4 samples/s where the run made 100)."""
-    reported = metrics.get("samples_per_s")
-    samples = reported or share.get("samples_per_s")
-    tokens = metrics.get("tokens_per_s") or (samples * tokens_per_sample
-                                             if samples and tokens_per_sample else None)
+                 tokens_per_sample: int | None) -> tuple[dict[str, float], str]:
+    """A group's samples/s and tokens/s, and what they are (``RATE_KINDS``):
+
+    * ``run``: what it did, from its reports' counts (``samples``/``tokens``, between its
+      first and last report);
+    * ``window``: what it did in its last report's window only, by its loop's own clock
+      (``tokens_per_s`` without counts over two reports: a group that rejoined late and
+      reported once); samples/s then follow from its tokens/s, so both say the same thing;
+    * ``pace``: how fast it would go alone, as the quorum measured it for ``shares`` (its
+      compute and its own boundary work, waits for the other groups excluded: not what it
+      did in the run; a 1-rank group of a small model shows 1e4 samples/s where the run
+      made 100).
+    """
+    samples, tokens = metrics.get("samples_per_s"), metrics.get("tokens_per_s")
+    kind = "run" if samples else "window" if tokens else "pace"
+    if kind == "window" and tokens_per_sample:
+        samples = tokens / tokens_per_sample
+    elif kind == "pace":
+        samples = share.get("samples_per_s")
+        tokens = samples * tokens_per_sample if samples and tokens_per_sample else None
+    elif not tokens and tokens_per_sample:
+        tokens = samples * tokens_per_sample
     rates = {unit: float(v) for unit, v in (("samples/s", samples), ("tokens/s", tokens)) if v}
-    return rates, bool(reported)
+    return rates, kind
+
+
+# How a group's rates are said on its summary line (before them, after them)
+RATE_KINDS = {"run": ("", ""), "pace": ("pace ", ""),
+              "window": ("", "in its last report's window only (one report: not in the "
+                             "throughput below), ")}
 
 
 def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome
@@ -126,10 +144,11 @@ def groups_summary(name: str, storage: str | None, outcome: GroupsOutcome
         metrics = {k: v for k, v in (got.get("metrics") or {}).items()
                    if isinstance(v, int | float) and not isinstance(v, bool)
                    and not k.startswith("replica_groups/")}
-        rates, did = _group_rates(metrics, shares.get(gid, {}), outcome.tokens_per_sample)
-        head = f"  group {gid} ({layouts.get(gid, '?')}): " + ("" if did or not rates
-                                                             else "pace ") + "".join(
-            f"{v:.4g} {unit}, " for unit, v in rates.items())
+        rates, kind = _group_rates(metrics, shares.get(gid, {}), outcome.tokens_per_sample)
+        before, after = RATE_KINDS[kind] if rates else ("", "")
+        head = f"  group {gid} ({layouts.get(gid, '?')}): " + before + "".join(
+            f"{v:.4g} {unit}, " for unit, v in rates.items()) + after
+        did = kind == "run"
         if got.get("error"):
             ok = False
             lines.append(head + f"ended with {str(got['error'])[:300]}")

@@ -115,6 +115,15 @@ def test_the_summary_shows_each_groups_tokens_per_s_and_their_sum():
     assert "  throughput:  8 samples/s, 256 tokens/s (the reporting groups' rates summed, " \
            "each from its first report to its last); 72 samples used" in text
     assert "tokens_per_s=" not in text and "replica_groups/" not in text
+    # one report after a late rejoin: its window's tokens/s by its loop's clock, and the
+    # samples/s of the same window (not the quorum's pace beside it: 4 samples/s against
+    # 320 tokens/s of 32-token samples cannot both be true), not summed as the run's
+    result.groups[1] = {"metrics": {"step": 5, "loss": 2.6, "tokens_per_s": 320.0}}
+    lines, ok = groups_summary("llm_groups", None, GroupsOutcome(result, 12.0, 32))
+    text = "\n".join(lines)
+    assert ok and "  group 1 (dp_shard=1): 10 samples/s, 320 tokens/s, in its last report's " \
+        "window only (one report: not in the throughput below), step=5, loss=2.6" in text, text
+    assert "  throughput:  8 samples/s, 256 tokens/s (" in text, text
     # no group reported counts (examples/replica_groups.py): what the run did, start-up in
     result.groups = {0: {"metrics": {"step": 5}}, 1: {"metrics": {"step": 5}}}
     lines, ok = groups_summary("rg", None, GroupsOutcome(result, 12.0, None))
