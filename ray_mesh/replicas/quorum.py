@@ -347,8 +347,9 @@ class Quorum:
         else:
             said = (f"at its least share ({n}, one per rank) {took}. Give the others more "
                     f"to do meanwhile (segment_samples: {gap.segment}, now "
-                    f"{self.segment_samples}), give this group fewer workers, or leave its "
-                    "box out of the groups")
+                    f"{self.segment_samples}), give this group fewer workers (its entry in "
+                    "groups:, or with groups: auto a lower ray start --num-cpus or "
+                    "--num-gpus on its box), or leave its box out of the groups")
         self._event("paces", gap.group, said, step=step)
 
     def _membership_events(self, members: frozenset[int], step: int) -> None:
