@@ -67,6 +67,8 @@ KILL_AT = 4  # the step after which the laptop's lid closes
 # in. The laptop's rejoin is a time, not a number of steps (27-36 s from the lid to its
 # group's first step, at load 0-10), in which the other two groups take a step every
 # ~1.1-1.5 s: it is back ~20-30 steps after its lid closed and trains 6-16 steps after it.
+# On the slower machine of 2026-11-30 (a step every 2.3-3.3 s): back 71 s after the lid,
+# at step 34, with 7 steps after it (this file's run alone, 309 s).
 # The fallback checkpoint of step 30 goes to the bucket, and the shares are read over the
 # steps after SHARES_AFTER (the tower's share does not depend on the laptop being back).
 # The test's length is set by its start-up and the rejoin: each step after the rejoin is
