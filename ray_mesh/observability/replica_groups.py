@@ -27,6 +27,10 @@ GROUPS_JSON = "ray_mesh_replica_groups.json"
 MAX_EVENTS = 50  # the newest; a long run's history is in the driver's console
 MAX_GROUPS = 1024
 MAX_STEP = 2**62
+# An event's detail as the file keeps it: the reader refuses a longer one, so the writer
+# cuts it (the driver's console has the whole line); a failed group's error is the
+# user's text, of any length.
+MAX_DETAIL = 300
 WRITE_TIMEOUT_S = 5.0  # each request of a write to a bucket (the driver's loop waits on it)
 
 
@@ -36,8 +40,13 @@ def document(status: dict[str, Any]) -> dict[str, Any]:
             "finished": bool(status["finished"]),
             "shares": {str(g): {**s, "layout": status.get("layouts", {}).get(g, "")}
                        for g, s in status.get("shares", {}).items()},
-            "events": [{k: e[k] for k in ("kind", "group", "step", "detail")}
+            "events": [{**{k: e[k] for k in ("kind", "group", "step")},
+                        "detail": _cut(str(e["detail"]))}
                        for e in status["events"][-MAX_EVENTS:]]}
+
+
+def _cut(detail: str) -> str:
+    return detail if len(detail) <= MAX_DETAIL else detail[:MAX_DETAIL - 3] + "..."
 
 
 def write(run_dir: str | os.PathLike, status: dict[str, Any], endpoint: str | None = None,
@@ -72,7 +81,7 @@ def parse(data: bytes, what: str) -> dict[str, Any]:
                        "step": si.integer(e.get("step"), f"{what}: event {i}: step",
                                           high=MAX_STEP),
                        "detail": si.text(e.get("detail", ""), f"{what}: event {i}: detail",
-                                         300)})
+                                         MAX_DETAIL)})
     return {"live": [si.integer(g, f"{what}: live group") for g in doc["live"]],
             "step": si.integer(doc.get("step", 0), f"{what}: step", high=MAX_STEP),
             "finished": bool(doc.get("finished", False)), "events": events,

@@ -339,17 +339,16 @@ class Quorum:
             return
         self._paced.add(gap.group)
         n = f"{gap.samples} sample{'s' if gap.samples != 1 else ''}"
-        took = (f"a step takes it {gap.cycle_s:.2f} s against {gap.others_s:.2f} s for the "
-                "other groups, and every step waits for it")
+        took = (f"its step takes {gap.cycle_s:.2f} s, the others' {gap.others_s:.2f} s, and "
+                "every step waits for it")
         if gap.fix == "speed":
             said = (f"at equal shares ({n} each) {took}. shares: speed would size each "
                     f"group's batch to its speed (this group's to {gap.samples_by_speed})")
         else:
             said = (f"at its least share ({n}, one per rank) {took}. Give the others more "
-                    f"to do meanwhile (segment_samples: {gap.segment}, now "
-                    f"{self.segment_samples}), give this group fewer workers (its entry in "
-                    "groups:, or with groups: auto a lower ray start --num-cpus or "
-                    "--num-gpus on its box), or leave its box out of the groups")
+                    f"to do (segment_samples: {gap.segment}, now {self.segment_samples}), "
+                    "give it fewer workers (groups: auto: its box's ray start --num-cpus or "
+                    "--num-gpus) or leave it out")
         self._event("paces", gap.group, said, step=step)
 
     def _membership_events(self, members: frozenset[int], step: int) -> None:

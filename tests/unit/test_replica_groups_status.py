@@ -32,6 +32,20 @@ def test_the_file_round_trips_into_status_lines(tmp_path):
     assert lines[4] == "  step 7: group 1 left (stopped beating)"
 
 
+def test_a_long_event_detail_is_cut_by_the_writer_not_refused_by_the_reader(tmp_path):
+    """A failed group's error is the user's text, of any length; the file keeps its first
+    MAX_DETAIL characters and stays readable (the console has the whole line)."""
+    status = _status()
+    status["events"].append({"kind": "failed", "group": 0, "step": 9, "t": 3.0,
+                             "detail": "RuntimeError: " + "x" * 1000})
+    rgf.write(tmp_path / "run-g0", status)
+    doc = rgf.parse((tmp_path / "run-g0" / rgf.GROUPS_JSON).read_bytes(), "f")
+    detail = doc["events"][-1]["detail"]
+    assert len(detail) == rgf.MAX_DETAIL and detail.startswith("RuntimeError: xxx") \
+        and detail.endswith("...")
+    assert doc["events"][0]["detail"] == "3 group(s) now"
+
+
 def test_the_html_view_shows_each_groups_layout_speed_and_share(tmp_path):
     from ray_mesh.status.html import groups_html
 

@@ -232,6 +232,11 @@ def test_the_quorum_names_the_pacing_group_once_after_its_pace_settles():
     assert told[0]["group"] == 1
     assert "least share (1 sample, one per rank)" in told[0]["detail"]
     assert "segment_samples: " in told[0]["detail"] and "now 2" in told[0]["detail"]
+    # whole in `ray-mesh status` too: the groups' file keeps a detail of at most MAX_DETAIL
+    # (a longer one, 365 characters, once made the file unreadable: issue 43's lab test)
+    from ray_mesh.observability.replica_groups import MAX_DETAIL
+
+    assert len(told[0]["detail"]) <= MAX_DETAIL - 25, len(told[0]["detail"])  # room: figures
     # not before the window is full: the warm-up and WINDOW measured segments
     assert told[0]["step"] >= WINDOW
 
