@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ray_mesh.cli.job import Job, JobError
+from ray_mesh.core.safe import clip
 from ray_mesh.network.interfaces import (
     NetworkError,
     choose_interface,
@@ -143,4 +144,4 @@ def _last_line(error: BaseException) -> str:
     head = last.split(":", 1)[0]
     text = last if head.isidentifier() and head.endswith(("Error", "Exception")) \
         else f"{name}: {last}" if last else name
-    return text if len(text) <= 300 else text[:297] + "..."
+    return clip(text, 300)

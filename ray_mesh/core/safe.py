@@ -55,6 +55,12 @@ def safe_text(value: Any, limit: int | None = None, *, multiline: bool = False) 
     return pattern.sub(_escape, text) + extra
 
 
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters (its end then ``...``): for a field a
+    bounded reader takes, which :func:`safe_text`'s ``…(+N chars)`` would overrun."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def has_control(value: str) -> bool:
     """Whether :func:`safe_text` would escape something in ``value``."""
     return _UNSAFE.search(value) is not None

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ray_mesh.core.safe import safe_text
+from ray_mesh.core.safe import clip, safe_text
 from ray_mesh.errors import Malformed, Oversize
 from ray_mesh.observability.store_wire import CHECKED_TORCH as WIRE_TORCH
 from ray_mesh.observability.store_wire import BoundedReader
@@ -173,7 +173,7 @@ def parse_snapshot(obj: Any, rank: int, world_size: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- writing
 def _cut(text: str) -> str:
-    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 3] + "..."
+    return clip(text, MAX_TEXT)
 
 
 def trim_threads(threads: list[dict[str, Any]], frames: int = MAX_FRAMES

@@ -18,6 +18,7 @@ from typing import Any
 
 from ray_mesh.core.files import write_atomic
 from ray_mesh.core.object_store import filesystem, is_uri
+from ray_mesh.core.safe import clip
 from ray_mesh.errors import Malformed
 from ray_mesh.observability import status_input as si
 from ray_mesh.observability.fetch import SourceError
@@ -41,12 +42,8 @@ def document(status: dict[str, Any]) -> dict[str, Any]:
             "shares": {str(g): {**s, "layout": status.get("layouts", {}).get(g, "")}
                        for g, s in status.get("shares", {}).items()},
             "events": [{**{k: e[k] for k in ("kind", "group", "step")},
-                        "detail": _cut(str(e["detail"]))}
+                        "detail": clip(str(e["detail"]), MAX_DETAIL)}
                        for e in status["events"][-MAX_EVENTS:]]}
-
-
-def _cut(detail: str) -> str:
-    return detail if len(detail) <= MAX_DETAIL else detail[:MAX_DETAIL - 3] + "..."
 
 
 def write(run_dir: str | os.PathLike, status: dict[str, Any], endpoint: str | None = None,
