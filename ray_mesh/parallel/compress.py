@@ -23,15 +23,20 @@ CHUNK = 1024
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat int8 codes and per-chunk fp32 scales of ``x`` (any shape, float)."""
+    """Flat int8 codes and per-chunk fp32 scales of ``x`` (any shape, float).
+
+    Few full-size temporaries: each new one costs its page faults as well as its pass (a
+    DiLoCo sync quantizes the whole model on a box that may have a fraction of a core).
+    """
     flat = x.detach().reshape(-1).float()
     pad = (-flat.numel()) % CHUNK
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     chunks = flat.view(-1, CHUNK)
-    scales = chunks.abs().amax(dim=1) / 127.0
+    lo, hi = torch.aminmax(chunks, dim=1)  # max |x| of a chunk without an |x| copy
+    scales = torch.maximum(hi, lo.neg_()).div_(127.0)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(chunks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    codes = (chunks / safe[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return codes.view(-1), scales
 
 
@@ -39,6 +44,23 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, like: torch.Tenso
                     ) -> torch.Tensor:
     """The float tensor ``codes``/``scales`` stand for, shaped like ``like``."""
     out = (codes.view(-1, CHUNK).float() * scales[:, None]).view(-1)[: like.numel()]
+    return out.view(like.shape).to(like.dtype)
+
+
+def mean_int8(codes: torch.Tensor, scales: torch.Tensor, n: int, like: torch.Tensor
+              ) -> torch.Tensor:
+    """The mean of ``n`` members' int8 tensors, gathered one after the other in ``codes``
+    and ``scales``, shaped like ``like``: decoded into one float buffer (each member's codes
+    through one reused buffer and a fused multiply-add), not a new tensor per member and
+    step. The same bytes give the same result on every member."""
+    per = codes.view(n, -1, CHUNK)
+    step = scales.view(n, -1, 1)
+    total = per[0].float().mul_(step[0])
+    buf = torch.empty_like(total)
+    for i in range(1, n):
+        buf.copy_(per[i])
+        total.addcmul_(buf, step[i])
+    out = total.view(-1)[: like.numel()].div_(n)
     return out.view(like.shape).to(like.dtype)
 
 
@@ -118,10 +140,7 @@ class PendingAverage:
             elif self.mode == "bf16":
                 self._result = self._bufs[0].to(x.dtype) / n
             else:
-                total = torch.zeros_like(x, dtype=torch.float32)
-                for c, s in zip(self._bufs[0].chunk(n), self._bufs[1].chunk(n), strict=True):
-                    total += dequantize_int8(c, s, total)
-                self._result = (total / n).to(x.dtype)
+                self._result = mean_int8(*self._bufs, n, x)
         return self._result
 
 

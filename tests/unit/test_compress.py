@@ -7,7 +7,13 @@ import torch
 
 from ray_mesh.core.diloco_config import DiLoCoConfig
 from ray_mesh.errors import ParallelError
-from ray_mesh.parallel.compress import CHUNK, dequantize_int8, quantize_int8, wire_bytes
+from ray_mesh.parallel.compress import (
+    CHUNK,
+    dequantize_int8,
+    mean_int8,
+    quantize_int8,
+    wire_bytes,
+)
 from ray_mesh.parallel.diloco.outer import _fragments
 
 
@@ -26,6 +32,26 @@ def test_int8_round_trip_within_half_a_step_per_chunk(shape):
 def test_int8_of_zeros_is_zeros():
     x = torch.zeros(10)
     assert torch.equal(dequantize_int8(*quantize_int8(x), x), x)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_int8_mean_of_members_is_the_mean_of_their_decodings(n):
+    """What every member computes from the gathered codes (mean_int8, one reused buffer):
+    the mean of each member's own decoding, within float32 rounding, shaped and typed like
+    the input, and the same bits from the same bytes."""
+    like = torch.zeros(3, CHUNK + 5, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(n)
+    xs = [torch.randn(like.shape, generator=gen) * (i + 1) for i in range(n)]
+    parts = [quantize_int8(x) for x in xs]
+    codes = torch.cat([c for c, _ in parts])
+    scales = torch.cat([s for _, s in parts])
+    want = sum(dequantize_int8(c, s, xs[0]) for c, s in parts) / n
+    got = mean_int8(codes, scales, n, like)
+    assert got.shape == like.shape and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-6)
+    exact = mean_int8(codes, scales, n, like.float())
+    assert torch.allclose(exact, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(exact, mean_int8(codes.clone(), scales.clone(), n, like.float()))
 
 
 def test_bf16_round_trip_within_its_epsilon():
