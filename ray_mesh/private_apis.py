@@ -14,7 +14,8 @@ wrappers: this module imports neither torch nor Ray, so Ray-free modules can use
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 CHECKED_TORCH = "2.13.0"
@@ -239,6 +240,36 @@ def enable_token_auth() -> bool:
         quiet.setLevel(level)
 
 
+DEFAULT_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster."
+"""How Ray 2.60.0's WARNING begins when a new local Ray turns token auth on by default."""
+
+
+@contextmanager
+def quiet_default_auth_notice() -> Iterator[None]:
+    """Inside the block, drop Ray's WARNING that a new local Ray turned token
+    authentication on by default (:data:`DEFAULT_AUTH_NOTICE`), and only that record.
+
+    Internal: the logger of ``ray._private.authentication.authentication_token_setup``
+    (Ray 2.60.0), which logs it at every ``ray.init()`` that starts a Ray with
+    ``RAY_AUTH_MODE`` unset. Setting the variable instead does not do: the driver's cached
+    Ray config, read at ``import ray``, then sends no token and the start fails
+    (upstream: ray-auth-default-warning). Public replacement: none (a quieter level for
+    Ray's notice of its own default).
+    """
+
+    class _DropDefaultNotice(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(DEFAULT_AUTH_NOTICE)
+
+    quiet = _DropDefaultNotice()
+    logger = logging.getLogger(_TOKEN_SETUP)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def auth_headers() -> dict[str, str]:
     """The HTTP headers that carry the cluster token (empty when auth is off).
 
@@ -435,6 +466,8 @@ WRAPPERS = (
     "dcp_set_element",
     "data_config_settings",
     "enable_token_auth",
+    "DEFAULT_AUTH_NOTICE",
+    "quiet_default_auth_notice",
     "flatten_mesh",
     "gcs_ping",
     "has_batch_p2p_wait_fix",

@@ -259,6 +259,18 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="Ray writes the token file 0600 whatever the umask.",
     ),
     Workaround(
+        key="ray-auth-default-warning",
+        upstream=_RAY,
+        what="A new local ray.init() with RAY_AUTH_MODE unset turns token authentication on "
+             "and logs a WARNING saying so ('Token authentication is enabled for this Ray "
+             "cluster. Set RAY_AUTH_MODE=disabled to opt out'), at every start; with the "
+             "mode set it says nothing, but setting it after import ray leaves the driver "
+             "without its token. ray-mesh run's embedded start drops that one record "
+             "(private_apis.quiet_default_auth_notice).",
+        where=("ray_mesh/cli/runner.py", "ray_mesh/private_apis.py"),
+        remove_when="Ray logs its default authentication mode below WARNING.",
+    ),
+    Workaround(
         key="ray-client-token-needs-auth-mode",
         upstream=_RAY,
         what="Ray's client sends the cluster token only with RAY_AUTH_MODE=token (a readable "

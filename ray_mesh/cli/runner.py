@@ -87,7 +87,9 @@ def connect(address: str | None, num_cpus_needed: float) -> bool:
     # (upstream: ray-auth-token-umask).
     secure_token_file(create=True)
     began = time.monotonic()
-    with env_defaults({RAY_NICENESS_ENV: "0"}):
+    # Ray's WARNING that its default, token authentication, is on: ray_mesh keeps it on by
+    # design (docs/security.md), so the line only alarms (upstream: ray-auth-default-warning).
+    with env_defaults({RAY_NICENESS_ENV: "0"}), private_apis.quiet_default_auth_notice():
         try:
             ray.init(address="local",
                      num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)),

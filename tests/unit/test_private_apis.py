@@ -213,6 +213,38 @@ def test_enable_token_auth():
     assert out.strip() == "bool", out
 
 
+def test_quiet_default_auth_notice():
+    """Ray's logger still logs the notice as the wrapper expects it, and inside the block
+    only that record is dropped."""
+    setup = importlib.import_module("ray._private.authentication.authentication_token_setup")
+    src = inspect.getsource(setup._warn_token_auth_enabled)
+    assert pa.DEFAULT_AUTH_NOTICE in " ".join(src.replace('"', " ").split()) or \
+        pa.DEFAULT_AUTH_NOTICE.rstrip(".") in src, f"{UPGRADE}: Ray's auth notice changed"
+    import logging
+
+    class Keep(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    logger, keep = logging.getLogger(setup.__name__), Keep()
+    logger.addHandler(keep)  # Ray's loggers need not reach the root's handlers
+    try:
+        with pa.quiet_default_auth_notice():
+            setup._warn_token_auth_enabled()
+            logger.warning("Token authentication is disabled for this Ray cluster. ...")
+        setup._warn_token_auth_enabled()
+    finally:
+        logger.removeHandler(keep)
+    said = [r.getMessage() for r in keep.records]
+    assert len(said) == 2 and said[0].startswith("Token authentication is disabled"), said
+    assert said[1].startswith(pa.DEFAULT_AUTH_NOTICE), said
+    assert not logger.filters
+
+
 def test_auth_headers():
     http = importlib.import_module("ray._private.authentication.http_token_authentication")
     assert len(inspect.signature(http.get_auth_headers_if_auth_enabled).parameters) == 1
