@@ -32,6 +32,70 @@ def write_result(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def forked(target, args: list[tuple], cores: float | None, name: str, timeout_s: float
+           ) -> tuple[dict, float]:
+    """Fork one process per entry of ``args`` running ``target(*entry, queue)``, all of them
+    in one new cgroup capped at ``cores`` (None: the machine's CPUs); the first thing put on
+    the queue, and the 1-minute load when they started."""
+    import multiprocessing as mp
+
+    from harness.netns.cpu import make_cgroup, remove_cgroup
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    load0 = os.getloadavg()[0]
+    group = make_cgroup(name, cores) if cores is not None else None
+    procs = [ctx.Process(target=target, args=(*a, out)) for a in args]
+    for p in procs:
+        p.start()
+        if group is not None:
+            (group / "cgroup.procs").write_text(str(p.pid))
+    try:
+        got = out.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(60)
+        if group is not None:
+            remove_cgroup(group)
+    return got, load0
+
+
+def two_sides(got: dict, before: str, after: str, rounds: int, load0: float) -> dict:
+    """The figures of one setting of a side-by-side benchmark from each side's times in
+    ``got``: the median of each (``<side>_s``), their ratio ``before / after``, the times
+    themselves and the 1-minute load at the start and now."""
+    med = {k: statistics.median(got[k]) for k in (before, after)}
+    return {f"{before}_s": med[before], f"{after}_s": med[after],
+            "ratio": med[before] / med[after], "rounds": rounds,
+            "times_s": {k: got[k] for k in (before, after)},
+            "loadavg_1m": [load0, os.getloadavg()[0]]}
+
+
+def side_by_side(key: str, out: str, statistic: str, measure, cores: float,
+                 describe) -> dict:
+    """A side-by-side benchmark of two sides in two settings: once the machine is quiet (at
+    most 120 s), ``measure(None)`` (the machine's CPUs) then ``measure(cores)`` (a cgroup),
+    each a dict of :func:`two_sides`' figures; written under ``results.json[key]`` at
+    ``out`` (the other keys kept) with the statistic and the start, and a line printed per
+    setting (``describe(setting)`` says what was measured)."""
+    from benchmarks.user_job_figures import wait_quiet
+
+    wait_quiet(120)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    result = {"statistic": statistic, "started": started,
+              "settings": [measure(None), measure(cores)]}
+    path = Path(out)
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results[key] = result
+    path.write_text(json.dumps(results, indent=1))
+    for s in result["settings"]:
+        a, b = s["times_s"]
+        print(f"cores {s['cores'] or 'all'}: {describe(s)}, {a} {s[f'{a}_s'] * 1e3:.1f} ms, "
+              f"{b} {s[f'{b}_s'] * 1e3:.1f} ms ({s['ratio']:.1f}x), load "
+              f"{s['loadavg_1m'][0]:.1f}-{s['loadavg_1m'][1]:.1f}")
+    return result
+
+
 def fit_netns_workers(train, args: dict, mesh_config, tag: str) -> None:
     """One fit of ``train`` on the virtual cluster's 4 workers (2 per node: the ``slot``
     resource), run from a driver inside the head namespace; figures come back by file."""

@@ -21,10 +21,6 @@ with the 1-minute load at the start and end of each setting.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,32 +92,15 @@ def _measure(rounds: int, members: int, out) -> None:
 
 
 def measure(rounds: int, members: int, cores: float | None) -> dict:
-    from harness.netns.cpu import make_cgroup, remove_cgroup
+    from benchmarks.common import forked, two_sides
 
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    load0 = os.getloadavg()[0]
-    group = make_cgroup("rm_int8_mean", cores) if cores is not None else None
-    proc = ctx.Process(target=_measure, args=(rounds, members, out))
-    proc.start()
-    if group is not None:
-        (group / "cgroup.procs").write_text(str(proc.pid))
-    try:
-        got = out.get(timeout=900)
-    finally:
-        proc.join(60)
-        if group is not None:
-            remove_cgroup(group)
-    med = {k: statistics.median(got[k]) for k in ("before", "now")}
+    got, load0 = forked(_measure, [(rounds, members)], cores, "rm_int8_mean", 900)
     return {"cores": cores, "members": members, "values": got["values"],
-            "before_s": med["before"], "now_s": med["now"],
-            "ratio": med["before"] / med["now"], "rounds": rounds,
-            "times_s": {k: got[k] for k in ("before", "now")},
-            "loadavg_1m": [load0, os.getloadavg()[0]]}
+            **two_sides(got, "before", "now", rounds, load0)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.user_job_figures import wait_quiet
+    from benchmarks.common import side_by_side
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
@@ -129,21 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=float, default=0.4)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    wait_quiet(120)
-    result = {"statistic": "median over rounds of each side's time: quantizing one member's "
-                           "contribution plus the mean of every member's (2 warm-up rounds "
-                           "not counted)",
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "settings": [measure(args.rounds, args.members, None),
-                           measure(args.rounds, args.members, args.cores)]}
-    path = Path(args.out)
-    results = json.loads(path.read_text()) if path.exists() else {}
-    results["int8_mean"] = result
-    path.write_text(json.dumps(results, indent=1))
-    for s in result["settings"]:
-        print(f"cores {s['cores'] or 'all'}: {s['members']} members of {s['values']} values, "
-              f"before {s['before_s'] * 1e3:.1f} ms, now {s['now_s'] * 1e3:.1f} ms "
-              f"({s['ratio']:.1f}x), load {s['loadavg_1m'][0]:.1f}-{s['loadavg_1m'][1]:.1f}")
+    side_by_side("int8_mean", args.out,
+                 "median over rounds of each side's time: quantizing one member's "
+                 "contribution plus the mean of every member's (2 warm-up rounds not counted)",
+                 lambda cores: measure(args.rounds, args.members, cores), args.cores,
+                 lambda s: f"{s['members']} members of {s['values']} values")
     return 0
 
 

@@ -20,10 +20,7 @@ per-tensor gathers waited most. Statistic: the median over rounds of rank 0's ti
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -81,54 +78,27 @@ def _rank(rank: int, port: int, rounds: int, out) -> None:
 
 
 def measure(rounds: int, cores: float | None) -> dict:
-    from benchmarks.common import free_port
-    from harness.netns.cpu import make_cgroup, remove_cgroup
+    from benchmarks.common import forked, free_port, two_sides
 
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
     port = free_port()
-    load0 = os.getloadavg()[0]
-    group = make_cgroup("rm_reshard_gather", cores) if cores is not None else None
-    procs = [ctx.Process(target=_rank, args=(r, port, rounds, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-        if group is not None:
-            (group / "cgroup.procs").write_text(str(p.pid))
-    try:
-        got = out.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(60)
-        if group is not None:
-            remove_cgroup(group)
-    med = {k: statistics.median(got[k]) for k in ("per_tensor", "one_gather")}
+    got, load0 = forked(_rank, [(r, port, rounds) for r in (0, 1)], cores,
+                        "rm_reshard_gather", 600)
     return {"cores": cores, "tensors": got["tensors"], "values": got["values"],
-            "per_tensor_s": med["per_tensor"], "one_gather_s": med["one_gather"],
-            "ratio": med["per_tensor"] / med["one_gather"], "rounds": rounds,
-            "times_s": {k: got[k] for k in ("per_tensor", "one_gather")},
-            "loadavg_1m": [load0, os.getloadavg()[0]]}
+            **two_sides(got, "per_tensor", "one_gather", rounds, load0)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.user_job_figures import wait_quiet
+    from benchmarks.common import side_by_side
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--cores", type=float, default=0.4)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    wait_quiet(120)
-    result = {"statistic": "median over rounds of rank 0's time (after 2 warm-up rounds)",
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "settings": [measure(args.rounds, None), measure(args.rounds, args.cores)]}
-    path = Path(args.out)
-    results = json.loads(path.read_text()) if path.exists() else {}
-    results["reshard_gather"] = result
-    path.write_text(json.dumps(results, indent=1))
-    for s in result["settings"]:
-        print(f"cores {s['cores'] or 'all'}: {s['tensors']} tensors, per tensor "
-              f"{s['per_tensor_s'] * 1e3:.1f} ms, one gather {s['one_gather_s'] * 1e3:.1f} ms "
-              f"({s['ratio']:.1f}x), load {s['loadavg_1m'][0]:.1f}-{s['loadavg_1m'][1]:.1f}")
+    side_by_side("reshard_gather", args.out,
+                 "median over rounds of rank 0's time (after 2 warm-up rounds)",
+                 lambda cores: measure(args.rounds, cores), args.cores,
+                 lambda s: f"{s['tensors']} tensors")
     return 0
 
 
