@@ -221,8 +221,9 @@ def enable_token_auth() -> bool:
 
     Internal: ``ray._private.authentication.authentication_token_setup.
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)`` (Ray 2.60.0). Its
-    logger's note on the auth default is silenced. Public replacement: ``ray.init`` does it
-    for a driver; there is none for a process that only talks HTTP to the dashboard.
+    logger's note on the auth default is dropped (:func:`quiet_default_auth_notice`).
+    Public replacement: ``ray.init`` does it for a driver; there is none for a process that
+    only talks HTTP to the dashboard.
     False when this Ray has no token auth.
     """
     import importlib
@@ -231,13 +232,8 @@ def enable_token_auth() -> bool:
         setup = importlib.import_module(_TOKEN_SETUP)
     except ImportError:
         return False
-    quiet = logging.getLogger(_TOKEN_SETUP)
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    with quiet_default_auth_notice():
         return bool(setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
-    finally:
-        quiet.setLevel(level)
 
 
 DEFAULT_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster."

@@ -37,8 +37,8 @@ EXPECTED: tuple[Expected, ...] = (
              "Ray 2.60 says so at every start of a Ray whose RAY_AUTH_MODE is unset, token "
              "auth on by default, which ray_mesh keeps on by design (docs/security.md): a "
              "script's own ray.init() (python examples/driver.py). ray-mesh run's embedded "
-             "Ray sets the mode and does not print it (tests/ray/test_main_job.py holds "
-             "that)"),
+             "start drops that one record (private_apis.quiet_default_auth_notice; "
+             "tests/ray/test_main_job.py holds it)"),
     Expected(r"\(raylet\) WARNING: \d+ PYTHON worker processes have been started on node",
              "Ray's raylet notes that more Python workers start at once than the machine has "
              "cores (on 2 cores: 4 training workers plus Ray Data's read tasks); the size of "
