@@ -259,7 +259,7 @@ class Exporter:
                 if self.loud:
                     logger.info("ray_mesh metrics: %s", no_agent(where[0]))
                 return
-            problem = check_endpoint(where=where)
+            problem = check_endpoint(where=where, tries_s=ENDPOINT_TRIES_S[1:])
             if problem:
                 self.warn_once(problem + "; training goes on, metrics will not reach "
                                "Prometheus or the dashboard.")
@@ -313,10 +313,24 @@ def no_agent(ip: str) -> str:
             "pip install 'ray[default]' on every node")
 
 
-def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None) -> str | None:
+ENDPOINT_TRIES_S = (5.0, 15.0, 30.0)
+"""Per-try read limits of the endpoint check: a node running 8 workers on 2 cores once kept
+Ray's metrics agent from answering within 5 s, though it was there and served later."""
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A timeout, raw (a read) or inside urllib's URLError (a connect)."""
+    return isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError)
+
+
+def check_endpoint(timeout_s: float = ENDPOINT_TRIES_S[0], where: tuple[str, int] | None = None,
+                   tries_s: tuple[float, ...] | None = None) -> str | None:
     """None when the Prometheus endpoint answers with Ray metrics, else why not.
 
-    ``where`` is (ip, port); by default this process's node, as Ray reports it.
+    ``where`` is (ip, port); by default this process's node, as Ray reports it. A timeout
+    is tried again with each limit in ``tries_s`` (after ``timeout_s``): an endpoint that is
+    slow to answer on a busy node is there, so only one that never answers is reported, and
+    as slow, not as missing (a refused connection is what a missing agent looks like).
     """
     if where is None:
         try:
@@ -329,14 +343,24 @@ def check_endpoint(timeout_s: float = 5.0, where: tuple[str, int] | None = None)
     if port <= 0:  # Ray says -1 where the node runs no metrics agent
         return no_agent(ip)
     url = f"http://{host_port(ip, port)}/metrics"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - our node
-            head = resp.read(1 << 20).decode("utf-8", "replace")
-    except Exception as exc:  # noqa: BLE001
-        return (f"Ray's metrics endpoint {url} does not answer ({type(exc).__name__}: {exc}). "
-                f"The node's metrics agent is missing: install ray[default] on every node, "
-                f"and give `ray start --metrics-export-port` a free port outside the worker "
-                f"port range (10002-19999)")
+    limits = (timeout_s, *(tries_s or ()))
+    for limit in limits:
+        try:
+            with urllib.request.urlopen(url, timeout=limit) as resp:  # noqa: S310 - our node
+                head = resp.read(1 << 20).decode("utf-8", "replace")
+            break
+        except Exception as exc:  # noqa: BLE001
+            if not _timed_out(exc):
+                return (f"Ray's metrics endpoint {url} does not answer ({type(exc).__name__}: "
+                        f"{exc}). The node's metrics agent is missing: install ray[default] "
+                        f"on every node, and give `ray start --metrics-export-port` a free "
+                        f"port outside the worker port range (10002-19999)")
+    else:
+        return (f"Ray's metrics endpoint {url} accepts connections but did not answer in "
+                f"{len(limits)} tries ({', '.join(f'{x:g}' for x in limits)} s): the node is "
+                f"too busy to serve it, or its metrics "
+                f"agent is stuck (its log: dashboard_agent.log in the node's Ray session "
+                f"logs). Fewer workers on the node, or a restart of Ray there, frees it")
     if "ray_" not in head:
         return (f"{url} answers but serves no Ray metrics: another process holds the port. "
                 f"Restart Ray with a free --metrics-export-port")

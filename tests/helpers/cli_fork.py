@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _child(req: dict, out_path: str) -> None:
-    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.chdir(req["cwd"])
@@ -51,7 +52,11 @@ def _child(req: dict, out_path: str) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 1)
+        code = code if isinstance(code, int) and not isinstance(code, bool) else 1
+        # What the child itself meant to exit with, beside its output: the server checks
+        # the two agree (a lost output file or a stray exit status is named, not passed on).
+        Path(out_path + ".code").write_text(str(code))
+        os._exit(code)
 
 
 def serve() -> None:
@@ -59,10 +64,11 @@ def serve() -> None:
     import ray_mesh.cli.main  # noqa: F401 - the import every call would otherwise pay
 
     replies = os.fdopen(os.dup(1), "w")
+    folder = tempfile.mkdtemp(prefix="cli_fork_")  # this server's own: no shared /tmp names
     print("READY", file=replies, flush=True)
-    for line in sys.stdin:
+    for n, line in enumerate(sys.stdin):
         req = json.loads(line)
-        out_path = tempfile.mktemp(prefix="cli_fork_")
+        out_path = os.path.join(folder, f"call{n}.out")
         pid = os.fork()
         if pid == 0:
             _child(req, out_path)
@@ -76,10 +82,15 @@ def serve() -> None:
         else:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-        out = Path(out_path).read_text(errors="replace") if Path(out_path).exists() else ""
-        Path(out_path).unlink(missing_ok=True)
+        out_file, code_file = Path(out_path), Path(out_path + ".code")
+        out = out_file.read_text(errors="replace") if out_file.exists() else None
+        meant = int(code_file.read_text()) if code_file.exists() else None
+        out_file.unlink(missing_ok=True)
+        code_file.unlink(missing_ok=True)
         rc = None if status is None else os.waitstatus_to_exitcode(status)
-        print(json.dumps({"rc": rc, "out": out}), file=replies, flush=True)
+        print(json.dumps({"rc": rc, "out": out, "meant": meant, "pid": pid}), file=replies,
+              flush=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 class CliServer:
@@ -110,6 +121,13 @@ class CliServer:
         reply = json.loads(self.proc.stdout.readline())
         if reply["rc"] is None:
             raise subprocess.TimeoutExpired(["ray-mesh", *args], timeout_s, reply["out"])
+        if reply["out"] is None or reply["meant"] != reply["rc"]:
+            # Not the command's doing: its output file is gone, or the process exited with
+            # a status the command did not return (killed, or exited from elsewhere).
+            raise RuntimeError(f"the forked call ray-mesh {' '.join(args)} (pid {reply['pid']}) "
+                               f"exited {reply['rc']}, returned {reply['meant']}, output file "
+                               f"{'missing' if reply['out'] is None else 'kept'}: "
+                               f"{(reply['out'] or '')[-2000:]!r}")
         return subprocess.CompletedProcess(["ray-mesh", *args], reply["rc"], reply["out"], "")
 
     def close(self) -> None:

@@ -166,12 +166,17 @@ def test_report_without_step_counts_reports_and_shows_other_numbers():
                      "  0.5 steps/s"]
 
 # ----------------------------------------------------------------------------- failures
-def _http_server(body: bytes):
-    """A real HTTP server on a free port answering every GET with ``body``."""
+def _http_server(body: bytes, first_delay_s: float = 0.0):
+    """A real HTTP server on a free port answering every GET with ``body`` (the first one
+    after ``first_delay_s``: a busy node's agent)."""
     import http.server
+
+    delays = [first_delay_s]
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's naming
+            if delays:
+                time.sleep(delays.pop())
             self.send_response(200)
             self.end_headers()
             self.wfile.write(body)
@@ -198,6 +203,27 @@ def test_check_endpoint_names_what_is_wrong_with_the_metrics_port():
     finally:
         other.shutdown()
         ray_like.shutdown()
+
+
+def test_a_slow_metrics_endpoint_is_tried_again_and_never_called_missing():
+    """A busy node's agent once took over 5 s to answer: the warning then said the agent
+    was missing (install ray[default]), which was wrong. Now a timeout is tried again with a
+    longer limit, and one that never answers is called slow, with a fix that fits."""
+    ray_like = _http_server(b"# TYPE ray_node_cpu gauge\nray_node_cpu 1.0\n", first_delay_s=1.5)
+    try:
+        where = ("127.0.0.1", ray_like.server_address[1])
+        assert check_endpoint(0.3, where, tries_s=(5.0,)) is None  # the second try answers
+    finally:
+        ray_like.shutdown()
+    silent = socket.socket()  # accepts connections (the backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    try:
+        msg = check_endpoint(0.2, ("127.0.0.1", silent.getsockname()[1]), tries_s=(0.3,))
+    finally:
+        silent.close()
+    assert msg is not None and "did not answer in 2 tries (0.2, 0.3 s)" in msg, msg
+    assert "missing" not in msg and "ray[default]" not in msg and "busy" in msg, msg
 
 
 def test_a_node_without_a_metrics_agent_is_one_info_line_with_the_right_fix(caplog,
