@@ -208,14 +208,16 @@ def test_torch_rendezvous_and_gloo_listeners(cluster, tmp_path):
 
 
 def _connect(prefix: list[str], address: str, port: int) -> str:
-    """'ok', 'refused' or 'timeout': a TCP connect to address:port from ``prefix``'s netns."""
+    """'ok', 'refused' or 'timeout: <the error>' (a timeout, no route, ...): a TCP connect to
+    address:port from ``prefix``'s netns."""
     code = ("import socket,sys\ns=socket.socket();s.settimeout(3)\n"
             "try:\n s.connect((sys.argv[1], int(sys.argv[2])));print('ok')\n"
             "except ConnectionRefusedError: print('refused')\n"
-            "except OSError as e: print('timeout', e)\n")
+            "except OSError as e: print('timeout:', repr(e))\n")
     out = subprocess.run([*prefix, sys.executable, "-c", code, address, str(port)],
                          capture_output=True, text=True, timeout=30)
-    return out.stdout.split()[0] if out.stdout else f"error {out.stderr}"
+    got = out.stdout.strip()
+    return got if got in ("ok", "refused") or got.startswith("timeout:") else f"error {out.stderr}"
 
 
 def _reach(prefix: list[str], address: str, port: int, within_s: float = 30.0) -> str:
@@ -225,14 +227,18 @@ def _reach(prefix: list[str], address: str, port: int, within_s: float = 30.0) -
     the path, not the rule: over the WireGuard tunnel a SYN waits on two userspace
     ``wireguard-go`` processes, which a busy 2-core machine can starve for seconds."""
     deadline = time.monotonic() + within_s
-    while (got := _connect(prefix, address, port)) == "timeout" and time.monotonic() < deadline:
+    while ((got := _connect(prefix, address, port)).startswith("timeout")
+           and time.monotonic() < deadline):
         time.sleep(0.5)
     return got
 
 
 def _tunnel_state(net: NetnsCluster) -> str:
-    """Both nodes' ``wg show`` (handshakes, transfer counters): why a tunnel path is silent."""
-    return "\n".join(net.run_in(i, ["wg", "show"]).stdout for i in range(len(net.nodes)))
+    """Each node's ``wg show`` (handshakes, transfer counters), addresses and routes: why a
+    tunnel path is silent."""
+    cmds = (["wg", "show"], ["ip", "-br", "addr"], ["ip", "route"])
+    return "\n".join(f"node {i}: {' '.join(c)}\n{net.run_in(i, c).stdout}"
+                     for i in range(len(net.nodes)) for c in cmds)
 
 
 _LISTEN = """
