@@ -356,11 +356,11 @@ def check_endpoint(timeout_s: float = ENDPOINT_TRIES_S[0], where: tuple[str, int
                         f"on every node, and give `ray start --metrics-export-port` a free "
                         f"port outside the worker port range (10002-19999)")
     else:
+        tries = ", ".join(f"{x:g}" for x in limits)
         return (f"Ray's metrics endpoint {url} accepts connections but did not answer in "
-                f"{len(limits)} tries ({', '.join(f'{x:g}' for x in limits)} s): the node is "
-                f"too busy to serve it, or its metrics "
-                f"agent is stuck (its log: dashboard_agent.log in the node's Ray session "
-                f"logs). Fewer workers on the node, or a restart of Ray there, frees it")
+                f"{len(limits)} tries ({tries} s): the node is too busy to serve it, or its "
+                f"metrics agent is stuck (its log: dashboard_agent.log in the node's Ray "
+                f"session logs). Fewer workers on the node, or a restart of Ray there, frees it")
     if "ray_" not in head:
         return (f"{url} answers but serves no Ray metrics: another process holds the port. "
                 f"Restart Ray with a free --metrics-export-port")

@@ -14,6 +14,7 @@ like ``subprocess.run(..., capture_output=True, text=True)`` (output in ``stdout
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -55,7 +56,9 @@ def _child(req: dict, out_path: str) -> None:
         code = code if isinstance(code, int) and not isinstance(code, bool) else 1
         # What the child itself meant to exit with, beside its output: the server checks
         # the two agree (a lost output file or a stray exit status is named, not passed on).
-        Path(out_path + ".code").write_text(str(code))
+        # A failed write must not raise here: the fork would go on as a second server.
+        with contextlib.suppress(OSError):  # the server then says "returned None"
+            Path(out_path + ".code").write_text(str(code))
         os._exit(code)
 
 
