@@ -13,9 +13,10 @@ folder), the window its tokens/s counts (group 0's committed steps after the fir
 
 Why: ``user_job``'s ``box_cores`` reads the boxes' and the tailnet's cgroups only; the
 head's Ray Train control actors run outside any quota (``Lab.free_head_services``), and on
-a 2-core machine what they and the tunnel take is what the boxes cannot have. A process
-that exits between two samples loses what it used since the last one (at most
-:data:`PERIOD_S` of it): the figures are lower bounds for short-lived processes.
+a 2-core machine what they and the tunnel take is what the boxes cannot have. Only the
+processes alive at a window's last sample are counted (from the window's first sample,
+or from their start): one that ended inside the window is left out, so the figures are
+lower bounds where processes come and go (a run's steady steps start none).
 Written to ``results.json["user_job"][KEY]``.
 """
 
