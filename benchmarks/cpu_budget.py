@@ -122,9 +122,10 @@ class Sampler:
 
 
 def step_times(steps_dir: Path) -> list[float]:
-    """Group 0's committed steps' times, in step order."""
-    rows = [json.loads(line) for line in (steps_dir / "g0.jsonl").read_text().splitlines()
-            if line.strip()]
+    """Group 0's committed steps' times, in step order (its start-up rows have no ``t``)."""
+    from harness.replica_check import read
+
+    rows = read(steps_dir).get(0, [])
     return [r["t"] for r in sorted((r for r in rows if "t" in r and "step" in r),
                                    key=lambda r: r["step"])]
 
