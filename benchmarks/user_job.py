@@ -109,7 +109,9 @@ SETTINGS: dict[str, Any] = {
     # from the run's first committed step; both shapes get the same schedule
     # mode: the groups' mode under drops (its uninterrupted run is the loss reference)
     "drops": {"first_s": 15.0, "every_s": 45.0, "down_s": 10.0, "mode": "sync"},
-    "mesh": {"checkpoint_every": 5, "batch_size": 24, "max_failures": 50, "cut_s": 180.0},
+    # batch_size None: a step of the page's job, each box's segment_samples (the same samples
+    # a step as the groups take, whatever the page sets)
+    "mesh": {"checkpoint_every": 5, "batch_size": None, "max_failures": 50, "cut_s": 180.0},
     "goodput": True, "timeout_s": 420.0, "quiet_wait_s": 120.0, "lock_wait_s": 3600.0,
 }
 
@@ -222,7 +224,7 @@ def dropped(lab, cfg: dict, seq_len: int, clean: dict) -> dict:
     if not any("step" in r for r in rows):
         raise RuntimeError(f"the one mesh took no step:\n{Path(m['console']).read_text()[-4000:]}")
     lineage = uf.mesh_lineage(rows)
-    per_step = cfg["mesh"]["batch_size"] * seq_len
+    per_step = ur.mesh_batch(lab, cfg) * seq_len
     m.update(lineage, useful_tokens=lineage["final_step"] * per_step,
              last_t=max(r["t"] for r in rows if "step" in r),
              resumes_s=uf.mesh_resumes(rows, [e["t_kill"] for e in m["drops"]]))

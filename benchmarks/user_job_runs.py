@@ -96,7 +96,7 @@ def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
     else:  # "sync", or a sync mode of its own settings (sync_int8: compress int8)
         sync = cfg[mode] if mode in cfg else cfg["sync"]
         over["replica_groups"]["steps"] = sync["steps"] * steps_factor
-        if "segment_samples" in sync:  # the page's 8 unless a run sets its own
+        if "segment_samples" in sync:  # the page's unless a run sets its own
             over["replica_groups"]["segment_samples"] = sync["segment_samples"]
         if "compress" in sync:  # the gradients between groups (replica_groups.compress)
             over["replica_groups"]["compress"] = sync["compress"]
@@ -106,6 +106,13 @@ def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
     steps_dir = lab.work / f"{tag}.steps"
     job["config"]["step_log"] = str(steps_dir)
     return job, steps_dir
+
+
+def mesh_batch(lab, cfg: dict) -> int:
+    """The one mesh's global batch: the settings' ``mesh.batch_size``, or by default a step of
+    the page's replica groups (``segment_samples`` for each box), the same samples a step."""
+    return cfg["mesh"]["batch_size"] or len(BOX_DP) * lab.page.job["replica_groups"][
+        "segment_samples"]
 
 
 def mesh_job(lab, tag: str, cfg: dict) -> tuple[dict, Path]:
@@ -118,7 +125,7 @@ def mesh_job(lab, tag: str, cfg: dict) -> tuple[dict, Path]:
     job = copy.deepcopy(lab.page.job)
     job.pop("replica_groups", None)
     m, steps_dir = cfg["mesh"], lab.work / f"{tag}.steps"
-    data = {**job.pop("data"), "batch_size": m["batch_size"]}
+    data = {**job.pop("data"), "batch_size": mesh_batch(lab, cfg)}
     job.update(name=f"lab-{tag}", train=MESH_TRAIN, mesh={"dp_shard": -1},
                scaling={"num_workers": len(BOX_DP), "resources_per_worker": {"CPU": 1},
                         "placement_strategy": "STRICT_SPREAD"})

@@ -327,6 +327,12 @@ def test_a_sync_run_takes_the_settings_segment_samples_or_the_pages(tmp_path):
     job, _ = ur.groups_job(lab, "w", bigger, "sync")
     assert job["replica_groups"]["segment_samples"] == 32
     assert job["replica_groups"]["steps"] == SETTINGS["sync"]["steps"]
+    # the one mesh of the goodput comparison takes the same samples a step as the page's
+    # groups (a box each), unless the settings give it a batch of its own
+    assert ur.mesh_batch(lab, SETTINGS) == 3 * 8
+    Page.job["replica_groups"]["segment_samples"] = 16
+    assert ur.mesh_batch(lab, SETTINGS) == 48
+    assert ur.mesh_batch(lab, merged(SETTINGS, {"mesh": {"batch_size": 20}})) == 20
 
 
 def test_cores_used_sums_what_processes_in_both_samples_gained():
