@@ -54,9 +54,10 @@ boxes' share of the machine's two cores.
 
 Drops every ``every_s`` (90 s here, the first 15 s into training) stand in for "a node
 drops every few minutes": the runs are 2-5 minutes long. Shorter is no test of recovery: at
-45 s the laptop's Ray was started again, but neither its group (45-50 s to its next step)
-nor the one mesh (over 45 s to its next attempt) came back before the next drop. The whole benchmark (three modes,
-the drops, the one mesh) took 28 minutes on a quiet 2-core machine (1,683 s, 2026-11-28,
+45 s neither the laptop's group (44-50 s from a drop to its next step at 90 s) nor the one
+mesh (which waits for all three boxes) took a step between two drops (2026-11-28 and
+2026-11-30), and the ratio compared two runs that never healed. The whole benchmark (three
+modes, the drops, the one mesh) took 28 minutes on a quiet 2-core machine (1,683 s, 2026-11-28,
 drops every 90 s); ``--quick`` (two sync modes) 9 minutes. What scales: the one mesh loses, per
 drop, the restart (the box's absence, Ray Train's new worker group, the bring-up) plus on
 average half a checkpoint interval of steps; the groups lose the laptop's share while it
@@ -111,7 +112,7 @@ SETTINGS: dict[str, Any] = {
     # from the run's first committed step; both shapes get the same schedule
     # mode: the groups' mode under drops (its uninterrupted run is the loss reference)
     # every 90 s: at 45 s neither the laptop's group nor the one mesh came back between two
-    # drops (2026-11-28 and 2026-12-01), and both sides measured runs that never healed
+    # drops (2026-11-28 and 2026-11-30), and both sides measured runs that never healed
     "drops": {"first_s": 15.0, "every_s": 90.0, "down_s": 10.0, "mode": "sync"},
     # batch_size None: a step of the page's job, each box's segment_samples (the same samples
     # a step as the groups take, whatever the page sets)
