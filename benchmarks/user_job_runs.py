@@ -81,6 +81,11 @@ def log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- jobs
+def sync_settings(cfg: dict, mode: str) -> dict:
+    """A sync mode's settings: its own (``sync_int8``), else ``sync``'s."""
+    return cfg[mode] if mode in cfg else cfg["sync"]
+
+
 def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
                segment: int | None = None, steps_factor: int = 1,
                every: int | None = None) -> tuple[dict, Path]:
@@ -94,7 +99,7 @@ def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
         over["replica_groups"].update(steps=d["rounds"] * steps_factor,
                                       segment_samples=d["segment_samples"])
     else:  # "sync", or a sync mode of its own settings (sync_int8: compress int8)
-        sync = cfg[mode] if mode in cfg else cfg["sync"]
+        sync = sync_settings(cfg, mode)
         over["replica_groups"]["steps"] = sync["steps"] * steps_factor
         if "segment_samples" in sync:  # the page's unless a run sets its own
             over["replica_groups"]["segment_samples"] = sync["segment_samples"]
@@ -110,9 +115,15 @@ def groups_job(lab, tag: str, cfg: dict, mode: str, groups: Any = None,
 
 def mesh_batch(lab, cfg: dict) -> int:
     """The one mesh's global batch: the settings' ``mesh.batch_size``, or by default a step of
-    the page's replica groups (``segment_samples`` for each box), the same samples a step."""
-    return cfg["mesh"]["batch_size"] or len(BOX_DP) * lab.page.job["replica_groups"][
-        "segment_samples"]
+    the groups it is compared with under the drops (``segment_samples`` for each box: the
+    sync mode's own, as :func:`groups_job` takes it, else the page's), the same samples a
+    step."""
+    if cfg["mesh"]["batch_size"]:
+        return cfg["mesh"]["batch_size"]
+    mode = (cfg.get("drops") or {}).get("mode", "sync")
+    sync = sync_settings(cfg, "sync" if mode.startswith("diloco") else mode)
+    return len(BOX_DP) * sync.get("segment_samples",
+                                  lab.page.job["replica_groups"]["segment_samples"])
 
 
 def mesh_job(lab, tag: str, cfg: dict) -> tuple[dict, Path]:

@@ -333,6 +333,8 @@ def test_a_sync_run_takes_the_settings_segment_samples_or_the_pages(tmp_path):
     Page.job["replica_groups"]["segment_samples"] = 16
     assert ur.mesh_batch(lab, SETTINGS) == 48
     assert ur.mesh_batch(lab, merged(SETTINGS, {"mesh": {"batch_size": 20}})) == 20
+    # a run's own segment_samples sizes both sides, as groups_job gives it to the groups
+    assert ur.mesh_batch(lab, bigger) == 3 * 32
 
 
 def test_cores_used_sums_what_processes_in_both_samples_gained():
