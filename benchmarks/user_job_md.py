@@ -14,7 +14,7 @@ TARGETS = {"throughput_of_sum_sync": ">= 0.85", "throughput_of_sum_sync_int8": "
            "throughput_of_sum_diloco": ">= 0.92",
            "survivor_max_step_gap_s": "< 10", "survivor_steps_lost": "0",
            "rejoin_s": "report", "final_loss_rel_diff": "<= 0.03",
-           "goodput_vs_restart": ">= 1.3",
+           "goodput_vs_restart": ">= 1.3", "goodput_vs_restart_from_launch": "report",
            "survivor_max_step_gap_s_diloco": "< 10", "survivor_steps_lost_diloco": "0",
            "rejoin_s_diloco": "report", "final_loss_rel_diff_diloco": "<= 0.03",
            "goodput_vs_restart_diloco": ">= 1.3"}
@@ -26,7 +26,9 @@ WHAT = {
     "survivor_steps_lost": "laptop dropped: survivor steps lost",
     "rejoin_s": "laptop dropped: first drop -> its group's next step, s (Ray back included)",
     "final_loss_rel_diff": "laptop dropped: held-out loss vs the uninterrupted run, rel.",
-    "goodput_vs_restart": "useful tokens/h, replica groups / one mesh with checkpoint-restart",
+    "goodput_vs_restart": "useful tokens/h, replica groups / one mesh with checkpoint-restart "
+                          "(the same training window)",
+    "goodput_vs_restart_from_launch": "the same, each from its launch (bring-up included)",
     # the same drops with the groups in DiLoCo (``drops.mode: diloco``; the survivors' pause
     # read from their inner steps)
     "survivor_max_step_gap_s_diloco": "DiLoCo, laptop dropped: survivors' longest step gap, s",
@@ -156,6 +158,16 @@ def markdown(u: dict) -> str:
                   f"of the next attempt {_list(m['resumes_s'])} s, "
                   + ("cut before it finished" if m["cut"] else "finished")
                   + f"; goodput {_f(m.get('goodput_tokens_per_h'), ',.0f')} useful tokens/h."]
+    for key in ("goodput_window", "goodput_window_diloco"):
+        if not (w := u.get(key)):
+            continue
+        lines += ["", f"`{key}`: both shapes over the same {w['window_s']:.1f} s from their "
+                  f"first step (drops in it: groups {w['drops_in_window'][0]}, one mesh "
+                  f"{w['drops_in_window'][1]}): {w['groups_tokens_per_h']:,.0f} against "
+                  f"{w['mesh_tokens_per_h']:,.0f} useful tokens/h; from the launch to the "
+                  "first step (`startup_s`): "
+                  + ", ".join(f"{_f(r.get('startup_s'), '.1f')} s (`{t}`)"
+                              for t, r in runs.items() if "startup_s" in r) + "."]
     for key in ("goodput_model", "goodput_model_diloco"):
         if not (gm := u.get(key)):
             continue

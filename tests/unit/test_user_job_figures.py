@@ -277,6 +277,29 @@ def test_the_benchmark_waits_for_the_heavy_lock_and_refuses_past_the_bound(tmp_p
     assert lock.read_text() == ""
 
 
+def test_goodput_compares_both_shapes_over_one_training_window():
+    # groups: first step at 100, then a step of 10 samples every 2 s to 160 (60 s); a
+    # step's samples are counted once even when two groups log them
+    logs = {0: [{"t": 100.0 + 2 * i, "ranges": [[10 * i, 10]]} for i in range(31)],
+            1: [{"t": 103.0, "ranges": [[10, 10]]}]}
+    # the one mesh: launched at 0, first step at 40, one step a second to step 20, a kill,
+    # resumed from step 15 at 80 and on to step 45 (150 s: longer than the groups')
+    mesh = [{"start": 0, "t": 38.0}] + [{"step": k, "t": 39.0 + k} for k in range(1, 21)]
+    mesh += [{"start": 15, "t": 79.0}] + [{"step": k, "t": 80.0 + k - 16}
+                                          for k in range(16, 46)]
+    got = uf.same_window(logs, 4, mesh, 100, ([110.0, 200.0], [55.0, 150.0]))
+    assert got["window_s"] == pytest.approx(60.0)  # the groups' span, the shorter
+    # groups: the 30 steps after the first (300 samples x 4 tokens) in 60 s
+    assert got["groups_tokens_per_h"] == pytest.approx(300 * 4 * 3600 / 60)
+    # mesh to t = 100: its lineage at step 36 (the resumed attempt), from step 1; the
+    # steps 16-20 it took twice count once
+    assert got["mesh_tokens_per_h"] == pytest.approx(35 * 100 * 3600 / 60)
+    assert got["ratio"] == pytest.approx(1200 / 3500)
+    assert got["drops_in_window"] == [1, 1] and got["first_step_t"] == [100.0, 40.0]
+    with pytest.raises(ValueError, match="fewer than two steps"):
+        uf.same_window(logs, 4, mesh[:2], 100, ([], []))
+
+
 def test_the_section_shows_every_figure_and_the_runs_behind_it(tmp_path):
     load = {"loadavg_1m_start": 0.5, "loadavg_1m_end": 6.0, "loadavg_1m_max": 6.2,
             "others_runnable_mean": 0.3}
@@ -300,11 +323,16 @@ def test_the_section_shows_every_figure_and_the_runs_behind_it(tmp_path):
          "loadavg_1m_at_start": 0.4, "box_quotas_cores": {"desktop": 0.8, "tower": 0.4},
          "goodput_model": {"loss_per_drop_groups_s": 12.0, "loss_per_drop_mesh_s": 60.0,
                            "tokens_per_s_groups": 900.0, "tokens_per_s_mesh": 400.0,
-                           "ratio": {"every_300s": 2.7}}}
+                           "ratio": {"every_300s": 2.7}},
+         "goodput_window": {"window_s": 61.25, "groups_tokens_per_h": 7.2e5,
+                            "mesh_tokens_per_h": 3.1e5, "drops_in_window": [1, 1]}}
+    runs["groups-drops"]["startup_s"], runs["mesh-drops"]["startup_s"] = 70.04, 38.0
     text = md.markdown(u)
     for shown in ("| 0.91 | >= 0.85 |", "| 2.3 | >= 1.3 |", "`mesh-drops`", "[30.5, -]",
                   "every 300s: 2.70", "3 steps redone", "{'desktop': 0.8, 'tower': 0.4}",
-                  "boxes alone ran one after another"):
+                  "boxes alone ran one after another", "the same 61.2 s from their first",
+                  "(drops in it: groups 1, one mesh 1): 720,000 against 310,000",
+                  "70.0 s (`groups-drops`), 38.0 s (`mesh-drops`)"):
         assert shown in text, shown
     assert len(md.rows(u)) == 6 and "invalid" not in text
 
