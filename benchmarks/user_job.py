@@ -245,8 +245,8 @@ def dropped(lab, cfg: dict, seq_len: int, clean: dict) -> dict:
                                                     else m["t_launch"] + cfg["mesh"]["cut_s"])
     window = uf.same_window(logs, seq_len, rows, per_step,
                             ([e["t_kill"] for e in events], [e["t_kill"] for e in m["drops"]]))
-    g["startup_s"], m["startup_s"] = (t0 - r["t_launch"] for t0, r in
-                                      zip(window.pop("first_step_t"), (g, m), strict=True))
+    g_first, m_first = window.pop("first_step_t")
+    g["startup_s"], m["startup_s"] = g_first - g["t_launch"], m_first - m["t_launch"]
     figures["goodput_vs_restart"] = window["ratio"]
     figures["goodput_vs_restart_from_launch"] = (g["goodput_tokens_per_h"]
                                                  / m["goodput_tokens_per_h"])

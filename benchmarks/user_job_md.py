@@ -37,7 +37,7 @@ WHAT = {
     "final_loss_rel_diff_diloco": "DiLoCo, laptop dropped: held-out loss vs the uninterrupted "
                                   "DiLoCo run, rel.",
     "goodput_vs_restart_diloco": "DiLoCo: useful tokens/h, replica groups / one mesh with "
-                                 "checkpoint-restart",
+                                 "checkpoint-restart (each from its launch)",
 }
 
 
@@ -158,26 +158,30 @@ def markdown(u: dict) -> str:
                   f"of the next attempt {_list(m['resumes_s'])} s, "
                   + ("cut before it finished" if m["cut"] else "finished")
                   + f"; goodput {_f(m.get('goodput_tokens_per_h'), ',.0f')} useful tokens/h."]
-    for key in ("goodput_window", "goodput_window_diloco"):
-        if not (w := u.get(key)):
-            continue
-        lines += ["", f"`{key}`: both shapes over the same {w['window_s']:.1f} s from their "
-                  f"first step (drops in it: groups {w['drops_in_window'][0]}, one mesh "
-                  f"{w['drops_in_window'][1]}): {w['groups_tokens_per_h']:,.0f} against "
-                  f"{w['mesh_tokens_per_h']:,.0f} useful tokens/h; from the launch to the "
-                  "first step (`startup_s`): "
-                  + ", ".join(f"{_f(r.get('startup_s'), '.1f')} s (`{t}`)"
-                              for t, r in runs.items() if "startup_s" in r) + "."]
-    for key in ("goodput_model", "goodput_model_diloco"):
-        if not (gm := u.get(key)):
-            continue
-        lines += ["", f"`{key}` (a model from the measured parts, not a measurement): "
-                  f"loss per drop {gm['loss_per_drop_groups_s']:.1f} s of the groups' rate "
-                  f"({gm['tokens_per_s_groups']:.0f} tokens/s) against "
-                  f"{gm['loss_per_drop_mesh_s']:.1f} s of the one mesh's "
-                  f"({gm['tokens_per_s_mesh']:.0f} tokens/s); goodput ratio "
-                  + ", ".join(f"{k.replace('_', ' ')}: {v:.2f}" for k, v in gm["ratio"].items())]
+    for key, line in (("goodput_window", _window_line), ("goodput_window_diloco", _window_line),
+                      ("goodput_model", _model_line), ("goodput_model_diloco", _model_line)):
+        if u.get(key):
+            lines += ["", line(key, u[key], runs)]
     return "\n".join(lines) + "\n"
+
+
+def _window_line(key: str, w: dict, runs: dict) -> str:
+    return (f"`{key}`: both shapes over the same {w['window_s']:.1f} s from their first step "
+            f"(drops in it: groups {w['drops_in_window'][0]}, one mesh "
+            f"{w['drops_in_window'][1]}): {w['groups_tokens_per_h']:,.0f} against "
+            f"{w['mesh_tokens_per_h']:,.0f} useful tokens/h; from the launch to the first "
+            "step (`startup_s`): " + ", ".join(f"{_f(r.get('startup_s'), '.1f')} s (`{t}`)"
+                                              for t, r in runs.items() if "startup_s" in r)
+            + ".")
+
+
+def _model_line(key: str, gm: dict, runs: dict) -> str:
+    return (f"`{key}` (a model from the measured parts, not a measurement): loss per drop "
+            f"{gm['loss_per_drop_groups_s']:.1f} s of the groups' rate "
+            f"({gm['tokens_per_s_groups']:.0f} tokens/s) against "
+            f"{gm['loss_per_drop_mesh_s']:.1f} s of the one mesh's "
+            f"({gm['tokens_per_s_mesh']:.0f} tokens/s); goodput ratio "
+            + ", ".join(f"{k.replace('_', ' ')}: {v:.2f}" for k, v in gm["ratio"].items()))
 
 
 def write_section(path: str | Path, u: dict) -> None:
