@@ -29,7 +29,8 @@ def config(quick: bool) -> dict:
                              "sync": {"steps": 20, "alone_counted": 8},
                              "sync_int8": {"steps": 20, "alone_counted": 8,
                                            "compress": "int8"},
-                             "warmup": 3, "drops": None, "goodput": False}}
+                             "warmup": 3, "drops": None, "goodput": False,
+                             "whole_twice": False}}
     return {"runs": 3, "sizes": [4, 8], "step_workers": 4,
             "bringup_modes": ["plain", "ray_mesh", "torchrun", "ray_mesh_nopf"],
             "step_workloads": ["hsdp", "tp_pp_mlp"],

@@ -32,7 +32,10 @@ boxes' share of the machine's two cores.
    uncapped processes, caches, memory) a box alone may still gain a little of, so the sum
    leans high and the figure low. tokens/s: committed steps' tokens over their commit
    times after the first ``warmup`` steps, the whole job's and each box alone's over its
-   own steps.
+   own steps. With ``whole_twice`` the whole job runs again after the boxes alone and the
+   ratio takes the mean of its two runs: the machine's speed drifts over the minutes
+   between them (10-17% between two runs back to back, 2026-12-01), and a steady drift
+   cancels around the alone runs.
 2. **the laptop dropped** (the same job, sync unless ``drops.mode`` names another of the
    modes run in part 1, whose uninterrupted run is then the loss reference; the laptop's
    every process killed ``first_s`` after the run's first committed step and then every
@@ -62,7 +65,8 @@ drops every few minutes": the runs are 2-5 minutes long. Shorter is no test of r
 mesh (which waits for all three boxes) took a step between two drops (2026-11-28 and
 2026-11-30), and the ratio compared two runs that never healed. The whole benchmark (three
 modes, the drops, the one mesh) took 28 minutes on a quiet 2-core machine (1,683 s, 2026-11-28,
-drops every 90 s); ``--quick`` (two sync modes) 9 minutes. What scales: the one mesh loses, per
+drops every 90 s; before ``whole_twice``, which adds a whole job per mode, 3-5 minutes);
+``--quick`` (two sync modes, one whole job each) 9 minutes. What scales: the one mesh loses, per
 drop, the restart (the box's absence, Ray Train's new worker group, the bring-up) plus on
 average half a checkpoint interval of steps; the groups lose the laptop's share while it
 is away and the survivors' pause. Both losses are per drop, so goodput at
@@ -122,6 +126,11 @@ SETTINGS: dict[str, Any] = {
     # a step as the groups take, whatever the page sets)
     "mesh": {"checkpoint_every": 5, "batch_size": None, "max_failures": 50, "cut_s": 180.0},
     "goodput": True, "timeout_s": 420.0, "quiet_wait_s": 120.0, "lock_wait_s": 3600.0,
+    # the whole job again after the boxes alone, the ratio over the mean of the two: this
+    # machine's speed drifted 10-17% in the minutes between a run's whole job and its boxes
+    # alone (2026-12-01: a ratio of 1.08, one of 0.82, in two runs back to back), and the
+    # mean of two whole runs around the alone runs cancels a steady drift
+    "whole_twice": True,
 }
 
 
@@ -178,14 +187,21 @@ def throughput(lab, cfg: dict, mode: str, seq_len: int) -> dict:
                          stop_when=ur.counted(cfg[mode]["alone_counted"], w), warmup=w)
         alone[t] = {**ran[t], "segment_samples": seg,
                     **({"every": every} if every is not None else {})}
+    wholes = {tag: whole}
+    if cfg.get("whole_twice"):
+        ur.log(f"{mode}: the whole job again")
+        again = f"{mode}-whole-after"
+        ran = ur.run_all(lab, {again: ur.groups_job(lab, again, cfg, mode)}, cfg["timeout_s"],
+                         warmup=w)
+        wholes[again] = read_groups(ran[again], seq_len, w)
     ratio, rates = uf.throughput_of_sum(
-        whole["tokens_per_s"], {t: rc.read(r["steps_dir"]) for t, r in alone.items()},
-        seq_len, w)
+        sum(r["tokens_per_s"] for r in wholes.values()) / len(wholes),
+        {t: rc.read(r["steps_dir"]) for t, r in alone.items()}, seq_len, w)
     for t, r in alone.items():
         r.update(rates[t])
-    return {"runs": {f"{mode}-whole": whole, **alone},
+    return {"runs": {**wholes, **alone},
             "figures": {f"throughput_of_sum_{mode}": ratio},
-            "sides": {f"throughput_of_sum_{mode}": [f"{mode}-whole", *alone]}}
+            "sides": {f"throughput_of_sum_{mode}": [*wholes, *alone]}}
 
 
 def dropped(lab, cfg: dict, seq_len: int, clean: dict) -> dict:

@@ -471,3 +471,50 @@ def test_the_heads_control_actors_are_told_from_the_training_workers():
                   b"ray::DashboardAgent", b"/usr/bin/raylet\x00--node", b"python\x00-u", b""):
         assert not head_service(title), title
 
+
+
+@pytest.mark.parametrize("twice", [True, False])
+def test_the_whole_job_runs_again_after_the_boxes_alone_and_the_ratio_takes_their_mean(
+        tmp_path, monkeypatch, twice):
+    """``whole_twice``: the machine's speed drifts between a run's whole job and its boxes
+    alone, so the whole job runs before and after them and the ratio is over the mean."""
+    from types import SimpleNamespace
+
+    from benchmarks import user_job
+
+    launched = []
+    rates = {"sync-whole": 900.0, "sync-whole-after": 700.0}
+
+    def groups_job(lab, tag, cfg, mode, *a, **k):
+        return ({"name": tag}, tmp_path / tag)
+
+    def run_all(lab, jobs, timeout_s, **k):
+        (tag,) = jobs
+        launched.append(tag)
+        steps = tmp_path / tag
+        steps.mkdir()
+        if "alone" in tag:  # 100 tokens/s: a step of 10 samples x 10 tokens a second
+            rows = [_row(s, float(s), [[10 * s, 10]]) for s in range(1, 21)]
+            (steps / "g0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {tag: {"steps_dir": str(steps)}}
+
+    def read_groups(run, seq_len, warmup):
+        tag = Path(run["steps_dir"]).name
+        return {**run, "tokens_per_s": rates[tag],
+                "shares": {0: 8.0, 1: 2.0, 2: 6.0},
+                "layouts": {g: {"node": f"10.0.0.{g}"} for g in range(3)}}
+
+    monkeypatch.setattr(user_job.ur, "groups_job", groups_job)
+    monkeypatch.setattr(user_job.ur, "run_all", run_all)
+    monkeypatch.setattr(user_job.ur, "log", lambda *a: None)
+    monkeypatch.setattr(user_job, "read_groups", read_groups)
+    lab = SimpleNamespace(cluster=SimpleNamespace(
+        nodes=[SimpleNamespace(ip=f"10.0.0.{g}") for g in range(3)]))
+    cfg = {**user_job.SETTINGS, "whole_twice": twice}
+    got = user_job.throughput(lab, cfg, "sync", seq_len=10)
+    alone = ["sync-alone0", "sync-alone1", "sync-alone2"]
+    wholes = ["sync-whole", "sync-whole-after"] if twice else ["sync-whole"]
+    assert launched == ["sync-whole", *alone, *wholes[1:]]  # the alone runs in between
+    assert got["sides"]["throughput_of_sum_sync"] == [*wholes, *alone]
+    mean = (900.0 + 700.0) / 2 if twice else 900.0
+    assert got["figures"]["throughput_of_sum_sync"] == pytest.approx(mean / 300.0)
