@@ -168,11 +168,15 @@ def throughput(lab, cfg: dict, mode: str, seq_len: int) -> dict:
     from harness.lab_job import BOXES
 
     w = cfg["warmup"]
-    ur.log(f"{mode}: the whole job")
+
+    def whole_job(tag: str, what: str) -> dict:
+        ur.log(f"{mode}: {what}")
+        ran = ur.run_all(lab, {tag: ur.groups_job(lab, tag, cfg, mode)}, cfg["timeout_s"],
+                         warmup=w)
+        return read_groups(ran[tag], seq_len, w)
+
     tag = f"{mode}-whole"
-    ran = ur.run_all(lab, {tag: ur.groups_job(lab, tag, cfg, mode)}, cfg["timeout_s"],
-                     warmup=w)
-    whole = read_groups(ran[tag], seq_len, w)
+    whole = whole_job(tag, "the whole job")
     alone = {}
     for i, dp in enumerate(ur.BOX_DP):  # one after another, each under its box's quota
         ip, t = lab.cluster.nodes[i].ip, f"{mode}-alone{i}"
@@ -189,11 +193,7 @@ def throughput(lab, cfg: dict, mode: str, seq_len: int) -> dict:
                     **({"every": every} if every is not None else {})}
     wholes = {tag: whole}
     if cfg.get("whole_twice"):
-        ur.log(f"{mode}: the whole job again")
-        again = f"{mode}-whole-after"
-        ran = ur.run_all(lab, {again: ur.groups_job(lab, again, cfg, mode)}, cfg["timeout_s"],
-                         warmup=w)
-        wholes[again] = read_groups(ran[again], seq_len, w)
+        wholes[f"{mode}-whole-after"] = whole_job(f"{mode}-whole-after", "the whole job again")
     ratio, rates = uf.throughput_of_sum(
         sum(r["tokens_per_s"] for r in wholes.values()) / len(wholes),
         {t: rc.read(r["steps_dir"]) for t, r in alone.items()}, seq_len, w)

@@ -19,7 +19,7 @@ each shape's first committed step, over the same number of seconds for both (the
 of the two runs' spans from their first to their last step), so both windows hold the
 same drops at the same offsets (the drops are timed from each run's first step). A run of
 hours starts once: its bring-up (``ray-mesh run`` to the first step: 38 s for the one
-mesh, 68-84 s for three groups' Ray Train controllers on this rig) is no part of its
+mesh, 68-107 s for three groups' Ray Train controllers on this rig) is no part of its
 tokens per hour, but in a run of two or three minutes it was a third to a half of the
 time and pulled the ratio towards 1 (:func:`same_window`). The figure from the launch to
 the last step is kept beside it (``goodput_vs_restart_from_launch``), with each shape's
@@ -189,15 +189,11 @@ def same_window(logs: dict[int, list[dict[str, Any]]], tokens_per_sample: int,
         raise ValueError("a shape took fewer than two steps: no training window to compare")
     window = min(g_ts[-1] - g_ts[0], m_ts[-1] - m_ts[0])
     g0, m0 = g_ts[0], m_ts[0]
-    seen: set[int] = set()
-    for rows in logs.values():
-        for r in rows:
-            if g0 < r["t"] <= g0 + window:
-                for start, n in r["ranges"]:
-                    seen.update(range(start, start + n))
+    g_tokens = groups_useful_tokens({g: [r for r in rows if g0 < r["t"] <= g0 + window]
+                                     for g, rows in logs.items()}, tokens_per_sample)
     steps = (mesh_lineage([r for r in mesh_rows if r["t"] <= m0 + window])["final_step"]
              - mesh_lineage([r for r in mesh_rows if r["t"] <= m0])["final_step"])
-    g_h = len(seen) * tokens_per_sample * 3600.0 / window
+    g_h = g_tokens * 3600.0 / window
     m_h = max(0, steps) * mesh_step_tokens * 3600.0 / window
     return {"window_s": window, "groups_tokens_per_h": g_h, "mesh_tokens_per_h": m_h,
             "ratio": g_h / m_h if m_h > 0 else None,

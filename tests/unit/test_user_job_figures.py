@@ -472,7 +472,6 @@ def test_the_heads_control_actors_are_told_from_the_training_workers():
         assert not head_service(title), title
 
 
-
 @pytest.mark.parametrize("twice", [True, False])
 def test_the_whole_job_runs_again_after_the_boxes_alone_and_the_ratio_takes_their_mean(
         tmp_path, monkeypatch, twice):
