@@ -202,6 +202,11 @@ class SourceError(ClusterError):
     within its bounds; the message names it and why."""
 
 
+class SourceTimeout(SourceError):
+    """A source did not answer within its time: slow (a busy head), not known to be wrong, so
+    one more ask with more time may get it."""
+
+
 class Malformed(ClusterError, ValueError):
     """A record from the cluster that is not what ray_mesh writes; the message says why."""
 

@@ -343,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="machine-readable: nodes, runs, ranks, per dim the slowest rank, "
                              "links (Mbit/s) and the verdict")
     status.add_argument("--timeout", type=seconds_flag(), default=5.0,
-                        help="seconds each answer may take, whole (default 5)")
+                        help="seconds each answer may take, whole (default 5); a dashboard answer "
+                             "or storage file that was late is asked once more with up to 4x "
+                             "as long, within --deadline")
     status.add_argument("--deadline", type=seconds_flag(), default=30.0,
                         help="seconds the whole command may take (default 30); what was not "
                              "read by then is named in a note")

@@ -22,12 +22,16 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ray_mesh.core.safe import safe_text
-from ray_mesh.errors import SourceError
+from ray_mesh.errors import SourceError, SourceTimeout
 
+T = TypeVar("T")
 CHUNK = 1 << 16
+# A timed-out answer's second ask may take this many times its bound (within the deadline).
+PATIENCE = 4.0
 SECRET_HEADERS = ("authorization", "x-ray-authorization", "cookie", "proxy-authorization")
 
 
@@ -37,6 +41,8 @@ class Deadline:
     def __init__(self, total_s: float) -> None:
         self.total_s = total_s
         self.end = time.monotonic() + total_s
+        # (what, seconds from the first ask to the answer) of answers that needed a second ask
+        self.slow: list[tuple[str, float]] = []
 
     def left(self) -> float:
         return max(0.0, self.end - time.monotonic())
@@ -44,6 +50,29 @@ class Deadline:
     def bound(self, timeout_s: float) -> float:
         """The time one read may take: its own bound, or what is left, whichever is less."""
         return min(timeout_s, self.left())
+
+
+def patiently(read: Callable[[float], T], timeout_s: float, deadline: Deadline,
+              what: str) -> T:
+    """``read(bound)`` within ``timeout_s``; one that timed out is asked once more with up
+    to ``PATIENCE`` times as long, as far as the deadline leaves, and noted in
+    ``deadline.slow``.
+
+    A head far past its cores answers slowly but answers: the Train state's run list took
+    over 5 s at load 17 on 2 cores, and a status without its runs is of no use. A stalled
+    source still ends at the second bound, and the command at its deadline.
+    """
+    first = deadline.bound(timeout_s)
+    t0 = time.monotonic()
+    try:
+        return read(first)
+    except SourceTimeout:
+        second = min(deadline.left(), PATIENCE * timeout_s)
+        if second <= first:
+            raise
+        out = read(second)
+        deadline.slow.append((what, time.monotonic() - t0))
+        return out
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -147,7 +176,7 @@ def _read_capped(resp: Any, max_bytes: int, guard: _Guard, what: str, limit_s: f
                               f"further")
         parts.append(chunk)
     if guard.fired:
-        raise SourceError(f"{what} did not arrive whole within {limit_s:g} s (slow or stalled "
+        raise SourceTimeout(f"{what} did not arrive whole within {limit_s:g} s (slow or stalled "
                           f"after {size} bytes)")
     return b"".join(parts)
 
@@ -184,8 +213,10 @@ def http_get(url: str, *, timeout_s: float, max_bytes: int,
             exc.body_text = safe_text(body.decode("utf-8", "replace"), 300)  # type: ignore[attr-defined]
             raise
         except (OSError, http.client.HTTPException) as exc:
-            if guard.fired:
-                raise SourceError(f"{what} did not arrive within {limit_s:g} s (the server "
+            # the watchdog closed the socket, or the socket's own read timeout came first (a
+            # connect timeout is a URLError, left to the caller's advice)
+            if guard.fired or isinstance(exc, TimeoutError):
+                raise SourceTimeout(f"{what} did not arrive within {limit_s:g} s (the server "
                                   f"accepted but was too slow)") from exc
             raise
     finally:
@@ -230,7 +261,7 @@ def read_storage_file(storage: str, relpath: str, *, timeout_s: float, max_bytes
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        raise SourceError(f"{what}: no answer from the storage within {timeout_s:g} s")
+        raise SourceTimeout(f"{what}: no answer from the storage within {timeout_s:g} s")
     if "error" in out:
         exc = out["error"]
         raise SourceError(f"{what}: {type(exc).__name__}: {safe_text(exc, 300)}")

@@ -23,7 +23,7 @@ from ray_mesh.core.table import markdown_table, text_table
 from ray_mesh.core.topology import MeshPlan
 from ray_mesh.network.interfaces import Choice
 from ray_mesh.observability import status_input as si
-from ray_mesh.observability.fetch import SourceError, read_storage_file
+from ray_mesh.observability.fetch import Deadline, SourceError, patiently, read_storage_file
 
 LAYOUT_JSON = "ray_mesh_layout.json"
 LAYOUT_MD = "ray_mesh_layout.md"
@@ -138,18 +138,25 @@ def named_storage(path: str | None, storage: Sequence[str]) -> str | None:
 
 
 def read_run_file(named: str, run_name: str, filename: str, parse: Any, timeout_s: float,
-                  max_bytes: int, endpoint: str | None = None) -> Any:
-    """``<named>/<run_name>/<filename>`` (storage the viewer named), bounded, through
-    ``parse(data, what)``; None when absent. Raises Malformed or SourceError."""
+                  max_bytes: int, endpoint: str | None = None,
+                  deadline: Deadline | None = None) -> Any:
+    """``<named>/<run_name>/<filename>`` (storage the viewer named), bounded (with a
+    ``deadline``: asked again once if slow, :func:`patiently`), through ``parse(data,
+    what)``; None when absent. Raises Malformed or SourceError."""
     what = safe_text(f"{redacted(named)}/{run_name}/{filename}", 300)  # no query values
-    data = read_storage_file(named, f"{run_name}/{filename}", timeout_s=timeout_s,
-                             max_bytes=max_bytes, what=what,
-                             endpoint=endpoint if named.startswith("s3://") else None)
+
+    def ask(bound_s: float) -> bytes | None:
+        return read_storage_file(named, f"{run_name}/{filename}", timeout_s=bound_s,
+                                 max_bytes=max_bytes, what=what,
+                                 endpoint=endpoint if named.startswith("s3://") else None)
+
+    data = patiently(ask, timeout_s, deadline, what) if deadline else ask(timeout_s)
     return None if data is None else parse(data, what)
 
 
 def read_run_layout(run: dict[str, Any], storage: Sequence[str], timeout_s: float,
-                    max_bytes: int, endpoint: str | None = None
+                    max_bytes: int, endpoint: str | None = None,
+                    deadline: Deadline | None = None
                     ) -> tuple[dict[str, Any] | None, str | None]:
     """A checked run's layout file, read only when the viewer named its storage (a URI
     opens with this machine's cloud credentials); else (None, why not), for a note."""
@@ -166,7 +173,7 @@ def read_run_layout(run: dict[str, Any], storage: Sequence[str], timeout_s: floa
                       f"layout file not read")
     try:
         return read_run_file(named, name, LAYOUT_JSON, si.parse_layout, timeout_s, max_bytes,
-                             endpoint), None
+                             endpoint, deadline), None
     except si.Malformed as exc:
         return None, f"run {name}: layout file malformed ({exc}); layout from train state"
     except SourceError as exc:

@@ -21,7 +21,7 @@ from ray_mesh.core.object_store import filesystem, is_uri
 from ray_mesh.core.safe import clip
 from ray_mesh.errors import Malformed
 from ray_mesh.observability import status_input as si
-from ray_mesh.observability.fetch import SourceError
+from ray_mesh.observability.fetch import Deadline, SourceError
 from ray_mesh.observability.layout import named_storage, read_run_file
 
 GROUPS_JSON = "ray_mesh_replica_groups.json"
@@ -107,7 +107,8 @@ def _shares(raw: Any, what: str) -> dict[int, dict[str, Any]]:
 
 
 def read(run: dict[str, Any], storage: list[str] | tuple[str, ...], timeout_s: float,
-         max_bytes: int, endpoint: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+         max_bytes: int, endpoint: str | None = None, deadline: Deadline | None = None
+         ) -> tuple[dict[str, Any] | None, str | None]:
     """A run's replica-groups file from storage the viewer named: (checked file or None
     when there is none, why it could not be used)."""
     named = named_storage(run["storage_raw"], storage) if run["storage_raw"] else None
@@ -115,7 +116,7 @@ def read(run: dict[str, Any], storage: list[str] | tuple[str, ...], timeout_s: f
         return None, None  # read_run_layout already said why, once
     try:
         return read_run_file(named, run["name"], GROUPS_JSON, parse, timeout_s, max_bytes,
-                             endpoint), None
+                             endpoint, deadline), None
     except (Malformed, SourceError) as exc:
         return None, f"run {run['name']}: replica-groups file not used ({exc})"
 

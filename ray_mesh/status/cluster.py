@@ -49,6 +49,7 @@ from ray_mesh.observability.fetch import (
     SourceError,
     _origin,  # noqa: F401 - re-exported: tests/unit/test_status_redirect.py reads it here
     http_get,
+    patiently,
 )
 from ray_mesh.observability.layout import layout_from_state, read_run_layout
 from ray_mesh.observability.slow import analyze_run, format_analysis
@@ -184,9 +185,14 @@ def dashboard_url(address: str | None, timeout_s: float = 5.0) -> str:
 def _dashboard_json(base: str, path: str, timeout_s: float, *,
                     deadline: Deadline | None = None, max_bytes: int = MAX_BYTES) -> Any:
     what = f"the dashboard's answer to {path.split('?')[0]}"
-    try:
-        data = _get(base + path, timeout_s, _auth_headers(), max_bytes=max_bytes, what=what,
+    headers = _auth_headers()
+
+    def ask(bound_s: float) -> bytes:
+        return _get(base + path, bound_s, headers, max_bytes=max_bytes, what=what,
                     deadline=deadline)
+
+    try:
+        data = patiently(ask, timeout_s, deadline, what) if deadline else ask(timeout_s)
     except urllib.error.HTTPError as exc:
         body = getattr(exc, "body_text", "")
         if exc.code in (401, 403):
@@ -241,11 +247,10 @@ def _run_entry(run: dict[str, Any], samples: list[tuple[str, dict, float]],
                storage: Sequence[str], timeout_s: float, deadline: Deadline,
                max_bytes: int, notes: list[str], endpoint: str | None = None
                ) -> dict[str, Any]:
-    doc, why = read_run_layout(run, storage, deadline.bound(timeout_s), max_bytes, endpoint)
+    doc, why = read_run_layout(run, storage, timeout_s, max_bytes, endpoint, deadline)
     if why and why not in notes:
         notes.append(why)
-    groups, why = replica_groups.read(run, storage, deadline.bound(timeout_s), max_bytes,
-                                      endpoint)
+    groups, why = replica_groups.read(run, storage, timeout_s, max_bytes, endpoint, deadline)
     if why:
         notes.append(why)
     rows = doc["ranks"] if doc else layout_from_state(run)
@@ -336,6 +341,10 @@ def collect(address: str | None = None, *, timeout_s: float = 5.0, all_runs: boo
             continue
         status.runs.append(_run_entry(run, samples, storage, timeout_s, deadline, max_bytes,
                                       notes, storage_endpoint))
+    if deadline.slow:
+        notes.append(f"a busy cluster: answered only when asked a second time (over --timeout "
+                     f"{timeout_s:g} s): " + "; ".join(f"{what} after {t:.0f} s"
+                                                       for what, t in deadline.slow))
     status.notes = notes
     return status
 

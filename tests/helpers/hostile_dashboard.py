@@ -162,6 +162,13 @@ class Dashboard:
                 h.wfile.flush()
         return route
 
+    def slow(self, route: Route, delay_s: float) -> Route:
+        """``route``'s answer after ``delay_s`` of silence (a head far past its cores)."""
+        def delayed(h: BaseHTTPRequestHandler) -> None:
+            if not self.stop.wait(delay_s):
+                route(h)
+        return delayed
+
     def close(self) -> None:
         self.stop.set()
         self.httpd.shutdown()
