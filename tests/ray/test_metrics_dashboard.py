@@ -50,6 +50,13 @@ REPORT_INTERVAL_MS = 2000
 GAUGE_EXPIRY_S = 2 * REPORT_INTERVAL_MS / 1000 + 4  # 4 s of margin
 
 
+HEAD_ATTEMPTS = 3
+
+
+class HeadExited(AssertionError):
+    """``ray start --block`` of the head ended (a port taken between its choice and its bind)."""
+
+
 def _ports(*flags: str) -> list[str]:
     out = []
     for flag in flags:
@@ -122,6 +129,7 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.node_ip = ""
+        self.head_dir = self.tmp / "h1"  # the head's --temp-dir (another if it is started again)
         self.first_reported: float | None = None
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -179,15 +187,40 @@ def cluster(ray_local):
                             "--runtime-env-agent-port", "--node-manager-port",
                             "--object-manager-port")]
 
-        c.spawn("head", [*ray_cli, "start", "--head", f"--port={c.gcs}",
-                         "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                         f"--dashboard-port={c.dash}", f"--metrics-export-port={c.metrics}",
-                         *_ports("--ray-client-server-port"), f"--temp-dir={c.tmp}/h",
-                         "--num-cpus=4", '--resources={"head_slot": 4}', *common()])
-        # The summary can list the node before its record carries an IP: wait for that too.
-        info = _wait(lambda: [n for n in c.dashboard_json("/nodes?view=summary")["data"]
-                              ["summary"] if n.get("ip")],
-                     START_TIMEOUT_S, "the head's dashboard answering with the node's IP")
+        # The ports are free when chosen, not reserved: another process of this machine (the
+        # session's Ray starts workers all the time) can take one before Ray binds it, and
+        # `ray start --block` then exits. A head that exits is started again on new ports;
+        # one that never answers fails with its own output.
+        for attempt in range(1, HEAD_ATTEMPTS + 1):
+            if attempt > 1:
+                c.gcs, c.dash, c.metrics = free_port(), free_port(), free_port()
+            c.head_dir = c.tmp / f"h{attempt}"
+            head = c.spawn("head", [*ray_cli, "start", "--head", f"--port={c.gcs}",
+                                    "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                                    f"--dashboard-port={c.dash}",
+                                    f"--metrics-export-port={c.metrics}",
+                                    *_ports("--ray-client-server-port"),
+                                    f"--temp-dir={c.head_dir}", "--num-cpus=4",
+                                    '--resources={"head_slot": 4}', *common()])
+
+            def answered(head=head):
+                if head.poll() is not None:
+                    raise HeadExited(f"ray start exited ({head.returncode})")
+                return [n for n in c.dashboard_json("/nodes?view=summary")["data"]["summary"]
+                        if n.get("ip")]
+
+            # The summary can list the node before its record carries an IP: wait for that too.
+            try:
+                info = _wait(answered, START_TIMEOUT_S,
+                             "the head's dashboard answering with the node's IP")
+                break
+            except HeadExited:
+                if attempt == HEAD_ATTEMPTS:
+                    raise AssertionError(f"the head exited {attempt} times; its output:\n"
+                                         f"{c.output('head')[-3000:]}") from None
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; the head's output:\n"
+                                     f"{c.output('head')[-3000:]}") from None
         c.node_ip = info[0]["ip"]
 
         main_job = _job_yaml(
@@ -314,7 +347,7 @@ def test_numbers_passed_to_ray_train_report_become_mesh_tagged_series(cluster):
 
 def test_prometheus_recipe_targets_are_in_rays_service_discovery_file(cluster):
     """deploy/monitoring/prometheus.yml reads this file: it must list the endpoint we scrape."""
-    sd = json.loads((cluster.tmp / "h" / "prom_metrics_service_discovery.json").read_text())
+    sd = json.loads((cluster.head_dir / "prom_metrics_service_discovery.json").read_text())
     targets = [t for group in sd for t in group["targets"]]
     assert f"{cluster.node_ip}:{cluster.metrics}" in targets, targets
 
