@@ -52,16 +52,18 @@ class Deadline:
         return min(timeout_s, self.left())
 
 
-def patiently(read: Callable[[float], T], timeout_s: float, deadline: Deadline,
+def patiently(read: Callable[[float], T], timeout_s: float, deadline: Deadline | None,
               what: str) -> T:
     """``read(bound)`` within ``timeout_s``; one that timed out is asked once more with up
     to ``PATIENCE`` times as long, as far as the deadline leaves, and noted in
-    ``deadline.slow``.
+    ``deadline.slow``. Without a deadline (one read for a caller of its own), only once.
 
     A head far past its cores answers slowly but answers: the Train state's run list took
     over 5 s at load 17 on 2 cores, and a status without its runs is of no use. A stalled
     source still ends at the second bound, and the command at its deadline.
     """
+    if deadline is None:
+        return read(timeout_s)
     first = deadline.bound(timeout_s)
     t0 = time.monotonic()
     try:

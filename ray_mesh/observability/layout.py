@@ -150,7 +150,7 @@ def read_run_file(named: str, run_name: str, filename: str, parse: Any, timeout_
                                  max_bytes=max_bytes, what=what,
                                  endpoint=endpoint if named.startswith("s3://") else None)
 
-    data = patiently(ask, timeout_s, deadline, what) if deadline else ask(timeout_s)
+    data = patiently(ask, timeout_s, deadline, what)
     return None if data is None else parse(data, what)
 
 

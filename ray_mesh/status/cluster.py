@@ -192,7 +192,7 @@ def _dashboard_json(base: str, path: str, timeout_s: float, *,
                     deadline=deadline)
 
     try:
-        data = patiently(ask, timeout_s, deadline, what) if deadline else ask(timeout_s)
+        data = patiently(ask, timeout_s, deadline, what)
     except urllib.error.HTTPError as exc:
         body = getattr(exc, "body_text", "")
         if exc.code in (401, 403):

@@ -123,7 +123,7 @@ class Cluster:
         self.env = {**os.environ, "RAY_AUTH_MODE": "token",
                     "RAY_TRAIN_ENABLE_STATE_TRACKING": "1", "PYTHONUNBUFFERED": "1",
                     "RAY_metrics_report_interval_ms": str(REPORT_INTERVAL_MS)}
-        self.gcs, self.dash, self.metrics = free_port(), free_port(), free_port()
+        self.pick_ports()
         self.storage = self.tmp / "results"
         self.stop_file = self.tmp / "stop"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -131,6 +131,10 @@ class Cluster:
         self.node_ip = ""
         self.head_dir = self.tmp / "h1"  # the head's --temp-dir (another if it is started again)
         self.first_reported: float | None = None
+
+    def pick_ports(self) -> None:
+        """The head's GCS, dashboard and metrics ports: free when chosen, not reserved."""
+        self.gcs, self.dash, self.metrics = free_port(), free_port(), free_port()
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = self.logs[name] = self.tmp / f"{name}.log"
@@ -193,7 +197,7 @@ def cluster(ray_local):
         # one that never answers fails with its own output.
         for attempt in range(1, HEAD_ATTEMPTS + 1):
             if attempt > 1:
-                c.gcs, c.dash, c.metrics = free_port(), free_port(), free_port()
+                c.pick_ports()
             c.head_dir = c.tmp / f"h{attempt}"
             head = c.spawn("head", [*ray_cli, "start", "--head", f"--port={c.gcs}",
                                     "--include-dashboard=true", "--dashboard-host=127.0.0.1",

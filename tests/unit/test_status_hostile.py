@@ -253,7 +253,7 @@ def test_a_slow_run_list_is_asked_again_with_more_time_and_named(dash):
                      r"\d+ s", out), out
 
 
-def test_a_second_ask_stops_at_the_deadline_and_only_timeouts_are_asked_again(dash):
+def test_a_second_ask_stops_at_the_deadline_and_only_timeouts_are_asked_again():
     from ray_mesh.errors import SourceError, SourceTimeout
     from ray_mesh.observability.fetch import Deadline, patiently
 
